@@ -1,0 +1,229 @@
+"""The WSGI application: request parsing, validation, CORS, and the one error boundary.
+
+`create_app(settings)` builds it; nothing here is module-level state, so two
+apps can live in one process. Routes and handlers are in `localrt.api`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any, Callable, Iterable
+from urllib.parse import parse_qsl
+
+from localrt.config import Config
+from localrt.errors import (BadRequest, Forbidden, HTTPError, InternalError, InvalidJSON,
+                            PayloadTooLarge, UnsupportedMediaType)
+from localrt.routing import Router
+from localrt.schemas import Validators
+from localrt.settings import Settings
+
+log = logging.getLogger(__name__)
+
+MAX_BODY = 1024 * 1024  # bytes; larger request bodies get a 413
+SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+PREFLIGHT_MAX_AGE = "600"
+ALLOWED_REQUEST_HEADERS = "Content-Type, Authorization"
+
+
+@dataclass
+class Request:
+    """What a handler sees: plain data, never the WSGI environ."""
+
+    method: str
+    path: str
+    params: dict = field(default_factory=dict)
+    query: dict = field(default_factory=dict)
+    headers: dict = field(default_factory=dict)
+    body: Any = None
+
+
+@dataclass
+class Reply:
+    """A handler's answer when a plain 200 JSON body is not enough.
+
+    `body` is JSON-able data, or an iterable of bytes when `content_type` is
+    not JSON. `after` runs once the response has been handed to the server.
+    """
+
+    body: Any
+    status: int = 200
+    headers: list = field(default_factory=list)
+    content_type: str = "application/json"
+    after: Callable[[], None] | None = None
+
+
+@dataclass
+class Services:
+    """The domain objects handlers use. One set per app."""
+
+    settings: Settings
+    config: Config
+    shutdown: Callable[[], None] | None = None
+
+
+class App:
+    """The localrt WSGI callable."""
+
+    def __init__(self, settings: Settings, routes=None, shutdown=None):
+        if routes is None:
+            from localrt.api import ROUTES as routes
+        self.router = Router(routes)
+        self.services = Services(settings=settings, config=Config(settings), shutdown=shutdown)
+        self.validators = Validators()
+
+    def __call__(self, environ, start_response):
+        origin = environ.get("HTTP_ORIGIN")
+        cors_on, origins = self.services.config.cors_policy()
+        allowed_origin = origin if cors_on and origin and (
+            origin in origins or "*" in origins) else None
+        try:
+            reply = self._dispatch(environ, cors_on, allowed_origin)
+        except HTTPError as err:
+            reply = Reply(err.body(), err.status, err.headers)
+        except Exception:
+            log.exception("unexpected error on %s %s", environ.get("REQUEST_METHOD"),
+                          environ.get("PATH_INFO"))
+            err = InternalError("Internal server error; the server log has the details")
+            reply = Reply(err.body(), err.status)
+        headers = list(reply.headers)
+        if cors_on:
+            headers.append(("Vary", "Origin"))
+            if allowed_origin:
+                headers.append(("Access-Control-Allow-Origin", allowed_origin))
+        if reply.content_type == "application/json":
+            data = b"" if reply.status == 204 else json.dumps(
+                reply.body, ensure_ascii=False).encode("utf-8")
+            chunks: Iterable[bytes] = [data]
+            headers.append(("Content-Length", str(len(data))))
+        else:
+            chunks = reply.body
+        if reply.status != 204:
+            headers.append(("Content-Type", reply.content_type))
+        start_response(f"{reply.status} {HTTPStatus(reply.status).phrase}", headers)
+        if environ.get("REQUEST_METHOD") == "HEAD":
+            chunks = []
+        return _Body(chunks, reply.after) if reply.after else chunks
+
+    def _dispatch(self, environ, cors_on: bool, allowed_origin: str | None) -> Reply:
+        method = environ["REQUEST_METHOD"].upper()
+        path = _path(environ)
+        if method == "OPTIONS":
+            return self._options(environ, path, cors_on, allowed_origin)
+        route, params = self.router.match(method, path)
+        body = _read_body(environ, method)
+        if route.schema is not None:
+            body = {} if body is _NO_BODY else body
+            self.validators.validate(route.schema, body)
+        elif body is _NO_BODY or body == {}:
+            body = None
+        else:
+            raise BadRequest(f"{route.method} {path} takes no request body")
+        request = Request(method=method, path=path, params=params,
+                          query=dict(parse_qsl(environ.get("QUERY_STRING", ""))),
+                          headers=_headers(environ), body=body)
+        result = route.handler(self.services, request)
+        return result if isinstance(result, Reply) else Reply(result)
+
+    def _options(self, environ, path, cors_on, allowed_origin) -> Reply:
+        allowed = self.router.allowed_methods(path)
+        if not allowed:
+            self.router.match("OPTIONS", path)  # raises the 404
+        allowed = allowed + ["OPTIONS"]
+        headers = [("Allow", ", ".join(allowed))]
+        origin = environ.get("HTTP_ORIGIN")
+        preflight = origin and "HTTP_ACCESS_CONTROL_REQUEST_METHOD" in environ
+        if cors_on and preflight:
+            if not allowed_origin:
+                raise Forbidden(f"Origin {origin} is not allowed; add it to allowed_origins")
+            requested = environ.get("HTTP_ACCESS_CONTROL_REQUEST_HEADERS")
+            headers += [("Access-Control-Allow-Methods", ", ".join(allowed)),
+                        ("Access-Control-Allow-Headers", requested or ALLOWED_REQUEST_HEADERS),
+                        ("Access-Control-Max-Age", PREFLIGHT_MAX_AGE)]
+        return Reply(None, 204, headers)
+
+    def close(self) -> None:
+        """Release what the app holds (loaded engines, once there are some)."""
+
+
+def create_app(settings: Settings, **kwargs) -> App:
+    """Build the WSGI app for these settings."""
+    return App(settings, **kwargs)
+
+
+class _Body:
+    """A response body that runs a callback when the server closes it."""
+
+    def __init__(self, chunks, after):
+        self._chunks, self._after = chunks, after
+
+    def __iter__(self):
+        return iter(self._chunks)
+
+    def close(self):
+        try:
+            if hasattr(self._chunks, "close"):
+                self._chunks.close()
+        finally:
+            self._after()
+
+
+def _path(environ) -> str:
+    # PEP 3333 hands PATH_INFO over as latin-1; the URL itself was UTF-8.
+    raw = environ.get("PATH_INFO", "") or "/"
+    try:
+        return raw.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        raise BadRequest("The request path is not valid UTF-8") from None
+
+
+def _headers(environ) -> dict:
+    out = {k[5:].replace("_", "-").lower(): v for k, v in environ.items() if k.startswith("HTTP_")}
+    if environ.get("CONTENT_TYPE"):
+        out["content-type"] = environ["CONTENT_TYPE"]
+    return out
+
+
+_NO_BODY = object()  # no request body at all, as opposed to a JSON null
+
+
+def _read_body(environ, method: str):
+    """The parsed JSON body, or _NO_BODY."""
+    ctype = environ.get("CONTENT_TYPE", "")
+    media = ctype.split(";", 1)[0].strip().lower()
+    raw_length = environ.get("CONTENT_LENGTH", "")
+    try:
+        length = int(raw_length) if raw_length else 0
+    except ValueError:
+        raise BadRequest(f"Invalid Content-Length: {raw_length!r}") from None
+    chunked = "chunked" in environ.get("HTTP_TRANSFER_ENCODING", "").lower()
+    has_body = length > 0 or chunked
+    # A body, or any Content-Type on an unsafe method, must be JSON: this also
+    # stops cross-site "simple" form and text/plain POSTs.
+    if (has_body or (ctype and method not in SAFE_METHODS)) and media != "application/json":
+        shown = media or "none"
+        raise UnsupportedMediaType(
+            f"Request bodies must be sent with Content-Type: application/json (got {shown})")
+    if not has_body:
+        return _NO_BODY
+    if length > MAX_BODY:
+        raise PayloadTooLarge(f"Request body is {length} bytes; the limit is {MAX_BODY}")
+    stream = environ["wsgi.input"]
+    data = stream.read(length) if length else stream.read(MAX_BODY + 1)
+    if len(data) > MAX_BODY:
+        raise PayloadTooLarge(f"Request body is over the limit of {MAX_BODY} bytes")
+    if not data.strip():
+        return _NO_BODY
+    try:
+        return json.loads(data, parse_constant=_reject_constant)
+    except UnicodeDecodeError:
+        raise InvalidJSON("Request body is not valid UTF-8") from None
+    except json.JSONDecodeError as exc:
+        raise InvalidJSON(f"Malformed JSON in request body: {exc.msg} "
+                          f"at line {exc.lineno} column {exc.colno}") from None
+
+
+def _reject_constant(name: str):
+    raise json.JSONDecodeError(f"{name} is not valid JSON", name, 0)

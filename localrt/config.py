@@ -1,0 +1,51 @@
+"""The Config resource (spec 2.1): CORS, proxy, SSL flags and the hub token.
+
+Its fields are the settings keys that carry an `api` name (localrt.settings.KEYS),
+so the rc file is the only store. Types and shapes are checked by
+schemas/config-update.json before `update` is called.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from localrt.settings import KEYS, Settings
+
+# API field name -> rc key, in the spec's order.
+FIELDS = {k.api: k.name for k in sorted(KEYS, key=lambda k: k.api or "") if k.api}
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "0.0.0.0")
+
+
+def local_origins(port: int) -> list[str]:
+    """The default `allowed_origins`: the local hosts on the API port."""
+    return [f"http://{host}:{port}" for host in LOCAL_HOSTS]
+
+
+class Config:
+    """Reads and updates the Config fields over a Settings object."""
+
+    def __init__(self, settings: Settings):
+        self._settings = settings
+
+    def get(self) -> dict:
+        """All Config fields, with defaults filled in."""
+        return self._view(self._settings.snapshot())
+
+    def update(self, changes: Mapping[str, Any]) -> dict:
+        """Persist the given fields only; return the full Config after the change."""
+        values = self._settings.update({FIELDS[name]: value for name, value in changes.items()})
+        return self._view(values)
+
+    def cors_policy(self) -> tuple[bool, frozenset]:
+        """(cors enabled, allowed origins) as they are right now."""
+        s = self._settings
+        origins = s["allowedOrigins"]
+        if origins is None:
+            origins = local_origins(s["apiServerPort"])
+        return s["cors"], frozenset(origins)
+
+    def _view(self, values: Mapping[str, Any]) -> dict:
+        config = {name: values[key] for name, key in FIELDS.items()}
+        if config["allowed_origins"] is None:
+            config["allowed_origins"] = local_origins(values["apiServerPort"])
+        return config

@@ -1,0 +1,92 @@
+"""Errors that carry an HTTP status and a stable code.
+
+Handlers and domain modules raise these; the one `try` in `localrt.app`
+turns them into the JSON error body. Nothing else builds error responses.
+"""
+
+from __future__ import annotations
+
+
+class HTTPError(Exception):
+    """An error with an HTTP status, an OpenAI-style type and a stable code."""
+
+    status = 500
+    type = "server_error"
+    code = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, headers=None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.headers = list(headers or [])
+
+    def body(self) -> dict:
+        """The JSON error body: `message` for curl users, `error` for OpenAI clients."""
+        error = {"message": self.message, "type": self.type, "code": self.code}
+        if self.param is not None:
+            error["param"] = self.param
+        return {"message": self.message, "error": error}
+
+
+class BadRequest(HTTPError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class InvalidField(BadRequest):
+    """A request field has the wrong type, shape or value."""
+
+    code = "invalid_field"
+
+
+class InvalidJSON(BadRequest):
+    code = "invalid_json"
+
+
+class Forbidden(HTTPError):
+    status = 403
+    type = "permission_error"
+    code = "forbidden"
+
+
+class NotFound(HTTPError):
+    status = 404
+    type = "not_found_error"
+    code = "not_found"
+
+
+class MethodNotAllowed(HTTPError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+    def __init__(self, message: str, allowed):
+        super().__init__(message, headers=[("Allow", ", ".join(allowed))])
+        self.allowed = tuple(allowed)
+
+
+class Conflict(HTTPError):
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
+
+
+class PayloadTooLarge(HTTPError):
+    status = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class UnsupportedMediaType(HTTPError):
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
+
+
+class InternalError(HTTPError):
+    """What a client sees for an unexpected exception; the traceback stays in the log."""
+
+    status = 500
+    type = "server_error"
+    code = "internal_error"

@@ -1,0 +1,70 @@
+"""Routes as data, and `Router.match`, a pure function of method and path.
+
+A pattern is a path with `{name}` parts, which match one path segment, and
+`{name:path}` parts, which match one or more segments (model ids hold `/`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+from localrt.errors import MethodNotAllowed, NotFound
+
+_PART = re.compile(r"\{(\w+)(?::(path))?\}")
+
+
+@dataclass(frozen=True)
+class Route:
+    """One endpoint: method, path pattern, handler, and the request body's schema file."""
+
+    method: str
+    pattern: str
+    handler: Callable
+    schema: str | None = None
+    regex: re.Pattern = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "regex", _compile(self.pattern))
+
+
+def _compile(pattern: str) -> re.Pattern:
+    out, pos = "", 0
+    for m in _PART.finditer(pattern):
+        out += re.escape(pattern[pos:m.start()])
+        out += f"(?P<{m.group(1)}>.+?)" if m.group(2) else f"(?P<{m.group(1)}>[^/]+)"
+        pos = m.end()
+    return re.compile(out + re.escape(pattern[pos:]) + r"\Z")
+
+
+class Router:
+    """Matches (method, path) against the route table, in table order."""
+
+    def __init__(self, routes):
+        self.routes = tuple(routes)
+
+    def match(self, method: str, path: str) -> tuple[Route, dict]:
+        """Return (route, path parameters); raise NotFound, or MethodNotAllowed with Allow."""
+        if method == "HEAD":
+            method = "GET"
+        for route in self.routes:
+            if route.method == method:
+                m = route.regex.match(path)
+                if m:
+                    return route, m.groupdict()
+        allowed = self.allowed_methods(path)
+        if allowed:
+            raise MethodNotAllowed(f"Method {method} is not allowed on {path}; "
+                                   f"allowed: {', '.join(allowed)}", allowed)
+        raise NotFound(f"No such endpoint: {path}")
+
+    def allowed_methods(self, path: str) -> list[str]:
+        """Every method some route accepts on `path` (GET brings HEAD), or [] if none."""
+        methods = []
+        for route in self.routes:
+            if route.method not in methods and route.regex.match(path):
+                methods.append(route.method)
+        if "GET" in methods:
+            methods.append("HEAD")
+        return methods

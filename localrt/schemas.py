@@ -1,0 +1,109 @@
+"""JSON Schemas from `schemas/`, and request validation against them.
+
+The files live only in the top-level `schemas/` folder. An installed wheel
+carries them as the package data `localrt._schemas` (see setup.cfg); a source
+checkout reads the folder itself. jsonschema is imported on first use, so
+the CLI never pays for it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+from localrt.errors import InvalidField
+
+_CHECKOUT_DIR = Path(__file__).resolve().parent.parent / "schemas"
+
+
+def schema_dir():
+    """The folder holding the schema files (a Traversable or a Path)."""
+    from importlib import resources
+
+    try:
+        installed = resources.files("localrt._schemas")
+        if installed.joinpath("config.json").is_file():
+            return installed
+    except ModuleNotFoundError:
+        pass
+    return _CHECKOUT_DIR
+
+
+def load(name: str) -> dict:
+    """Read one schema file by name, e.g. `config-update.json`."""
+    return json.loads(schema_dir().joinpath(name).read_text(encoding="utf-8"))
+
+
+def names() -> list[str]:
+    """The names of every schema file."""
+    return sorted(p.name for p in schema_dir().iterdir() if p.name.endswith(".json"))
+
+
+class Validators:
+    """Compiled validators, one per schema file, built on first use.
+
+    `_lock` guards `_compiled`: waitress threads may ask for the same schema at once.
+    """
+
+    def __init__(self):
+        self._compiled: dict = {}
+        self._lock = threading.Lock()
+
+    def validate(self, name: str, instance) -> None:
+        """Raise InvalidField naming the first offending field, if `instance` fails `name`."""
+        validator = self._validator(name)
+        from jsonschema.exceptions import best_match
+
+        error = best_match(validator.iter_errors(instance))
+        if error is not None:
+            raise _describe(error)
+
+    def _validator(self, name: str):
+        with self._lock:
+            if name not in self._compiled:
+                from jsonschema import Draft202012Validator
+
+                schema = load(name)
+                Draft202012Validator.check_schema(schema)
+                self._compiled[name] = Draft202012Validator(schema)
+            return self._compiled[name]
+
+
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+               int: "an integer", float: "a number", type(None): "null"}
+_ARTICLES = {"object": "an object", "array": "an array", "integer": "an integer"}
+
+
+def _field(path) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _describe(error) -> InvalidField:
+    """Turn a jsonschema error into a message that names the field."""
+    path = list(error.absolute_path)
+    schema = error.schema if isinstance(error.schema, dict) else {}
+    if error.validator == "additionalProperties" and isinstance(error.instance, dict):
+        known = schema.get("properties", {})
+        extra = sorted(k for k in error.instance if k not in known)
+        field = _field(path + extra[:1])
+        return InvalidField(f"Unknown field '{field}'", param=field)
+    if error.validator == "required" and isinstance(error.instance, dict):
+        missing = [k for k in error.validator_value if k not in error.instance]
+        field = _field(path + missing[:1])
+        return InvalidField(f"Missing required field '{field}'", param=field)
+    field = _field(path)
+    if error.validator == "type":
+        wanted = error.validator_value
+        wanted = " or ".join(wanted) if isinstance(wanted, list) else wanted
+        wanted = _ARTICLES.get(wanted, f"a {wanted}")
+        got = _JSON_TYPES.get(type(error.instance), type(error.instance).__name__)
+        detail = f"expected {wanted}, got {got}"
+    else:
+        detail = schema.get("x-message") or error.message
+    if not field:
+        return InvalidField(f"Invalid request body: {detail}")
+    return InvalidField(f"Invalid field '{field}': {detail}", param=field)

@@ -1,0 +1,271 @@
+"""Running the API server: waitress in the foreground, or a detached child of `localrt start`.
+
+The pid file `<dataFolderPath>/localrt.pid` records the pid, host and bound
+port of the running server, so `--port 0` works and `localrt stop` finds it.
+It is written once the port is bound and removed on a clean stop.
+waitress is imported only by `serve`, so the CLI stays light.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import logging.handlers
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from localrt.fsutil import atomic_write
+from localrt.settings import Settings
+
+log = logging.getLogger(__name__)
+
+PID_NAME = "localrt.pid"
+LOG_NAME = "localrt.log"
+STDERR_NAME = "server-stderr.log"  # a detached server's raw stderr: crashes before logging starts
+LOG_MAX_BYTES = 10 * 1024 * 1024
+LOG_BACKUPS = 5
+THREADS = 8  # waitress worker threads; later streams and SSE each hold one
+STOP_DELAY = 0.2  # seconds between answering DELETE /v1/system and stopping, so the reply is sent
+
+
+class PortInUse(Exception):
+    """Another program holds the address the server should bind."""
+
+
+@dataclass(frozen=True)
+class Address:
+    """Where a server listens, and its pid when known."""
+
+    host: str
+    port: int
+    pid: int | None = None
+
+    @property
+    def url(self) -> str:
+        """The base URL a client connects to (a wildcard bind is reached on loopback)."""
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+
+def pid_path(settings: Settings) -> Path:
+    return settings.data_dir / PID_NAME
+
+
+def read_pid_file(settings: Settings) -> Address | None:
+    """The running server's address from the pid file; None (and the file removed) if stale."""
+    path = pid_path(settings)
+    try:
+        data = json.loads(path.read_text())
+        address = Address(str(data["host"]), int(data["port"]), int(data["pid"]))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        log.warning("%s is unreadable; ignoring it", path)
+        return None
+    if not pid_alive(address.pid):
+        _unlink(path)
+        return None
+    return address
+
+
+def locate(settings: Settings) -> Address:
+    """Where this settings file's server is, or would be."""
+    return read_pid_file(settings) or Address(settings["apiServerHost"], settings["apiServerPort"])
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (zombies count as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def healthy(address: Address, timeout: float = 1.0) -> bool:
+    """Whether a localrt server answers /healthz at this address."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(address.url + "/healthz", timeout=timeout) as resp:
+            return json.loads(resp.read()).get("status") == "ok"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise PortInUse if something already listens on host:port."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as waitress binds
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PortInUse(f"Port {port} on {host} is already in use by another program. "
+                                f"Stop it, or choose another port with --port or "
+                                f"apiServerPort in the settings file") from None
+            raise
+
+
+def setup_logging(settings: Settings, console: bool) -> None:
+    """Log to a rotating file under logFolderPath, and to stderr when `console`."""
+    log_dir = settings.log_dir
+    log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handlers: list[logging.Handler] = [logging.handlers.RotatingFileHandler(
+        log_dir / LOG_NAME, maxBytes=LOG_MAX_BYTES, backupCount=LOG_BACKUPS, encoding="utf-8")]
+    if console:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    root = logging.getLogger()
+    for handler in handlers:
+        handler.setFormatter(fmt)
+        root.addHandler(handler)
+    root.setLevel(settings["logLevel"])
+
+
+class _Stop(Exception):
+    """Raised in the main thread by SIGTERM, to leave waitress's loop."""
+
+
+def serve(settings: Settings, host: str | None = None, port: int | None = None,
+          console: bool = True) -> None:
+    """Run the API server in this process until SIGTERM, SIGINT or DELETE /v1/system.
+
+    Raises PortInUse if the address is taken. Engines are unloaded and the pid
+    file removed on the way out.
+    """
+    from waitress.server import create_server
+
+    from localrt.app import create_app
+
+    host = settings["apiServerHost"] if host is None else host
+    port = settings["apiServerPort"] if port is None else port
+    setup_logging(settings, console)
+    settings.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    def request_stop():
+        time.sleep(STOP_DELAY)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    app = create_app(settings, shutdown=request_stop)
+    try:
+        server = create_server(app, host=host, port=port, threads=THREADS, ident="localrt")
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUse(f"Port {port} on {host} is already in use by another program") from None
+        raise
+    bound = int(server.effective_port)
+    settings.override(apiServerHost=host, apiServerPort=bound)
+    pid_file = pid_path(settings)
+    atomic_write(pid_file, json.dumps({"pid": os.getpid(), "host": host, "port": bound}).encode())
+
+    def on_term(signum, frame):
+        raise _Stop()
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    log.info("localrt serving on %s (pid %d)", Address(host, bound).url, os.getpid())
+    try:
+        server.run()  # waitress returns from run() on SystemExit and KeyboardInterrupt
+    except _Stop:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        log.info("localrt stopping")
+        server.close()
+        server.task_dispatcher.shutdown(timeout=5)
+        app.close()
+        _unlink_if_ours(pid_file)
+        log.info("localrt stopped")
+
+
+def spawn(settings: Settings, host: str, port: int) -> subprocess.Popen:
+    """Start `localrt start --foreground` as a detached child process."""
+    settings.log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    cmd = [sys.executable, "-m", "localrt", "--config", str(settings.path),
+           "start", "--foreground", "--host", host, "--port", str(port)]
+    with open(settings.log_dir / STDERR_NAME, "wb") as err:
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+                                start_new_session=True, close_fds=True)
+
+
+def wait_started(settings: Settings, child: subprocess.Popen, timeout: float = 20.0) -> Address:
+    """Wait until the child answers /healthz; raise RuntimeError with its stderr if it dies."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            raise RuntimeError(_child_error(settings, child.returncode))
+        address = read_pid_file(settings)
+        if address and address.pid == child.pid and healthy(address, timeout=0.5):
+            return address
+        time.sleep(0.01)
+    child.kill()
+    child.wait()
+    raise RuntimeError(f"The server did not answer within {timeout:.0f} s; "
+                       f"see {settings.log_dir / LOG_NAME}")
+
+
+def wait_stopped(address: Address, timeout: float = 15.0) -> bool:
+    """Wait until the server's process is gone and its port is free."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = address.pid is not None and pid_alive(address.pid)
+        if not alive and not _port_open(address):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _port_open(address: Address) -> bool:
+    try:
+        with socket.create_connection(_connect_target(address), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+def _connect_target(address: Address):
+    host = address.url.split("//", 1)[1].rsplit(":", 1)[0].strip("[]")
+    return host, address.port
+
+
+def _child_error(settings: Settings, code: int) -> str:
+    try:
+        text = (settings.log_dir / STDERR_NAME).read_text(errors="replace").strip()
+    except OSError:
+        text = ""
+    lines = [line for line in text.splitlines() if line.strip()]
+    detail = lines[-1] if lines else f"it exited with status {code}"
+    return f"The server failed to start: {detail}"
+
+
+def _unlink_if_ours(path: Path) -> None:
+    try:
+        if json.loads(path.read_text()).get("pid") == os.getpid():
+            path.unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass

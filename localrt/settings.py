@@ -1,0 +1,283 @@
+"""The settings file `~/.localrtrc`: one typed table, read and written in one place.
+
+Every environment variable localrt honours is read here too (`ENVIRONMENT`).
+The file is YAML (`safe_load` only). Unknown keys are kept and warned about,
+never dropped. Writes are atomic and the file is mode 0600, because it holds
+the proxy password and the hub token.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from localrt.fsutil import atomic_write
+
+log = logging.getLogger(__name__)
+
+RC_NAME = ".localrtrc"
+DEFAULT_PORT = 39281
+
+
+class SettingsError(Exception):
+    """The settings file cannot be used as it is; the message names the file and line."""
+
+
+# --- converters: raw YAML value -> typed value, or ValueError saying why ----------
+
+
+def _string(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {type(value).__name__} (quote the value)")
+    return value
+
+
+def _boolean(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
+def _port(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+        raise ValueError(f"expected a port number from 0 to 65535, got {value!r}")
+    return value
+
+
+def _path(value: Any) -> str:
+    return os.path.expanduser(_string(value))
+
+
+def _origins(value: Any) -> list | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError("expected a list of origin strings")
+    return list(value)
+
+
+def _log_level(value: Any) -> str:
+    level = _string(value).upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ValueError(f"expected DEBUG, INFO, WARNING or ERROR, got {value!r}")
+    return level
+
+
+@dataclass(frozen=True)
+class Key:
+    """One settings key: its rc name, converter, default and meaning.
+
+    `default` is a value, or a function of the settings read so far (keys are
+    resolved in table order). `api` is the Config field (spec 2.1) it backs.
+    """
+
+    name: str
+    convert: Callable[[Any], Any]
+    default: Any
+    comment: str
+    api: str | None = None
+
+
+# The one table of settings. If you add a Config field (a key with `api`), also
+# add it to schemas/config.json and schemas/config-update.json, to the CLI's
+# `config` options in localrt/cli.py, and to man/localrt.1.
+KEYS: tuple[Key, ...] = (
+    Key("apiServerHost", _string, "127.0.0.1", "address the API server binds"),
+    Key("apiServerPort", _port, DEFAULT_PORT, "port the API server binds"),
+    Key("dataFolderPath", _path, lambda s: str(s["_home"] / "localrt"),
+        "models, engines and the pid file live here"),
+    Key("logFolderPath", _path, lambda s: str(Path(s["dataFolderPath"]) / "logs"),
+        "the server's rotating log file lives here"),
+    Key("logLevel", _log_level, "INFO", "DEBUG, INFO, WARNING or ERROR"),
+    # None means: the local origins on the API port, so a port change keeps them right.
+    Key("allowedOrigins", _origins, None, "origins allowed by CORS", api="allowed_origins"),
+    Key("cors", _boolean, True, "whether CORS headers are sent", api="cors"),
+    Key("modelhubToken", _string, "", "bearer token for the model hub", api="modelhub_token"),
+    Key("noProxy", _string, "localhost,127.0.0.1,::1", "hosts that bypass the proxy",
+        api="no_proxy"),
+    Key("proxyUrl", _string, "", "http(s) proxy for outbound requests", api="proxy_url"),
+    Key("proxyUsername", _string, "", "proxy Basic auth user", api="proxy_username"),
+    Key("proxyPassword", _string, "", "proxy Basic auth password", api="proxy_password"),
+    Key("verifyHostSsl", _boolean, True, "check the hostname of TLS peers", api="verify_host_ssl"),
+    Key("verifyPeerSsl", _boolean, True, "check the certificate chain of TLS peers",
+        api="verify_peer_ssl"),
+    Key("verifyProxyHostSsl", _boolean, True, "check an https proxy's hostname",
+        api="verify_proxy_host_ssl"),
+    Key("verifyProxySsl", _boolean, True, "check an https proxy's certificate chain",
+        api="verify_proxy_ssl"),
+)
+KEYS_BY_NAME = {k.name: k for k in KEYS}
+# Hand-edited files may use the API field names; they read as the rc key.
+ALIASES = {k.api: k.name for k in KEYS if k.api}
+
+# Every environment variable localrt reads. If you add one, document it in
+# man/localrt.1 (ENVIRONMENT) and README.rst.
+ENVIRONMENT = {
+    "LOCALRT_CONFIG": "path of the settings file, instead of ~/.localrtrc",
+}
+
+
+def rc_path(explicit: str | os.PathLike | None = None,
+            environ: Mapping[str, str] | None = None) -> Path:
+    """Where the settings file is: --config, then $LOCALRT_CONFIG, then ~/.localrtrc."""
+    environ = os.environ if environ is None else environ
+    if explicit:
+        return Path(explicit).expanduser()
+    if environ.get("LOCALRT_CONFIG"):
+        return Path(environ["LOCALRT_CONFIG"]).expanduser()
+    return _home(environ) / RC_NAME
+
+
+def _home(environ: Mapping[str, str]) -> Path:
+    return Path(environ["HOME"]) if environ.get("HOME") else Path.home()
+
+
+class Settings:
+    """The settings file's typed values, its unknown keys, and run-time overrides.
+
+    `_lock` guards `_values`, `_unknown` and the file itself: an update re-reads
+    the file, merges, and writes it while holding the lock, so concurrent updates
+    of different keys never lose each other, and hand edits made meanwhile survive.
+    """
+
+    def __init__(self, path: Path, values: dict, unknown: dict, home: Path):
+        self.path = path
+        self._home = home
+        self._values = values
+        self._unknown = unknown
+        self._overrides: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def __getitem__(self, name: str) -> Any:
+        if name in self._overrides:
+            return self._overrides[name]
+        return self._values[name]
+
+    def snapshot(self) -> dict:
+        """All typed values, overrides applied."""
+        with self._lock:
+            return {**self._values, **self._overrides}
+
+    @property
+    def unknown(self) -> dict:
+        """Keys the table does not know, kept as they were."""
+        return dict(self._unknown)
+
+    def override(self, **values: Any) -> None:
+        """Set values for this run only (`start --port`); they are never written."""
+        for name, value in values.items():
+            self._overrides[name] = KEYS_BY_NAME[name].convert(value)
+
+    def update(self, changes: Mapping[str, Any]) -> dict:
+        """Convert and persist `changes` (rc key -> value); return the new values."""
+        converted = {}
+        for name, value in changes.items():
+            key = KEYS_BY_NAME[name]  # callers pass table keys only; a KeyError is a bug
+            converted[name] = key.convert(value)
+        with self._lock:
+            if self.path.exists():
+                values, unknown = _parse(self.path, self._home)
+            else:
+                values, unknown = dict(self._values), dict(self._unknown)
+            values.update(converted)
+            atomic_write(self.path, _render(values, unknown))
+            self._values, self._unknown = values, unknown
+            return {**values, **self._overrides}
+
+    @property
+    def data_dir(self) -> Path:
+        return Path(self["dataFolderPath"])
+
+    @property
+    def log_dir(self) -> Path:
+        return Path(self["logFolderPath"])
+
+
+def load(path: str | os.PathLike | None = None,
+         environ: Mapping[str, str] | None = None,
+         create: bool = True) -> Settings:
+    """Read the settings file, creating it with defaults if it does not exist yet."""
+    environ = os.environ if environ is None else environ
+    home = _home(environ)
+    path = rc_path(path, environ)
+    if path.exists():
+        values, unknown = _parse(path, home)
+        for name in unknown:
+            log.warning("%s: unknown key %r is kept but not used", path, name)
+        return Settings(path, values, unknown, home)
+    values = _resolve({}, home, path)
+    if create:
+        try:
+            atomic_write(path, _render(values, {}))
+        except OSError as exc:
+            raise SettingsError(f"{path}: cannot create the settings file: {exc}") from None
+    return Settings(path, values, {}, home)
+
+
+def _parse(path: Path, home: Path) -> tuple[dict, dict]:
+    import yaml
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"{path}: cannot read the settings file: {exc}") from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        raw = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise SettingsError(f"{where}: the settings file is not valid YAML: "
+                            f"{exc.problem or exc}. Fix or remove it; it was left as it is.") from None
+    except yaml.YAMLError as exc:
+        raise SettingsError(f"{path}: the settings file is not valid YAML: {exc}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise SettingsError(f"{path}:1: the settings file must be a mapping of keys to values")
+    lines = {}
+    if isinstance(node, yaml.MappingNode):
+        lines = {k.value: k.start_mark.line + 1 for k, _ in node.value
+                 if isinstance(k, yaml.ScalarNode)}
+    known, unknown = {}, {}
+    for name, value in raw.items():
+        target = ALIASES.get(name, name)
+        if target in KEYS_BY_NAME:
+            if target in known and target != name:
+                continue  # the rc key wins over its alias
+            known[target] = value
+        else:
+            unknown[name] = value
+    return _resolve(known, home, path, lines), unknown
+
+
+def _resolve(raw: dict, home: Path, path: Path, lines: Mapping[str, int] | None = None) -> dict:
+    """Convert `raw` key by key, filling defaults in table order."""
+    lines = lines or {}
+    values: dict[str, Any] = {"_home": home}
+    for key in KEYS:
+        if key.name in raw:
+            try:
+                values[key.name] = key.convert(raw[key.name])
+            except ValueError as exc:
+                line = lines.get(key.name) or lines.get(key.api or "")
+                where = f"{path}:{line}" if line else str(path)
+                raise SettingsError(f"{where}: {key.name}: {exc}") from None
+        else:
+            values[key.name] = key.default(values) if callable(key.default) else key.default
+    del values["_home"]
+    return values
+
+
+def _render(values: Mapping[str, Any], unknown: Mapping[str, Any]) -> bytes:
+    import yaml
+
+    data = {k.name: values[k.name] for k in KEYS if values.get(k.name) is not None}
+    data.update(unknown)
+    header = "# localrt settings. See localrt(1). Unknown keys are kept.\n"
+    body = yaml.safe_dump(data, sort_keys=False, default_flow_style=False, allow_unicode=True)
+    return (header + body).encode("utf-8")

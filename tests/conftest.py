@@ -1,0 +1,149 @@
+"""Shared test fixtures: a temporary home per test, in-process WSGI calls, real servers.
+
+No test touches the real home directory or a fixed port.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from wsgiref.util import setup_testing_defaults
+from wsgiref.validate import validator
+
+import pytest
+
+from localrt import settings as settings_mod
+from localrt.app import create_app
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A fresh HOME; LOCALRT_CONFIG cleared so the rc file is $HOME/.localrtrc."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("LOCALRT_CONFIG", raising=False)
+    return home
+
+
+@pytest.fixture
+def settings(home):
+    return settings_mod.load()
+
+
+@pytest.fixture
+def app(settings):
+    return create_app(settings)
+
+
+@dataclass
+class Response:
+    status: int
+    headers: dict
+    body: bytes
+
+    @property
+    def json(self):
+        return json.loads(self.body)
+
+
+def call(app, method, path, json_body=None, body=None, headers=None, query="") -> Response:
+    """Drive the app through wsgiref.validate, with no socket."""
+    environ = {"REQUEST_METHOD": method, "PATH_INFO": path, "SCRIPT_NAME": "",
+               "QUERY_STRING": query}
+    headers = dict(headers or {})
+    if json_body is not None:
+        body = json.dumps(json_body).encode()
+        headers.setdefault("Content-Type", "application/json")
+    if body is not None:
+        environ["CONTENT_LENGTH"] = str(len(body))
+        environ["wsgi.input"] = io.BytesIO(body)
+    for name, value in headers.items():
+        key = name.upper().replace("-", "_")
+        if key in ("CONTENT_TYPE", "CONTENT_LENGTH"):
+            environ[key] = value
+        else:
+            environ["HTTP_" + key] = value
+    setup_testing_defaults(environ)
+    captured = {}
+
+    def start_response(status, response_headers, exc_info=None):
+        captured["status"] = int(status.split()[0])
+        captured["headers"] = response_headers
+        return lambda data: None
+
+    result = validator(app)(environ, start_response)
+    try:
+        data = b"".join(result)
+    finally:
+        result.close()
+    names = [k.lower() for k, _ in captured["headers"]]
+    assert len(names) == len(set(names)), f"duplicate headers: {captured['headers']}"
+    return Response(captured["status"], {k.lower(): v for k, v in captured["headers"]}, data)
+
+
+@pytest.fixture
+def wsgi(app):
+    """call(...) bound to this test's app."""
+    return lambda *args, **kwargs: call(app, *args, **kwargs)
+
+
+def subprocess_env(home: Path) -> dict:
+    """The environment for a localrt child process: this checkout, this test's HOME."""
+    env = dict(os.environ)
+    env["HOME"] = str(home)
+    env.pop("LOCALRT_CONFIG", None)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    url: str
+    port: int
+    settings: settings_mod.Settings
+
+    def stop(self, sig=signal.SIGTERM, timeout=15):
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        return self.process.wait(timeout=timeout)
+
+
+def run_foreground_server(home: Path, extra=()) -> Server:
+    """`localrt start --foreground --port 0` as a child; returns once /healthz answers."""
+    from localrt import server
+
+    settings = settings_mod.load(environ={"HOME": str(home)})
+    cmd = [sys.executable, "-m", "localrt", "start", "--foreground", "--port", "0", *extra]
+    process = subprocess.Popen(cmd, env=subprocess_env(home), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"server exited: {process.stderr.read().decode()}")
+        address = server.read_pid_file(settings)
+        if address and address.pid == process.pid and server.healthy(address):
+            return Server(process, address.url, address.port, settings)
+        time.sleep(0.02)
+    process.kill()
+    raise AssertionError("server did not start")
+
+
+@pytest.fixture
+def live_server(home):
+    """A real server on a free port, stopped after the test."""
+    srv = run_foreground_server(home)
+    yield srv
+    srv.stop()
+    srv.process.stdout.close()
+    srv.process.stderr.close()

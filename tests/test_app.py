@@ -1,0 +1,126 @@
+"""The WSGI layer: routing errors, content types, size limits, JSON errors, 500s."""
+
+import json
+import logging
+
+import pytest
+from conftest import call
+
+from localrt.app import MAX_BODY, create_app
+from localrt.routing import Route
+
+
+def assert_error(resp, status, code=None):
+    assert resp.status == status
+    assert resp.headers["content-type"] == "application/json"
+    body = resp.json
+    assert isinstance(body["message"], str) and body["message"]
+    assert body["error"]["message"] == body["message"]
+    assert body["error"]["type"] and body["error"]["code"]
+    if code:
+        assert body["error"]["code"] == code
+    return body
+
+
+def test_healthz(wsgi):
+    resp = wsgi("GET", "/healthz")
+    assert resp.status == 200
+    assert resp.json["status"] == "ok" and resp.json["version"]
+
+
+def test_healthz_imports_no_engine(home):
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+    code = ("import sys, io; from localrt import settings, app;"
+            "from conftest import call;"
+            "a = app.create_app(settings.load()); r = call(a, 'GET', '/healthz');"
+            "assert r.status == 200;"
+            "bad = [m for m in ('llama_cpp', 'onnxruntime_genai') if m in sys.modules];"
+            "print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(home),
+                         cwd=str(__import__('pathlib').Path(__file__).parent),
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_unknown_path_is_json_404(wsgi):
+    body = assert_error(wsgi("GET", "/v1/nothing"), 404, "not_found")
+    assert "/v1/nothing" in body["message"]
+
+
+def test_wrong_method_is_405_with_allow(wsgi):
+    resp = wsgi("DELETE", "/v1/configs")
+    assert_error(resp, 405, "method_not_allowed")
+    assert set(resp.headers["allow"].split(", ")) == {"GET", "HEAD", "PATCH"}
+
+
+def test_head_has_no_body(wsgi):
+    resp = wsgi("HEAD", "/v1/configs")
+    assert resp.status == 200 and resp.body == b""
+
+
+@pytest.mark.parametrize("ctype", [None, "text/plain", "application/x-www-form-urlencoded",
+                                   "multipart/form-data; boundary=x"])
+def test_body_without_json_content_type_is_415(wsgi, ctype):
+    headers = {"Content-Type": ctype} if ctype else {}
+    resp = wsgi("PATCH", "/v1/configs", body=b'{"cors": false}', headers=headers)
+    assert_error(resp, 415, "unsupported_media_type")
+    assert wsgi("GET", "/v1/configs").json["cors"] is True
+
+
+def test_cross_site_form_post_without_body_is_415(wsgi):
+    resp = wsgi("DELETE", "/v1/system", body=b"",
+                headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert_error(resp, 415)
+
+
+def test_json_content_type_with_charset_is_accepted(wsgi):
+    resp = wsgi("PATCH", "/v1/configs", body=b'{"cors": false}',
+                headers={"Content-Type": "application/json; charset=utf-8"})
+    assert resp.status == 200
+
+
+def test_body_over_limit_is_413(wsgi):
+    big = json.dumps({"no_proxy": "x" * MAX_BODY}).encode()
+    assert_error(wsgi("PATCH", "/v1/configs", body=big,
+                      headers={"Content-Type": "application/json"}), 413, "payload_too_large")
+
+
+@pytest.mark.parametrize("raw", [b"{", b'{"cors": tru}', b"\xff\xfe", b'{"cors": NaN}'])
+def test_malformed_json_is_400(wsgi, raw):
+    body = assert_error(wsgi("PATCH", "/v1/configs", body=raw,
+                             headers={"Content-Type": "application/json"}), 400, "invalid_json")
+    assert "JSON" in body["message"] or "UTF-8" in body["message"]
+
+
+def test_body_on_a_route_that_takes_none_is_400(wsgi):
+    assert_error(wsgi("GET", "/v1/configs", json_body={"a": 1}), 400)
+
+
+def test_unexpected_exception_is_generic_500_and_logged(settings, caplog):
+    def boom(services, request):
+        raise RuntimeError("secret internals")
+
+    app = create_app(settings, routes=(Route("GET", "/boom", boom),))
+    with caplog.at_level(logging.ERROR):
+        resp = call(app, "GET", "/boom")
+    body = assert_error(resp, 500, "internal_error")
+    assert "secret internals" not in resp.body.decode()
+    assert "Traceback" not in resp.body.decode()
+    assert "secret internals" in caplog.text and "RuntimeError" in caplog.text
+    assert body["message"]
+
+
+def test_two_apps_in_one_process_are_independent(tmp_path):
+    from localrt import settings as settings_mod
+    a = create_app(settings_mod.load(environ={"HOME": str(tmp_path / "a")}))
+    b = create_app(settings_mod.load(environ={"HOME": str(tmp_path / "b")}))
+    assert call(a, "PATCH", "/v1/configs", json_body={"cors": False}).status == 200
+    assert call(a, "GET", "/v1/configs").json["cors"] is False
+    assert call(b, "GET", "/v1/configs").json["cors"] is True
+
+
+def test_stop_without_a_server_is_a_clear_error(wsgi):
+    assert_error(wsgi("DELETE", "/v1/system"), 409)

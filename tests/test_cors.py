@@ -1,0 +1,77 @@
+"""CORS (issue: foundation, part 5). Changes apply without a restart."""
+
+import pytest
+from test_app import assert_error
+
+ALLOWED = "http://localhost:39281"
+
+
+def test_allowed_origin_gets_acao_and_vary(wsgi):
+    resp = wsgi("GET", "/v1/configs", headers={"Origin": ALLOWED})
+    assert resp.status == 200
+    assert resp.headers["access-control-allow-origin"] == ALLOWED
+    assert "Origin" in resp.headers["vary"]
+
+
+def test_errors_carry_cors_headers_too(wsgi):
+    resp = wsgi("GET", "/v1/none", headers={"Origin": ALLOWED})
+    assert resp.status == 404
+    assert resp.headers["access-control-allow-origin"] == ALLOWED
+
+
+def test_disallowed_origin_gets_no_acao(wsgi):
+    resp = wsgi("GET", "/v1/configs", headers={"Origin": "http://evil.example"})
+    assert resp.status == 200
+    assert "access-control-allow-origin" not in resp.headers
+
+
+def test_preflight_allowed(wsgi):
+    resp = wsgi("OPTIONS", "/v1/configs", headers={
+        "Origin": ALLOWED, "Access-Control-Request-Method": "PATCH",
+        "Access-Control-Request-Headers": "content-type"})
+    assert resp.status == 204 and resp.body == b""
+    assert resp.headers["access-control-allow-origin"] == ALLOWED
+    methods = resp.headers["access-control-allow-methods"].split(", ")
+    assert {"GET", "PATCH"} <= set(methods)
+    assert "content-type" in resp.headers["access-control-allow-headers"].lower()
+
+
+def test_preflight_disallowed_is_403(wsgi):
+    resp = wsgi("OPTIONS", "/v1/configs", headers={
+        "Origin": "http://evil.example", "Access-Control-Request-Method": "PATCH"})
+    assert_error(resp, 403)
+    assert "access-control-allow-origin" not in resp.headers
+
+
+def test_preflight_on_unknown_path_is_404(wsgi):
+    resp = wsgi("OPTIONS", "/v1/nothing", headers={
+        "Origin": ALLOWED, "Access-Control-Request-Method": "GET"})
+    assert_error(resp, 404)
+
+
+def test_star_allows_any_origin(wsgi):
+    assert wsgi("PATCH", "/v1/configs", json_body={"allowed_origins": ["*"]}).status == 200
+    resp = wsgi("GET", "/v1/configs", headers={"Origin": "https://anything.example"})
+    assert resp.headers["access-control-allow-origin"] == "https://anything.example"
+
+
+def test_changes_apply_at_once(wsgi):
+    origin = "http://localhost:3000"
+    assert "access-control-allow-origin" not in wsgi(
+        "GET", "/v1/configs", headers={"Origin": origin}).headers
+    wsgi("PATCH", "/v1/configs", json_body={"allowed_origins": [origin]})
+    assert wsgi("GET", "/v1/configs", headers={"Origin": origin}).headers[
+        "access-control-allow-origin"] == origin
+    assert "access-control-allow-origin" not in wsgi(
+        "GET", "/v1/configs", headers={"Origin": ALLOWED}).headers
+
+
+@pytest.mark.parametrize("origins", [[ALLOWED], ["*"]])
+def test_cors_off_sends_no_cors_headers_at_all(wsgi, origins):
+    wsgi("PATCH", "/v1/configs", json_body={"cors": False, "allowed_origins": origins})
+    for method, headers in (("GET", {"Origin": ALLOWED}),
+                            ("OPTIONS", {"Origin": ALLOWED,
+                                         "Access-Control-Request-Method": "PATCH"})):
+        resp = wsgi(method, "/v1/configs", headers=headers)
+        assert not any(h.startswith("access-control-") for h in resp.headers), resp.headers
+        assert "vary" not in resp.headers
