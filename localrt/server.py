@@ -141,8 +141,12 @@ def setup_logging(settings: Settings, console: bool) -> None:
     root.setLevel(settings["logLevel"])
 
 
-class _Stop(Exception):
-    """Raised in the main thread by SIGTERM, to leave waitress's loop."""
+class _Stop(SystemExit):
+    """Raised in the main thread by SIGTERM, to leave waitress's loop.
+
+    A SystemExit, because waitress's loop swallows any other exception raised
+    inside its socket handlers, and the signal can land there.
+    """
 
 
 def serve(settings: Settings, host: str | None = None, port: int | None = None,
@@ -183,9 +187,7 @@ def serve(settings: Settings, host: str | None = None, port: int | None = None,
     previous = signal.signal(signal.SIGTERM, on_term)
     log.info("localrt serving on %s (pid %d)", Address(host, bound).url, os.getpid())
     try:
-        server.run()  # waitress returns from run() on SystemExit and KeyboardInterrupt
-    except _Stop:
-        pass
+        server.run()  # returns on SystemExit (our _Stop) and KeyboardInterrupt
     finally:
         signal.signal(signal.SIGTERM, previous)
         log.info("localrt stopping")

@@ -11,9 +11,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
+from socketserver import ThreadingMixIn
+from types import SimpleNamespace
 from pathlib import Path
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from wsgiref.util import setup_testing_defaults
 from wsgiref.validate import validator
 
@@ -32,6 +36,8 @@ def home(tmp_path, monkeypatch):
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.delenv("LOCALRT_CONFIG", raising=False)
+    # Servers that `localrt start` spawns must import this checkout.
+    monkeypatch.setenv("PYTHONPATH", str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return home
 
 
@@ -147,3 +153,34 @@ def live_server(home):
     srv.stop()
     srv.process.stdout.close()
     srv.process.stderr.close()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+@pytest.fixture
+def thread_server(settings):
+    """The app on a real socket in this process, counting requests; rc points the CLI at it."""
+    calls = []
+    app = create_app(settings)
+
+    def counting(environ, start_response):
+        calls.append((environ["REQUEST_METHOD"], environ["PATH_INFO"]))
+        return app(environ, start_response)
+
+    httpd = make_server("127.0.0.1", 0, counting, server_class=_ThreadingWSGIServer,
+                        handler_class=_QuietHandler)
+    port = httpd.server_address[1]
+    settings.update({"apiServerPort": port})
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield SimpleNamespace(url=f"http://127.0.0.1:{port}", port=port, calls=calls,
+                          settings=settings)
+    httpd.shutdown()
+    httpd.server_close()

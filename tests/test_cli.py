@@ -1,0 +1,225 @@
+"""The CLI through main([...]) in process, against real servers on free ports."""
+
+import io
+import json
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+import yaml
+from conftest import REPO, run_foreground_server, subprocess_env
+
+from localrt import server
+from localrt.cli import ExitCode, build_parser, main
+
+
+def run(*argv):
+    out, err = io.StringIO(), io.StringIO()
+    code = main(list(argv), stdout=out, stderr=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def cli_home(home):
+    """A home whose rc points at a free port; any server started is stopped afterwards."""
+    from localrt import settings as settings_mod
+    s = settings_mod.load()
+    s.update({"apiServerPort": free_port()})
+    yield s
+    address = server.read_pid_file(s)
+    if address:
+        run("stop")
+        if server.pid_alive(address.pid):
+            import os
+            os.kill(address.pid, signal.SIGKILL)
+
+
+def assert_port_free(port):
+    """A new server could bind it (TIME_WAIT allowed, as for any server with SO_REUSEADDR)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+
+
+def get_json(url):
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.loads(r.read())
+
+
+def test_help_on_every_command():
+    code, out, err = run("--help")
+    assert code == 0 and "start" in out and "config" in out
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for name in sub.choices:
+        code, out, _ = run(name, "-h")
+        assert code == 0 and out.startswith("usage: localrt " + name)
+
+
+def test_no_command_prints_help():
+    code, out, _ = run()
+    assert code == 0 and "usage:" in out
+
+
+def test_python_m_localrt_is_the_same_program(home):
+    _, in_process, _ = run("--help")
+    proc = subprocess.run([sys.executable, "-m", "localrt", "--help"], capture_output=True,
+                          text=True, env=subprocess_env(home), cwd=str(REPO))
+    assert proc.returncode == 0
+    assert proc.stdout == in_process
+    proc = subprocess.run([sys.executable, "-m", "localrt", "config", "--cors", "maybe"],
+                          capture_output=True, text=True, env=subprocess_env(home))
+    assert proc.returncode == 2
+
+
+def test_invalid_on_off_is_a_usage_error_and_sends_nothing(thread_server):
+    code, out, err = run("config", "--cors", "maybe")
+    assert code == ExitCode.USAGE == 2
+    assert "expected on or off" in err and "maybe" in err
+    assert thread_server.calls == []
+
+
+@pytest.mark.parametrize("argv", [["start", "--port", "70000"], ["start", "--port", "x"],
+                                  ["config", "--verify_peer_ssl", "yes please"]])
+def test_other_usage_errors(home, argv):
+    assert run(*argv)[0] == 2
+
+
+def test_config_status_table(thread_server):
+    code, out, err = run("config", "status")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert "Config name" in lines[1] and "Value" in lines[1]
+    origins = [line for line in lines if line.startswith("| allowed_origins ")]
+    assert len(origins) == 3
+    assert f"http://127.0.0.1:{thread_server.port}" in origins[1]
+    for name in ("cors", "no_proxy", "proxy_password", "verify_proxy_ssl", "modelhub_token"):
+        assert any(line.startswith(f"| {name} ") for line in lines), name
+    assert any("| cors" in line and "true" in line for line in lines)
+
+
+def test_config_sets_many_fields_with_one_patch(thread_server):
+    code, out, err = run("config", "--cors", "off", "--allowed_origins", "http://a:1,http://b:2",
+                         "--proxy_url", "http://proxy:3128", "--proxy_username", "me",
+                         "--proxy_password", "pw", "--no_proxy", "x,y",
+                         "--verify_proxy_ssl", "off", "--verify_proxy_host_ssl", "off",
+                         "--verify_peer_ssl", "off", "--verify_host_ssl", "on",
+                         "--modelhub_token", "hf_x")
+    assert code == 0, err
+    assert out.strip() == "Configuration updated successfully!"
+    assert [c for c in thread_server.calls if c[0] == "PATCH"] == [("PATCH", "/v1/configs")]
+    assert len(thread_server.calls) == 1
+    config = get_json(thread_server.url + "/v1/configs")
+    assert config["cors"] is False and config["allowed_origins"] == ["http://a:1", "http://b:2"]
+    assert config["proxy_url"] == "http://proxy:3128" and config["modelhub_token"] == "hf_x"
+    assert config["verify_host_ssl"] is True and config["verify_peer_ssl"] is False
+
+
+def test_server_error_is_one_line_on_stderr(thread_server):
+    code, out, err = run("config", "--allowed_origins", "not-an-origin")
+    assert code == ExitCode.ERROR
+    assert err.count("\n") == 1 and "allowed_origins[0]" in err and out == ""
+
+
+def test_start_status_stop_lifecycle(cli_home):
+    port = cli_home["apiServerPort"]
+    code, out, err = run("start")
+    assert code == 0, err
+    assert out.strip() == f"Server started at http://127.0.0.1:{port}"
+    assert get_json(f"http://127.0.0.1:{port}/healthz")["status"] == "ok"
+    pid = server.read_pid_file(cli_home).pid
+
+    code, out, _ = run("start")
+    assert code == 0 and "already running" in out
+
+    code, out, _ = run("stop")
+    assert code == 0 and out.strip() == "Server stopped"
+    assert not server.pid_alive(pid)
+    assert not (cli_home.data_dir / "localrt.pid").exists()
+    assert_port_free(port)
+
+    code, out, _ = run("stop")
+    assert code == 0 and out.strip() == "Server is not running"
+    log = (cli_home.log_dir / "localrt.log").read_text()
+    assert "serving on" in log and "localrt stopped" in log
+
+
+def test_start_on_port_zero_is_found_by_later_commands(cli_home):
+    code, out, err = run("start", "--port", "0")
+    assert code == 0, err
+    address = server.read_pid_file(cli_home)
+    assert out.strip() == f"Server started at {address.url}"
+    code, out, err = run("config", "status")
+    assert code == 0 and "The localrt server was not running" not in err
+    assert run("stop")[0] == 0
+
+
+def test_start_when_port_is_taken(cli_home):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        code, out, err = run("start", "--port", str(port))
+        assert code == ExitCode.UNAVAILABLE
+        assert "in use" in err and str(port) in err
+        assert not (cli_home.data_dir / "localrt.pid").exists()
+        code, _, err = run("start", "--foreground", "--port", str(port))
+        assert code == ExitCode.UNAVAILABLE and "in use" in err
+        assert not (cli_home.data_dir / "localrt.pid").exists()
+
+
+def test_command_that_needs_the_server_starts_it(cli_home):
+    code, out, err = run("config", "status")
+    assert code == 0
+    port = cli_home["apiServerPort"]
+    assert err.strip() == (f"The localrt server was not running; started it at "
+                           f"http://127.0.0.1:{port}")
+    assert "Config name" in out
+    assert server.read_pid_file(cli_home) is not None
+
+
+def test_corrupt_rc_refuses_to_start_and_is_left_alone(home):
+    rc = home / ".localrtrc"
+    text = "apiServerPort: 4000\ncors: {oops\n"
+    rc.write_text(text)
+    for argv in (["start"], ["start", "--foreground"], ["config", "status"]):
+        code, out, err = run(*argv)
+        assert code == ExitCode.SETTINGS
+        assert str(rc) + ":" in err
+    assert rc.read_text() == text
+
+
+def test_foreground_server_stops_cleanly_on_sigterm(home):
+    srv = run_foreground_server(home)
+    assert srv.stop(signal.SIGTERM) == 0
+    assert not (srv.settings.data_dir / "localrt.pid").exists()
+    assert_port_free(srv.port)
+    srv.process.stdout.close()
+    srv.process.stderr.close()
+
+
+def test_stop_over_http_answers_then_exits(home):
+    srv = run_foreground_server(home)
+    req = urllib.request.Request(srv.url + "/v1/system", method="DELETE")
+    with urllib.request.urlopen(req, timeout=5) as r:
+        assert json.loads(r.read())["message"] == "Server is shutting down"
+    assert srv.process.wait(timeout=10) == 0
+    srv.process.stdout.close()
+    srv.process.stderr.close()
+
+
+def test_config_change_persists_across_restart(cli_home):
+    assert run("config", "--proxy_username", "alice")[0] == 0
+    assert run("stop")[0] == 0
+    assert yaml.safe_load(cli_home.path.read_text())["proxyUsername"] == "alice"
+    code, out, _ = run("config", "status")
+    assert code == 0 and any("alice" in line for line in out.splitlines())

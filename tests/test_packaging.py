@@ -1,0 +1,36 @@
+"""A built wheel carries the schemas and the man page, and finds the schemas installed."""
+
+import shutil
+import subprocess
+import sys
+import zipfile
+
+from conftest import REPO
+
+
+def test_wheel_has_schemas_and_man_page(tmp_path):
+    src = tmp_path / "src"
+    for name in ("localrt", "schemas", "man"):
+        shutil.copytree(REPO / name, src / name,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("setup.py", "setup.cfg", "README.rst"):
+        shutil.copy(REPO / name, src / name)
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(dist), str(src)], check=True, capture_output=True)
+    wheel = next(dist.glob("localrt-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    schemas = sorted(p.name for p in (REPO / "schemas").glob("*.json"))
+    for name in schemas:
+        assert f"localrt/_schemas/{name}" in names
+    assert any(n.endswith(".data/data/share/man/man1/localrt.1") for n in names), names
+
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
+                    str(target), str(wheel)], check=True, capture_output=True)
+    code = ("from localrt import schemas; print(schemas.schema_dir());"
+            "print(schemas.load('config-update.json')['title'])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), check=True,
+                         env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True).stdout.splitlines()
+    assert str(target / "localrt" / "_schemas") in out[0] and out[1] == "Config update"
