@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from localrt.settings import KEYS, Settings
+from localrt.errors import Conflict, InsufficientStorage
+from localrt.settings import KEYS, Settings, SettingsError
 
 # API field name -> rc key, in the spec's order.
 FIELDS = {k.api: k.name for k in sorted(KEYS, key=lambda k: k.api or "") if k.api}
@@ -33,7 +34,13 @@ class Config:
 
     def update(self, changes: Mapping[str, Any]) -> dict:
         """Persist the given fields only; return the full Config after the change."""
-        values = self._settings.update({FIELDS[name]: value for name, value in changes.items()})
+        try:
+            values = self._settings.update({FIELDS[k]: v for k, v in changes.items()})
+        except SettingsError as exc:  # hand-edited meanwhile; left as it is
+            raise Conflict(f"{exc}. Nothing was changed.") from None
+        except OSError as exc:
+            raise InsufficientStorage(f"Cannot write the settings file {self._settings.path}: "
+                                      f"{exc.strerror or exc}. Nothing was changed.") from None
         return self._view(values)
 
     def cors_policy(self) -> tuple[bool, frozenset]:

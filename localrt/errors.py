@@ -84,6 +84,14 @@ class UnsupportedMediaType(HTTPError):
     code = "unsupported_media_type"
 
 
+class InsufficientStorage(HTTPError):
+    """localrt could not write its own files (disk full, read-only, permissions)."""
+
+    status = 507
+    type = "server_error"
+    code = "storage_error"
+
+
 class InternalError(HTTPError):
     """What a client sees for an unexpected exception; the traceback stays in the log."""
 

@@ -141,3 +141,25 @@ def test_concurrent_patches_of_different_fields_are_all_kept(live_server):
         assert config[name] == value
     rc = yaml.safe_load(live_server.settings.path.read_text())
     assert rc["proxyUsername"] == "u" and rc["verifyPeerSsl"] is False and rc["cors"] is False
+
+
+def test_patch_while_rc_is_corrupt_is_a_clear_409_and_leaves_it(wsgi, home):
+    rc = home / ".localrtrc"
+    rc.write_text("cors: [oops\n")
+    body = assert_error(wsgi("PATCH", "/v1/configs", json_body={"cors": False}), 409)
+    assert str(rc) in body["message"] and "Nothing was changed" in body["message"]
+    assert rc.read_text() == "cors: [oops\n"
+
+
+def test_patch_when_rc_cannot_be_written_is_507(home):
+    from conftest import call
+
+    from localrt import settings as settings_mod
+    from localrt.app import create_app
+    (home / "not-a-dir").write_text("")
+    settings = settings_mod.load(home / "not-a-dir" / "rc", create=False)
+    app = create_app(settings)
+    body = assert_error(call(app, "PATCH", "/v1/configs", json_body={"cors": False}), 507,
+                        "storage_error")
+    assert "Nothing was changed" in body["message"]
+    assert call(app, "GET", "/v1/configs").json["cors"] is True
