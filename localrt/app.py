@@ -76,9 +76,9 @@ class App:
 
     def __call__(self, environ, start_response):
         origin = environ.get("HTTP_ORIGIN")
-        cors_on, origins = self.services.config.cors_policy()
-        allowed_origin = origin if cors_on and origin and (
-            origin in origins or "*" in origins) else None
+        cors_on = self.services.config.cors_enabled()
+        allowed_origin = origin if cors_on and origin and \
+            self.services.config.origin_allowed(origin) else None
         try:
             reply = self._dispatch(environ, cors_on, allowed_origin)
         except HTTPError as err:
@@ -102,7 +102,7 @@ class App:
             chunks = reply.body
         if reply.status != 204:
             headers.append(("Content-Type", reply.content_type))
-        start_response(f"{reply.status} {HTTPStatus(reply.status).phrase}", headers)
+        start_response(_STATUS_LINES[reply.status], headers)
         if environ.get("REQUEST_METHOD") == "HEAD":
             chunks = []
         return _Body(chunks, reply.after) if reply.after else chunks
@@ -122,7 +122,7 @@ class App:
         else:
             raise BadRequest(f"{route.method} {path} takes no request body")
         request = Request(method=method, path=path, params=params,
-                          query=dict(parse_qsl(environ.get("QUERY_STRING", ""))),
+                          query=_query(environ),
                           headers=_headers(environ), body=body)
         result = route.handler(self.services, request)
         return result if isinstance(result, Reply) else Reply(result)
@@ -168,6 +168,14 @@ class _Body:
                 self._chunks.close()
         finally:
             self._after()
+
+
+_STATUS_LINES = {s.value: f"{s.value} {s.phrase}" for s in HTTPStatus}
+
+
+def _query(environ) -> dict:
+    qs = environ.get("QUERY_STRING")
+    return dict(parse_qsl(qs)) if qs else {}
 
 
 def _path(environ) -> str:

@@ -43,13 +43,15 @@ class Config:
                                       f"{exc.strerror or exc}. Nothing was changed.") from None
         return self._view(values)
 
-    def cors_policy(self) -> tuple[bool, frozenset]:
-        """(cors enabled, allowed origins) as they are right now."""
-        s = self._settings
-        origins = s["allowedOrigins"]
+    def cors_enabled(self) -> bool:
+        return self._settings["cors"]
+
+    def origin_allowed(self, origin: str) -> bool:
+        """Whether CORS lets `origin` in right now (exact match, or `*`)."""
+        origins = self._settings["allowedOrigins"]
         if origins is None:
-            origins = local_origins(s["apiServerPort"])
-        return s["cors"], frozenset(origins)
+            origins = local_origins(self._settings["apiServerPort"])
+        return origin in origins or "*" in origins
 
     def _view(self, values: Mapping[str, Any]) -> dict:
         config = {name: values[key] for name, key in FIELDS.items()}

@@ -139,6 +139,9 @@ def setup_logging(settings: Settings, console: bool) -> None:
         handler.setFormatter(fmt)
         root.addHandler(handler)
     root.setLevel(settings["logLevel"])
+    # waitress warns "Task queue depth is N" on every queued request under load;
+    # at ~100 lines a second it would rotate the useful log away.
+    logging.getLogger("waitress.queue").setLevel(logging.ERROR)
 
 
 class _Stop(SystemExit):

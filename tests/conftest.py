@@ -122,7 +122,12 @@ class Server:
     def stop(self, sig=signal.SIGTERM, timeout=15):
         if self.process.poll() is None:
             self.process.send_signal(sig)
-        return self.process.wait(timeout=timeout)
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()  # never leave a server behind
+            self.process.wait()
+            raise
 
 
 def run_foreground_server(home: Path, extra=()) -> Server:

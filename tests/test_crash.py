@@ -30,9 +30,21 @@ def patch_forever(url, sent, stop):
 
 
 def test_kill_9_during_patches_leaves_old_or_new_state(home):
+    servers = []
+    try:
+        check_kill_9(home, servers)
+    finally:
+        for srv in servers:
+            if srv.process.poll() is None:
+                srv.process.kill()
+                srv.process.wait()
+
+
+def check_kill_9(home, servers):
     rng = random.Random(1234)
     for _ in range(4):
         srv = run_foreground_server(home)
+        servers.append(srv)
         sent, stop = [], threading.Event()
         workers = [threading.Thread(target=patch_forever, args=(srv.url, sent, stop))
                    for _ in range(2)]
@@ -59,6 +71,7 @@ def test_kill_9_during_patches_leaves_old_or_new_state(home):
         assert data["apiServerPort"] == 39281 and data["cors"] is True
         # The next server starts on the same file and reads those values.
         srv = run_foreground_server(home)
+        servers.append(srv)
         with urllib.request.urlopen(srv.url + "/v1/configs") as r:
             assert json.loads(r.read())["proxy_username"] == user
         srv.stop()

@@ -1,0 +1,214 @@
+"""Test support: tiny, structurally complete llama-architecture GGUF files.
+
+Not a test module. Tests import it as ``from ggufgen import write_gguf`` (tests/ is on
+sys.path under pytest).
+
+The files are written with the ``gguf`` package (gguf-py from llama.cpp) in the same
+order its converters use: header, key/values, tensor infos, tensor data.  The model has
+random weights, so what it generates is gibberish, but every key and tensor that
+llama.cpp's llama loader requires is present with consistent shapes:
+
+* hyperparameters under ``llama.*`` (context/embedding/feed-forward length, block count,
+  head counts, RoPE dimension count, RMS-norm epsilon) plus ``general.file_type``;
+* a SentencePiece-style ("llama") vocabulary: ``<unk>``/``<s>``/``</s>``, all 256 byte
+  fallback tokens ``<0x00>``..``<0xFF>`` (llama.cpp looks up ``<0x0A>`` for the newline
+  token and falls back to byte tokens for unknown characters), the ChatML control
+  tokens, then ordinary pieces up to ``vocab_size``;
+* ``token_embd``, ``output_norm``, ``output`` and per block the attention and SwiGLU
+  feed-forward weights.
+
+Shapes: GGUF stores dimensions innermost-first (ggml ``ne``), and GGUFWriter reverses
+the numpy shape when it writes the tensor info, so a numpy array of shape
+``(n_vocab, n_embd)`` becomes ggml ``{n_embd, n_vocab}``, which is what llama.cpp expects
+for ``token_embd.weight``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional, Union
+
+import numpy as np
+
+import gguf
+
+__all__ = ["CHATML_TEMPLATE", "write_gguf", "read_gguf_metadata", "write_fake_blob"]
+
+# A minimal ChatML template (the format used by Qwen, SmolLM, ...); it is what
+# llama.cpp's template detection recognises as "chatml" (it looks for "<|im_start|>").
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Special token ids, fixed at the start of the vocabulary (SentencePiece convention).
+UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
+_SPECIAL = ["<unk>", "<s>", "</s>"]
+_BYTES = [f"<0x{b:02X}>" for b in range(256)]
+_CHATML = ["<|im_start|>", "<|im_end|>"]
+MIN_VOCAB_SIZE = len(_SPECIAL) + len(_BYTES) + len(_CHATML)
+
+_FILE_TYPES = {
+    "F32": (gguf.LlamaFileType.ALL_F32, np.float32),
+    "F16": (gguf.LlamaFileType.MOSTLY_F16, np.float16),
+}
+
+
+def _normal_pieces(count: int) -> list:
+    """`count` distinct ordinary SentencePiece pieces ("▁" marks a word start)."""
+    alphabet = "etaoinshrdlucmfwypvbgkqjxz"
+    pieces = ["▁"]
+    pieces += list(alphabet) + ["▁" + c for c in alphabet]
+    pieces += list("0123456789.,!?'-:;()")
+    pieces += [a + b for a in alphabet for b in alphabet]  # bigrams, plenty of room
+    pieces += ["▁" + a + b for a in alphabet for b in alphabet]
+    if count > len(pieces):
+        pieces += [f"▁tok{i}" for i in range(count - len(pieces))]
+    return pieces[:count]
+
+
+def _vocab(vocab_size: int):
+    """Tokens, scores and token types for a SentencePiece ("llama") tokenizer."""
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(f"vocab_size must be at least {MIN_VOCAB_SIZE}")
+    normal = _normal_pieces(vocab_size - MIN_VOCAB_SIZE)
+    tokens = _SPECIAL + _BYTES + _CHATML + normal
+    types = ([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+             + [gguf.TokenType.BYTE] * len(_BYTES)
+             + [gguf.TokenType.CONTROL] * len(_CHATML)
+             + [gguf.TokenType.NORMAL] * len(normal))
+    # SPM merges pieces by score: longer pieces get higher (less negative) scores.
+    scores = [0.0] * (len(_SPECIAL) + len(_BYTES) + len(_CHATML))
+    scores += [-1000.0 + 10.0 * len(p) - i * 1e-3 for i, p in enumerate(normal)]
+    return tokens, [float(s) for s in scores], [int(t) for t in types]
+
+
+def write_gguf(
+    path: Union[str, os.PathLike],
+    *,
+    name: str = "tiny",
+    context_length: int = 256,
+    chat_template: Optional[str] = CHATML_TEMPLATE,
+    vocab_size: int = 320,
+    n_embd: int = 64,
+    n_layer: int = 1,
+    n_head: int = 4,
+    n_head_kv: Optional[int] = None,
+    n_ff: Optional[int] = None,
+    file_type: str = "F32",
+    seed: int = 0,
+) -> Path:
+    """Write a tiny random-weight llama model to `path` and return it as a Path.
+
+    `file_type` is "F32" or "F16" (2-D weights in F16; norm vectors stay F32, as
+    llama.cpp's converters do).  `chat_template=None` leaves tokenizer.chat_template out.
+    `n_head_kv` defaults to `n_head` (no GQA); `n_ff` defaults to 2 * n_embd.
+    With the defaults the file is about 320 KB.
+    """
+    path = Path(path)
+    if file_type not in _FILE_TYPES:
+        raise ValueError(f"file_type must be one of {sorted(_FILE_TYPES)}")
+    ftype, wdtype = _FILE_TYPES[file_type]
+    n_head_kv = n_head if n_head_kv is None else n_head_kv
+    n_ff = 2 * n_embd if n_ff is None else n_ff
+    if n_embd % n_head or n_head % n_head_kv:
+        raise ValueError("n_embd must divide by n_head, and n_head by n_head_kv")
+    head_dim = n_embd // n_head
+    n_embd_kv = head_dim * n_head_kv
+    tokens, scores, types = _vocab(vocab_size)
+
+    arch = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA]  # "llama"
+    writer = gguf.GGUFWriter(path, arch)  # adds general.architecture
+    writer.add_name(name)
+    writer.add_file_type(int(ftype))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_vocab_size(vocab_size)
+    writer.add_context_length(context_length)
+    writer.add_embedding_length(n_embd)
+    writer.add_block_count(n_layer)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(UNK_ID)
+    writer.add_bos_token_id(BOS_ID)
+    writer.add_eos_token_id(EOS_ID)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    if chat_template:
+        writer.add_chat_template(chat_template)
+
+    rng = np.random.default_rng(seed)
+
+    def weight(*shape):  # numpy shape, i.e. reversed ggml ne
+        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(wdtype)
+
+    def norm(n):
+        return np.ones(n, dtype=np.float32)
+
+    T = gguf.TENSOR_NAMES
+    M = gguf.MODEL_TENSOR
+    writer.add_tensor(T[M.TOKEN_EMBD] + ".weight", weight(vocab_size, n_embd))
+    writer.add_tensor(T[M.OUTPUT_NORM] + ".weight", norm(n_embd))
+    writer.add_tensor(T[M.OUTPUT] + ".weight", weight(vocab_size, n_embd))
+    for bid in range(n_layer):
+        def add(tensor, array):
+            writer.add_tensor(T[tensor].format(bid=bid) + ".weight", array)
+
+        add(M.ATTN_NORM, norm(n_embd))
+        add(M.ATTN_Q, weight(n_embd, n_embd))          # ggml {n_embd, n_head*head_dim}
+        add(M.ATTN_K, weight(n_embd_kv, n_embd))       # ggml {n_embd, n_head_kv*head_dim}
+        add(M.ATTN_V, weight(n_embd_kv, n_embd))
+        add(M.ATTN_OUT, weight(n_embd, n_embd))
+        add(M.FFN_NORM, norm(n_embd))
+        add(M.FFN_GATE, weight(n_ff, n_embd))          # ggml {n_embd, n_ff}
+        add(M.FFN_UP, weight(n_ff, n_embd))
+        add(M.FFN_DOWN, weight(n_embd, n_ff))          # ggml {n_ff, n_embd}
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
+    return path
+
+
+def read_gguf_metadata(path: Union[str, os.PathLike]) -> dict:
+    """All key/value fields of a GGUF file as plain Python values (str, int, float, list).
+
+    Tensor infos are not included; use gguf.GGUFReader(path).tensors for those.
+    """
+    reader = gguf.GGUFReader(path)
+    return {name: field.contents() for name, field in reader.fields.items()
+            if not name.startswith("GGUF.")}
+
+
+def write_fake_blob(path: Union[str, os.PathLike], size: int, seed: int = 0,
+                    chunk_size: int = 4 << 20) -> Path:
+    """Write `size` pseudo-random bytes to `path`, one chunk at a time.
+
+    Deterministic for a given seed and size; memory use is bounded by `chunk_size`, and
+    a 1 GiB file takes a second or two (numpy's generator fills each chunk).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    remaining = size
+    with open(path, "wb") as f:
+        while remaining > 0:
+            n = min(chunk_size, remaining)
+            f.write(rng.bytes(n))
+            remaining -= n
+    return path
