@@ -60,6 +60,13 @@ def _origins(value: Any) -> list | None:
     return list(value)
 
 
+def _hub_url(value: Any) -> str:
+    url = _string(value).rstrip("/")
+    if not url.lower().startswith(("http://", "https://")) or "//" not in url[:8]:
+        raise ValueError(f"expected an http:// or https:// URL, got {value!r}")
+    return url
+
+
 def _log_level(value: Any) -> str:
     level = _string(value).upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
@@ -80,6 +87,7 @@ class Key:
     default: Any
     comment: str
     api: str | None = None
+    env: str | None = None  # an environment variable that overrides the file for this run
 
 
 # The one table of settings. If you add a Config field (a key with `api`), also
@@ -93,6 +101,9 @@ KEYS: tuple[Key, ...] = (
     Key("logFolderPath", _path, lambda s: str(Path(s["dataFolderPath"]) / "logs"),
         "the server's rotating log file lives here"),
     Key("logLevel", _log_level, "INFO", "DEBUG, INFO, WARNING or ERROR"),
+    Key("modelHubUrl", _hub_url, "https://huggingface.co",
+        "Hugging Face-compatible hub that models are pulled from", env="LOCALRT_MODELHUB_URL"),
+    Key("modelHubOrg", _string, "cortexso", "hub organization holding the built-in models"),
     # None means: the local origins on the API port, so a port change keeps them right.
     Key("allowedOrigins", _origins, None, "origins allowed by CORS", api="allowed_origins"),
     Key("cors", _boolean, True, "whether CORS headers are sent", api="cors"),
@@ -118,6 +129,7 @@ ALIASES = {k.api: k.name for k in KEYS if k.api}
 # man/localrt.1 (ENVIRONMENT) and README.rst.
 ENVIRONMENT = {
     "LOCALRT_CONFIG": "path of the settings file, instead of ~/.localrtrc",
+    **{k.env: f"overrides {k.name} for this run" for k in KEYS if k.env},
 }
 
 
@@ -208,14 +220,21 @@ def load(path: str | os.PathLike | None = None,
         values, unknown = _parse(path, home)
         for name in unknown:
             log.warning("%s: unknown key %r is kept but not used", path, name)
-        return Settings(path, values, unknown, home)
-    values = _resolve({}, home, path)
-    if create:
-        try:
-            atomic_write(path, _render(values, {}))
-        except OSError as exc:
-            raise SettingsError(f"{path}: cannot create the settings file: {exc}") from None
-    return Settings(path, values, {}, home)
+    else:
+        values, unknown = _resolve({}, home, path), {}
+        if create:
+            try:
+                atomic_write(path, _render(values, {}))
+            except OSError as exc:
+                raise SettingsError(f"{path}: cannot create the settings file: {exc}") from None
+    settings = Settings(path, values, unknown, home)
+    for key in KEYS:
+        if key.env and environ.get(key.env):
+            try:
+                settings.override(**{key.name: environ[key.env]})
+            except ValueError as exc:
+                raise SettingsError(f"${key.env}: {exc}") from None
+    return settings
 
 
 def _parse(path: Path, home: Path) -> tuple[dict, dict]:
