@@ -29,6 +29,26 @@ from localrt.app import create_app
 REPO = Path(__file__).resolve().parent.parent
 
 
+PROXY_ENV = ("http_proxy", "https_proxy", "no_proxy", "all_proxy",
+             "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY")
+
+# Config fields for outbound requests, as GET /v1/configs gives them, minus the proxy.
+OUTBOUND = {"proxy_url": "", "proxy_username": "", "proxy_password": "", "no_proxy": "",
+            "verify_host_ssl": True, "verify_peer_ssl": True, "verify_proxy_host_ssl": True,
+            "verify_proxy_ssl": True, "modelhub_token": ""}
+
+
+def outbound_config(**changes) -> dict:
+    return {**OUTBOUND, **changes}
+
+
+@pytest.fixture(autouse=True)
+def no_env_proxies(monkeypatch):
+    """No test inherits the machine's proxy variables."""
+    for name in PROXY_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture
 def home(tmp_path, monkeypatch):
     """A fresh HOME; LOCALRT_CONFIG cleared so the rc file is $HOME/.localrtrc."""

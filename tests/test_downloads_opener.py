@@ -6,31 +6,16 @@ import urllib.error
 
 import pytest
 import trustme
+from conftest import outbound_config as config
 from ggufgen import write_gguf
 from hubemu import HubEmulator
 from proxyfix import start_proxy
 
 from localrt.downloads import ProxyAuthFailed, UpstreamError, no_proxy_matches, open_url
 
-BASE = {"proxy_url": "", "proxy_username": "", "proxy_password": "", "no_proxy": "",
-        "verify_host_ssl": True, "verify_peer_ssl": True, "verify_proxy_host_ssl": True,
-        "verify_proxy_ssl": True, "modelhub_token": ""}
-
-
-@pytest.fixture(autouse=True)
-def no_env_proxies(monkeypatch):
-    for name in ("http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY",
-                 "NO_PROXY", "all_proxy", "ALL_PROXY"):
-        monkeypatch.delenv(name, raising=False)
-
-
 @pytest.fixture
 def model(tmp_path):
     return write_gguf(tmp_path / "tiny.gguf")
-
-
-def config(**changes):
-    return {**BASE, **changes}
 
 
 def get(cfg, url, hub_url=None):

@@ -34,14 +34,6 @@ USER = "alice"
 PASSWORD = "s3cret:with@odd/chars"  # exercises percent-encoding in the userinfo form
 
 
-@pytest.fixture(autouse=True)
-def no_env_proxies(monkeypatch):
-    """Environment proxy variables would change urllib's routing."""
-    for name in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):
-        monkeypatch.delenv(name, raising=False)
-        monkeypatch.delenv(name.upper(), raising=False)
-
-
 @pytest.fixture
 def proxy(tmp_path):
     with start_proxy(tmp_path, username=USER, password=PASSWORD) as p:
