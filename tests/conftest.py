@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from socketserver import ThreadingMixIn
 from types import SimpleNamespace
@@ -158,16 +157,11 @@ def run_foreground_server(home: Path, extra=()) -> Server:
     cmd = [sys.executable, "-m", "localrt", "start", "--foreground", "--port", "0", *extra]
     process = subprocess.Popen(cmd, env=subprocess_env(home), stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"server exited: {process.stderr.read().decode()}")
-        address = server.read_pid_file(settings)
-        if address and address.pid == process.pid and server.healthy(address):
-            return Server(process, address.url, address.port, settings)
-        time.sleep(0.02)
-    process.kill()
-    raise AssertionError("server did not start")
+    try:
+        address = server.wait_started(settings, process)
+    except RuntimeError as exc:
+        raise AssertionError(f"{exc}: {process.stderr.read().decode()}") from None
+    return Server(process, address.url, address.port, settings)
 
 
 @pytest.fixture

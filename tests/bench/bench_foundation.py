@@ -181,16 +181,7 @@ def start_foreground(home: Path, procs: list):
                             env=child_env(home), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     procs.append(proc)
-    settings = settings_for(home)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"localrt server exited with {proc.returncode}")
-        address = server.read_pid_file(settings)
-        if address and address.pid == proc.pid and server.healthy(address):
-            return proc, address
-        time.sleep(0.02)
-    raise RuntimeError("localrt server did not start within 20 s")
+    return proc, server.wait_started(settings_for(home), proc)
 
 
 def start_reference(spec_path: Path, home: Path, procs: list):
