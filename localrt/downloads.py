@@ -17,15 +17,7 @@ import urllib.request
 from typing import Mapping
 from urllib.parse import quote, unquote, urlsplit
 
-from localrt.errors import HTTPError
-
-
-class UpstreamError(HTTPError):
-    """A hub, CDN or proxy failed us; the message says which and why."""
-
-    status = 502
-    type = "server_error"
-    code = "upstream_error"
+from localrt.errors import UpstreamError
 
 
 class ProxyAuthFailed(UpstreamError):

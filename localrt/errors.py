@@ -84,6 +84,14 @@ class UnsupportedMediaType(HTTPError):
     code = "unsupported_media_type"
 
 
+class UpstreamError(HTTPError):
+    """A hub, CDN or proxy failed us; the message says which and why."""
+
+    status = 502
+    type = "server_error"
+    code = "upstream_error"
+
+
 class InsufficientStorage(HTTPError):
     """localrt could not write its own files (disk full, read-only, permissions)."""
 

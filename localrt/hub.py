@@ -1,6 +1,5 @@
 """The Hugging Face hub API, as much of it as pulling models needs.
 
-  GET /api/models/{repo}/revision/{rev}   siblings (the files)
   GET /api/models/{repo}/tree/{rev}       sizes, and lfs.oid, the sha256
   GET /api/models/{repo}/refs             branches (the variants of built-ins)
   GET /{repo}/resolve/{rev}/{path}        the bytes (see localrt.downloads)
@@ -15,8 +14,8 @@ from dataclasses import dataclass
 from typing import Mapping
 from urllib.parse import quote
 
-from localrt.downloads import UpstreamError, open_url
-from localrt.errors import Forbidden, NotFound
+from localrt.downloads import open_url
+from localrt.errors import Forbidden, NotFound, UpstreamError
 
 
 class HubTokenRequired(Forbidden):

@@ -61,8 +61,11 @@ def _origins(value: Any) -> list | None:
 
 
 def _hub_url(value: Any) -> str:
+    from urllib.parse import urlsplit
+
     url = _string(value).rstrip("/")
-    if not url.lower().startswith(("http://", "https://")) or "//" not in url[:8]:
+    parts = urlsplit(url)
+    if parts.scheme.lower() not in ("http", "https") or not parts.netloc:
         raise ValueError(f"expected an http:// or https:// URL, got {value!r}")
     return url
 

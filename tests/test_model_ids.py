@@ -65,6 +65,7 @@ def test_hub_url_from_settings_and_environment(home, monkeypatch):
     assert s["modelHubUrl"] == "http://127.0.0.1:9"
     s.update({"cors": False})  # the override is never written to the file
     assert "127.0.0.1:9" not in s.path.read_text()
-    monkeypatch.setenv("LOCALRT_MODELHUB_URL", "ftp://mirror")
-    with pytest.raises(settings_mod.SettingsError, match="LOCALRT_MODELHUB_URL"):
-        settings_mod.load()
+    for bad in ("ftp://mirror", "http://", "mirror.example"):
+        monkeypatch.setenv("LOCALRT_MODELHUB_URL", bad)
+        with pytest.raises(settings_mod.SettingsError, match="LOCALRT_MODELHUB_URL"):
+            settings_mod.load()
