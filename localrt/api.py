@@ -12,7 +12,8 @@ import threading
 
 from localrt import __version__
 from localrt.app import Reply, Request, Services
-from localrt.errors import Conflict
+from localrt.errors import Conflict, ServiceUnavailable
+from localrt.events import TooManyListeners
 from localrt.routing import Route
 
 
@@ -41,9 +42,87 @@ def stop_server(services: Services, request: Request):
                  after=lambda: threading.Thread(target=shutdown, daemon=True).start())
 
 
+# --- models and downloads ----------------------------------------------------------
+
+
+def list_models(services: Services, request: Request):
+    """Spec row 11: the downloaded models, in OpenAI's list shape."""
+    return {"object": "list", "data": services.models.registry.list()}
+
+
+def get_model(services: Services, request: Request):
+    """Spec row 12."""
+    return services.models.registry.get(request.params["model_id"])
+
+
+def delete_model(services: Services, request: Request):
+    """Spec row 13: the files and the definition."""
+    model_id = request.params["model_id"]
+    services.models.registry.remove(model_id)
+    return {"message": f"Model {model_id} removed", "id": model_id, "object": "model",
+            "deleted": True}
+
+
+def update_model(services: Services, request: Request):
+    """Spec row 14: the stored parameters (schemas/model-update.json)."""
+    model = services.models.registry.update(request.params["model_id"], request.body)
+    return {"message": f"Model {model['id']} updated", "model": model}
+
+
+def pull_model(services: Services, request: Request):
+    """Spec row 9: start a background download."""
+    return services.models.pull(request.params["model_id"])
+
+
+def pull_model_body(services: Services, request: Request):
+    """The newer cortex form of row 9, which can also choose a file: {"model", "file"?}."""
+    return services.models.pull(request.body["model"], request.body.get("file"))
+
+
+def list_pulls(services: Services, request: Request):
+    """Download tasks with their progress."""
+    return {"object": "list", "data": services.downloads.list()}
+
+
+def cancel_pull(services: Services, request: Request):
+    """Spec row 10: stop a download; its part files stay so a new pull resumes."""
+    task = services.downloads.cancel(request.body["taskId"])
+    return {"message": f"Download {task['id']} is stopping", "task": task}
+
+
+def import_model(services: Services, request: Request):
+    """Register a local GGUF file: no hub needed."""
+    body = request.body
+    model = services.models.import_file(body["path"], body.get("id"),
+                                        body.get("option", "symlink"))
+    return {"message": f"Model {model['id']} imported", "model": model}
+
+
+def events(services: Services, request: Request):
+    """Server-Sent Events: DownloadStarted, DownloadUpdated, DownloadSuccess, ..."""
+    try:
+        stream = services.events.listen()
+    except TooManyListeners:
+        raise ServiceUnavailable(f"Too many open event streams (at most "
+                                 f"{services.events.max_listeners}); close one") from None
+    return Reply(stream, content_type="text/event-stream",
+                 headers=[("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")])
+
+
+# Fixed paths come before `{model_id:path}` ones: model ids hold "/" and ":".
 ROUTES = (
     Route("GET", "/healthz", healthz),
     Route("GET", "/v1/configs", get_configs),
     Route("PATCH", "/v1/configs", patch_configs, "config-update.json"),
     Route("DELETE", "/v1/system", stop_server),
+    Route("GET", "/v1/events", events),
+    Route("GET", "/v1/models", list_models),
+    Route("GET", "/v1/models/pull", list_pulls),
+    Route("POST", "/v1/models/pull", pull_model_body, "model-pull.json"),
+    Route("DELETE", "/v1/models/pull", cancel_pull, "task-cancel.json"),
+    Route("POST", "/v1/models/import", import_model, "model-import.json"),
+    Route("POST", "/v1/models/{model_id:path}/pull", pull_model),
+    Route("GET", "/v1/models/{model_id:path}", get_model),
+    Route("DELETE", "/v1/models/{model_id:path}", delete_model),
+    Route("PATCH", "/v1/models/{model_id:path}", update_model, "model-update.json"),
 )

@@ -13,9 +13,12 @@ from http import HTTPStatus
 from typing import Any, Callable, Iterable
 from urllib.parse import parse_qsl
 
+from localrt import models
 from localrt.config import Config
+from localrt.downloads import Downloads
 from localrt.errors import (BadRequest, Forbidden, HTTPError, InternalError, InvalidJSON,
                             PayloadTooLarge, UnsupportedMediaType)
+from localrt.events import EventBus
 from localrt.routing import Router
 from localrt.schemas import Validators
 from localrt.settings import Settings
@@ -26,6 +29,8 @@ MAX_BODY = 1024 * 1024  # bytes; larger request bodies get a 413
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 PREFLIGHT_MAX_AGE = "600"
 ALLOWED_REQUEST_HEADERS = "Content-Type, Authorization"
+# Each open GET /v1/events stream holds a server thread (localrt.server.THREADS is 8).
+MAX_EVENT_LISTENERS = 4
 
 
 @dataclass
@@ -61,6 +66,9 @@ class Services:
 
     settings: Settings
     config: Config
+    events: EventBus
+    downloads: Downloads
+    models: models.Models
     shutdown: Callable[[], None] | None = None
 
 
@@ -71,8 +79,15 @@ class App:
         if routes is None:
             from localrt.api import ROUTES as routes
         self.router = Router(routes)
-        self.services = Services(settings=settings, config=Config(settings), shutdown=shutdown)
         self.validators = Validators()
+        config = Config(settings)
+        events = EventBus(MAX_EVENT_LISTENERS)
+        downloads = Downloads(config.get, events)
+        registry = models.Registry(settings.data_dir / "models", self.validators)
+        self.services = Services(settings=settings, config=config, events=events,
+                                 downloads=downloads,
+                                 models=models.Models(settings, config, downloads, registry),
+                                 shutdown=shutdown)
 
     def __call__(self, environ, start_response):
         origin = environ.get("HTTP_ORIGIN")
@@ -145,7 +160,9 @@ class App:
         return Reply(None, 204, headers)
 
     def close(self) -> None:
-        """Release what the app holds (loaded engines, once there are some)."""
+        """End event streams and stop download tasks (their part files stay for resuming)."""
+        self.services.events.close()
+        self.services.downloads.close()
 
 
 def create_app(settings: Settings, **kwargs) -> App:

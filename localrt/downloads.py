@@ -4,20 +4,38 @@ Proxy, credentials, no_proxy and the SSL flags come only from Config (spec 2.1),
 never from the environment, and are read afresh for every request, so a change
 applies to the next one without a restart. The hub token is added as an
 unredirected header, so it reaches the hub and never the host a redirect leads to.
-(Pull tasks, resume and progress are still to come.)
+
+Download tasks (`Downloads`) run in the background, one thread each. Every file
+is written to `<name>.part`, resumed with a Range request after a cancel, a
+dropped connection or a kill, and renamed into place only once its size and
+checksum match. Progress is published on the EventBus.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
+import http.client
 import ipaddress
+import logging
+import os
+import shutil
+import socket
 import ssl
+import threading
+import time
 import urllib.error
 import urllib.request
-from typing import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping
 from urllib.parse import quote, unquote, urlsplit
 
-from localrt.errors import UpstreamError
+from localrt.errors import Conflict, InsufficientStorage, NotFound, UpstreamError
+from localrt.events import EventBus
+from localrt.fsutil import fsync_dir
+
+log = logging.getLogger(__name__)
 
 
 class ProxyAuthFailed(UpstreamError):
@@ -140,3 +158,401 @@ def _proxy_auth_message(config: Mapping) -> str:
                 f"{quote(config['proxy_username'])!r}; check proxy_username and proxy_password")
     return (f"The proxy {proxy} requires authentication; set proxy_username and "
             f"proxy_password")
+
+
+# --- download tasks ------------------------------------------------------------
+
+CHUNK = 1024 * 1024          # bytes per read; also the most a task holds in memory
+MAX_ATTEMPTS = 5             # tries per file without progress before the task fails
+BACKOFF_SECONDS = (0.5, 1.0, 2.0, 4.0, 8.0)
+UPDATE_INTERVAL = 0.5        # seconds between DownloadUpdated events of one task
+DISK_MARGIN = 64 * 1024 * 1024  # free space kept beyond what a pull needs
+FINISHED_KEPT = 100          # finished tasks still listed by GET /v1/models/pull
+
+
+class DownloadFailed(Exception):
+    """A file could not be downloaded; the message says why, for the task's error."""
+
+
+class _Retry(Exception):
+    """A transient failure: try the file again after a pause."""
+
+
+class _Cancelled(Exception):
+    pass
+
+
+@dataclass
+class Item:
+    """One file of a task."""
+
+    id: str                  # the file's path in its repo
+    url: str
+    local_path: Path
+    size: int
+    sha256: str | None = None   # the hub's lfs.oid
+    git_oid: str | None = None  # git blob sha1, for small files the hub has no sha256 for
+    downloaded: int = 0
+
+    def to_dict(self) -> dict:
+        """The item as the API shows it."""
+        return {"id": self.id, "url": self.url, "localPath": str(self.local_path),
+                "bytes": self.size, "downloadedBytes": self.downloaded,
+                "checksum": self.sha256}
+
+
+@dataclass
+class Task:
+    """A background download: what `POST .../pull` starts and events carry."""
+
+    id: str
+    type: str                # "Model" or "Engine"
+    items: list[Item]
+    hub_url: str | None = None  # the host the token may be sent to
+    status: str = "Pending"  # Pending, Downloading, Success, Error, Stopped
+    error: str | None = None
+    on_success: Callable[["Task"], None] | None = field(default=None, repr=False)
+    cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
+    response: object = field(default=None, repr=False)  # the open HTTP response, to abort
+
+    @property
+    def running(self) -> bool:
+        return self.status in ("Pending", "Downloading")
+
+    def to_dict(self) -> dict:
+        """The task as the API and events show it."""
+        out = {"id": self.id, "type": self.type, "status": self.status,
+               "items": [item.to_dict() for item in self.items]}
+        if self.error:
+            out["error"] = self.error
+        return out
+
+
+def part_path(path: Path) -> Path:
+    """Where a file is written until it is complete and checked."""
+    return path.with_name(path.name + ".part")
+
+
+class Downloads:
+    """Owns the download tasks and their threads."""
+
+    def __init__(self, config: Callable[[], Mapping], events: EventBus):
+        self._config = config  # called per request, so Config changes apply at once
+        self._events = events
+        self._lock = threading.Lock()  # guards _tasks (the dict, not the tasks' progress)
+        self._tasks: dict[str, Task] = {}
+        self._threads: list[threading.Thread] = []
+
+    def start(self, task: Task) -> Task:
+        """Check for duplicates and disk space, then run `task` in a thread."""
+        check_disk_space(task.id, task.items)
+        with self._lock:
+            current = self._tasks.get(task.id)
+            if current is not None and current.running:
+                raise Conflict(f"{task.id} is already downloading (taskId {task.id})",
+                               extra={"taskId": task.id})
+            self._tasks[task.id] = task
+            self._forget_finished()
+            thread = threading.Thread(target=self._run, args=(task,), daemon=True,
+                                      name=f"download {task.id}")
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+        return task
+
+    def running(self, task_id: str) -> Task | None:
+        """The running task with this id, if any."""
+        with self._lock:
+            task = self._tasks.get(task_id)
+        return task if task is not None and task.running else None
+
+    def list(self) -> list[dict]:
+        """Every task still known, running ones first."""
+        with self._lock:
+            tasks = list(self._tasks.values())
+        tasks.sort(key=lambda t: not t.running)
+        return [t.to_dict() for t in tasks]
+
+    def cancel(self, task_id: str) -> dict:
+        """Stop a running task; its part files stay, so a new pull resumes."""
+        with self._lock:
+            task = self._tasks.get(task_id)
+        if task is None:
+            raise NotFound(f"No download task {task_id!r}", param="taskId")
+        if not task.running:
+            raise Conflict(f"Task {task_id} is not running (it is {task.status})",
+                           param="taskId")
+        task.cancelled.set()
+        _abort(task.response)
+        return task.to_dict()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Cancel every task and wait for the threads (the server is stopping)."""
+        with self._lock:
+            tasks, threads = list(self._tasks.values()), list(self._threads)
+        for task in tasks:
+            task.cancelled.set()
+            _abort(task.response)
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _forget_finished(self) -> None:
+        finished = [tid for tid, t in self._tasks.items() if not t.running]
+        for tid in finished[:max(0, len(finished) - FINISHED_KEPT)]:
+            del self._tasks[tid]
+
+    # --- the worker ----------------------------------------------------------
+
+    def _run(self, task: Task) -> None:
+        task.status = "Downloading"
+        self._publish("DownloadStarted", task)
+        try:
+            for item in task.items:
+                self._fetch(task, item)
+            if task.cancelled.is_set():
+                raise _Cancelled()
+            if task.on_success is not None:
+                task.on_success(task)
+        except _Cancelled:
+            task.status = "Stopped"
+            self._publish("DownloadStopped", task)
+            log.info("download %s stopped", task.id)
+        except (DownloadFailed, UpstreamError) as exc:
+            self._fail(task, str(exc))
+        except OSError as exc:
+            self._fail(task, f"Cannot write {exc.filename or 'a model file'}: "
+                             f"{exc.strerror or exc}")
+        except Exception:
+            log.exception("download %s failed", task.id)
+            self._fail(task, "Internal error; the server log has the details")
+        else:
+            task.status = "Success"
+            self._publish("DownloadSuccess", task)
+            log.info("download %s finished", task.id)
+
+    def _fail(self, task: Task, message: str) -> None:
+        task.status, task.error = "Error", message
+        self._publish("DownloadError", task)
+        log.warning("download %s failed: %s", task.id, message)
+
+    def _publish(self, event_type: str, task: Task) -> None:
+        self._events.publish(event_type, task=task.to_dict())
+
+    def _fetch(self, task: Task, item: Item) -> None:
+        """Download one file to its part file, check it, and rename it into place."""
+        if _complete(item):
+            item.downloaded = item.size
+            return
+        part = part_path(item.local_path)
+        part.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with open(part, "ab+") as out:
+            hasher = _Hasher(item)
+            hasher.catch_up(out)
+            item.downloaded = out.tell()
+            attempts = 0
+            while item.downloaded < item.size or item.size == 0:
+                if task.cancelled.is_set():
+                    raise _Cancelled()
+                before = item.downloaded
+                try:
+                    self._transfer(task, item, out, hasher)
+                    if item.size == 0:
+                        break
+                except _Retry as exc:
+                    attempts = 0 if item.downloaded > before else attempts + 1
+                    if attempts >= MAX_ATTEMPTS:
+                        raise DownloadFailed(f"{item.id}: {exc} (gave up after "
+                                             f"{MAX_ATTEMPTS} tries)") from None
+                    delay = BACKOFF_SECONDS[min(attempts, len(BACKOFF_SECONDS) - 1)]
+                    log.info("download %s: %s; retrying in %.1fs", task.id, exc, delay)
+                    if task.cancelled.wait(delay):
+                        raise _Cancelled() from None
+            out.flush()
+            os.fsync(out.fileno())
+        if item.downloaded != item.size:
+            raise DownloadFailed(f"{item.id}: got {item.downloaded} bytes, expected "
+                                 f"{item.size}")
+        if not hasher.matches():
+            part.unlink()
+            item.downloaded = 0
+            raise DownloadFailed(f"{item.id}: checksum mismatch (expected sha256 "
+                                 f"{item.sha256 or item.git_oid}, got {hasher.hexdigest()}); "
+                                 f"the damaged download was deleted, pull again")
+        os.replace(part, item.local_path)
+        fsync_dir(item.local_path.parent)
+
+    def _transfer(self, task: Task, item: Item, out, hasher: "_Hasher") -> None:
+        """One HTTP request, resuming at item.downloaded; raises _Retry on transient errors."""
+        offset = item.downloaded
+        headers = {"Range": f"bytes={offset}-"} if offset else {}
+        try:
+            resp = open_url(self._config(), item.url, hub_url=task.hub_url,
+                            headers=headers, timeout=30.0)
+        except urllib.error.HTTPError as exc:
+            exc.close()
+            if exc.code == 416 and offset:
+                _restart(item, out, hasher)  # the part is not a prefix of this file
+                raise _Retry("the server refused to resume; starting over") from None
+            if exc.code >= 500 or exc.code == 429:
+                raise _Retry(f"HTTP {exc.code} from {_origin(exc.url or item.url)}") from None
+            raise DownloadFailed(_http_failure(exc.code, item)) from None
+        except ProxyAuthFailed:
+            raise
+        except UpstreamError as exc:
+            raise _Retry(str(exc)) from None
+        task.response = resp
+        try:
+            if task.cancelled.is_set():
+                raise _Cancelled()
+            if offset and resp.status != 206:
+                _restart(item, out, hasher)  # the server ignored the Range header
+            elif offset and not _content_range_starts_at(resp, offset):
+                raise _Retry("the server resumed at the wrong offset")
+            self._copy(task, item, resp, out, hasher)
+        except (http.client.HTTPException, OSError) as exc:
+            if task.cancelled.is_set():
+                raise _Cancelled() from None
+            if isinstance(exc, OSError) and exc.filename:
+                raise  # our own file, not the network
+            raise _Retry(f"connection lost ({exc.__class__.__name__})") from None
+        finally:
+            task.response = None
+            resp.close()
+
+    def _copy(self, task: Task, item: Item, resp, out, hasher: "_Hasher") -> None:
+        buf = bytearray(CHUNK)
+        view = memoryview(buf)
+        next_update = time.monotonic() + UPDATE_INTERVAL
+        while True:
+            n = resp.readinto(buf)
+            if not n:
+                break
+            if item.downloaded + n > item.size:
+                raise DownloadFailed(f"{item.id}: the server sent more than the "
+                                     f"{item.size} bytes the hub listed")
+            out.write(view[:n])
+            hasher.update(view[:n])
+            item.downloaded += n
+            if task.cancelled.is_set():
+                raise _Cancelled()
+            now = time.monotonic()
+            if now >= next_update:
+                next_update = now + UPDATE_INTERVAL
+                self._publish("DownloadUpdated", task)
+        if item.downloaded < item.size:
+            raise _Retry(f"connection closed at byte {item.downloaded} of {item.size}")
+
+
+class _Hasher:
+    """The checksum the hub gives for a file: sha256 for LFS files, git's sha1 otherwise."""
+
+    def __init__(self, item: Item):
+        self.item = item
+        self._reset()
+
+    def _reset(self) -> None:
+        if self.item.sha256:
+            self._h = hashlib.sha256()
+        elif self.item.git_oid:
+            self._h = hashlib.sha1(b"blob %d\0" % self.item.size)
+        else:
+            self._h = None
+
+    def catch_up(self, f) -> None:
+        """Hash what a part file already holds (a resumed download)."""
+        f.seek(0)
+        if self._h is not None:
+            while chunk := f.read(CHUNK):
+                self._h.update(chunk)
+        f.seek(0, os.SEEK_END)
+
+    def update(self, data) -> None:
+        if self._h is not None:
+            self._h.update(data)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest() if self._h is not None else ""
+
+    def matches(self) -> bool:
+        expected = self.item.sha256 or self.item.git_oid
+        return expected is None or self.hexdigest() == expected.lower()
+
+
+def _restart(item: Item, out, hasher: _Hasher) -> None:
+    out.seek(0)
+    out.truncate()
+    item.downloaded = 0
+    hasher._reset()
+
+
+def _complete(item: Item) -> bool:
+    """Whether the final file is already there (a pull that stopped after the rename)."""
+    try:
+        if item.local_path.stat().st_size != item.size:
+            return False
+    except FileNotFoundError:
+        return False
+    hasher = _Hasher(item)
+    with open(item.local_path, "rb") as f:
+        hasher.catch_up(f)
+    return hasher.matches()
+
+
+def _content_range_starts_at(resp, offset: int) -> bool:
+    value = resp.headers.get("Content-Range", "")
+    try:
+        return int(value.split()[1].split("-")[0]) == offset
+    except (IndexError, ValueError):
+        return False
+
+
+def _abort(resp) -> None:
+    """Unblock a thread reading `resp` by shutting its socket down."""
+    if resp is None:
+        return
+    sock = getattr(getattr(getattr(resp, "fp", None), "raw", None), "_sock", None)
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def _http_failure(status: int, item: Item) -> str:
+    if status in (401, 403):
+        return (f"{item.id}: the hub refused the file (HTTP {status}); the repository "
+                f"needs a token, or the token was not accepted")
+    if status == 404:
+        return f"{item.id}: the file is no longer on the hub (HTTP 404)"
+    return f"{item.id}: HTTP {status} from {_origin(item.url)}"
+
+
+def check_disk_space(what: str, items: list[Item]) -> None:
+    """Raise InsufficientStorage unless the items' missing bytes fit on the disk."""
+    if not items:
+        return
+    needed = 0
+    for item in items:
+        have = 0
+        for path in (item.local_path, part_path(item.local_path)):
+            try:
+                have = max(have, path.stat().st_size)
+            except FileNotFoundError:
+                pass
+        needed += max(0, item.size - have)
+    where = items[0].local_path.parent
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if needed + DISK_MARGIN > free:
+        raise InsufficientStorage(
+            f"Not enough disk space for {what}: it needs {_size(needed)} and "
+            f"{where} has {_size(free)} free")
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"

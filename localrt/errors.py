@@ -14,18 +14,20 @@ class HTTPError(Exception):
     type = "server_error"
     code = "internal_error"
 
-    def __init__(self, message: str, *, param: str | None = None, headers=None):
+    def __init__(self, message: str, *, param: str | None = None, headers=None,
+                 extra: dict | None = None):
         super().__init__(message)
         self.message = message
         self.param = param
         self.headers = list(headers or [])
+        self.extra = dict(extra or {})  # more top-level fields, e.g. the taskId of a 409
 
     def body(self) -> dict:
         """The JSON error body: `message` for curl users, `error` for OpenAI clients."""
         error = {"message": self.message, "type": self.type, "code": self.code}
         if self.param is not None:
             error["param"] = self.param
-        return {"message": self.message, "error": error}
+        return {**self.extra, "message": self.message, "error": error}
 
 
 class BadRequest(HTTPError):
@@ -98,6 +100,12 @@ class InsufficientStorage(HTTPError):
     status = 507
     type = "server_error"
     code = "storage_error"
+
+
+class ServiceUnavailable(HTTPError):
+    status = 503
+    type = "server_error"
+    code = "unavailable"
 
 
 class InternalError(HTTPError):

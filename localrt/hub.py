@@ -37,6 +37,7 @@ class HubFile:
     path: str
     size: int
     sha256: str | None  # None for small non-LFS files, which the hub gives no sha256 for
+    git_oid: str | None = None  # the git blob sha1, the checksum of those small files
 
 
 class Hub:
@@ -50,8 +51,13 @@ class Hub:
         """Every file of `repo` at `revision`, with sizes and sha256 where the hub has them."""
         entries = self._get(f"/api/models/{repo}/tree/{quote(revision, safe='')}"
                             "?recursive=1", repo, revision)
-        return [HubFile(e["path"], int(e.get("size", 0)), (e.get("lfs") or {}).get("oid"))
-                for e in entries if e.get("type") == "file"]
+        try:
+            return [HubFile(e["path"], int(e.get("size", 0)), (e.get("lfs") or {}).get("oid"),
+                            e.get("oid"))
+                    for e in entries if e.get("type") == "file"]
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise UpstreamError(f"The model hub {self.url} sent a file list localrt cannot "
+                                f"read for {repo}") from None
 
     def branches(self, repo: str) -> list[str]:
         """The repo's branch names (a built-in model's variants)."""

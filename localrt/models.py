@@ -1,4 +1,4 @@
-"""Models: what a model id means, and (to come) the registry of downloaded models.
+"""Models: what a model id means, pulling models from the hub, and the registry.
 
 Id shapes (spec 2.4):
   <name>                  built-in repo <org>/<name>, branch main
@@ -7,15 +7,35 @@ Id shapes (spec 2.4):
   <org>/<repo>:<file>     a hub repository and one file in it
   https://<hub>/<org>/<repo>/(blob|resolve)/<rev>/<file>
 Ids are checked here before any I/O, so none can escape the models folder.
+
+Each downloaded or imported model has a folder under `<dataFolderPath>/models`
+holding its files and a definition file, `model.json` (schemas/model.json),
+written atomically and only once every file is complete and checked.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
 import re
+import shutil
+import threading
+import time
 from dataclasses import dataclass
-from urllib.parse import unquote, urlsplit
+from pathlib import Path
+from typing import Callable, Iterable
+from urllib.parse import quote, unquote, urlsplit
 
-from localrt.errors import InvalidField
+from localrt import ggufinfo, schemas
+from localrt.downloads import (DownloadFailed, Downloads, Item, Task, check_disk_space,
+                               fsync_dir)
+from localrt.errors import BadRequest, Conflict, HTTPError, InvalidField, NotFound
+from localrt.fsutil import atomic_write
+from localrt.hub import Hub
+
+log = logging.getLogger(__name__)
 
 MAX_ID_BYTES = 255
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")  # hub org, repo and branch names
@@ -105,3 +125,424 @@ def _parse_url(url: str, hub_url: str, param: str) -> ModelRef:
     revision, file = segments[3], "/".join(segments[4:])
     check_id(file, param)
     return ModelRef(f"{org_name}/{repo_name}", revision, file, builtin=False)
+
+
+# --- the registry ----------------------------------------------------------------
+
+DEFINITION = "model.json"
+GGUF_ENGINE, ONNX_ENGINE = "gguf-cpp", "onnx-runtime"
+DEFAULT_CTX_LEN = 4096  # a default ctx_len never above this, whatever the model was trained on
+SKIPPED_FILES = (".gitattributes",)  # repo files a pull leaves on the hub
+# model.yml's engine names (cortex's) -> localrt's
+YML_ENGINES = {"llama-cpp": GGUF_ENGINE, "llamacpp": GGUF_ENGINE, GGUF_ENGINE: GGUF_ENGINE,
+               "onnxruntime": ONNX_ENGINE, "onnx": ONNX_ENGINE, ONNX_ENGINE: ONNX_ENGINE}
+LIST_OMITS = ("chat_template",)  # metadata too big for every row of GET /v1/models
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+def parameter_names() -> tuple[str, ...]:
+    """The stored parameters a model can have: the properties of schemas/model-update.json."""
+    return tuple(k for k in schemas.load("model-update.json")["properties"] if k != "id")
+
+
+class Registry:
+    """The downloaded models, one definition file each, indexed in memory.
+
+    The index is built from the definition files on first use; after that the
+    server is their only writer, so reads never touch the disk.
+    """
+
+    def __init__(self, root: Path, validators: schemas.Validators,
+                 is_running: Callable[[str], bool] = lambda model_id: False):
+        self.root = Path(root)
+        self._validators = validators
+        self.is_running = is_running  # the engines' answer, once models can run
+        self._lock = threading.RLock()  # guards _models and every definition file write
+        self._models: dict[str, tuple[Path, dict]] | None = None  # id -> (folder, definition)
+
+    def list(self) -> list[dict]:
+        """Every model, in the OpenAI list-item shape plus localrt's fields."""
+        with self._lock:
+            entries = sorted(self._index().items())
+        return [self._record(folder, d, brief=True) for _, (folder, d) in entries]
+
+    def get(self, model_id: str) -> dict:
+        """One model's record, or ModelNotFound."""
+        with self._lock:
+            folder, d = self._find(model_id)
+        return self._record(folder, d)
+
+    def has(self, model_id: str) -> bool:
+        """Whether `model_id` is registered."""
+        with self._lock:
+            return model_id in self._index()
+
+    def add(self, folder: Path, definition: dict) -> dict:
+        """Register a model whose files are complete in `folder`."""
+        self.check(definition)
+        with self._lock:
+            known = self._index().get(definition["id"])
+            if known is not None and known[0] != folder:
+                raise Conflict(f"A model with id {definition['id']} already exists",
+                               param="id")
+            self._write(folder, definition)
+        return self._record(folder, definition)
+
+    def update(self, model_id: str, changes: dict) -> dict:
+        """Change stored parameters; the id itself cannot change."""
+        if "id" in changes and changes["id"] != model_id:
+            raise InvalidField("Invalid field 'id': a model's id cannot change", param="id")
+        with self._lock:
+            folder, d = self._find(model_id)
+            updated = {**d, **{k: v for k, v in changes.items() if k != "id"}}
+            self._write(folder, updated)
+        return self._record(folder, updated)
+
+    def remove(self, model_id: str) -> None:
+        """Forget a model and delete its folder (an imported file's link, never the file)."""
+        with self._lock:
+            folder, _ = self._find(model_id)
+            if self.is_running(model_id):
+                raise Conflict(f"Model {model_id} is running; stop it first with "
+                               f"`localrt models stop {model_id}`", param="model")
+            # The definition goes first: a crash part-way leaves stray files, never a
+            # registered model with missing ones.
+            (folder / DEFINITION).unlink()
+            fsync_dir(folder)
+            del self._models[model_id]
+            if _inside(folder, self.root):
+                shutil.rmtree(folder, ignore_errors=True)
+
+    def folder_of(self, model_id: str) -> Path:
+        """The folder holding a registered model's files."""
+        with self._lock:
+            return self._find(model_id)[0]
+
+    def check(self, definition: dict) -> None:
+        """Raise InvalidField unless `definition` is a valid model definition."""
+        self._validators.validate("model.json", definition)
+        names = parameter_names()
+        self._validators.validate("model-update.json",
+                                  {k: v for k, v in definition.items() if k in names})
+
+    def usable(self, parameters: dict) -> dict:
+        """The parameters that pass schemas/model-update.json; the others are logged."""
+        out = {}
+        for name, value in parameters.items():
+            try:
+                self._validators.validate("model-update.json", {name: value})
+            except InvalidField as exc:
+                log.warning("ignoring the stored parameter %s: %s", name, exc.message)
+            else:
+                out[name] = value
+        return out
+
+    def _find(self, model_id: str) -> tuple[Path, dict]:
+        found = self._index().get(model_id)
+        if found is None:
+            raise ModelNotFound(f"Model {model_id} not found; `localrt models list` shows the "
+                                f"downloaded models", param="model")
+        return found
+
+    def _write(self, folder: Path, definition: dict) -> None:
+        data = json.dumps(definition, indent=2, ensure_ascii=False).encode("utf-8") + b"\n"
+        atomic_write(folder / DEFINITION, data)
+        self._index()[definition["id"]] = (folder, definition)
+
+    def _index(self) -> dict[str, tuple[Path, dict]]:
+        if self._models is None:
+            self._models = self._scan()
+        return self._models
+
+    def _scan(self) -> dict[str, tuple[Path, dict]]:
+        """Read every definition; skip (and log) any that is invalid or whose files are not."""
+        models: dict[str, tuple[Path, dict]] = {}
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            if DEFINITION not in filenames:
+                continue
+            dirnames[:] = []  # a model's folder holds no other model
+            folder = Path(dirpath)
+            try:
+                d = json.loads((folder / DEFINITION).read_bytes())
+                self.check(d)
+            except (OSError, ValueError, HTTPError) as exc:
+                log.warning("ignoring the model definition in %s: %s", folder, exc)
+                continue
+            problem = _incomplete(folder, d["files"])
+            if problem:
+                log.warning("ignoring model %s: %s", d["id"], problem)
+            elif d["id"] in models:
+                log.warning("ignoring model %s in %s: the id is also used in %s",
+                            d["id"], folder, models[d["id"]][0])
+            else:
+                models[d["id"]] = (folder, d)
+        return models
+
+    def _record(self, folder: Path, d: dict, brief: bool = False) -> dict:
+        record = {"id": d["id"], "object": "model", "created": d["created"],
+                  "owned_by": d["owned_by"]}
+        record.update((k, v) for k, v in d.items() if k not in record)
+        if brief and "metadata" in d:
+            record["metadata"] = {k: v for k, v in d["metadata"].items()
+                                  if k not in LIST_OMITS}
+        record["size"] = sum(f["size"] for f in d["files"])
+        record["path"] = str(folder)
+        record["status"] = "running" if self.is_running(d["id"]) else "downloaded"
+        return record
+
+
+def _incomplete(folder: Path, files: Iterable[dict]) -> str | None:
+    """Why a model's files are not all there, or None."""
+    for f in files:
+        path = folder / f["path"]
+        try:
+            size = path.stat().st_size
+        except OSError:
+            return f"{path} is missing"
+        if size != f["size"]:
+            return f"{path} has {size} bytes, not {f['size']}"
+    return None
+
+
+def _inside(folder: Path, root: Path) -> bool:
+    folder, root = folder.resolve(), root.resolve()
+    return folder != root and root in folder.parents
+
+
+# --- pulling and importing --------------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    """What a pull will fetch, and where it goes."""
+
+    ref: ModelRef
+    local_id: str
+    task_id: str
+    folder: Path
+    items: list
+
+
+class Models:
+    """Pulls models from the hub and imports local files into the registry."""
+
+    def __init__(self, settings, config, downloads: Downloads, registry: Registry):
+        self._settings = settings
+        self._config = config
+        self.downloads = downloads
+        self.registry = registry
+        self._lock = threading.Lock()  # guards _importing
+        self._importing: set[str] = set()  # ids of imports under way
+
+    def pull(self, model_id: str, file: str | None = None) -> dict:
+        """Start downloading a model; or say it is already downloaded."""
+        hub_url, org = self._settings["modelHubUrl"], self._settings["modelHubOrg"]
+        ref = parse_id(model_id, hub_url, org)
+        if file is not None:
+            if ref.builtin or ref.file is not None:
+                raise InvalidField("Invalid field 'file': a file can only be chosen for an "
+                                   "<org>/<repo> model", param="file")
+            ref = ModelRef(ref.repo, ref.revision, check_id(file, "file"), builtin=False)
+        if ref.builtin or ref.file is not None:  # known before asking the hub
+            done = self._already(ref.local_id, _task_id(ref))
+            if done:
+                return done
+        hub = Hub(hub_url, self._config.get())
+        plan = self._plan(ref, hub)
+        done = self._already(plan.local_id, plan.task_id)
+        if done:
+            return done
+        task = Task(plan.task_id, "Model", plan.items, hub_url=hub.url,
+                    on_success=lambda task: self._register(plan))
+        self.downloads.start(task)
+        return {"message": f"Model {plan.local_id} starts downloading", "model": plan.local_id,
+                "task": task.to_dict()}
+
+    def _already(self, local_id: str, task_id: str) -> dict | None:
+        if self.registry.has(local_id):
+            return {"message": f"Model {local_id} is already downloaded", "model": local_id}
+        if self.downloads.running(task_id):
+            raise Conflict(f"Model {local_id} is already downloading (taskId {task_id})",
+                           extra={"taskId": task_id})
+        return None
+
+    def _plan(self, ref: ModelRef, hub: Hub) -> _Plan:
+        files = [f for f in hub.files(ref.repo, ref.revision) if f.path not in SKIPPED_FILES]
+        if ref.builtin:
+            chosen = files
+        elif ref.file is not None:
+            chosen = [f for f in files if f.path == ref.file]
+            if not chosen:
+                raise NotFound(f"No file {ref.file} in {ref.repo} at {ref.revision}; "
+                               f"its GGUF files: {', '.join(_ggufs(files)) or 'none'}",
+                               param="file")
+        else:
+            ggufs = _ggufs(files)
+            if len(ggufs) == 1:
+                return self._plan(ModelRef(ref.repo, ref.revision, ggufs[0], False), hub)
+            if len(ggufs) > 1:
+                raise BadRequest(f"{ref.repo} holds {len(ggufs)} GGUF files; choose one with "
+                                 f"\"file\" or as {ref.repo}:<file>: {', '.join(ggufs)}",
+                                 param="file", extra={"files": ggufs})
+            chosen = files  # no GGUF: the whole repo, e.g. an ONNX model folder
+        if not any(_engine_of(f.path) for f in chosen):
+            raise NotFound(f"{ref.repo} at {ref.revision} has no GGUF or ONNX model files",
+                           param="model")
+        host = urlsplit(hub.url).netloc.lower().replace(":", "_")
+        leaf = ref.file.replace("/", "_") if ref.file else ref.revision
+        folder = self.registry.root / host / ref.repo / leaf
+        items = [Item(f.path, hub.file_url(ref.repo, ref.revision, f.path),
+                      folder / (Path(f.path).name if ref.file else f.path),
+                      f.size, f.sha256, f.git_oid) for f in chosen]
+        local_id = ref.local_id if ref.file or ref.builtin else \
+            f"{ref.repo.replace('/', ':')}:{ref.revision}"
+        return _Plan(ref, local_id, _task_id(ref), folder, items)
+
+    def _register(self, plan: _Plan) -> None:
+        """Once every file is checked: read the defaults, write the definition."""
+        org = plan.ref.repo.split("/")[0]
+        paths = [item.local_path for item in plan.items]
+        files = [{"path": str(item.local_path.relative_to(plan.folder)), "size": item.size,
+                  "sha256": item.sha256} for item in plan.items]
+        source = {"type": "hub", "url": self._settings["modelHubUrl"], "repo": plan.ref.repo,
+                  "revision": plan.ref.revision, "file": plan.ref.file}
+        try:
+            definition = _definition(plan.local_id, org, paths, files, source,
+                                     self.registry.usable)
+        except ValueError as exc:
+            raise DownloadFailed(str(exc)) from None
+        self.registry.add(plan.folder, definition)
+
+    def import_file(self, path: str, model_id: str | None = None,
+                    option: str = "symlink") -> dict:
+        """Register a local GGUF file, linked or copied into the models folder."""
+        src = Path(path)
+        if not src.is_absolute():
+            raise InvalidField(f"Invalid field 'path': {path} is not an absolute path",
+                               param="path")
+        if not src.is_file() or not os.access(src, os.R_OK):
+            raise InvalidField(f"Invalid field 'path': {path} is not a readable file",
+                               param="path")
+        if not ggufinfo.is_gguf(src):
+            raise InvalidField(f"Invalid field 'path': {path} is not a GGUF file",
+                               param="path")
+        if model_id is None:
+            model_id = src.name[:-5] if src.name.lower().endswith(".gguf") else src.name
+        check_id(model_id, "id")
+        with self._lock:
+            if self.registry.has(model_id) or model_id in self._importing:
+                raise Conflict(f"A model with id {model_id} already exists", param="id")
+            self._importing.add(model_id)
+        try:
+            return self._import(src, model_id, option)
+        finally:
+            with self._lock:
+                self._importing.discard(model_id)
+
+    def _import(self, src: Path, model_id: str, option: str) -> dict:
+        folder = self.registry.root / "imported" / quote(model_id, safe="")
+        shutil.rmtree(folder, ignore_errors=True)  # what a crashed import left
+        folder.mkdir(parents=True, mode=0o700)
+        target = folder / src.name
+        try:
+            if option == "copy":
+                check_disk_space(model_id, [Item(src.name, "", target, src.stat().st_size)])
+                sha256 = _copy(src, target)
+            else:
+                link = folder / f".{src.name}.link"
+                os.symlink(src.resolve(), link)
+                os.replace(link, target)
+                sha256 = None
+            files = [{"path": src.name, "size": target.stat().st_size, "sha256": sha256}]
+            source = {"type": "import", "path": str(src), "option": option}
+            try:
+                definition = _definition(model_id, "local", [target], files, source,
+                                         self.registry.usable)
+            except ValueError as exc:
+                raise InvalidField(f"Invalid field 'path': {exc}", param="path") from None
+            return self.registry.add(folder, definition)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+
+
+def _task_id(ref: ModelRef) -> str:
+    """The spec's three-part taskId: <org>:<repo>:<branch or file>."""
+    return f"{ref.repo.replace('/', ':')}:{ref.file or ref.revision}"
+
+
+def _ggufs(files) -> list[str]:
+    return sorted(f.path for f in files if f.path.lower().endswith(".gguf"))
+
+
+def _engine_of(path: str) -> str | None:
+    name = path.lower().rsplit("/", 1)[-1]
+    if name.endswith(".gguf"):
+        return GGUF_ENGINE
+    if name.endswith(".onnx") or name == "genai_config.json":
+        return ONNX_ENGINE
+    return None
+
+
+def _definition(model_id: str, owner: str, paths: list[Path], files: list[dict],
+                source: dict, usable: Callable[[dict], dict]) -> dict:
+    """A model definition: files and source, plus defaults from model.yml and the weights.
+
+    Raises ValueError when the weights cannot be read.
+    """
+    yml = _read_model_yml([p for p in paths if p.name == "model.yml"])
+    engines = {_engine_of(p.name) for p in paths} - {None}
+    engine = YML_ENGINES.get(str(yml.get("engine", "")).lower()) or \
+        (GGUF_ENGINE if GGUF_ENGINE in engines else ONNX_ENGINE)
+    definition = {"id": model_id, "name": model_id, "engine": engine,
+                  "created": int(time.time()), "owned_by": owner, "files": files,
+                  "source": source}
+    ggufs = sorted((p for p in paths if p.name.lower().endswith(".gguf")),
+                   key=lambda p: p.stat().st_size)
+    if ggufs:
+        try:
+            meta = ggufinfo.model_defaults(ggufs[-1])
+        except (ggufinfo.GGUFError, OSError) as exc:
+            raise ValueError(f"{ggufs[-1].name} cannot be read as GGUF: {exc}") from None
+        definition["metadata"] = {k: v for k, v in meta.items() if k != "stop"}
+        if meta.get("name"):
+            definition["name"] = meta["name"]
+        if meta.get("context_length"):
+            definition["ctx_len"] = min(meta["context_length"], DEFAULT_CTX_LEN)
+        if meta.get("stop"):
+            definition["stop"] = meta["stop"]
+    names = parameter_names()
+    definition.update(usable({k: v for k, v in yml.items() if k in names}))
+    return definition
+
+
+def _read_model_yml(paths: list[Path]) -> dict:
+    """The hub's model.yml (cortex's format), or {} when there is none or it is unusable."""
+    if not paths:
+        return {}
+    import yaml
+
+    try:
+        data = yaml.safe_load(paths[0].read_text(encoding="utf-8"))
+    except (OSError, UnicodeError, yaml.YAMLError) as exc:
+        log.warning("ignoring %s: %s", paths[0], exc)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _copy(src: Path, target: Path) -> str:
+    """Copy through a part file, fsync and rename; return the sha256."""
+    part = target.with_name(target.name + ".part")
+    h = hashlib.sha256()
+    with open(src, "rb") as fin, open(part, "wb") as fout:
+        while chunk := fin.read(1024 * 1024):
+            h.update(chunk)
+            fout.write(chunk)
+        fout.flush()
+        os.fsync(fout.fileno())
+    os.replace(part, target)
+    fsync_dir(target.parent)
+    return h.hexdigest()

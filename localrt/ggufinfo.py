@@ -1,0 +1,315 @@
+"""Read the key/value header of a GGUF model file, without numpy or the gguf package.
+
+Only the header is read, never tensor data, so a file of many GB opens in
+milliseconds.  GGUF versions 2 and 3, little-endian only (what llama.cpp writes on
+every platform we run on).  Layout: magic b"GGUF", u32 version, u64 tensor count,
+u64 key/value count, then per key/value a string key, a u32 value type and the value.
+Strings are a u64 byte length followed by UTF-8 bytes; arrays are a u32 element type,
+a u64 count and the elements.
+
+Vocabulary arrays (tokens, scores, merges) can hold 150k entries, so arrays longer
+than `MAX_INLINE_ARRAY` come back as an `ArrayInfo` that says where they are, and
+`token_at` fetches single elements from them on demand.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+
+__all__ = ["ArrayInfo", "GGUFError", "is_gguf", "model_defaults", "read_metadata",
+           "token_at"]
+
+MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)  # version 1 used 32-bit counts and lengths
+MAX_INLINE_ARRAY = 1024      # longer arrays become ArrayInfo placeholders
+MAX_STRING = 1 << 30         # any longer length field is corruption, not a real string
+MAX_COUNT = 1 << 31          # the same for array, key/value and tensor counts
+_MAX_DEPTH = 8               # arrays of arrays; bounds recursion on hostile files
+_CHUNK = 1 << 16             # read size; one chunk usually holds the whole header
+
+# Value type id -> (name, struct format) for fixed-size types; ids from the GGUF spec.
+# If you add a type here, also check _read_value, which handles STRING and ARRAY.
+_FIXED = {
+    0: ("uint8", "B"), 1: ("int8", "b"), 2: ("uint16", "H"), 3: ("int16", "h"),
+    4: ("uint32", "I"), 5: ("int32", "i"), 6: ("float32", "f"), 7: ("bool", "?"),
+    10: ("uint64", "Q"), 11: ("int64", "q"), 12: ("float64", "d"),
+}
+_STRING, _ARRAY = 8, 9
+_TYPE_NAMES = {**{t: name for t, (name, _) in _FIXED.items()},
+               _STRING: "string", _ARRAY: "array"}
+_FIXED_STRUCTS = {t: struct.Struct("<" + fmt) for t, (_, fmt) in _FIXED.items()}
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+
+# general.file_type -> readable name; numbering is llama.cpp's llama_ftype (gguf-py's
+# LlamaFileType).  Gaps (4-6, 33-35) are types llama.cpp has removed.
+QUANTIZATION_NAMES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1",
+    10: "Q2_K", 11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M",
+    16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S",
+    22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M",
+    28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0",
+    37: "TQ2_0", 38: "MXFP4_MOE", 39: "NVFP4", 40: "Q1_0",
+}
+
+
+class GGUFError(ValueError):
+    """The file is not a GGUF this module can read; the message names the file."""
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """A header array too long to load: its element type, length and file offset."""
+
+    type_name: str  # element type: "string", "float32", "int32", ...
+    count: int
+    offset: int     # file offset of the first element
+
+
+# --------------------------------------------------------------------------- reader
+
+class _Reader:
+    """Buffered little-endian reads from an open file, tracking the file offset.
+
+    One buffer of `_CHUNK` bytes serves many small reads, so walking a string array
+    costs a struct unpack per string, not a system call.
+    """
+
+    def __init__(self, f, path, offset: int = 0):
+        self._f = f
+        self._path = os.fspath(path)
+        self._size = os.fstat(f.fileno()).st_size
+        self._buf = b""
+        self._pos = 0          # read position inside _buf
+        self._base = offset    # file offset of _buf[0]
+        f.seek(offset)
+
+    @property
+    def offset(self) -> int:
+        """File offset of the next byte to be read."""
+        return self._base + self._pos
+
+    def fail(self, problem: str) -> GGUFError:
+        """A GGUFError naming this file."""
+        return GGUFError(f"{self._path}: {problem}")
+
+    def _truncated(self, n: int) -> GGUFError:
+        return self.fail(f"truncated GGUF header: needs {n} bytes at offset {self.offset}, "
+                         f"file is {self._size} bytes")
+
+    def _fill(self, n: int) -> None:
+        avail = len(self._buf) - self._pos
+        if avail >= n:
+            return
+        if self.offset + n > self._size:
+            raise self._truncated(n)
+        more = self._f.read(max(n - avail, _CHUNK))
+        self._buf = self._buf[self._pos:] + more
+        self._base += self._pos
+        self._pos = 0
+        if len(self._buf) < n:  # the file shrank under us
+            raise self._truncated(n)
+
+    def read(self, n: int) -> bytes:
+        """The next `n` bytes."""
+        self._fill(n)
+        data = self._buf[self._pos:self._pos + n]
+        self._pos += n
+        return data
+
+    def unpack(self, st: struct.Struct) -> tuple:
+        """The next values in format `st`."""
+        self._fill(st.size)
+        values = st.unpack_from(self._buf, self._pos)
+        self._pos += st.size
+        return values
+
+    def skip(self, n: int) -> None:
+        """Move `n` bytes forward without reading them when they are not buffered."""
+        if n <= len(self._buf) - self._pos:
+            self._pos += n
+            return
+        target = self.offset + n
+        if target > self._size:  # seek would not notice
+            raise self._truncated(n)
+        self._f.seek(target)
+        self._buf, self._pos, self._base = b"", 0, target
+
+    def count(self, what: str) -> int:
+        """A u64 count, refused when absurd."""
+        (n,) = self.unpack(_U64)
+        if n > MAX_COUNT:
+            raise self.fail(f"absurd {what} {n} at offset {self.offset - 8}")
+        return n
+
+    def _string_length(self) -> int:
+        (n,) = self.unpack(_U64)
+        if n > MAX_STRING:
+            raise self.fail(f"absurd string length {n} at offset {self.offset - 8}")
+        return n
+
+    def string(self) -> str:
+        """A length-prefixed string."""
+        # Some converters store partial UTF-8 sequences in tokens; replace rather
+        # than refuse the whole model.
+        return self.read(self._string_length()).decode("utf-8", errors="replace")
+
+    def skip_strings(self, count: int) -> None:
+        """Move past `count` length-prefixed strings."""
+        if count * 8 > self._size - self.offset:
+            raise self._truncated(count * 8)
+        left = count
+        while left:
+            # Fast path: walk every string that lies wholly inside the buffer.
+            buf, pos, end = self._buf, self._pos, len(self._buf)
+            while left and pos + 8 <= end:
+                (n,) = _U64.unpack_from(buf, pos)
+                if pos + 8 + n > end:
+                    break
+                pos += 8 + n
+                left -= 1
+            self._pos = pos
+            if left:  # a string straddles the buffer's end (or is huge): slow path
+                self.skip(self._string_length())
+                left -= 1
+
+
+def _read_value(r: _Reader, vtype: int, depth: int = 0):
+    """The value of type `vtype` at the reader's position, as a plain Python value."""
+    if vtype in _FIXED:
+        (value,) = r.unpack(_FIXED_STRUCTS[vtype])
+        return value
+    if vtype == _STRING:
+        return r.string()
+    if vtype != _ARRAY:
+        raise r.fail(f"unknown value type {vtype} at offset {r.offset - 4}")
+    if depth >= _MAX_DEPTH:
+        raise r.fail(f"arrays nested deeper than {_MAX_DEPTH} at offset {r.offset}")
+    (etype,) = r.unpack(_U32)
+    if etype not in _TYPE_NAMES:
+        raise r.fail(f"unknown array element type {etype} at offset {r.offset - 4}")
+    count = r.count("array count")
+    if count > MAX_INLINE_ARRAY:
+        info = ArrayInfo(_TYPE_NAMES[etype], count, r.offset)
+        _skip_elements(r, etype, count, depth)
+        return info
+    if etype in _FIXED:
+        fmt = _FIXED[etype][1]
+        st = struct.Struct(f"<{count}{fmt}")
+        return list(st.unpack(r.read(st.size)))
+    return [_read_value(r, etype, depth + 1) for _ in range(count)]
+
+
+def _skip_elements(r: _Reader, etype: int, count: int, depth: int) -> None:
+    if etype in _FIXED:
+        r.skip(count * _FIXED_STRUCTS[etype].size)
+    elif etype == _STRING:
+        r.skip_strings(count)
+    else:  # arrays of arrays: each inner array must be walked
+        for _ in range(count):
+            _read_value(r, _ARRAY, depth + 1)
+
+
+def _read_header(r: _Reader) -> dict:
+    magic = r.read(4)
+    if magic != MAGIC:
+        raise r.fail(f"not a GGUF file (magic {magic!r}, expected {MAGIC!r})")
+    raw = r.read(4)
+    (version,) = _U32.unpack(raw)
+    if version not in SUPPORTED_VERSIONS:
+        if struct.unpack(">I", raw)[0] in SUPPORTED_VERSIONS:
+            raise r.fail("big-endian GGUF files are not supported")
+        raise r.fail(f"unsupported GGUF version {version} (supported: 2, 3)")
+    r.count("tensor count")
+    kv_count = r.count("key/value count")
+    metadata = {}
+    for _ in range(kv_count):
+        key = r.string()
+        (vtype,) = r.unpack(_U32)
+        metadata[key] = _read_value(r, vtype)
+    return metadata
+
+
+def _strings_at(path, info: ArrayInfo, indices) -> dict:
+    """Elements `indices` of the string array `info`, in one pass over the file."""
+    if info.type_name != "string":
+        raise TypeError(f"not a string array: {info}")
+    wanted = sorted(set(indices))
+    for i in wanted:
+        if not 0 <= i < info.count:
+            raise IndexError(f"index {i} out of range for {info.count} strings")
+    found = {}
+    with open(path, "rb") as f:
+        r = _Reader(f, path, info.offset)
+        at = 0
+        for i in wanted:
+            r.skip_strings(i - at)
+            found[i] = r.string()
+            at = i + 1
+    return found
+
+
+# --------------------------------------------------------------------------- public
+
+def is_gguf(path) -> bool:
+    """True when the file starts with the GGUF magic."""
+    with open(path, "rb") as f:
+        return f.read(4) == MAGIC
+
+
+def read_metadata(path) -> dict:
+    """All header key/values; arrays longer than MAX_INLINE_ARRAY become ArrayInfo."""
+    with open(path, "rb") as f:
+        return _read_header(_Reader(f, path))
+
+
+def token_at(path, info: ArrayInfo, index: int) -> str:
+    """Element `index` of the string array `info` (e.g. tokenizer.ggml.tokens)."""
+    return _strings_at(path, info, [index])[index]
+
+
+def model_defaults(path) -> dict:
+    """What a model registry wants from a GGUF; a key is present only when known."""
+    md = read_metadata(path)
+    out = {}
+
+    def take(out_key, md_key, kind):
+        value = md.get(md_key)
+        # bool is an int subclass; a bool context length is not a context length
+        if isinstance(value, kind) and not isinstance(value, bool):
+            out[out_key] = value
+
+    take("architecture", "general.architecture", str)
+    take("name", "general.name", str)
+    if "architecture" in out:
+        take("context_length", f"{out['architecture']}.context_length", int)
+    take("chat_template", "tokenizer.chat_template", str)
+
+    ids = {}
+    for role in ("eos", "bos"):
+        value = md.get(f"tokenizer.ggml.{role}_token_id")
+        if isinstance(value, int) and not isinstance(value, bool):
+            ids[role] = value
+    texts = _token_texts(path, md.get("tokenizer.ggml.tokens"), ids.values())
+    for role, token_id in ids.items():
+        if token_id in texts:
+            out[f"{role}_token"] = texts[token_id]
+    if "eos_token" in out:
+        out["stop"] = [out["eos_token"]]
+
+    take("file_type", "general.file_type", int)
+    if out.get("file_type") in QUANTIZATION_NAMES:
+        out["quantization"] = QUANTIZATION_NAMES[out["file_type"]]
+    take("parameter_count", "general.parameter_count", int)
+    return out
+
+
+def _token_texts(path, tokens, ids) -> dict:
+    """Token id -> text for the ids that exist in `tokens` (a list or an ArrayInfo)."""
+    if isinstance(tokens, list):
+        return {i: tokens[i] for i in ids if 0 <= i < len(tokens) and isinstance(tokens[i], str)}
+    if isinstance(tokens, ArrayInfo) and tokens.type_name == "string":
+        return _strings_at(path, tokens, [i for i in ids if 0 <= i < tokens.count])
+    return {}
