@@ -57,7 +57,7 @@ def test_patch_changes_only_given_fields_and_persists(wsgi, home):
 def test_patch_every_field(wsgi):
     change = {"allowed_origins": ["https://app.example:8443", "*"], "cors": False,
               "modelhub_token": "hf_abc", "no_proxy": "example.com,.internal",
-              "proxy_url": "https://proxy.example:3129", "proxy_username": "u",
+              "proxy_url": "http://proxy.example:3129", "proxy_username": "u",
               "proxy_password": "p@ss word", "verify_host_ssl": False, "verify_peer_ssl": False,
               "verify_proxy_host_ssl": False, "verify_proxy_ssl": False}
     assert wsgi("PATCH", "/v1/configs", json_body=change).json["config"] == change
@@ -81,6 +81,7 @@ def test_empty_patch_changes_nothing(wsgi):
     ({"allowed_origins": ["http://ok:1/path"]}, "allowed_origins[0]"),
     ({"allowed_origins": [3]}, "allowed_origins[0]"),
     ({"proxy_url": "ftp://proxy:21"}, "proxy_url"),
+    ({"proxy_url": "https://proxy:3129"}, "proxy_url"),
     ({"proxy_url": "proxy:3128"}, "proxy_url"),
     ({"proxy_url": None}, "proxy_url"),
     ({"modelhub_token": 5}, "modelhub_token"),

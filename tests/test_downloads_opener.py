@@ -124,3 +124,9 @@ def test_token_reaches_the_hub_and_not_the_cdn(model):
             get(config(), f"{hub.url}/org/gated/resolve/main/tiny.gguf", hub_url=hub.url)
         assert info.value.code == 401
         info.value.close()
+
+
+def test_an_https_proxy_from_a_hand_edited_rc_is_refused_not_ignored():
+    cfg = config(proxy_url="https://proxy.example:3129")
+    with pytest.raises(UpstreamError, match="https:// proxy URLs are not supported"):
+        get(cfg, "http://127.0.0.1:9/")
