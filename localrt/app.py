@@ -128,6 +128,13 @@ class App:
         if method == "OPTIONS":
             return self._options(environ, path, cors_on, allowed_origin)
         route, params = self.router.match(method, path)
+        origin = environ.get("HTTP_ORIGIN")
+        if method not in SAFE_METHODS and origin and not allowed_origin and \
+                origin != f"{environ.get('wsgi.url_scheme', 'http')}://{environ.get('HTTP_HOST')}":
+            # A page elsewhere can send a "simple" POST with no preflight (a pull, say);
+            # the browser would hide the answer, but the request would still act.
+            raise Forbidden(f"Cross-origin {method} from {origin} refused; add the origin to "
+                            f"allowed_origins and turn cors on")
         body = _read_body(environ, method)
         if route.schema is not None:
             body = {} if body is _NO_BODY else body

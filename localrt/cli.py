@@ -1,15 +1,19 @@
 """The `localrt` command line. Every subcommand talks to the server through localrt.client.
 
-`main(argv, stdout, stderr)` returns an exit code and never calls sys.exit.
-Imports here stay light: `localrt --help` must not load the server, jsonschema
-or any engine. If you add a command or option, also add it to man/localrt.1
+`main(argv, stdout, stderr, stdin)` returns an exit code and never calls sys.exit.
+Imports here stay light: `localrt --help` must not load the server, jsonschema,
+tqdm or any engine. If you add a command or option, also add it to man/localrt.1
 (tests/test_man.py checks).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
 import sys
+import time
 from enum import IntEnum
 
 from localrt import __version__
@@ -72,6 +76,49 @@ def _origins(value: str) -> list:
 
 
 _TYPES = {"on_off": _on_off, "origins": _origins, "text": str}
+
+
+def model_update_options():
+    """(flag, argparse keywords) for each stored model parameter in schemas/model-update.json.
+
+    The schema is the one list of parameters: a property added there becomes a
+    `models update` flag here (and must be added to man/localrt.1; tests/test_man.py checks).
+    """
+    from localrt import schemas  # plain JSON reading; jsonschema stays unloaded
+
+    for name, spec in schemas.load("model-update.json")["properties"].items():
+        if name == "id":  # ids cannot change
+            continue
+        kind = spec.get("type")
+        options = {"dest": f"param_{name}", "help": _parameter_help(name, spec)}
+        if "enum" in spec:
+            options.update(choices=spec["enum"], metavar="VALUE")
+        elif kind == "integer":
+            options.update(type=int, metavar="N")
+        elif kind == "number":
+            options.update(type=float, metavar="X")
+        elif kind == "boolean":
+            options.update(type=_on_off, metavar="on|off")
+        elif kind == "array":  # of strings: one flag per element
+            options.update(action="append", metavar="TEXT")
+        elif kind == "string":
+            options.update(metavar="TEXT")
+        else:
+            options.update(type=json.loads, metavar="JSON")
+        yield f"--{name}", options
+
+
+def _parameter_help(name: str, spec: dict) -> str:
+    text = spec.get("description") or name.replace("_", " ")
+    if text[1:2].islower():  # "Context length" -> "context length", but "CPU threads"
+        text = text[:1].lower() + text[1:]
+    if "minimum" in spec and "maximum" in spec:
+        text += f"; {spec['minimum']} to {spec['maximum']}"
+    if "enum" in spec:
+        text += "; one of " + ", ".join(spec["enum"])
+    if spec.get("type") == "array":
+        text += "; repeat the flag for several, or give '' alone for none"
+    return text.replace("%", "%%")  # argparse %-formats help
 
 
 # --- the commands ---------------------------------------------------------------
@@ -146,7 +193,220 @@ def cmd_config(ctx: "Context") -> int:
     return ExitCode.OK
 
 
-COMMANDS = {"start": cmd_start, "stop": cmd_stop, "config": cmd_config}
+def cmd_pull(ctx: "Context") -> int:
+    """Download a model from the hub, following its progress until it is registered."""
+    model_id, file = ctx.args.model, ctx.args.file
+    # The event stream opens first, so that no event of the task the pull starts is missed.
+    stream, client = ctx.call(lambda client: (_open_events(client), client))
+    with stream or contextlib.nullcontext():
+        started = _start_pull(ctx, client, model_id, file)
+        if started is None:
+            return ExitCode.OK
+        return _follow(ctx, client, stream or _polled_events(client), *started)
+
+
+def _open_events(client):
+    """The server's event stream, or None when all its event-stream slots are taken."""
+    from localrt.client import ApiError
+
+    try:
+        return client.events()
+    except ApiError as exc:
+        # 503: too many streams, which can be those of clients that already left
+        # (the server notices only at its next write); polling works as well.
+        if exc.status != 503:
+            raise
+        return None
+
+
+def _polled_events(client, interval: float = 0.5):
+    """Events made from GET /v1/models/pull, for when there is no event stream.
+
+    Started after the pull, so each task listed is the current one of its id.
+    """
+    while True:
+        for task in client.list_pulls():
+            kind = next((k for k, status in _FINISHED.items() if status == task["status"]),
+                        "DownloadUpdated")
+            yield {"type": kind, "task": task}
+        time.sleep(interval)
+
+
+def _start_pull(ctx: "Context", client, model_id: str, file: str | None):
+    """POST the pull; return (model id, id to pull again, task), or None if already there."""
+    from localrt.client import ApiError
+
+    pull_id = model_id if file is None else f"{model_id}:{file}"
+    try:
+        reply = client.pull_model(model_id, file)
+    except ApiError as exc:
+        files, task_id = exc.body.get("files"), exc.body.get("taskId")
+        if exc.status == 400 and isinstance(files, list) and files and file is None:
+            return _start_pull(ctx, client, model_id, _choose_file(ctx, model_id, files))
+        if exc.status == 409 and isinstance(task_id, str):
+            ctx.err(f"{exc.message}; following it")
+            running = {t["id"]: t for t in client.list_pulls()}
+            return (exc.body.get("model") or pull_id, pull_id,
+                    running.get(task_id, {"id": task_id, "items": []}))
+        raise
+    if "task" not in reply:
+        ctx.out(reply["message"])
+        return None
+    return reply["model"], pull_id, reply["task"]
+
+
+def _choose_file(ctx: "Context", model_id: str, files: list) -> str:
+    """Ask which GGUF file of a repository to pull; without a terminal, explain how to say."""
+    if not ctx.interactive:
+        listing = "".join(f"\n  {name}" for name in files)
+        raise CliError(f"{model_id} holds {len(files)} GGUF files; choose one with "
+                       f"--file NAME or as {model_id}:NAME:{listing}")
+    ctx.err(f"{model_id} holds {len(files)} GGUF files:")
+    for number, name in enumerate(files, 1):
+        ctx.err(f"  {number}. {name}")
+    while True:
+        answer = ctx.ask(f"Choose a file [1-{len(files)}]: ")
+        if answer is None:
+            raise CliError("No file chosen")
+        answer = answer.strip()
+        if answer in files:
+            return answer
+        if answer.isdigit() and 1 <= int(answer) <= len(files):
+            return files[int(answer) - 1]
+        ctx.err(f"Please answer with a number from 1 to {len(files)}")
+
+
+# What each last event of a download means; tasks carry the same word as their status.
+_FINISHED = {"DownloadSuccess": "Success", "DownloadError": "Error",
+             "DownloadStopped": "Stopped"}
+
+
+def _follow(ctx: "Context", client, stream, model: str, pull_id: str, task: dict) -> int:
+    """Show the task's progress from the event stream until it ends, or Ctrl-C."""
+    task_id = task["id"]
+    progress = Progress(ctx.stderr, model, task)
+    try:
+        for event in stream:
+            current = event.get("task") or {}
+            if current.get("id") != task_id:
+                continue  # another download
+            progress.update(current)
+            if event.get("type") in _FINISHED:
+                task = current
+                break
+        else:
+            task = _after_stream_ended(client, task_id)
+    except KeyboardInterrupt:
+        progress.close()
+        return _interrupted(ctx, client, task_id, pull_id)
+    progress.close()
+    status = task.get("status")
+    if status == "Success":
+        ctx.out(f"Model {model} downloaded")
+        return ExitCode.OK
+    if status == "Stopped":
+        raise CliError(f"Download {task_id} was cancelled")
+    raise CliError(f"Download {task_id} failed: {task.get('error') or 'no reason given'}")
+
+
+def _after_stream_ended(client, task_id: str) -> dict:
+    """The server hung up the event stream (it is stopping): how did the task end?"""
+    task = {t["id"]: t for t in client.list_pulls()}.get(task_id)
+    if task is None or task.get("status") not in _FINISHED.values():
+        raise CliError(f"The server closed the event stream before download {task_id} "
+                       f"finished", ExitCode.UNAVAILABLE)
+    return task
+
+
+def _interrupted(ctx: "Context", client, task_id: str, pull_id: str) -> int:
+    """Ctrl-C while following: cancel the download, or (on a terminal) leave it running."""
+    if ctx.interactive:
+        try:
+            answer = ctx.ask("Cancel the download? [y/N] ")
+        except KeyboardInterrupt:  # a second Ctrl-C: leave the download alone
+            ctx.err("")
+            answer = None
+        if (answer or "").strip().lower() not in ("y", "yes"):
+            ctx.err(f"The download continues in the server. Run `localrt pull {pull_id}` to "
+                    f"follow it again, and press Ctrl-C there to cancel it.")
+            return ExitCode.INTERRUPTED
+    from localrt.client import ApiError
+
+    try:
+        client.cancel_pull(task_id)
+    except ApiError as exc:
+        if exc.status != 409:  # 409: it finished meanwhile; the message says how
+            raise
+        ctx.err(exc.message)
+        return ExitCode.INTERRUPTED
+    ctx.err(f"Download {task_id} cancelled; `localrt pull {pull_id}` resumes it")
+    return ExitCode.INTERRUPTED
+
+
+def cmd_models(ctx: "Context") -> int:
+    """Run a `localrt models` subcommand."""
+    name = ctx.args.models_command
+    return MODEL_COMMANDS[MODEL_ALIASES.get(name, name)](ctx)
+
+
+def cmd_models_list(ctx: "Context") -> int:
+    """Print the downloaded and imported models as a table."""
+    models = ctx.call(lambda client: client.list_models())
+    if not models:
+        ctx.out("No models downloaded yet; `localrt pull ID` downloads one")
+        return ExitCode.OK
+    rows = [(number, m["id"], m.get("engine", ""), human_size(m.get("size", 0)),
+             m.get("status", "")) for number, m in enumerate(models, 1)]
+    ctx.out(table(["#", "ID", "Engine", "Size", "Status"], rows))
+    return ExitCode.OK
+
+
+def cmd_models_get(ctx: "Context") -> int:
+    """Print one model's record as JSON."""
+    model = ctx.call(lambda client: client.get_model(ctx.args.model))
+    ctx.out(json.dumps(model, indent=2, ensure_ascii=False))
+    return ExitCode.OK
+
+
+def cmd_models_remove(ctx: "Context") -> int:
+    """Delete a model's files and definition."""
+    ctx.call(lambda client: client.remove_model(ctx.args.model))
+    ctx.out(f"Model {ctx.args.model} removed")
+    return ExitCode.OK
+
+
+def cmd_models_update(ctx: "Context") -> int:
+    """Change a model's stored parameters with one PATCH."""
+    changes = {}
+    for name in ctx.args.parameters:
+        value = getattr(ctx.args, f"param_{name}")
+        if value is not None:
+            changes[name] = [v for v in value if v] if isinstance(value, list) else value
+    if not changes:
+        raise CliError("Nothing to update: give at least one option (see "
+                       "`localrt models update -h`)", ExitCode.USAGE)
+    reply = ctx.call(lambda client: client.update_model(ctx.args.model, changes))
+    shown = ", ".join(f"{name}={json.dumps(value, ensure_ascii=False)}"
+                      for name, value in changes.items())
+    ctx.out(f"Model {reply['model']['id']} updated: {shown}")
+    return ExitCode.OK
+
+
+def cmd_models_import(ctx: "Context") -> int:
+    """Register a local GGUF file, linked (the default) or copied."""
+    # The server resolves nothing relative to the caller's directory: send an absolute path.
+    path = os.path.abspath(os.path.expanduser(ctx.args.path))
+    option = "copy" if ctx.args.copy else "symlink"
+    reply = ctx.call(lambda client: client.import_model(path, ctx.args.id, option))
+    ctx.out(f"Model {reply['model']['id']} imported from {path}")
+    return ExitCode.OK
+
+
+COMMANDS = {"start": cmd_start, "stop": cmd_stop, "config": cmd_config, "pull": cmd_pull,
+            "models": cmd_models}
+MODEL_COMMANDS = {"list": cmd_models_list, "get": cmd_models_get, "remove": cmd_models_remove,
+                  "update": cmd_models_update, "import": cmd_models_import, "pull": cmd_pull}
+MODEL_ALIASES = {"rm": "remove", "delete": "remove"}
 
 
 # --- output helpers -------------------------------------------------------------
@@ -156,6 +416,69 @@ def _show(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)
+
+
+def human_size(n: int) -> str:
+    """A byte count for people: 512 B, 1.2 MiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _isatty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
+
+
+class Progress:
+    """A download's progress: a tqdm bar on a terminal, otherwise one line at the end."""
+
+    def __init__(self, stream, label: str, task: dict):
+        self.stream, self.label = stream, label
+        self.total, self.done = _task_bytes(task)
+        self.started = time.monotonic()
+        self.bar = None
+        self.closed = False
+        if _isatty(stream):
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, initial=self.done, desc=label, unit="B",
+                            unit_scale=True, unit_divisor=1024, file=stream,
+                            dynamic_ncols=True)
+
+    def update(self, task: dict) -> None:
+        """Move to the task's position (it goes back when a damaged file restarts)."""
+        self.total, done = _task_bytes(task)
+        if self.bar is not None:
+            self.bar.total = self.total
+            self.bar.update(done - self.done)
+        self.done = done
+
+    def close(self) -> None:
+        """End the bar, or write the one line a log file gets."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.bar is not None:
+            self.bar.close()
+            return
+        from tqdm import tqdm
+
+        line = tqdm.format_meter(self.done, self.total, time.monotonic() - self.started,
+                                 prefix=self.label, unit="B", unit_scale=True,
+                                 unit_divisor=1024, ascii=True, ncols=80)
+        print(line, file=self.stream, flush=True)
+
+
+def _task_bytes(task: dict) -> tuple[int, int]:
+    """(total, downloaded) bytes over a task's items."""
+    items = task.get("items") or []
+    return (sum(i.get("bytes") or 0 for i in items),
+            sum(i.get("downloadedBytes") or 0 for i in items))
 
 
 def table(headers, rows) -> str:
@@ -175,8 +498,9 @@ def table(headers, rows) -> str:
 class Context:
     """What a command needs: its arguments, its streams, the settings and a client."""
 
-    def __init__(self, args, stdout, stderr):
+    def __init__(self, args, stdout, stderr, stdin=None):
         self.args, self.stdout, self.stderr = args, stdout, stderr
+        self.stdin = stdin
         self._settings = None
 
     @property
@@ -192,6 +516,18 @@ class Context:
 
     def err(self, text: str) -> None:
         print(text, file=self.stderr, flush=True)
+
+    @property
+    def interactive(self) -> bool:
+        """Whether a person can answer questions: stdin is a terminal."""
+        return self.stdin is not None and _isatty(self.stdin)
+
+    def ask(self, prompt: str) -> str | None:
+        """Ask on stderr, read one line from stdin; None at end of input."""
+        self.stderr.write(prompt)
+        self.stderr.flush()
+        line = self.stdin.readline()
+        return line.rstrip("\r\n") if line else None
 
     def start_server(self, host: str, port: int):
         """Spawn a detached server and wait until it answers; return its Address."""
@@ -259,13 +595,60 @@ def build_parser(stdout=None, stderr=None) -> argparse.ArgumentParser:
     p.add_argument("action", nargs="?", choices=["status"], help="print every setting")
     for name, kind, metavar, help_text in CONFIG_OPTIONS:
         p.add_argument(f"--{name}", type=_TYPES[kind], metavar=metavar, help=help_text)
+
+    pull_help = "download a model from the hub, with a progress bar"
+    pull_description = ("Download a model from the model hub and register it, showing its "
+                        "progress. ID is <name>, <name>:<variant>, <org>/<repo>, "
+                        "<org>/<repo>:<file> or a hub URL. If the download is already "
+                        "running, follow it. Ctrl-C asks whether to cancel it.")
+    _add_pull_arguments(sub.add_parser("pull", help=pull_help, description=pull_description))
+
+    p = sub.add_parser("models", help="list, inspect, change, import and pull models",
+                       description="Manage the downloaded and imported models.")
+    models = p.add_subparsers(dest="models_command", metavar="SUBCOMMAND", required=True)
+    models.add_parser("list", help="list the models", description="Print a table of the "
+                      "downloaded and imported models.")
+    p = models.add_parser("get", help="print a model's record as JSON",
+                          description="Print a model's whole record as JSON.")
+    p.add_argument("model", metavar="ID", help="the model's id, as `models list` shows it")
+    p = models.add_parser("remove", aliases=[a for a, n in MODEL_ALIASES.items()
+                                             if n == "remove"],
+                          help="delete a model", description="Delete a model's files and "
+                          "definition. An imported model's own file is never deleted.")
+    p.add_argument("model", metavar="ID", help="the model's id")
+    p = models.add_parser("update", help="change a model's stored parameters",
+                          description="Change the stored load and inference parameters "
+                          "of a model in one request. Only the options given change.")
+    p.add_argument("model", metavar="ID", help="the model's id")
+    names = []
+    for flag, options in model_update_options():
+        p.add_argument(flag, **options)
+        names.append(flag[2:])
+    p.set_defaults(parameters=tuple(names))
+    p = models.add_parser("import", help="register a local GGUF file",
+                          description="Register a local GGUF file as a model, without "
+                          "the hub. The file is linked, or copied with --copy.")
+    p.add_argument("--path", required=True, metavar="FILE", help="the GGUF file")
+    p.add_argument("--id", metavar="ID", help="the model's id (default: the file name "
+                   "without .gguf)")
+    p.add_argument("--copy", action="store_true", help="copy the file into the models "
+                   "folder instead of linking to it")
+    _add_pull_arguments(models.add_parser("pull", help=pull_help,
+                                          description=pull_description))
     return parser
 
 
-def main(argv=None, stdout=None, stderr=None) -> int:
+def _add_pull_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="ID", help="the model to download")
+    p.add_argument("--file", metavar="NAME", help="which GGUF file of an <org>/<repo> "
+                   "repository to download (asked for on a terminal when it holds several)")
+
+
+def main(argv=None, stdout=None, stderr=None, stdin=None) -> int:
     """Run the localrt command line; return its exit code."""
     stdout = stdout or sys.stdout
     stderr = stderr or sys.stderr
+    stdin = sys.stdin if stdin is None else stdin
     parser = build_parser(stdout, stderr)
     try:
         args = parser.parse_args(argv)
@@ -280,7 +663,7 @@ def main(argv=None, stdout=None, stderr=None) -> int:
     # The one place exceptions become exit codes.
     codes = ((CliError, None), (ApiError, ExitCode.ERROR), (Unreachable, ExitCode.UNAVAILABLE),
              (SettingsError, ExitCode.SETTINGS))
-    ctx = Context(args, stdout, stderr)
+    ctx = Context(args, stdout, stderr, stdin)
     try:
         return int(COMMANDS[args.command](ctx))
     except (CliError, ApiError, Unreachable, SettingsError) as exc:

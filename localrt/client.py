@@ -6,19 +6,29 @@ decoded in one place, `_error`.
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
 from typing import Any, Iterator
 from urllib.parse import quote
 
+# Seconds an event stream may stay silent before the server counts as gone; the
+# server sends a keep-alive comment every 15 s (localrt.events.HEARTBEAT_SECONDS).
+STREAM_TIMEOUT = 60.0
+
 
 class ApiError(Exception):
-    """The server answered with an error; `message` is its own words."""
+    """The server answered with an error; `message` is its own words.
 
-    def __init__(self, status: int, message: str, code: str = ""):
+    `body` is the whole decoded error reply, for the extra top-level fields some
+    errors carry (`files` on a 400 from a pull, `taskId` on a 409).
+    """
+
+    def __init__(self, status: int, message: str, code: str = "", body: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.code = status, message, code
+        self.body = dict(body or {})
 
 
 class Unreachable(Exception):
@@ -51,6 +61,49 @@ class Client:
         """DELETE /v1/system: ask the server to shut down."""
         return self._request("DELETE", "/v1/system")
 
+    def events(self) -> "EventStream":
+        """GET /v1/events, open once this returns: iterate it for each event as a dict."""
+        return self._stream("GET", "/v1/events")
+
+    def pull_model(self, model_id: str, file: str | None = None) -> dict:
+        """POST /v1/models/pull: start a download, or say the model is already there."""
+        body = {"model": model_id}
+        if file is not None:
+            body["file"] = file
+        return self._request("POST", "/v1/models/pull", body)
+
+    def list_pulls(self) -> list:
+        """GET /v1/models/pull: the download tasks with their progress."""
+        return self._request("GET", "/v1/models/pull")["data"]
+
+    def cancel_pull(self, task_id: str) -> dict:
+        """DELETE /v1/models/pull: stop a download; a later pull resumes it."""
+        return self._request("DELETE", "/v1/models/pull", {"taskId": task_id})
+
+    def list_models(self) -> list:
+        """GET /v1/models: the downloaded and imported models."""
+        return self._request("GET", "/v1/models")["data"]
+
+    def get_model(self, model_id: str) -> dict:
+        """GET /v1/models/{id}: one model's record."""
+        return self._request("GET", _model_path(model_id))
+
+    def remove_model(self, model_id: str) -> dict:
+        """DELETE /v1/models/{id}: the model's files and definition."""
+        return self._request("DELETE", _model_path(model_id))
+
+    def update_model(self, model_id: str, changes: dict) -> dict:
+        """PATCH /v1/models/{id} with only the given stored parameters."""
+        return self._request("PATCH", _model_path(model_id), changes)
+
+    def import_model(self, path: str, model_id: str | None = None,
+                     option: str = "symlink") -> dict:
+        """POST /v1/models/import: register a local GGUF file (`path` is absolute)."""
+        body = {"path": path, "option": option}
+        if model_id is not None:
+            body["id"] = model_id
+        return self._request("POST", "/v1/models/import", body)
+
     # --- plumbing ------------------------------------------------------------
 
     def _open(self, method: str, path: str, body: Any = None, timeout: float | None = None):
@@ -58,7 +111,11 @@ class Client:
         headers = {"Accept": "application/json"}
         if body is not None:
             data = json.dumps(body).encode("utf-8")
+        if body is not None or method not in ("GET", "HEAD"):
+            # Also without a body: some WSGI servers (wsgiref) report a missing
+            # Content-Type as text/plain, which the server refuses on unsafe methods.
             headers["Content-Type"] = "application/json"
+        # "%" is safe: ids in paths arrive already quoted (see _model_path).
         url = self.base_url + quote(path, safe="/:?=&%")
         req = urllib.request.Request(url, data=data, headers=headers, method=method)
         try:
@@ -77,13 +134,56 @@ class Client:
             raw = resp.read()
         return json.loads(raw) if raw else None
 
-    def _stream(self, method: str, path: str, body: Any = None) -> Iterator[str]:
-        """One request whose reply is Server-Sent Events; yields each event's data."""
-        with self._open(method, path, body, timeout=None) as resp:
-            for line in resp:
-                line = line.decode("utf-8").rstrip("\r\n")
-                if line.startswith("data:"):
-                    yield line[5:].lstrip()
+    def _stream(self, method: str, path: str, body: Any = None) -> "EventStream":
+        """One request whose reply is Server-Sent Events, opened now (not on first read)."""
+        return EventStream(self._open(method, path, body, timeout=STREAM_TIMEOUT),
+                           self.base_url)
+
+
+class EventStream:
+    """An open Server-Sent Events reply. Iterating yields each event's data, decoded as JSON.
+
+    Opened eagerly, so that no event published after `Client.events()` returns is
+    missed. Close it (or use `with`) when done.
+    """
+
+    def __init__(self, resp, base_url: str):
+        self._resp, self._base_url = resp, base_url
+        self._closed = False
+
+    def __iter__(self) -> Iterator[Any]:
+        data: list[str] = []
+        try:
+            for raw in self._resp:
+                line = raw.decode("utf-8").rstrip("\r\n")
+                if not line:  # a blank line ends an event
+                    if data:
+                        yield json.loads("\n".join(data))
+                    data = []
+                elif line.startswith("data:"):
+                    value = line[5:]
+                    data.append(value[1:] if value.startswith(" ") else value)
+                # comments (": keep-alive") and other fields carry nothing for us
+        except (OSError, http.client.HTTPException) as exc:
+            if not self._closed:
+                raise Unreachable(f"Lost the event stream from the localrt server at "
+                                  f"{self._base_url}: {exc}") from None
+
+    def close(self) -> None:
+        """Hang up."""
+        self._closed = True
+        self._resp.close()
+
+    def __enter__(self) -> "EventStream":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def _model_path(model_id: str) -> str:
+    """/v1/models/{id}, with "/", ":" and "%" in the id quoted so they arrive intact."""
+    return "/v1/models/" + quote(model_id, safe="")
 
 
 def _error(exc: urllib.error.HTTPError) -> ApiError:
@@ -92,7 +192,7 @@ def _error(exc: urllib.error.HTTPError) -> ApiError:
         body = json.loads(exc.read() or b"{}")
         error = body.get("error") or {}
         message = body.get("message") or error.get("message") or exc.reason
-        return ApiError(exc.code, str(message), str(error.get("code", "")))
+        return ApiError(exc.code, str(message), str(error.get("code", "")), body)
     except (ValueError, AttributeError, OSError):
         return ApiError(exc.code, f"HTTP {exc.code} {exc.reason}")
     finally:

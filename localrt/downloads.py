@@ -432,42 +432,37 @@ class Downloads:
 
     def _copy(self, task: Task, item: Item, resp, out, hasher: "_Hasher") -> None:
         # Hashing runs in its own thread (hashlib drops the GIL), so checking the
-        # sha256 costs no download speed; PIPELINE buffers bound the memory used.
-        free: queue.Queue = queue.Queue()
-        for _ in range(PIPELINE):
-            free.put(bytearray(CHUNK))
-        filled: queue.Queue = queue.Queue()
+        # sha256 costs little download speed; the bounded queue bounds the memory.
+        filled: queue.Queue = queue.Queue(PIPELINE)
 
         def hash_chunks():
             while (chunk := filled.get()) is not None:
-                hasher.update(chunk[0][:chunk[1]])
-                free.put(chunk[0])
+                hasher.update(chunk)
 
         worker = threading.Thread(target=hash_chunks, daemon=True, name=f"sha {item.id}")
         worker.start()
         try:
-            self._receive(task, item, resp, out, free, filled)
+            self._receive(task, item, resp, out.fileno(), filled)
         finally:
             filled.put(None)
             worker.join()
 
-    def _receive(self, task, item, resp, out, free, filled) -> None:
-        fd = out.fileno()
+    def _receive(self, task: Task, item: Item, resp, fd: int, filled: queue.Queue) -> None:
         flushed = item.downloaded
         next_update = time.monotonic() + UPDATE_INTERVAL
         while True:
-            buf = free.get()
-            n = resp.readinto(buf)
-            if not n:
+            # read1: whatever has arrived, up to CHUNK, so progress moves on slow links too
+            chunk = resp.read1(CHUNK)
+            if not chunk:
                 break
-            if item.downloaded + n > item.size:
+            if item.downloaded + len(chunk) > item.size:
                 raise DownloadFailed(f"{item.id}: the server sent more than the "
                                      f"{item.size} bytes the hub listed")
-            view = memoryview(buf)[:n]
+            view = memoryview(chunk)
             while view:
                 view = view[os.write(fd, view):]
-            filled.put((memoryview(buf), n))
-            item.downloaded += n
+            filled.put(chunk)
+            item.downloaded += len(chunk)
             if item.downloaded - flushed >= WRITEBACK_EVERY:
                 _start_writeback(fd, flushed, item.downloaded - flushed)
                 flushed = item.downloaded

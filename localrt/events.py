@@ -2,7 +2,7 @@
 
 `EventBus` fans each event out to every open `GET /v1/events` stream. A slow
 listener never slows a download: its queue is bounded, and when it overflows
-the listener is told it missed events and is disconnected.
+the listener is disconnected (it can reconnect and read GET /v1/models/pull).
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import queue
 import threading
 from typing import Iterator
 
-HEARTBEAT_SECONDS = 15.0  # an SSE comment this often, so dead listeners are noticed
+# An SSE comment this often: a listener that went away is only noticed on a write,
+# and until then it holds a server thread and a listener slot.
+HEARTBEAT_SECONDS = 2.0
 QUEUE_SIZE = 1000
 _CLOSE = object()
 

@@ -366,7 +366,7 @@ class Models:
             return {"message": f"Model {local_id} is already downloaded", "model": local_id}
         if self.downloads.running(task_id):
             raise Conflict(f"Model {local_id} is already downloading (taskId {task_id})",
-                           extra={"taskId": task_id})
+                           extra={"taskId": task_id, "model": local_id})
         return None
 
     def _plan(self, ref: ModelRef, hub: Hub) -> _Plan:

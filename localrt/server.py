@@ -195,8 +195,8 @@ def serve(settings: Settings, host: str | None = None, port: int | None = None,
         signal.signal(signal.SIGTERM, previous)
         log.info("localrt stopping")
         server.close()
+        app.close()  # ends event streams and downloads, which hold worker threads
         server.task_dispatcher.shutdown(timeout=5)
-        app.close()
         _unlink_if_ours(pid_file)
         log.info("localrt stopped")
 

@@ -75,3 +75,24 @@ def test_cors_off_sends_no_cors_headers_at_all(wsgi, origins):
         resp = wsgi(method, "/v1/configs", headers=headers)
         assert not any(h.startswith("access-control-") for h in resp.headers), resp.headers
         assert "vary" not in resp.headers
+
+
+def test_cross_site_unsafe_requests_without_preflight_are_refused(wsgi):
+    # A form or a no-body fetch() from another site needs no preflight.
+    for headers in ({"Origin": "http://evil.example"}, {"Origin": "null"}):
+        resp = wsgi("POST", "/v1/models/tiny/pull", headers=headers)
+        assert resp.status == 403 and "allowed_origins" in resp.json["message"]
+    resp = wsgi("DELETE", "/v1/system", headers={"Origin": "http://evil.example"})
+    assert resp.status == 403
+    wsgi("PATCH", "/v1/configs", json_body={"cors": False})
+    resp = wsgi("POST", "/v1/models/tiny/pull", headers={"Origin": ALLOWED})
+    assert resp.status == 403  # with cors off no other origin may act
+
+
+def test_same_origin_and_allowed_origins_may_act(wsgi):
+    resp = wsgi("PATCH", "/v1/configs", json_body={"cors": True},
+                headers={"Origin": ALLOWED})
+    assert resp.status == 200
+    resp = wsgi("PATCH", "/v1/configs", json_body={"cors": True},
+                headers={"Origin": "http://127.0.0.1", "Host": "127.0.0.1"})
+    assert resp.status == 200
