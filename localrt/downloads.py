@@ -43,6 +43,10 @@ class ProxyAuthFailed(UpstreamError):
     code = "proxy_auth_failed"
 
 
+class CertificateFailed(UpstreamError):
+    code = "tls_verification_failed"
+
+
 def no_proxy_matches(host: str, no_proxy: str) -> bool:
     """Whether `host` bypasses the proxy, with curl's meaning of NO_PROXY.
 
@@ -94,8 +98,10 @@ class _ConfigProxyHandler(urllib.request.ProxyHandler):
             return None
         hostport = unquote(urlsplit(proxy).netloc.rpartition("@")[2])
         if self._auth:
-            # Sent to the proxy only: on https targets urllib moves it to the CONNECT.
-            req.add_header("Proxy-Authorization", self._auth)
+            # Sent to the proxy only: on https targets urllib moves it to the CONNECT,
+            # and being unredirected it never follows a redirect to a host that
+            # no_proxy sends direct (the CDN).
+            req.add_unredirected_header("Proxy-Authorization", self._auth)
         req.set_proxy(hostport, urlsplit(proxy).scheme)
         return None
 
@@ -144,8 +150,8 @@ def open_url(config: Mapping, url: str, *, hub_url: str | None = None, headers=N
         if isinstance(reason, OSError) and "407" in str(reason):
             raise ProxyAuthFailed(_proxy_auth_message(config)) from None
         if isinstance(reason, ssl.SSLCertVerificationError):
-            raise UpstreamError(f"TLS certificate check failed for {_origin(url)}: "
-                                f"{reason.verify_message}") from None
+            raise CertificateFailed(f"TLS certificate check failed for {_origin(url)}: "
+                                    f"{reason.verify_message}") from None
         raise UpstreamError(f"Cannot connect to {_origin(url)}: {reason}") from None
     except (OSError, ValueError) as exc:
         raise UpstreamError(f"Cannot connect to {_origin(url)}: {exc}") from None
@@ -351,14 +357,16 @@ class Downloads:
 
     def _fetch(self, task: Task, item: Item) -> None:
         """Download one file to its part file, check it, and rename it into place."""
-        if _complete(item):
+        if _complete(item, task.cancelled):
             item.downloaded = item.size
             return
         part = part_path(item.local_path)
         part.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         with open(part, "ab+", buffering=0) as out:
             hasher = _Hasher(item)
-            hasher.catch_up(out)
+            if os.fstat(out.fileno()).st_size > item.size:
+                out.truncate(0)  # the hub now lists a smaller file: start over
+            hasher.catch_up(out, task.cancelled)
             item.downloaded = out.tell()
             attempts = 0
             while item.downloaded < item.size or item.size == 0:
@@ -378,9 +386,9 @@ class Downloads:
                     log.info("download %s: %s; retrying in %.1fs", task.id, exc, delay)
                     if task.cancelled.wait(delay):
                         raise _Cancelled() from None
-            out.flush()
             os.fsync(out.fileno())
-        if item.downloaded != item.size:
+            on_disk = os.fstat(out.fileno()).st_size
+        if item.downloaded != item.size or on_disk != item.size:
             raise DownloadFailed(f"{item.id}: got {item.downloaded} bytes, expected "
                                  f"{item.size}")
         if not hasher.matches():
@@ -395,6 +403,7 @@ class Downloads:
     def _transfer(self, task: Task, item: Item, out, hasher: "_Hasher") -> None:
         """One HTTP request, resuming at item.downloaded; raises _Retry on transient errors."""
         offset = item.downloaded
+        os.ftruncate(out.fileno(), offset)  # whatever a failed write left past it goes
         headers = {"Range": f"bytes={offset}-"} if offset else {}
         try:
             resp = open_url(self._config(), item.url, hub_url=task.hub_url,
@@ -406,8 +415,12 @@ class Downloads:
                 raise _Retry("the server refused to resume; starting over") from None
             if exc.code >= 500 or exc.code == 429:
                 raise _Retry(f"HTTP {exc.code} from {_origin(exc.url or item.url)}") from None
+            if task.hub_url and exc.url and \
+                    urlsplit(exc.url).netloc != urlsplit(task.hub_url).netloc:
+                # The CDN refused its signed URL (it expired, say); the hub signs a new one.
+                raise _Retry(f"HTTP {exc.code} from {_origin(exc.url)}") from None
             raise DownloadFailed(_http_failure(exc.code, item)) from None
-        except ProxyAuthFailed:
+        except (ProxyAuthFailed, CertificateFailed):
             raise
         except UpstreamError as exc:
             raise _Retry(str(exc)) from None
@@ -459,8 +472,12 @@ class Downloads:
                 raise DownloadFailed(f"{item.id}: the server sent more than the "
                                      f"{item.size} bytes the hub listed")
             view = memoryview(chunk)
-            while view:
-                view = view[os.write(fd, view):]
+            try:
+                while view:
+                    view = view[os.write(fd, view):]
+            except OSError as exc:  # our disk, not the network: no retry
+                raise DownloadFailed(f"{item.id}: cannot write {item.local_path.parent}: "
+                                     f"{exc.strerror or exc}") from None
             filled.put(chunk)
             item.downloaded += len(chunk)
             if item.downloaded - flushed >= WRITEBACK_EVERY:
@@ -504,12 +521,14 @@ class _Hasher:
         else:
             self._h = None
 
-    def catch_up(self, f) -> None:
+    def catch_up(self, f, cancelled: threading.Event | None = None) -> None:
         """Hash what a part file already holds (a resumed download)."""
         f.seek(0)
         if self._h is not None:
             while chunk := f.read(CHUNK):
                 self._h.update(chunk)
+                if cancelled is not None and cancelled.is_set():
+                    raise _Cancelled()
         f.seek(0, os.SEEK_END)
 
     def update(self, data) -> None:
@@ -531,7 +550,7 @@ def _restart(item: Item, out, hasher: _Hasher) -> None:
     hasher._reset()
 
 
-def _complete(item: Item) -> bool:
+def _complete(item: Item, cancelled: threading.Event | None = None) -> bool:
     """Whether the final file is already there (a pull that stopped after the rename)."""
     try:
         if item.local_path.stat().st_size != item.size:
@@ -540,7 +559,7 @@ def _complete(item: Item) -> bool:
         return False
     hasher = _Hasher(item)
     with open(item.local_path, "rb") as f:
-        hasher.catch_up(f)
+        hasher.catch_up(f, cancelled)
     return hasher.matches()
 
 

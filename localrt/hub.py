@@ -8,6 +8,7 @@ Hub failures become localrt errors with their own status, never a 500.
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 from dataclasses import dataclass
@@ -52,9 +53,14 @@ class Hub:
         entries = self._get(f"/api/models/{repo}/tree/{quote(revision, safe='')}"
                             "?recursive=1", repo, revision)
         try:
-            return [HubFile(e["path"], int(e.get("size", 0)), (e.get("lfs") or {}).get("oid"),
-                            e.get("oid"))
-                    for e in entries if e.get("type") == "file"]
+            files = [HubFile(e["path"], e.get("size", 0), (e.get("lfs") or {}).get("oid"),
+                             e.get("oid"))
+                     for e in entries if e.get("type") == "file"]
+            if not all(isinstance(f.path, str) and type(f.size) is int and f.size >= 0 and
+                       all(isinstance(x, (str, type(None))) for x in (f.sha256, f.git_oid))
+                       for f in files):
+                raise ValueError("a field has the wrong type")
+            return files
         except (KeyError, TypeError, ValueError, AttributeError):
             raise UpstreamError(f"The model hub {self.url} sent a file list localrt cannot "
                                 f"read for {repo}") from None
@@ -76,6 +82,9 @@ class Hub:
         except urllib.error.HTTPError as exc:
             exc.close()
             raise self._error(exc.code, repo, revision) from None
+        except (http.client.HTTPException, OSError) as exc:  # cut off or timed out mid-reply
+            raise UpstreamError(f"The model hub {self.url} did not finish its reply for "
+                                f"{repo}: {exc.__class__.__name__}") from None
         except ValueError:
             raise UpstreamError(f"The model hub {self.url} sent a reply that is not JSON") \
                 from None

@@ -31,7 +31,8 @@ from urllib.parse import quote, unquote, urlsplit
 from localrt import ggufinfo, schemas
 from localrt.downloads import (DownloadFailed, Downloads, Item, Task, check_disk_space,
                                fsync_dir)
-from localrt.errors import BadRequest, Conflict, HTTPError, InvalidField, NotFound
+from localrt.errors import (BadRequest, Conflict, HTTPError, InvalidField, NotFound,
+                            UpstreamError)
 from localrt.fsutil import atomic_write
 from localrt.hub import Hub
 
@@ -210,11 +211,17 @@ class Registry:
                                f"`localrt models stop {model_id}`", param="model")
             # The definition goes first: a crash part-way leaves stray files, never a
             # registered model with missing ones.
-            (folder / DEFINITION).unlink()
-            fsync_dir(folder)
+            (folder / DEFINITION).unlink(missing_ok=True)  # or deleted by hand
+            if folder.is_dir():
+                fsync_dir(folder)
             del self._models[model_id]
             if _inside(folder, self.root):
                 shutil.rmtree(folder, ignore_errors=True)
+
+    def at(self, folder: Path) -> str | None:
+        """The id of the model kept in `folder`, if any."""
+        with self._lock:
+            return next((mid for mid, (f, _) in self._index().items() if f == folder), None)
 
     def folder_of(self, model_id: str) -> Path:
         """The folder holding a registered model's files."""
@@ -352,9 +359,14 @@ class Models:
                 return done
         hub = Hub(hub_url, self._config.get())
         plan = self._plan(ref, hub)
+        check_id(plan.local_id)  # the file name chosen on the hub is part of it
         done = self._already(plan.local_id, plan.task_id)
         if done:
             return done
+        other = self.registry.at(plan.folder)
+        if other is not None:  # e.g. built-in "x" and the repo "<org>/x" are one folder
+            return {"message": f"Model {plan.local_id} is already downloaded as {other}",
+                    "model": other}
         task = Task(plan.task_id, "Model", plan.items, hub_url=hub.url,
                     on_success=lambda task: self._register(plan))
         self.downloads.start(task)
@@ -371,6 +383,10 @@ class Models:
 
     def _plan(self, ref: ModelRef, hub: Hub) -> _Plan:
         files = [f for f in hub.files(ref.repo, ref.revision) if f.path not in SKIPPED_FILES]
+        for f in files:  # the file list is remote input: no path may leave the folder
+            if not _safe_relative(f.path):
+                raise UpstreamError(f"The model hub listed a file with an unsafe path in "
+                                    f"{ref.repo}: {f.path!r}; nothing was downloaded")
         if ref.builtin:
             chosen = files
         elif ref.file is not None:
@@ -412,9 +428,15 @@ class Models:
         try:
             definition = _definition(plan.local_id, org, paths, files, source,
                                      self.registry.usable)
+            other = self.registry.at(plan.folder)
+            if other not in (None, plan.local_id):
+                raise Conflict(f"its folder already holds the model {other}")
+            self.registry.add(plan.folder, definition)
         except ValueError as exc:
             raise DownloadFailed(str(exc)) from None
-        self.registry.add(plan.folder, definition)
+        except HTTPError as exc:  # another model took the id or folder meanwhile
+            raise DownloadFailed(f"Model {plan.local_id} was downloaded but not registered: "
+                                 f"{exc.message}") from None
 
     def import_file(self, path: str, model_id: str | None = None,
                     option: str = "symlink") -> dict:
@@ -443,7 +465,7 @@ class Models:
                 self._importing.discard(model_id)
 
     def _import(self, src: Path, model_id: str, option: str) -> dict:
-        folder = self.registry.root / "imported" / quote(model_id, safe="")
+        folder = self.registry.root / "imported" / _folder_name(model_id)
         shutil.rmtree(folder, ignore_errors=True)  # what a crashed import left
         folder.mkdir(parents=True, mode=0o700)
         target = folder / src.name
@@ -452,7 +474,7 @@ class Models:
                 check_disk_space(model_id, [Item(src.name, "", target, src.stat().st_size)])
                 sha256 = _copy(src, target)
             else:
-                link = folder / f".{src.name}.link"
+                link = folder / ".import.link"
                 os.symlink(src.resolve(), link)
                 os.replace(link, target)
                 sha256 = None
@@ -472,6 +494,22 @@ class Models:
 def _task_id(ref: ModelRef) -> str:
     """The spec's three-part taskId: <org>:<repo>:<branch or file>."""
     return f"{ref.repo.replace('/', ':')}:{ref.file or ref.revision}"
+
+
+def _folder_name(model_id: str) -> str:
+    """A folder name for an imported model: the quoted id, or a digest when that is long."""
+    name = quote(model_id, safe="")
+    if len(name) <= 120:
+        return name
+    return "id-" + hashlib.sha256(model_id.encode("utf-8")).hexdigest()[:40]
+
+
+def _safe_relative(path: str) -> bool:
+    """Whether a path from the hub stays inside the folder it is joined to."""
+    parts = path.split("/")
+    return bool(path) and len(path.encode("utf-8")) <= 1024 and "\\" not in path and \
+        not path.startswith("/") and all(p not in ("", ".", "..") for p in parts) and \
+        not any(ord(c) < 32 or ord(c) == 127 for c in path)
 
 
 def _ggufs(files) -> list[str]:
@@ -508,12 +546,14 @@ def _definition(model_id: str, owner: str, paths: list[Path], files: list[dict],
         except (ggufinfo.GGUFError, OSError) as exc:
             raise ValueError(f"{ggufs[-1].name} cannot be read as GGUF: {exc}") from None
         definition["metadata"] = {k: v for k, v in meta.items() if k != "stop"}
+        from_weights = {}
         if meta.get("name"):
-            definition["name"] = meta["name"]
-        if meta.get("context_length"):
-            definition["ctx_len"] = min(meta["context_length"], DEFAULT_CTX_LEN)
+            from_weights["name"] = meta["name"]
+        if isinstance(meta.get("context_length"), int):
+            from_weights["ctx_len"] = min(meta["context_length"], DEFAULT_CTX_LEN)
         if meta.get("stop"):
-            definition["stop"] = meta["stop"]
+            from_weights["stop"] = meta["stop"]
+        definition.update(usable(from_weights))  # the weights are outside input too
     names = parameter_names()
     definition.update(usable({k: v for k, v in yml.items() if k in names}))
     return definition
@@ -535,7 +575,7 @@ def _read_model_yml(paths: list[Path]) -> dict:
 
 def _copy(src: Path, target: Path) -> str:
     """Copy through a part file, fsync and rename; return the sha256."""
-    part = target.with_name(target.name + ".part")
+    part = target.with_name(".import.part")
     h = hashlib.sha256()
     with open(src, "rb") as fin, open(part, "wb") as fout:
         while chunk := fin.read(1024 * 1024):

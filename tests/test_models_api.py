@@ -148,3 +148,15 @@ def test_ids_with_slashes_and_colons_work_url_encoded(live_server, gguf):
     assert status == 200 and body["model"]["ctx_len"] == 1024
     status, _ = send("DELETE", "/v1/models/me%2Ftiny%3Achat")
     assert status == 200
+
+
+def test_long_ids_and_a_folder_deleted_by_hand(wsgi, gguf):
+    import shutil
+
+    long_id = "é" * 120  # 240 bytes: allowed, but too long to quote into a folder name
+    r = wsgi("POST", "/v1/models/import", {"path": str(gguf), "id": long_id})
+    assert r.status == 200, r.body
+    shutil.rmtree(r.json["model"]["path"])
+    wsgi_path = f"/v1/models/{long_id}".encode().decode("latin-1")  # PEP 3333
+    assert wsgi("DELETE", wsgi_path).status == 200
+    assert wsgi("GET", "/v1/models").json["data"] == []

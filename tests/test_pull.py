@@ -287,3 +287,52 @@ def test_registry_survives_a_restart_and_skips_incomplete_models(api, settings):
     fresh = create_app(settings)
     ids = [m["id"] for m in call(fresh, "GET", "/v1/models").json["data"]]
     assert ids == ["org:single:only.gguf"]
+
+
+def test_a_hub_file_path_cannot_escape_the_models_folder(api, hub, weights, settings):
+    hub.add_repo("cortexso/evil", branches={"v1": {"../../../escape.gguf": weights.small}})
+    r = api("POST", "/v1/models/evil:v1/pull")
+    assert r.status == 502 and "unsafe path" in r.json["message"], r.body
+    assert not list(settings.data_dir.parent.rglob("escape.gguf*"))
+
+
+def test_proxy_credentials_never_reach_a_cdn_that_is_not_proxied(api, hub, settings, tmp_path):
+    from proxyfix import start_proxy
+
+    with start_proxy(tmp_path, username="u", password="s3cret") as proxy:
+        settings.update({"modelHubUrl": f"http://localhost:{hub.port}"})
+        api("PATCH", "/v1/configs", {"proxy_url": proxy.url, "proxy_username": "u",
+                                     "proxy_password": "s3cret", "no_proxy": "127.0.0.1"})
+        r = api("POST", "/v1/models/org/single/pull")
+        assert r.status == 200, r.body
+        assert wait_task(api, "org:single:only.gguf")["status"] == "Success"
+    assert all("via" in r.headers for r in hub.requests_to("hub"))
+    cdn = hub.requests_to("cdn")
+    assert cdn and not any("proxy-authorization" in r.headers or "via" in r.headers
+                           for r in cdn)
+
+
+def test_a_failed_write_fails_the_task_and_never_renames(api, hub, monkeypatch):
+    from localrt import downloads
+
+    real_write, calls = downloads.os.write, []
+
+    def flaky_write(fd, data):
+        calls.append(len(data))
+        if len(calls) == 2:
+            return real_write(fd, bytes(data)[:1000])  # a short write ...
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")  # ... then the disk is full
+        return real_write(fd, data)
+
+    monkeypatch.setattr(downloads.os, "write", flaky_write)
+    api("POST", "/v1/models/org/big/pull")
+    task = wait_task(api, "org:big:big.gguf")
+    assert task["status"] == "Error" and "No space left on device" in task["error"]
+    assert api("GET", "/v1/models").json["data"] == []
+    monkeypatch.setattr(downloads.os, "write", real_write)
+    api("POST", "/v1/models/org/big/pull")
+    assert wait_task(api, "org:big:big.gguf")["status"] == "Success"
+    path = Path(api("GET", "/v1/models/org:big:big.gguf").json["path"]) / "big.gguf"
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == hub.file("org/big",
+                                                                      "big.gguf").sha256
