@@ -17,6 +17,7 @@ import time
 from enum import IntEnum
 
 from localrt import __version__
+from localrt.fsutil import human_size
 
 
 class ExitCode(IntEnum):
@@ -416,15 +417,6 @@ def _show(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)
-
-
-def human_size(n: int) -> str:
-    """A byte count for people: 512 B, 1.2 MiB."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _isatty(stream) -> bool:

@@ -34,7 +34,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 from localrt.errors import Conflict, InsufficientStorage, NotFound, UpstreamError
 from localrt.events import EventBus
-from localrt.fsutil import fsync_dir
+from localrt.fsutil import fsync_dir, human_size
 
 log = logging.getLogger(__name__)
 
@@ -344,8 +344,8 @@ class Downloads:
             self._publish("DownloadSuccess", task)
             elapsed = time.monotonic() - started
             total = sum(item.size for item in task.items)
-            log.info("download %s finished: %s in %.2fs (%s/s)", task.id, _size(total),
-                     elapsed, _size(total / max(elapsed, 1e-6)))
+            log.info("download %s finished: %s in %.2fs (%s/s)", task.id, human_size(total),
+                     elapsed, human_size(total / max(elapsed, 1e-6)))
 
     def _fail(self, task: Task, message: str) -> None:
         task.status, task.error = "Error", message
@@ -611,13 +611,5 @@ def check_disk_space(what: str, items: list[Item]) -> None:
     free = shutil.disk_usage(where).free
     if needed + DISK_MARGIN > free:
         raise InsufficientStorage(
-            f"Not enough disk space for {what}: it needs {_size(needed)} and "
-            f"{where} has {_size(free)} free")
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
+            f"Not enough disk space for {what}: it needs {human_size(needed)} and "
+            f"{where} has {human_size(free)} free")

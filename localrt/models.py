@@ -15,6 +15,7 @@ written atomically and only once every file is complete and checked.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -144,6 +145,7 @@ class ModelNotFound(NotFound):
     code = "model_not_found"
 
 
+@functools.lru_cache(maxsize=None)  # the schema file does not change while localrt runs
 def parameter_names() -> tuple[str, ...]:
     """The stored parameters a model can have: the properties of schemas/model-update.json."""
     return tuple(k for k in schemas.load("model-update.json")["properties"] if k != "id")

@@ -16,7 +16,8 @@ from ggufgen import write_gguf
 from hubemu import HubEmulator
 
 from localrt import cli
-from localrt.cli import ExitCode, human_size, main
+from localrt.cli import ExitCode, main
+from localrt.fsutil import human_size
 from localrt.client import Client
 
 MODEL_YML = b"name: Tiny Q8\nengine: llama-cpp\nctx_len: 128\n"
