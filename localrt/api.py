@@ -98,6 +98,45 @@ def import_model(services: Services, request: Request):
     return {"message": f"Model {model['id']} imported", "model": model}
 
 
+# --- engines -------------------------------------------------------------------------
+
+
+def list_engines(services: Services, request: Request):
+    """Spec row 3: every engine with its status, active variant and version."""
+    return {"data": services.engines.list(), "object": "list", "result": "OK"}
+
+
+def get_engine(services: Services, request: Request):
+    """Spec row 6: the installed variants of one engine."""
+    return services.engines.variants(request.params["engine"])
+
+
+def install_engine(services: Services, request: Request):
+    """Spec row 4: start installing; progress comes as Download* events of type Engine."""
+    body = request.body
+    return services.engines.install(request.params["engine"], body.get("version"),
+                                    body.get("variant"))
+
+
+def uninstall_engine(services: Services, request: Request):
+    """Spec row 5."""
+    body = request.body
+    return services.engines.uninstall(request.params["engine"], body.get("version"),
+                                      body.get("variant"))
+
+
+def install_engine_wheel(services: Services, request: Request):
+    """Install a custom engine from a wheel path or URL."""
+    return services.engines.install_wheel(request.body["wheel"])
+
+
+def set_default_engine(services: Services, request: Request):
+    """Choose which installed variant models of an engine load."""
+    body = request.body
+    return services.engines.set_default(request.params["engine"], body["variant"],
+                                        body["version"])
+
+
 def events(services: Services, request: Request):
     """Server-Sent Events: DownloadStarted, DownloadUpdated, DownloadSuccess, ..."""
     try:
@@ -116,6 +155,13 @@ ROUTES = (
     Route("PATCH", "/v1/configs", patch_configs, "config-update.json"),
     Route("DELETE", "/v1/system", stop_server),
     Route("GET", "/v1/events", events),
+    Route("GET", "/v1/engines", list_engines),
+    Route("POST", "/v1/engines/install", install_engine_wheel, "engine-wheel.json"),
+    Route("GET", "/v1/engines/{engine}", get_engine),
+    Route("GET", "/engines/{engine}", get_engine),  # spec row 6 is shown without /v1
+    Route("POST", "/v1/engines/{engine}/install", install_engine, "engine-install.json"),
+    Route("DELETE", "/v1/engines/{engine}/install", uninstall_engine, "engine-install.json"),
+    Route("POST", "/v1/engines/{engine}/default", set_default_engine, "engine-default.json"),
     Route("GET", "/v1/models", list_models),
     Route("GET", "/v1/models/pull", list_pulls),
     Route("POST", "/v1/models/pull", pull_model_body, "model-pull.json"),

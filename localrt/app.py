@@ -16,6 +16,7 @@ from urllib.parse import parse_qsl
 from localrt import models
 from localrt.config import Config
 from localrt.downloads import Downloads
+from localrt.engines import Engines
 from localrt.errors import (BadRequest, Forbidden, HTTPError, InternalError, InvalidJSON,
                             PayloadTooLarge, UnsupportedMediaType)
 from localrt.events import EventBus
@@ -69,13 +70,14 @@ class Services:
     events: EventBus
     downloads: Downloads
     models: models.Models
+    engines: Engines
     shutdown: Callable[[], None] | None = None
 
 
 class App:
     """The localrt WSGI callable."""
 
-    def __init__(self, settings: Settings, routes=None, shutdown=None):
+    def __init__(self, settings: Settings, routes=None, shutdown=None, hardware=None):
         if routes is None:
             from localrt.api import ROUTES as routes
         self.router = Router(routes)
@@ -83,11 +85,14 @@ class App:
         config = Config(settings)
         events = EventBus(MAX_EVENT_LISTENERS)
         downloads = Downloads(config.get, events)
-        registry = models.Registry(settings.data_dir / "models", self.validators)
+        engines = Engines(settings.data_dir / "engines", config.get, downloads,
+                          lambda: settings["engineIndexUrl"], hardware=hardware)
+        registry = models.Registry(settings.data_dir / "models", self.validators,
+                                   is_running=engines.is_running)
         self.services = Services(settings=settings, config=config, events=events,
                                  downloads=downloads,
                                  models=models.Models(settings, config, downloads, registry),
-                                 shutdown=shutdown)
+                                 engines=engines, shutdown=shutdown)
 
     def __call__(self, environ, start_response):
         origin = environ.get("HTTP_ORIGIN")
@@ -167,9 +172,10 @@ class App:
         return Reply(None, 204, headers)
 
     def close(self) -> None:
-        """End event streams and stop download tasks (their part files stay for resuming)."""
+        """End event streams, stop download tasks (their part files stay), unload models."""
         self.services.events.close()
         self.services.downloads.close()
+        self.services.engines.close()
 
 
 def create_app(settings: Settings, **kwargs) -> App:

@@ -225,6 +225,9 @@ class Task:
     status: str = "Pending"  # Pending, Downloading, Success, Error, Stopped
     error: str | None = None
     on_success: Callable[["Task"], None] | None = field(default=None, repr=False)
+    # Called after each item is complete; it may append items (an engine wheel's
+    # requirements are known only once the wheel is there).
+    after_item: Callable[["Task", "Item"], None] | None = field(default=None, repr=False)
     cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
     response: object = field(default=None, repr=False)  # the open HTTP response, to abort
 
@@ -321,8 +324,10 @@ class Downloads:
         task.status = "Downloading"
         self._publish("DownloadStarted", task)
         try:
-            for item in task.items:
+            for item in task.items:  # sees items that after_item appends
                 self._fetch(task, item)
+                if task.after_item is not None:
+                    task.after_item(task, item)
             if task.cancelled.is_set():
                 raise _Cancelled()
             if task.on_success is not None:

@@ -107,6 +107,9 @@ KEYS: tuple[Key, ...] = (
     Key("modelHubUrl", _hub_url, "https://huggingface.co",
         "Hugging Face-compatible hub that models are pulled from", env="LOCALRT_MODELHUB_URL"),
     Key("modelHubOrg", _string, "cortexso", "hub organization holding the built-in models"),
+    Key("engineIndexUrl", _hub_url, "https://pypi.org/simple",
+        "Python package index (PEP 691 or 503) engine wheels come from",
+        env="LOCALRT_ENGINE_INDEX_URL"),
     # None means: the local origins on the API port, so a port change keeps them right.
     Key("allowedOrigins", _origins, None, "origins allowed by CORS", api="allowed_origins"),
     Key("cors", _boolean, True, "whether CORS headers are sent", api="cors"),

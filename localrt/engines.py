@@ -1,0 +1,1053 @@
+"""Inference engines: which exist, what this machine runs, installing and loading them.
+
+Built-in engines (`CATALOG`):
+  gguf-cpp      llama.cpp through llama-cpp-python, a base dependency ("builtin"),
+                so it is Ready on a fresh install once its probe passes.
+  onnx-runtime  onnxruntime-genai, installed on request from the package index.
+Custom engines come from the `localrt.engines` entry-point group, either of
+packages in this Python or of wheels installed with `POST /v1/engines/install`.
+
+An engine object has `name`, `format`, `description` and `load(model_path, options)`;
+the loaded model has `chat(messages, params, stream)` and `unload()`. Non-streamed
+chat returns {"content", "finish_reason", "usage": {"prompt_tokens",
+"completion_tokens"}}; streamed chat returns an iterator of text pieces.
+
+Installed variants live in `<dataFolderPath>/engines/<engine>/<variant>/<version>/`
+(unpacked wheels, never pip-installed) and are listed in `engines.json` there, which
+is written atomically after the folder is complete: a folder not in the file does
+not count. llama_cpp and onnxruntime_genai are imported only when a model loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Callable, Iterator, Mapping
+from urllib.parse import unquote, urlsplit
+
+from localrt import wheels
+from localrt.downloads import DownloadFailed as DownloadFailedError
+from localrt.downloads import Downloads, Item, Task
+from localrt.errors import BadRequest, Conflict, HTTPError, NotFound
+from localrt.fsutil import atomic_write, fsync_dir
+
+log = logging.getLogger(__name__)
+
+GGUF_ENGINE, ONNX_ENGINE = "gguf-cpp", "onnx-runtime"
+ENTRY_POINT_GROUP = "localrt.engines"
+REGISTRY_FILE = "engines.json"
+PROBES_FILE = "probes.json"
+DOWNLOADS_DIR = ".downloads"   # wheels while they download, under the engines folder
+PROBE_TIMEOUT = 300            # seconds; a probe loads and decodes two tiny models
+_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*\Z")  # engine, variant and version
+
+
+class EngineNotFound(NotFound):
+    code = "engine_not_found"
+
+
+class EngineIncompatible(Conflict):
+    code = "engine_incompatible"
+
+
+class EngineNotInstalled(Conflict):
+    code = "engine_not_installed"
+
+
+# --- the machine ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What variants depend on: OS, architecture, CPU flags and the CUDA driver."""
+
+    os: str                 # linux, mac, windows
+    arch: str               # amd64, arm64
+    cpu_model: str = ""
+    cpu_flags: frozenset = frozenset()
+    cuda: str | None = None  # the driver's CUDA version, "12.4"
+
+    @property
+    def platform(self) -> str:
+        return f"{self.os}-{self.arch}"
+
+    def cpu_level(self) -> str | None:
+        """The best of avx512, avx2 and avx this CPU has (None: none of them)."""
+        for level, flag in CPU_LEVELS:
+            if flag in self.cpu_flags:
+                return level
+        return None
+
+    def key(self) -> str:
+        """Identifies the CPU for cached probe results."""
+        text = self.cpu_model + " " + " ".join(sorted(self.cpu_flags))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+CPU_LEVELS = (("avx512", "avx512f"), ("avx2", "avx2"), ("avx", "avx"))
+_OS_NAMES = {"linux": "linux", "darwin": "mac", "win32": "windows"}
+_ARCH_NAMES = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
+
+
+def detect_hardware(cpuinfo: Path = Path("/proc/cpuinfo")) -> Hardware:
+    """Read this machine's OS, architecture, CPU flags and CUDA driver version."""
+    os_name = _OS_NAMES.get(sys.platform, sys.platform)
+    machine = platform.machine().lower()
+    model, flags = "", frozenset()
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and not model:
+            model = value.strip()
+        elif key in ("flags", "Features") and not flags:
+            flags = frozenset(value.split())
+    return Hardware(os_name, _ARCH_NAMES.get(machine, machine), model, flags,
+                    _cuda_driver_version())
+
+
+def _cuda_driver_version() -> str | None:
+    """The CUDA version the NVIDIA driver supports, from libcuda or nvidia-smi."""
+    import ctypes
+
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int()
+        if libcuda.cuDriverGetVersion(ctypes.byref(version)) == 0 and version.value:
+            return f"{version.value // 1000}.{version.value % 1000 // 10}"
+    except (OSError, AttributeError):
+        pass
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi], capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+        found = re.search(r"CUDA Version:\s*(\d+\.\d+)", out)
+        return found.group(1) if found else None
+    return None
+
+
+# --- the catalog ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Variant:
+    """An installable build of an engine, and what the machine needs to run it."""
+
+    name: str
+    distribution: str         # project name in the package index
+    local: str | None = None  # the PEP 440 local label its wheels carry (+avx2)
+    needs: str | None = None  # a CPU flag, or "cuda-12"
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """A built-in engine."""
+
+    name: str
+    format: str
+    description: str
+    module: str                                  # what `load` imports
+    variants: Callable[[Hardware], list[Variant]]
+    platforms: tuple[str, ...] = ()              # where builds exist ("" for any)
+    min_python: tuple[int, int] = (3, 9)
+    builtin: str | None = None                   # distribution shipped with localrt
+
+
+def _gguf_variants(hw: Hardware) -> list[Variant]:
+    found = [Variant(f"{hw.platform}-{level}", "llama-cpp-python", level, flag)
+             for level, flag in CPU_LEVELS]
+    return found + [Variant(f"{hw.platform}-cuda-12", "llama-cpp-python", "cu12", "cuda-12")]
+
+
+def _onnx_variants(hw: Hardware) -> list[Variant]:
+    return [Variant(hw.platform, "onnxruntime-genai"),
+            Variant(f"{hw.platform}-cuda-12", "onnxruntime-genai-cuda", None, "cuda-12")]
+
+
+CATALOG = {
+    GGUF_ENGINE: EngineSpec(
+        GGUF_ENGINE, "GGUF", "llama.cpp through llama-cpp-python; runs GGUF models",
+        "llama_cpp", _gguf_variants, builtin="llama-cpp-python"),
+    ONNX_ENGINE: EngineSpec(
+        ONNX_ENGINE, "ONNX", "onnxruntime-genai; runs ONNX models",
+        "onnxruntime_genai", _onnx_variants,
+        # onnxruntime-genai publishes wheels for these platforms, CPython 3.10 and newer.
+        platforms=("linux-amd64", "linux-arm64", "windows-amd64", "mac-arm64"),
+        min_python=(3, 10)),
+}
+
+
+def runnable(variant: Variant, hw: Hardware) -> str | None:
+    """None when this machine can run `variant`, else the reason it cannot."""
+    if not variant.name.startswith(hw.platform):
+        return f"it is built for another platform; this machine is {hw.platform}"
+    if variant.needs is None:
+        return None
+    if variant.needs.startswith("cuda-"):
+        major = variant.needs.split("-")[1]
+        if hw.cuda is None:
+            return "it needs an NVIDIA GPU with a CUDA driver, and none was found"
+        if hw.cuda.split(".")[0] != major:
+            return f"it needs CUDA {major}; the driver supports CUDA {hw.cuda}"
+        return None
+    if variant.needs not in hw.cpu_flags:
+        return f"it needs the {variant.needs} instruction set, which this CPU lacks"
+    return None
+
+
+def recommended(variants: list[Variant], hw: Hardware) -> Variant | None:
+    """The variant to install when none is asked for: a GPU one, else the best CPU one."""
+    usable = [v for v in variants if runnable(v, hw) is None]
+    gpu = [v for v in usable if v.needs and v.needs.startswith("cuda")]
+    return (gpu or usable or [None])[0]
+
+
+def display_version(version: str) -> str:
+    """Versions are shown as v0.3.36."""
+    return f"v{version}" if version and not version.startswith("v") else version
+
+
+def _bare_version(version: str) -> str:
+    return version[1:] if version.startswith("v") else version
+
+
+# --- the engines and their loaded models -----------------------------------------
+
+
+@dataclass
+class Loaded:
+    """A model loaded by an engine."""
+
+    model_id: str
+    engine: str
+    model: object
+    options: dict
+    loaded_at: float = field(default_factory=time.time)
+
+
+class Engines:
+    """Owns the engines registry file, probe results, and loaded engines and models.
+
+    `_lock` guards `_state` (the content of engines.json), `_probes`, `_objects`
+    (engine objects created in this process), `_imported` (engine -> the folder its
+    module was imported from) and `_models` (loaded models). Model loading happens
+    under it, so two starts never load twice; chat runs outside it.
+    """
+
+    def __init__(self, root: Path, config: Callable[[], Mapping], downloads: Downloads,
+                 index_url: Callable[[], str], hardware: Hardware | None = None,
+                 entry_points: Callable[[], list] | None = None):
+        self.root = root
+        self._config = config
+        self._downloads = downloads
+        self._index_url = index_url
+        self.hardware = hardware or detect_hardware()
+        self._entry_points = entry_points or (
+            lambda: list(metadata.entry_points(group=ENTRY_POINT_GROUP)))
+        self._lock = threading.RLock()
+        self._state = self._read(REGISTRY_FILE, {"engines": {}})
+        self._probes = self._read(PROBES_FILE, {})
+        self._objects: dict[str, object] = {}
+        self._imported: dict[str, str] = {}
+        self._models: dict[str, Loaded] = {}
+
+    # --- listing ---------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        """Built-in engines first, then custom ones in name order."""
+        with self._lock:
+            custom = set(self._custom_entry_points()) | {
+                name for name, e in self._state["engines"].items() if e.get("custom")}
+        return list(CATALOG) + sorted(custom - set(CATALOG))
+
+    def list(self) -> list[dict]:
+        """The §2.2 entry of every engine."""
+        return [self.entry(name) for name in self.names()]
+
+    def entry(self, name: str) -> dict:
+        """One engine's §2.2 entry: status Ready, Not Installed or Incompatible."""
+        with self._lock:
+            spec = CATALOG.get(name)
+            if spec is None:
+                return self._custom_entry(name)
+            out = {"name": name, "productName": name, "description": spec.description,
+                   "format": spec.format, "status": "Not Installed", "variant": "",
+                   "version": ""}
+            reason = self._platform_reason(spec)
+            if reason:
+                return {**out, "status": "Incompatible", "reason": reason}
+            active = self._active(name)
+            if active is None:
+                return out
+            problem = self._check(name, active)
+            if problem:
+                return {**out, "status": "Incompatible", "reason": problem}
+            out.update(status="Ready", variant=active["variant"],
+                       version=display_version(active["version"]))
+            if self._needs_restart(name, active):
+                out["restartRequired"] = True
+            return out
+
+    def variants(self, name: str) -> list[dict]:
+        """The §2.3 entries of an engine's installed variants."""
+        with self._lock:
+            if name not in CATALOG and name not in self.names():
+                raise EngineNotFound(f"Unknown engine {name!r}; known engines: "
+                                     f"{', '.join(self.names())}", param="engine")
+            active = self._active(name)
+            out = []
+            for v in self._installed(name):
+                status = "Installed"
+                problem = self._check(name, v)
+                if problem:
+                    status = "Incompatible"
+                elif active and (v["variant"], v["version"]) == \
+                        (active["variant"], active["version"]):
+                    status = "Ready"
+                row = {"engine": name, "name": v["variant"],
+                       "version": display_version(v["version"]), "status": status}
+                if problem:
+                    row["reason"] = problem
+                if v.get("builtin"):
+                    row["builtin"] = True
+                out.append(row)
+            return out
+
+    def _platform_reason(self, spec: EngineSpec) -> str | None:
+        hw = self.hardware
+        if spec.platforms and hw.platform not in spec.platforms:
+            return f"{spec.name} has no build for {hw.platform}"
+        if sys.version_info[:2] < spec.min_python:
+            return (f"{spec.name} has no build for Python "
+                    f"{'.'.join(map(str, sys.version_info[:2]))}")
+        return None
+
+    def _installed(self, name: str) -> list[dict]:
+        """Installed variants: the builtin one first (gguf-cpp), then the registry's."""
+        out = []
+        spec = CATALOG.get(name)
+        if spec and spec.builtin:
+            builtin = self._builtin(spec)
+            if builtin:
+                out.append(builtin)
+        entry = self._state["engines"].get(name, {})
+        out += [dict(v, path=str(self.root / name / v["variant"] / v["version"]))
+                for v in entry.get("installed", [])]
+        return out
+
+    def _builtin(self, spec: EngineSpec) -> dict | None:
+        """The variant that ships with localrt, or None if its package is missing."""
+        found = importlib.util.find_spec(spec.module)
+        if found is None or not found.submodule_search_locations:
+            return None
+        try:
+            version = metadata.version(spec.builtin)
+        except metadata.PackageNotFoundError:
+            return None
+        info = self._probe(spec.name, None, version)
+        variant = info.get("variant") or self.hardware.platform
+        return {"variant": variant, "version": version, "builtin": True, "path": None,
+                "distribution": spec.builtin}
+
+    def _active(self, name: str) -> dict | None:
+        """The variant models of this engine load: the registry's choice, else builtin."""
+        entry = self._state["engines"].get(name, {})
+        installed = self._installed(name)
+        chosen = entry.get("active")
+        for v in installed:
+            if v.get("builtin"):
+                if chosen is None and not entry.get("builtinDeactivated"):
+                    return v
+            elif chosen and (v["variant"], v["version"]) == \
+                    (chosen["variant"], chosen["version"]):
+                return v
+        return None
+
+    def _check(self, name: str, v: dict) -> str | None:
+        """Why variant `v` cannot run here (None: it can). gguf-cpp builds are probed."""
+        if name == GGUF_ENGINE:
+            return self._probe(name, v.get("path"), v["version"]).get("reason")
+        return None
+
+    def _needs_restart(self, name: str, active: dict) -> bool:
+        imported = self._imported.get(name)
+        return imported is not None and imported != str(active.get("path"))
+
+    # --- the gguf-cpp probe ----------------------------------------------------
+
+    def _probe(self, name: str, path: str | None, version: str) -> dict:
+        """The cached probe result of a llama.cpp build: variant, and reason if it fails."""
+        key = self._probe_key(path, version)
+        result = self._probes.get(key)
+        if result is None:
+            result = run_probe(path, self.hardware)
+            self._probes[key] = result
+            self._write(PROBES_FILE, self._probes)
+            if result.get("reason"):
+                log.warning("%s %s failed its probe: %s", name, version, result["reason"])
+        return result
+
+    def _probe_key(self, path: str | None, version: str) -> str:
+        """A build and this CPU: the llama_cpp folder, its libraries' sizes and times."""
+        if path is None:
+            found = importlib.util.find_spec("llama_cpp")
+            folder = Path(list(found.submodule_search_locations)[0])
+        else:
+            folder = Path(path) / "llama_cpp"
+        stamp = [str(folder), version]
+        for lib in sorted((folder / "lib").glob("*.so")):
+            st = lib.stat()
+            stamp.append(f"{lib.name}:{st.st_size}:{st.st_mtime_ns}")
+        digest = hashlib.sha256("\n".join(stamp).encode()).hexdigest()[:16]
+        return f"{digest}-{self.hardware.key()}"
+
+    # --- custom engines --------------------------------------------------------
+
+    def _custom_entry_points(self) -> dict[str, tuple[object, str | None]]:
+        """Custom engine name -> (entry point, folder to put on sys.path or None)."""
+        found = {ep.name: (ep, None) for ep in self._entry_points()
+                 if ep.name not in CATALOG}
+        for name, entry in self._state["engines"].items():
+            if not entry.get("custom") or name in CATALOG:
+                continue
+            active = entry.get("active")
+            if not active:
+                continue
+            folder = self.root / name / active["variant"] / active["version"]
+            for dist in metadata.distributions(path=[str(folder)]):
+                for ep in dist.entry_points.select(group=ENTRY_POINT_GROUP, name=name):
+                    found[name] = (ep, str(folder))
+        return found
+
+    def _custom_object(self, name: str):
+        """Load a custom engine's entry point; raises EngineNotInstalled or Incompatible."""
+        if name in self._objects:
+            return self._objects[name]
+        eps = self._custom_entry_points()
+        if name not in eps:
+            raise EngineNotInstalled(f"Engine {name} is not installed", param="engine")
+        ep, folder = eps[name]
+        if folder:
+            _on_sys_path(folder)
+        try:
+            engine = ep.load()
+            if isinstance(engine, type):
+                engine = engine()
+        except Exception as exc:
+            raise EngineIncompatible(f"Engine {name} failed to load: "
+                                     f"{exc.__class__.__name__}: {exc}") from None
+        missing = [a for a in ("name", "format", "description", "load")
+                   if not hasattr(engine, a)]
+        if missing:
+            raise EngineIncompatible(f"Engine {name} ({ep.value}) lacks "
+                                     f"{', '.join(missing)}")
+        self._objects[name] = engine
+        self._imported[name] = str(folder)
+        return engine
+
+    def _custom_entry(self, name: str) -> dict:
+        out = {"name": name, "productName": name, "description": "", "format": "",
+               "status": "Not Installed", "variant": "", "version": ""}
+        entry = self._state["engines"].get(name, {})
+        try:
+            engine = self._custom_object(name)
+        except EngineNotInstalled:
+            return out
+        except HTTPError as exc:
+            return {**out, "status": "Incompatible", "reason": exc.message}
+        active = entry.get("active") or {}
+        version = active.get("version") or str(getattr(engine, "version", ""))
+        return {**out, "description": str(engine.description), "format": str(engine.format),
+                "status": "Ready", "variant": active.get("variant", self.hardware.platform),
+                "version": display_version(version)}
+
+    # --- install, uninstall, default ---------------------------------------------
+
+    def install(self, name: str, version: str | None = None,
+                variant: str | None = None) -> dict:
+        """Start installing a variant of a built-in engine as a download task."""
+        spec = self._builtin_spec(name)
+        reason = self._platform_reason(spec)
+        if reason:
+            raise BadRequest(f"Cannot install {name}: {reason}", param="engine")
+        chosen = self._choose_variant(spec, variant)
+        with self._lock:
+            builtin = self._builtin(spec) if spec.builtin else None
+            if builtin and version is None and variant in (None, builtin["variant"]):
+                return self._reactivate_builtin(name, builtin)
+        index = self._index_url()
+        dist = wheels.choose(wheels.project_files(self._config(), index, chosen.distribution),
+                             f"=={_bare_version(version)}" if version else "", chosen.local)
+        if dist is None:
+            wanted = f"{chosen.distribution} {version}" if version else chosen.distribution
+            raise BadRequest(f"The package index {index} has no {wanted} wheel for variant "
+                             f"{chosen.name} that this Python runs "
+                             f"({wheels.supported_tags()[0]})",
+                             param="version" if version else "variant")
+        ver = dist.version.public
+        with self._lock:
+            if any((v["variant"], v["version"]) == (chosen.name, ver)
+                   for v in self._installed(name)):
+                raise Conflict(f"Engine {name} {display_version(ver)} ({chosen.name}) is "
+                               f"already installed", param="engine")
+        task = self._install_task(name, chosen.name, ver, [self._item(dist)])
+        self._downloads.start(task)
+        return {"message": f"Engine {name} starts installing", "task": task.to_dict()}
+
+    def install_wheel(self, source: str) -> dict:
+        """Start installing a custom engine from a wheel file path or URL."""
+        if urlsplit(source).scheme in ("http", "https"):
+            filename = unquote(urlsplit(source).path.rsplit("/", 1)[-1])
+            if not filename.endswith(".whl") or not _SAFE_NAME.match(filename):
+                raise BadRequest(f"{source} does not name a .whl file", param="wheel")
+            size = wheels.content_length(self._config(), source)
+            item = Item(filename, source, self.root / DOWNLOADS_DIR / filename, size)
+            task = self._install_task(None, self.hardware.platform, None, [item])
+            self._downloads.start(task)
+            return {"message": f"Engine from {filename} starts installing",
+                    "task": task.to_dict()}
+        path = Path(source).expanduser()
+        if not path.is_absolute():
+            raise BadRequest("The wheel path must be absolute", param="wheel")
+        if not path.is_file():
+            raise BadRequest(f"No such file: {path}", param="wheel")
+        name, version = self._wheel_engine(path)
+        task = self._install_task(name, self.hardware.platform, version, [], local=path)
+        self._downloads.start(task)
+        return {"message": f"Engine {name} starts installing", "task": task.to_dict()}
+
+    def uninstall(self, name: str, version: str | None = None,
+                  variant: str | None = None) -> dict:
+        """Remove an installed variant (the builtin one is only deactivated)."""
+        if name not in self.names():
+            raise EngineNotFound(f"Unknown engine {name!r}", param="engine")
+        with self._lock:
+            running = sorted(m for m, l in self._models.items() if l.engine == name)
+            if running:
+                raise Conflict(f"Engine {name} is running {', '.join(running)}; stop "
+                               f"{'them' if len(running) > 1 else 'it'} first",
+                               param="engine")
+            target = self._pick_installed(name, version, variant)
+            state = json.loads(json.dumps(self._state))
+            entry = state["engines"].setdefault(name, {})
+            active = entry.get("active")
+            if target.get("builtin"):
+                entry["builtinDeactivated"] = True
+            else:
+                entry["installed"] = [v for v in entry.get("installed", [])
+                                      if (v["variant"], v["version"]) !=
+                                      (target["variant"], target["version"])]
+                if active and (active["variant"], active["version"]) == \
+                        (target["variant"], target["version"]):
+                    rest = entry["installed"]
+                    entry["active"] = ({"variant": rest[-1]["variant"],
+                                        "version": rest[-1]["version"]} if rest else None)
+                if not entry["installed"] and entry.get("custom"):
+                    del state["engines"][name]
+                    self._objects.pop(name, None)
+            self._write(REGISTRY_FILE, state)
+            self._state = state
+        if not target.get("builtin"):
+            shutil.rmtree(target["path"], ignore_errors=True)
+        log.info("engine %s %s (%s) uninstalled", name, target["version"], target["variant"])
+        return {"message": f"Engine {name} uninstalled successfully"}
+
+    def set_default(self, name: str, variant: str, version: str) -> dict:
+        """Make an installed variant the one models of this engine load."""
+        if name not in self.names():
+            raise EngineNotFound(f"Unknown engine {name!r}", param="engine")
+        with self._lock:
+            target = self._pick_installed(name, version, variant)
+            state = json.loads(json.dumps(self._state))
+            entry = state["engines"].setdefault(name, {})
+            if target.get("builtin"):
+                entry["active"], entry["builtinDeactivated"] = None, False
+            else:
+                entry["active"] = {"variant": target["variant"], "version": target["version"]}
+            self._write(REGISTRY_FILE, state)
+            self._state = state
+            message = (f"Engine {name} now uses {target['variant']} "
+                       f"{display_version(target['version'])}")
+            if self._needs_restart(name, target):
+                message += "; it is already loaded, so restart the server to use it"
+            return {"message": message}
+
+    def _builtin_spec(self, name: str) -> EngineSpec:
+        spec = CATALOG.get(name)
+        if spec is not None:
+            return spec
+        if name in self.names():
+            raise BadRequest(f"{name} is a custom engine; install it from its wheel "
+                             f"(localrt engines install PATH_OR_URL.whl)", param="engine")
+        raise EngineNotFound(f"Unknown engine {name!r}; known engines: "
+                             f"{', '.join(self.names())}", param="engine")
+
+    def _choose_variant(self, spec: EngineSpec, wanted: str | None) -> Variant:
+        options = spec.variants(self.hardware)
+        if wanted is None:
+            chosen = recommended(options, self.hardware)
+            if chosen is None:
+                raise BadRequest(f"This machine runs no variant of {spec.name}",
+                                 param="variant")
+            return chosen
+        for option in options:
+            if option.name == wanted:
+                reason = runnable(option, self.hardware)
+                if reason:
+                    raise BadRequest(f"Variant {wanted} cannot run here: {reason}",
+                                     param="variant")
+                return option
+        if not _SAFE_NAME.match(wanted) or not wanted.startswith(self.hardware.platform):
+            raise BadRequest(f"Variant {wanted!r} cannot run here: it is not built for "
+                             f"this machine ({self.hardware.platform})", param="variant")
+        raise BadRequest(f"Unknown variant {wanted!r} of {spec.name}; variants for this "
+                         f"machine: {', '.join(o.name for o in options)}", param="variant")
+
+    def _pick_installed(self, name: str, version: str | None, variant: str | None) -> dict:
+        installed = self._installed(name)
+        if version is None and variant is None:
+            active = self._active(name)
+            if active is not None:
+                return active
+        matches = [v for v in installed
+                   if (variant is None or v["variant"] == variant)
+                   and (version is None or v["version"] == _bare_version(version))]
+        if not matches:
+            what = " ".join(filter(None, [variant, version and display_version(version)]))
+            raise EngineNotInstalled(f"Engine {name} {what} is not installed".replace("  ", " "),
+                                     param="variant" if variant else "engine")
+        return matches[-1]
+
+    def _reactivate_builtin(self, name: str, builtin: dict) -> dict:
+        entry = self._state["engines"].get(name, {})
+        if self._active(name) is builtin or (not entry.get("builtinDeactivated")
+                                              and entry.get("active") is None):
+            raise Conflict(f"Engine {name} {display_version(builtin['version'])} "
+                           f"({builtin['variant']}) is already installed", param="engine")
+        state = json.loads(json.dumps(self._state))
+        state["engines"].setdefault(name, {}).update(active=None, builtinDeactivated=False)
+        self._write(REGISTRY_FILE, state)
+        self._state = state
+        return {"message": f"Engine {name} starts installing",
+                "note": "the build that ships with localrt is active again"}
+
+    def _item(self, dist: wheels.Dist) -> Item:
+        if not dist.sha256:
+            raise wheels.PackageIndexError(f"The package index gives no sha256 for "
+                                           f"{dist.filename}; refusing an unchecked wheel")
+        size = dist.size if dist.size is not None else \
+            wheels.content_length(self._config(), dist.url)
+        return Item(dist.filename, dist.url, self.root / DOWNLOADS_DIR / dist.filename,
+                    size, sha256=dist.sha256.lower())
+
+    def _wheel_engine(self, wheel: Path) -> tuple[str, str]:
+        """The engine name and version a custom engine wheel declares; 400 if it is unfit."""
+        try:
+            eps = wheels.entry_points(wheel, ENTRY_POINT_GROUP)
+            meta = wheels.read_metadata(wheel)
+            tags = wheels.wheel_tags(wheel.name)
+        except (ValueError, OSError) as exc:  # zipfile.BadZipFile is a ValueError
+            raise BadRequest(f"{wheel.name} is not a usable wheel: {exc}", param="wheel") \
+                from None
+        if len(eps) != 1:
+            raise BadRequest(f"{wheel.name} must declare exactly one {ENTRY_POINT_GROUP} "
+                             f"entry point; it declares {len(eps)}", param="wheel")
+        name = next(iter(eps))
+        if name in CATALOG or not _SAFE_NAME.match(name):
+            raise BadRequest(f"{wheel.name} declares the engine name {name!r}, which is "
+                             f"taken or unsafe", param="wheel")
+        if not set(tags) & set(wheels.supported_tags()):
+            raise BadRequest(f"{wheel.name} is built for {', '.join(sorted(tags))}, not for "
+                             f"this Python", param="wheel")
+        return name, str(meta["Version"])
+
+    def _install_task(self, name: str | None, variant: str, version: str | None,
+                      items: list[Item], local: Path | None = None) -> Task:
+        """A download task whose items are the wheels; success unpacks and registers."""
+        config, index = self._config(), self._index_url()
+        planned: dict[str, str] = {}
+        wheel_files: list[Path] = [local] if local else []
+        found = {"name": name, "version": version}
+
+        def queue_requirements(task: Task, wheel: Path) -> None:
+            meta = wheels.read_metadata(wheel)
+            planned[wheels.canonicalize_name(meta["Name"])] = str(meta["Version"])
+            for req in wheels.missing_requirements(meta, planned):
+                dist = wheels.choose(wheels.project_files(config, index, req.name),
+                                     str(req.specifier))
+                if dist is None:
+                    raise DownloadFailedError(f"{meta['Name']} needs {req}, and the package "
+                                              f"index {index} has no wheel of it for this "
+                                              f"Python")
+                planned[wheels.canonicalize_name(req.name)] = dist.version.public
+                task.items.append(self._item(dist))
+
+        def after_item(task: Task, item: Item) -> None:
+            if found["name"] is None:  # a custom wheel from a URL: now its name is known
+                try:
+                    found["name"], found["version"] = self._wheel_engine(item.local_path)
+                except HTTPError as exc:
+                    raise DownloadFailedError(exc.message) from None
+            queue_requirements(task, item.local_path)
+
+        def on_success(task: Task) -> None:
+            paths = wheel_files + [item.local_path for item in task.items]
+            self._finish_install(found["name"], variant, found["version"], paths,
+                                 custom=found["name"] not in CATALOG)
+            for item in task.items:
+                item.local_path.unlink(missing_ok=True)
+
+        task_name = name or (items[0].id if items else "wheel")
+        task = Task(f"{task_name}:{variant}:{version or 'latest'}", "Engine", items,
+                    on_success=on_success, after_item=after_item)
+        if local is not None:
+            queue_requirements(task, local)
+        return task
+
+    def _finish_install(self, name: str, variant: str, version: str, paths: list[Path],
+                        custom: bool) -> None:
+        """Unpack the wheels beside their final folder, rename it in, then register it."""
+        target = self.root / name / variant / version
+        staging = target.with_name(f".{version}.partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True, mode=0o700)
+        for wheel in paths:
+            wheels.unpack(wheel, staging)
+        shutil.rmtree(target, ignore_errors=True)  # an earlier install that never registered
+        os.replace(staging, target)
+        fsync_dir(target.parent)
+        with self._lock:
+            state = json.loads(json.dumps(self._state))
+            entry = state["engines"].setdefault(name, {})
+            entry["installed"] = [v for v in entry.get("installed", [])
+                                  if (v["variant"], v["version"]) != (variant, version)]
+            entry["installed"].append({"variant": variant, "version": version,
+                                       "wheels": [p.name for p in paths],
+                                       "installedAt": int(time.time())})
+            entry["active"] = {"variant": variant, "version": version}
+            if custom:
+                entry["custom"] = True
+            self._write(REGISTRY_FILE, state)
+            self._state = state
+            self._objects.pop(name, None) if custom else None
+            if name == GGUF_ENGINE:
+                self._probe(name, str(target), version)  # a new build is probed at once
+        log.info("engine %s %s (%s) installed in %s", name, version, variant, target)
+
+    # --- loading models --------------------------------------------------------
+
+    def load(self, engine: str, model_id: str, model_path: str, options: dict) -> Loaded:
+        """Load a model with an engine (once); raises 409 if the engine cannot run it."""
+        with self._lock:
+            if model_id in self._models:
+                return self._models[model_id]
+            engine_object = self._engine_object(engine)
+            model = engine_object.load(model_path, dict(options))
+            loaded = Loaded(model_id, engine, model, dict(options))
+            self._models[model_id] = loaded
+            log.info("model %s loaded with %s", model_id, engine)
+            return loaded
+
+    def unload(self, model_id: str) -> bool:
+        """Unload a model; False if it was not loaded."""
+        with self._lock:
+            loaded = self._models.pop(model_id, None)
+        if loaded is None:
+            return False
+        loaded.model.unload()
+        log.info("model %s unloaded", model_id)
+        return True
+
+    def loaded(self, model_id: str) -> Loaded | None:
+        """The loaded model with this id, if any."""
+        with self._lock:
+            return self._models.get(model_id)
+
+    def is_running(self, model_id: str) -> bool:
+        """Whether a model is loaded (the models registry asks before a delete)."""
+        with self._lock:
+            return model_id in self._models
+
+    def close(self) -> None:
+        """Unload every model (the server is stopping)."""
+        with self._lock:
+            models, self._models = list(self._models.values()), {}
+        for loaded in models:
+            try:
+                loaded.model.unload()
+            except Exception:
+                log.exception("unloading %s failed", loaded.model_id)
+
+    def _engine_object(self, name: str):
+        spec = CATALOG.get(name)
+        if spec is None:
+            if name not in self.names():
+                raise EngineNotFound(f"Unknown engine {name!r}", param="engine")
+            return self._custom_object(name)
+        if name in self._objects:
+            return self._objects[name]
+        reason = self._platform_reason(spec)
+        active = None if reason else self._active(name)
+        if active is None:
+            raise EngineNotInstalled(reason or f"Engine {name} is not installed; install it "
+                                     f"with: localrt engines install {name}", param="engine")
+        problem = self._check(name, active)
+        if problem:
+            raise EngineIncompatible(f"Engine {name} {display_version(active['version'])} "
+                                     f"({active['variant']}) cannot run on this machine: "
+                                     f"{problem}", param="engine")
+        if active.get("path"):
+            _on_sys_path(active["path"])
+        engine = GgufEngine() if name == GGUF_ENGINE else OnnxEngine()
+        self._objects[name] = engine
+        self._imported[name] = str(active.get("path"))
+        return engine
+
+    # --- registry file ---------------------------------------------------------
+
+    def _read(self, name: str, default: dict) -> dict:
+        try:
+            data = json.loads((self.root / name).read_text())
+            return data if isinstance(data, dict) else default
+        except FileNotFoundError:
+            return default
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring %s: %s", self.root / name, exc)
+            return default
+
+    def _write(self, name: str, data: dict) -> None:
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        atomic_write(self.root / name, json.dumps(data, indent=2).encode())
+
+
+def _on_sys_path(folder: str) -> None:
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+        importlib.invalidate_caches()
+
+
+# --- the probe, in a child process ------------------------------------------------
+
+
+def run_probe(path: str | None, hw: Hardware) -> dict:
+    """Run localrt.probe on a llama.cpp build; {"variant", "version", "reason"?, ...}."""
+    cmd = [sys.executable, "-m", "localrt.probe"] + ([path] if path else [])
+    env = dict(os.environ)
+    # The child must import this localrt, wherever it is installed or checked out.
+    localrt_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [localrt_root, env.get("PYTHONPATH")]))
+    started = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PROBE_TIMEOUT,
+                              env=env, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return {"reason": f"the build's probe did not finish in {PROBE_TIMEOUT} s"}
+    lines = []
+    for line in proc.stdout.splitlines():
+        try:
+            lines.append(json.loads(line))
+        except ValueError:
+            pass
+    info = next((line for line in lines if line.get("stage") == "info"), {})
+    result = {"variant": gguf_variant(info.get("system_info", ""),
+                                      info.get("gpu_offload", False), hw),
+              "version": info.get("version", ""), "systemInfo": info.get("system_info", ""),
+              "seconds": round(time.monotonic() - started, 2)}
+    last = lines[-1] if lines else {}
+    if proc.returncode == 0 and last.get("stage") == "done":
+        result["decodeTokensPerSecond"] = last.get("tokens_per_second")
+        return result
+    result["reason"] = _probe_failure(proc, last)
+    return result
+
+
+def _probe_failure(proc: subprocess.CompletedProcess, last: dict) -> str:
+    where = (f"in a {last['type']} quantized model" if last.get("stage") == "decode"
+             else "while loading")
+    if proc.returncode < 0:
+        sig = signal.Signals(-proc.returncode)
+        what = {signal.SIGILL: "illegal instruction", signal.SIGSEGV: "segmentation fault",
+                signal.SIGBUS: "bus error", signal.SIGABRT: "abort"}.get(sig, sig.name)
+        return f"the build crashes on this CPU: {what} ({sig.name}) {where}"
+    if last.get("stage") == "error":
+        return f"the build failed its probe: {last.get('message')}"
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return f"the build failed its probe {where} (exit {proc.returncode}): {tail[:300]}"
+
+
+def gguf_variant(system_info: str, gpu_offload: bool, hw: Hardware) -> str:
+    """The variant name of a llama.cpp build, from llama_print_system_info()."""
+    features = set(re.findall(r"(\w+) = 1", system_info))
+    if gpu_offload and "CUDA" in system_info:
+        major = (hw.cuda or "12").split(".")[0]
+        return f"{hw.platform}-cuda-{major}"
+    if gpu_offload and "METAL" in system_info.upper():
+        return f"{hw.platform}-metal"
+    for level, feature in (("avx512", "AVX512"), ("avx2", "AVX2"), ("avx", "AVX")):
+        if feature in features:
+            return f"{hw.platform}-{level}"
+    return hw.platform
+
+
+# --- the built-in engines -------------------------------------------------------
+
+# Model start options (schemas/model-update.json) -> llama_cpp.Llama arguments.
+LLAMA_OPTIONS = {"ctx_len": "n_ctx", "ngl": "n_gpu_layers", "cpu_threads": "n_threads",
+                 "n_batch": "n_batch", "mlock": "use_mlock", "use_mmap": "use_mmap",
+                 "flash_attn": "flash_attn"}
+CACHE_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml_type values for type_k and type_v
+# Chat parameters both built-in engines take, as llama_cpp names them.
+SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+            "frequency_penalty", "presence_penalty", "repeat_penalty", "logit_bias",
+            "response_format")
+
+
+class GgufEngine:
+    """gguf-cpp: llama.cpp through llama-cpp-python, imported at the first load."""
+
+    name, format = GGUF_ENGINE, "GGUF"
+    description = CATALOG[GGUF_ENGINE].description
+
+    def load(self, model_path: str, options: dict) -> "LlamaModel":
+        """Load a GGUF file with the Llama arguments the options map to."""
+        import llama_cpp
+
+        kwargs = {LLAMA_OPTIONS[k]: v for k, v in options.items() if k in LLAMA_OPTIONS}
+        if options.get("cache_type"):
+            kwargs["type_k"] = kwargs["type_v"] = CACHE_TYPES[options["cache_type"]]
+        return LlamaModel(llama_cpp.Llama(model_path=model_path, verbose=False, **kwargs))
+
+
+class LlamaModel:
+    """A loaded GGUF model. llama.cpp contexts are not thread-safe: one chat at a time."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self._lock = threading.Lock()  # guards llm between chats
+
+    def chat(self, messages: list, params: dict, stream: bool):
+        """Chat completion with the GGUF's own template; see the module docstring."""
+        kwargs = {k: params[k] for k in SAMPLING if params.get(k) is not None}
+        if stream:
+            return self._stream(messages, kwargs)
+        with self._lock:
+            out = self.llm.create_chat_completion(messages=messages, **kwargs)
+        choice = out["choices"][0]
+        return {"content": choice["message"].get("content") or "",
+                "finish_reason": choice["finish_reason"],
+                "usage": {"prompt_tokens": out["usage"]["prompt_tokens"],
+                          "completion_tokens": out["usage"]["completion_tokens"]}}
+
+    def _stream(self, messages: list, kwargs: dict) -> Iterator[str]:
+        with self._lock:
+            for chunk in self.llm.create_chat_completion(messages=messages, stream=True,
+                                                         **kwargs):
+                piece = chunk["choices"][0]["delta"].get("content")
+                if piece:
+                    yield piece
+
+    def unload(self) -> None:
+        """Free the model and its context."""
+        with self._lock:
+            self.llm.close()
+
+
+class OnnxEngine:
+    """onnx-runtime: onnxruntime-genai, imported from its engine folder at the first load.
+
+    A model is a folder holding genai_config.json, the ONNX graph and the tokenizer
+    files; the chat template comes from tokenizer_config.json.
+    """
+
+    name, format = ONNX_ENGINE, "ONNX"
+    description = CATALOG[ONNX_ENGINE].description
+
+    def load(self, model_path: str, options: dict) -> "OnnxModel":
+        """Load a model folder (or the folder of a file in it)."""
+        import onnxruntime_genai as og
+
+        folder = Path(model_path)
+        if folder.is_file():
+            folder = folder.parent
+        model = og.Model(str(folder))
+        config = json.loads((folder / "genai_config.json").read_text())
+        context = config.get("model", {}).get("context_length") or 2048
+        return OnnxModel(og, model, og.Tokenizer(model),
+                         min(context, options.get("ctx_len") or context))
+
+
+class OnnxModel:
+    """A loaded ONNX model; a fresh Generator per chat, one chat at a time."""
+
+    def __init__(self, og, model, tokenizer, context: int):
+        self._og, self._model, self._tokenizer, self._context = og, model, tokenizer, context
+        self._lock = threading.Lock()  # guards the model between chats
+
+    def chat(self, messages: list, params: dict, stream: bool):
+        """Chat completion with the model's chat template; see the module docstring."""
+        result: dict = {}
+        pieces = self._generate(messages, params, result)
+        if stream:
+            return pieces
+        content = "".join(pieces)
+        return {"content": content, **result}
+
+    def _generate(self, messages: list, params: dict, result: dict) -> Iterator[str]:
+        og, tok = self._og, self._tokenizer
+        prompt = tok.apply_chat_template(json.dumps(messages), add_generation_prompt=True)
+        ids = tok.encode(prompt)
+        max_tokens = params.get("max_tokens") or self._context
+        search = {"max_length": min(len(ids) + max_tokens, self._context)}
+        temperature = params.get("temperature")
+        if temperature:
+            search.update(do_sample=True, temperature=float(temperature))
+            for key in ("top_p", "top_k"):
+                if params.get(key):
+                    search[key] = params[key]
+        if params.get("seed") is not None:
+            search["random_seed"] = int(params["seed"])
+        if params.get("repeat_penalty"):
+            search["repetition_penalty"] = float(params["repeat_penalty"])
+        eos = {int(t) for t in tok.eos_token_ids}
+        with self._lock:
+            gen_params = og.GeneratorParams(self._model)
+            gen_params.set_search_options(**search)
+            generator = og.Generator(self._model, gen_params)
+            generator.append_tokens(ids)
+            stream, last, produced = tok.create_stream(), None, 0
+            while not generator.is_done():
+                generator.generate_next_token()
+                last = int(generator.get_next_tokens()[0])
+                if last in eos:
+                    break
+                produced += 1
+                piece = stream.decode(last)
+                if piece:
+                    yield piece
+            result.update(finish_reason="stop" if last in eos else "length",
+                          usage={"prompt_tokens": len(ids), "completion_tokens": produced})
+
+    def unload(self) -> None:
+        """Drop the model; onnxruntime frees it with the last reference."""
+        with self._lock:
+            self._model = None

@@ -1,0 +1,164 @@
+"""The gguf-cpp probe: does this llama.cpp build run quantized models on this CPU?
+
+Run as a child process (`python -m localrt.probe [ENGINE_DIR]`), never in the server:
+a build that the compiler got wrong dies with SIGILL on its first quantized matmul,
+and it must not take the server with it (see the engines issue and README.rst).
+
+The child prints one JSON object per line on stdout, flushing after each, so the
+parent knows how far it got even when the child is killed by a signal:
+
+* ``{"stage": "info", "version", "system_info", "gpu_offload"}`` once llama_cpp loads;
+* ``{"stage": "decode", "type": "Q8_0"}`` before each quantized model is run;
+* ``{"stage": "done", "tokens_per_second": ...}`` when every type decoded.
+
+The model is written here (a tiny random llama with a byte-level SentencePiece
+vocabulary), then quantized with ``llama_cpp.llama_model_quantize`` to each type in
+`QUANT_TYPES`. Everything lives in a temporary folder that is removed at the end.
+numpy is imported here only: it comes with llama-cpp-python.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# ggml type names -> llama_ftype values (llama.h: LLAMA_FTYPE_MOSTLY_Q4_0 = 2, Q8_0 = 7).
+QUANT_TYPES = {"Q8_0": 7, "Q4_0": 2}
+DECODE_TOKENS = 4
+
+# Sizes chosen so every weight row is a multiple of 256, the largest quantization block
+# (k-quants), so llama.cpp uses its real quantized kernels and no fallback types.
+N_EMBD, N_FF, N_HEAD, N_LAYER, N_CTX = 256, 512, 4, 1, 128
+
+# GGUF value types (gguf.md in llama.cpp).
+_U32, _I32, _F32, _BOOL, _STR, _ARR = 4, 5, 6, 7, 8, 9
+_ALIGN = 32
+
+
+def _emit(**fields) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def _string(s: str) -> bytes:
+    data = s.encode("utf-8")
+    return struct.pack("<Q", len(data)) + data
+
+
+def _value(kind: int, value) -> bytes:
+    if kind == _STR:
+        return _string(value)
+    if kind == _ARR:
+        elem_kind, items = value
+        return struct.pack("<IQ", elem_kind, len(items)) + b"".join(
+            _value(elem_kind, item) for item in items)
+    return struct.pack({_U32: "<I", _I32: "<i", _F32: "<f", _BOOL: "<?"}[kind], value)
+
+
+def _vocab() -> tuple[list, list, list]:
+    """Tokens, scores and types: <unk> <s> </s>, the 256 byte tokens, some pieces."""
+    pieces = ["\u2581"] + list("etaoinshrdlu") + ["\u2581" + c for c in "etaoinshrdlu"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)  # unknown, control, byte, normal
+    scores = [0.0] * 259 + [-100.0 + len(p) - i * 1e-3 for i, p in enumerate(pieces)]
+    return tokens, scores, types
+
+
+def write_model(path: Path, seed: int = 0) -> Path:
+    """Write a tiny random-weight F32 llama GGUF file that llama.cpp loads."""
+    import numpy as np
+
+    tokens, scores, types = _vocab()
+    head_dim = N_EMBD // N_HEAD
+    kv = [
+        ("general.architecture", _STR, "llama"),
+        ("general.name", _STR, "localrt-probe"),
+        ("general.file_type", _U32, 0),
+        ("llama.context_length", _U32, N_CTX),
+        ("llama.embedding_length", _U32, N_EMBD),
+        ("llama.block_count", _U32, N_LAYER),
+        ("llama.feed_forward_length", _U32, N_FF),
+        ("llama.attention.head_count", _U32, N_HEAD),
+        ("llama.attention.head_count_kv", _U32, N_HEAD),
+        ("llama.rope.dimension_count", _U32, head_dim),
+        ("llama.attention.layer_norm_rms_epsilon", _F32, 1e-5),
+        ("tokenizer.ggml.model", _STR, "llama"),
+        ("tokenizer.ggml.tokens", _ARR, (_STR, tokens)),
+        ("tokenizer.ggml.scores", _ARR, (_F32, scores)),
+        ("tokenizer.ggml.token_type", _ARR, (_I32, types)),
+        ("tokenizer.ggml.unknown_token_id", _U32, 0),
+        ("tokenizer.ggml.bos_token_id", _U32, 1),
+        ("tokenizer.ggml.eos_token_id", _U32, 2),
+    ]
+    rng = np.random.default_rng(seed)
+    n_vocab = len(tokens)
+
+    def weight(rows, cols):  # numpy (rows, cols) is ggml ne = [cols, rows]
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02)
+
+    tensors = [("token_embd.weight", weight(n_vocab, N_EMBD)),
+               ("output_norm.weight", np.ones(N_EMBD, np.float32)),
+               ("output.weight", weight(n_vocab, N_EMBD))]
+    for b in range(N_LAYER):
+        tensors += [(f"blk.{b}.attn_norm.weight", np.ones(N_EMBD, np.float32)),
+                    (f"blk.{b}.attn_q.weight", weight(N_EMBD, N_EMBD)),
+                    (f"blk.{b}.attn_k.weight", weight(N_EMBD, N_EMBD)),
+                    (f"blk.{b}.attn_v.weight", weight(N_EMBD, N_EMBD)),
+                    (f"blk.{b}.attn_output.weight", weight(N_EMBD, N_EMBD)),
+                    (f"blk.{b}.ffn_norm.weight", np.ones(N_EMBD, np.float32)),
+                    (f"blk.{b}.ffn_gate.weight", weight(N_FF, N_EMBD)),
+                    (f"blk.{b}.ffn_up.weight", weight(N_FF, N_EMBD)),
+                    (f"blk.{b}.ffn_down.weight", weight(N_EMBD, N_FF))]
+
+    out = bytearray(b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kv)))
+    for key, kind, value in kv:
+        out += _string(key) + struct.pack("<I", kind) + _value(kind, value)
+    offset = 0
+    for name, array in tensors:
+        dims = array.shape[::-1]
+        out += _string(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, 0, offset)
+        offset += -(-array.nbytes // _ALIGN) * _ALIGN
+    with open(path, "wb") as f:
+        f.write(out + b"\0" * (-len(out) % _ALIGN))
+        for _, array in tensors:
+            data = array.astype("<f4").tobytes()
+            f.write(data + b"\0" * (-len(data) % _ALIGN))
+    return path
+
+
+def main(argv: list[str]) -> int:
+    """Probe the llama_cpp importable here (ENGINE_DIR first on sys.path, if given)."""
+    if argv:
+        sys.path.insert(0, argv[0])
+    import llama_cpp
+
+    _emit(stage="info", version=llama_cpp.__version__,
+          system_info=llama_cpp.llama_print_system_info().decode("utf-8", "replace"),
+          gpu_offload=bool(llama_cpp.llama_supports_gpu_offload()))
+    rates = []
+    with tempfile.TemporaryDirectory(prefix="localrt-probe-") as tmp:
+        source = write_model(Path(tmp) / "probe-f32.gguf")
+        for name, ftype in QUANT_TYPES.items():
+            target = Path(tmp) / f"probe-{name}.gguf"
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype = ftype
+            if llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(),
+                                              params) != 0:
+                _emit(stage="error", message=f"llama.cpp could not quantize to {name}")
+                return 1
+            _emit(stage="decode", type=name)
+            llm = llama_cpp.Llama(str(target), n_ctx=N_CTX, n_threads=1, n_gpu_layers=0,
+                                  seed=1, verbose=False)
+            started = time.perf_counter()
+            out = llm.create_completion("hello", max_tokens=DECODE_TOKENS, temperature=0.0)
+            rates.append(out["usage"]["completion_tokens"] / (time.perf_counter() - started))
+            llm.close()
+    _emit(stage="done", tokens_per_second=round(min(rates), 1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,277 @@
+"""Engine wheels: find them in a package index, pick one this Python runs, unpack it.
+
+The index speaks PEP 691 (JSON) or PEP 503 (HTML); both are asked for in one Accept
+header and the reply's Content-Type says which came back. Requests go through
+`downloads.open_url`, so the proxy and TLS settings of Config apply. Version and
+marker logic is `packaging`'s (PEP 440 and PEP 508 are easy to get subtly wrong).
+
+Wheels are never pip-installed: `unpack` extracts one into an engine folder, which
+the engine manager puts on sys.path when the engine's first model starts.
+"""
+
+from __future__ import annotations
+
+import email.parser
+import html.parser
+import json
+import re
+import stat
+import sys
+import zipfile
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Iterable, Mapping
+from urllib.parse import urldefrag, urljoin
+
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.tags import sys_tags
+from packaging.utils import (InvalidWheelFilename, canonicalize_name,
+                             parse_wheel_filename)
+from packaging.version import InvalidVersion, Version
+
+from localrt.downloads import open_url
+from localrt.errors import UpstreamError
+
+JSON_TYPE = "application/vnd.pypi.simple.v1+json"
+ACCEPT = f"{JSON_TYPE}, application/vnd.pypi.simple.v1+html;q=0.2, text/html;q=0.1"
+MAX_PAGE = 32 * 1024 * 1024  # bytes of one project page; PyPI's largest are a few MB
+
+
+class PackageIndexError(UpstreamError):
+    """The package index could not be read, or does not have the project."""
+
+
+@dataclass(frozen=True)
+class Dist:
+    """One wheel listed by the index."""
+
+    filename: str
+    url: str
+    sha256: str | None
+    size: int | None
+    version: Version
+    tags: frozenset
+    requires_python: str | None = None
+
+
+def project_files(config: Mapping, index_url: str, project: str) -> list[Dist]:
+    """Every wheel the index lists for `project` (sdists and unparsable names skipped)."""
+    url = urljoin(index_url.rstrip("/") + "/", canonicalize_name(project) + "/")
+    try:
+        with open_url(config, url, headers={"Accept": ACCEPT}, timeout=30.0) as resp:
+            body = resp.read(MAX_PAGE + 1)
+            kind = resp.headers.get_content_type()
+            final_url = resp.url
+    except OSError as exc:  # HTTPError included
+        code = getattr(exc, "code", None)
+        if code == 404:
+            raise PackageIndexError(f"The package index {index_url} has no project "
+                                    f"{project!r}") from None
+        raise PackageIndexError(f"Cannot read {url}: {getattr(exc, 'reason', exc)}") from None
+    if len(body) > MAX_PAGE:
+        raise PackageIndexError(f"{url} is larger than {MAX_PAGE} bytes")
+    try:
+        if kind == JSON_TYPE:
+            links = [(f.get("url"), f.get("filename"), (f.get("hashes") or {}).get("sha256"),
+                      f.get("size"), f.get("requires-python"))
+                     for f in json.loads(body)["files"] if not f.get("yanked")]
+        else:
+            links = _HTMLLinks.parse(body.decode("utf-8", "replace"))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise PackageIndexError(f"{url} is not a package index page ({exc})") from None
+    dists = []
+    for href, filename, sha256, size, requires_python in links:
+        if not isinstance(href, str) or not isinstance(filename, str):
+            continue
+        href, fragment = urldefrag(urljoin(final_url, href))
+        if sha256 is None and fragment.startswith("sha256="):
+            sha256 = fragment[len("sha256="):]
+        try:
+            _, version, _, tags = parse_wheel_filename(filename)
+        except (InvalidWheelFilename, InvalidVersion):
+            continue  # an sdist, or a name that is not a wheel's
+        dists.append(Dist(filename, href, sha256 if isinstance(sha256, str) else None,
+                          size if isinstance(size, int) else None, version,
+                          frozenset(str(t) for t in tags), requires_python))
+    return dists
+
+
+class _HTMLLinks(html.parser.HTMLParser):
+    """The <a> elements of a PEP 503 page: (href, text, None, None, requires-python)."""
+
+    def __init__(self):
+        super().__init__()
+        self.links: list = []
+        self._open: dict | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> list:
+        parser = cls()
+        parser.feed(text)
+        parser.close()
+        return parser.links
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "a":
+            attrs = dict(attrs)
+            if "data-yanked" not in attrs:
+                self._open = {"href": attrs.get("href"), "text": "",
+                              "requires": attrs.get("data-requires-python")}
+
+    def handle_data(self, data):
+        if self._open is not None:
+            self._open["text"] += data
+
+    def handle_endtag(self, tag):
+        if tag == "a" and self._open is not None:
+            link, self._open = self._open, None
+            self.links.append((link["href"], link["text"].strip(), None, None,
+                               link["requires"]))
+
+
+def wheel_tags(filename: str) -> frozenset:
+    """The tags of a wheel file name; ValueError if it is not one."""
+    try:
+        return frozenset(str(t) for t in parse_wheel_filename(filename)[3])
+    except (InvalidWheelFilename, InvalidVersion) as exc:
+        raise ValueError(str(exc)) from None
+
+
+def content_length(config: Mapping, url: str) -> int:
+    """The size of the file at `url`, for indexes that do not list sizes."""
+    try:
+        with open_url(config, url, headers={"Range": "bytes=0-0"}, timeout=30.0) as resp:
+            total = resp.headers.get("Content-Range", "").rpartition("/")[2]
+            length = total if resp.status == 206 else resp.headers.get("Content-Length")
+            return int(length)
+    except (TypeError, ValueError):
+        raise PackageIndexError(f"{url} does not say how large it is") from None
+    except OSError as exc:
+        raise PackageIndexError(f"Cannot read {url}: {getattr(exc, 'reason', exc)}") \
+            from None
+
+
+def supported_tags() -> list[str]:
+    """This interpreter's wheel tags, most preferred first."""
+    return [str(t) for t in sys_tags()]
+
+
+def choose(dists: Iterable[Dist], specifier: str = "", local: str | None = None,
+           tags: list[str] | None = None) -> Dist | None:
+    """The newest wheel matching `specifier` and the local label that this Python runs."""
+    tags = supported_tags() if tags is None else tags
+    rank = {tag: i for i, tag in enumerate(tags)}
+    spec = SpecifierSet(specifier)
+    python = ".".join(map(str, sys.version_info[:3]))
+    best = None
+    for dist in dists:
+        if dist.version.local != local:
+            continue
+        public = Version(dist.version.public)
+        if not spec.contains(public, prereleases=bool(specifier) or None):
+            continue
+        if dist.requires_python and not _python_ok(dist.requires_python, python):
+            continue
+        ranks = [rank[t] for t in dist.tags if t in rank]
+        if not ranks:
+            continue
+        key = (public, -min(ranks))
+        if best is None or key > best[0]:
+            best = (key, dist)
+    return None if best is None else best[1]
+
+
+def _python_ok(requires_python: str, python: str) -> bool:
+    try:
+        return SpecifierSet(requires_python).contains(python, prereleases=True)
+    except ValueError:
+        return True  # an index's malformed metadata is not a reason to refuse
+
+
+def read_metadata(wheel: Path):
+    """The METADATA of a wheel file, as an email.message.Message."""
+    with zipfile.ZipFile(wheel) as zf:
+        names = [n for n in zf.namelist()
+                 if re.fullmatch(r"[^/]+\.dist-info/METADATA", n)]
+        if len(names) != 1:
+            raise ValueError(f"{wheel.name} is not a wheel (no single .dist-info/METADATA)")
+        return email.parser.BytesParser().parsebytes(zf.read(names[0]), headersonly=True)
+
+
+def entry_points(wheel: Path, group: str) -> dict[str, str]:
+    """The entry points of `group` a wheel declares: name -> "module:object"."""
+    import configparser
+
+    with zipfile.ZipFile(wheel) as zf:
+        names = [n for n in zf.namelist()
+                 if re.fullmatch(r"[^/]+\.dist-info/entry_points\.txt", n)]
+        if not names:
+            return {}
+        parser = configparser.ConfigParser(delimiters=("=",), interpolation=None)
+        parser.optionxform = str
+        parser.read_string(zf.read(names[0]).decode("utf-8"))
+    return dict(parser[group]) if parser.has_section(group) else {}
+
+
+def missing_requirements(meta, available: Mapping[str, str]) -> list[Requirement]:
+    """Requirements of a wheel (its METADATA) that neither this Python nor `available` meet.
+
+    `available` maps canonical names to versions already planned for the engine
+    folder. Extras are not installed, so requirements only for an extra are skipped.
+    """
+    missing = []
+    for line in meta.get_all("Requires-Dist") or []:
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            raise ValueError(f"invalid requirement {line!r} in the wheel's METADATA") from None
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        name = canonicalize_name(req.name)
+        version = available.get(name) or _installed_version(req.name)
+        if version is not None and req.specifier.contains(version, prereleases=True):
+            continue
+        missing.append(req)
+    return missing
+
+
+def _installed_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def unpack(wheel: Path, target: Path) -> list[str]:
+    """Extract a wheel's files into `target` (its site-packages); return the paths.
+
+    `.data/purelib` and `.data/platlib` land in `target` as pip would put them;
+    `.data/scripts`, headers and data are not needed by an engine and are skipped.
+    Paths that would leave `target` are refused. Unix modes are kept, so shared
+    libraries stay executable.
+    """
+    written = []
+    with zipfile.ZipFile(wheel) as zf:
+        for info in zf.infolist():
+            name = info.filename
+            data_dir = re.match(r"[^/]+\.data/(purelib|platlib|[^/]+)/", name)
+            if data_dir:
+                if data_dir.group(1) not in ("purelib", "platlib"):
+                    continue
+                name = name[data_dir.end():]
+            if info.is_dir() or not name:
+                continue
+            dest = (target / name).resolve()
+            if not dest.is_relative_to(target.resolve()) or "\\" in name:
+                raise ValueError(f"{wheel.name} holds an unsafe path: {info.filename!r}")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with zf.open(info) as src, open(dest, "wb") as out:
+                while chunk := src.read(1024 * 1024):
+                    out.write(chunk)
+            mode = (info.external_attr >> 16) & 0o777
+            if mode:
+                dest.chmod(mode | stat.S_IRUSR | stat.S_IWUSR)
+            written.append(name)
+    return written

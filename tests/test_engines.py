@@ -1,0 +1,482 @@
+"""Engines: the catalog and variants, the gguf-cpp probe, installs from a package index
+emulator serving the real onnxruntime-genai wheels, custom engine wheels, and loading
+real models (quantized GGUF through llama.cpp, a generated ONNX model, the echo engine).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, call
+from enginepkg import build_echo_engine_wheel, write_echo_model
+from ggufgen import write_gguf
+from onnxgen import write_onnx_model
+from pkgindex import PackageIndex
+
+from localrt import engines as engines_mod
+from localrt.app import create_app
+from localrt.engines import Hardware, Variant, gguf_variant, recommended, runnable
+
+WHEELS = REPO / "tests" / ".engine-wheels"
+AVX512 = frozenset({"avx", "avx2", "avx512f", "fma"})
+HW = Hardware("linux", "amd64", "test cpu", AVX512)
+
+
+# --- the machine and the catalog ---------------------------------------------------
+
+
+def test_detect_hardware_reads_cpu_flags(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu avx avx2 sse\n"
+                       "processor\t: 1\nflags\t\t: fpu\n")
+    hw = engines_mod.detect_hardware(cpuinfo)
+    assert hw.cpu_model == "Some CPU"
+    assert hw.cpu_flags == {"fpu", "avx", "avx2", "sse"}
+    assert hw.cpu_level() == "avx2"
+
+
+def test_variants_this_machine_cannot_run_say_why():
+    avx2_only = Hardware("linux", "amd64", "", frozenset({"avx", "avx2"}))
+    assert runnable(Variant("linux-amd64-avx2", "x", "avx2", "avx2"), avx2_only) is None
+    assert "avx512f" in runnable(Variant("linux-amd64-avx512", "x", "avx512", "avx512f"),
+                                 avx2_only)
+    assert "NVIDIA" in runnable(Variant("linux-amd64-cuda-12", "x", None, "cuda-12"),
+                                avx2_only)
+    assert "CUDA 12" in runnable(Variant("linux-amd64-cuda-12", "x", None, "cuda-12"),
+                                 Hardware("linux", "amd64", cuda="11.8"))
+    assert "platform" in runnable(Variant("windows-amd64", "x"), avx2_only)
+
+
+def test_recommended_variant_prefers_gpu_then_best_cpu():
+    variants = engines_mod.CATALOG["gguf-cpp"].variants(HW)
+    assert recommended(variants, HW).name == "linux-amd64-avx512"
+    gpu = Hardware("linux", "amd64", "", AVX512, cuda="12.4")
+    assert recommended(variants, gpu).name == "linux-amd64-cuda-12"
+
+
+def test_gguf_variant_comes_from_system_info():
+    info = "CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | "
+    assert gguf_variant(info, False, HW) == "linux-amd64-avx512"
+    assert gguf_variant("CPU : AVX = 1 | AVX2 = 1 | AVX512 = 0 |", False, HW) == \
+        "linux-amd64-avx2"
+    assert gguf_variant("CUDA : ARCHS = 890 | CPU : AVX2 = 1 |", True,
+                        Hardware("linux", "amd64", cuda="12.4")) == "linux-amd64-cuda-12"
+
+
+# --- fixtures ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def probe_result():
+    """The real probe of the llama.cpp build under test, run once per session."""
+    hw = engines_mod.detect_hardware()
+    return hw, engines_mod.run_probe(None, hw)
+
+
+@pytest.fixture(scope="session")
+def index_dir(tmp_path_factory):
+    """The real onnxruntime-genai wheels (from .ci/run's pip download) and the echo wheel."""
+    if not list(WHEELS.glob("onnxruntime_genai-*.whl")):
+        pytest.fail(f"{WHEELS} has no onnxruntime-genai wheel; run: python -m pip download "
+                    f"--only-binary=:all: -d {WHEELS} onnxruntime-genai==0.18.0")
+    root = tmp_path_factory.mktemp("index")
+    for wheel in WHEELS.glob("*.whl"):
+        (root / wheel.name).symlink_to(wheel)
+    build_echo_engine_wheel(root)
+    return root
+
+
+@pytest.fixture
+def index(index_dir):
+    with PackageIndex(index_dir) as emu:
+        yield emu
+
+
+@pytest.fixture
+def app(settings, index, probe_result):
+    """An app whose engine index is the emulator; the session's probe result is reused."""
+    hw, result = probe_result
+    settings.update({"engineIndexUrl": index.url})
+    app = create_app(settings, hardware=hw)
+    engines = app.services.engines
+    key = engines._probe_key(None, engines_mod.metadata.version("llama-cpp-python"))
+    engines._probes[key] = result
+    yield app
+    app.close()
+
+
+@pytest.fixture
+def api(app):
+    return lambda *args, **kwargs: call(app, *args, **kwargs)
+
+
+@pytest.fixture
+def clean_sys_path():
+    """Engine folders that a test puts on sys.path are taken off again."""
+    before = list(sys.path)
+    yield
+    sys.path[:] = before
+
+
+def wait_task(api, task_id, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        tasks = {t["id"]: t for t in api("GET", "/v1/models/pull").json["data"]}
+        task = tasks.get(task_id)
+        if task and task["status"] not in ("Pending", "Downloading"):
+            return task
+        time.sleep(0.05)
+    raise AssertionError(f"task {task_id} still running after {timeout}s")
+
+
+def engine(api, name):
+    return {e["name"]: e for e in api("GET", "/v1/engines").json["data"]}[name]
+
+
+def install_onnx(api):
+    r = api("POST", "/v1/engines/onnx-runtime/install")
+    assert r.status == 200, r.body
+    assert r.json["message"] == "Engine onnx-runtime starts installing"
+    task = wait_task(api, r.json["task"]["id"])
+    assert task["status"] == "Success", task
+    assert task["type"] == "Engine"
+    return task
+
+
+# --- listing -------------------------------------------------------------------------
+
+
+def test_fresh_install_lists_gguf_ready_and_onnx_not_installed(api, probe_result):
+    r = api("GET", "/v1/engines")
+    assert r.status == 200
+    assert r.json["object"] == "list" and r.json["result"] == "OK"
+    by_name = {e["name"]: e for e in r.json["data"]}
+    gguf = by_name["gguf-cpp"]
+    assert set(gguf) >= {"name", "productName", "description", "format", "status",
+                         "variant", "version"}
+    assert gguf["format"] == "GGUF" and gguf["productName"] == "gguf-cpp"
+    assert gguf["status"] == "Ready", gguf.get("reason")
+    assert gguf["version"] == "v" + engines_mod.metadata.version("llama-cpp-python")
+    assert gguf["variant"] == probe_result[1]["variant"]
+    assert gguf["variant"].startswith("linux-amd64")
+    onnx = by_name["onnx-runtime"]
+    assert (onnx["format"], onnx["status"], onnx["version"], onnx["variant"]) == \
+        ("ONNX", "Not Installed", "", "")
+
+
+def test_get_engine_lists_installed_variants(api):
+    for path in ("/engines/gguf-cpp", "/v1/engines/gguf-cpp"):
+        r = api("GET", path)
+        assert r.status == 200
+        (row,) = r.json
+        assert row["engine"] == "gguf-cpp" and row["status"] == "Ready"
+        assert row["version"].startswith("v0.")
+    assert api("GET", "/engines/onnx-runtime").json == []
+    r = api("GET", "/engines/nope")
+    assert r.status == 404 and r.json["error"]["code"] == "engine_not_found"
+
+
+def test_the_probe_runs_in_a_child_and_is_cached(settings, probe_result):
+    hw, result = probe_result
+    assert "reason" not in result, result
+    assert result["decodeTokensPerSecond"] > 0
+    app = create_app(settings, hardware=hw)  # no cached result: this one probes
+    try:
+        assert engine(lambda *a, **k: call(app, *a, **k), "gguf-cpp")["status"] == "Ready"
+        probes = json.loads((settings.data_dir / "engines" / "probes.json").read_text())
+        assert list(probes.values())[0]["variant"] == result["variant"]
+    finally:
+        app.close()
+    # The server process itself never imported llama_cpp to answer this.
+    assert "llama_cpp" not in _modules_after_listing(settings)
+
+
+def _modules_after_listing(settings) -> list:
+    code = textwrap.dedent("""
+        import json, sys
+        from localrt import settings
+        from localrt.app import create_app
+        app = create_app(settings.load())
+        app.services.engines.list()
+        print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in
+                                ('llama_cpp', 'onnxruntime_genai'))))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    return json.loads(out.stdout)
+
+
+def test_a_build_that_crashes_is_incompatible_with_the_reason(tmp_path):
+    """The probe's parent side: a child killed by SIGILL is reported, not fatal.
+
+    The llama_cpp here is a stand-in that kills itself the way the miscompiled AMX
+    build does on its first quantized decode; the real build is probed above.
+    """
+    fake = tmp_path / "engine" / "llama_cpp"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(textwrap.dedent("""
+        import os, signal
+        __version__ = "0.3.99"
+        def llama_print_system_info(): return b"CPU : AVX = 1 | AVX2 = 1 | AVX512 = 1 |"
+        def llama_supports_gpu_offload(): return False
+        def llama_model_quantize_default_params():
+            class P: ftype = 0
+            return P()
+        def llama_model_quantize(src, dst, params):
+            open(dst, "wb").write(open(src, "rb").read()); return 0
+        class Llama:
+            def __init__(self, *a, **k): os.kill(os.getpid(), signal.SIGILL)
+    """))
+    result = engines_mod.run_probe(str(tmp_path / "engine"), HW)
+    assert result["reason"] == ("the build crashes on this CPU: illegal instruction "
+                                "(SIGILL) in a Q8_0 quantized model")
+    assert result["variant"] == "linux-amd64-avx512"
+
+
+# --- gguf-cpp runs quantized models -------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def quantized(tmp_path_factory):
+    """Tiny GGUF models quantized by llama.cpp itself to Q8_0 and Q4_0."""
+    import llama_cpp
+
+    root = tmp_path_factory.mktemp("quantized")
+    source = write_gguf(root / "tiny-f32.gguf", n_embd=256, n_ff=512, context_length=256)
+    out = {}
+    for name, ftype in (("Q8_0", llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0),
+                        ("Q4_0", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0)):
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = ftype
+        target = root / f"tiny-{name}.gguf"
+        assert llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(),
+                                              params) == 0
+        out[name] = target
+    return out
+
+
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_0"])
+def test_gguf_cpp_runs_quantized_models(app, quantized, quant):
+    engines = app.services.engines
+    loaded = engines.load("gguf-cpp", f"tiny-{quant}", str(quantized[quant]),
+                          {"ctx_len": 256, "cpu_threads": 1})
+    try:
+        messages = [{"role": "user", "content": "hello"}]
+        out = loaded.model.chat(messages, {"max_tokens": 6, "temperature": 0}, False)
+        assert out["usage"]["completion_tokens"] >= 1
+        assert out["finish_reason"] in ("stop", "length")
+        again = loaded.model.chat(messages, {"max_tokens": 6, "temperature": 0}, False)
+        assert again["content"] == out["content"]  # greedy is deterministic
+        pieces = list(loaded.model.chat(messages, {"max_tokens": 6, "temperature": 0}, True))
+        assert "".join(pieces) == out["content"]
+    finally:
+        assert engines.unload(f"tiny-{quant}")
+    assert not engines.is_running(f"tiny-{quant}")
+
+
+# --- installing onnx-runtime from the index emulator --------------------------------
+
+
+def test_install_onnx_runtime_and_generate(api, app, index, settings, tmp_path,
+                                           clean_sys_path):
+    started = time.monotonic()
+    task = install_onnx(api)
+    elapsed = time.monotonic() - started
+    names = {item["id"] for item in task["items"]}
+    # The engine, and the requirement this environment lacks; numpy is already here.
+    assert any(n.startswith("onnxruntime_genai-0.18.0") for n in names)
+    assert any(n.startswith("onnxruntime-1.") for n in names)
+    assert not any(n.startswith("numpy-") for n in names)
+    print(f"onnx-runtime install: {elapsed:.2f}s for {len(names)} wheels")
+
+    onnx = engine(api, "onnx-runtime")
+    assert (onnx["status"], onnx["version"], onnx["variant"]) == \
+        ("Ready", "v0.18.0", "linux-amd64")
+    folder = settings.data_dir / "engines" / "onnx-runtime" / "linux-amd64" / "0.18.0"
+    assert (folder / "onnxruntime_genai").is_dir()
+    assert (folder / "onnxruntime" / "capi").is_dir()
+    assert not list((settings.data_dir / "engines" / ".downloads").glob("*.whl"))
+    rows = api("GET", "/engines/onnx-runtime").json
+    assert rows == [{"engine": "onnx-runtime", "name": "linux-amd64", "version": "v0.18.0",
+                     "status": "Ready"}]
+    # Installing it again is a conflict.
+    r = api("POST", "/v1/engines/onnx-runtime/install", {"variant": "linux-amd64"})
+    assert r.status == 409 and "already installed" in r.json["error"]["message"]
+
+    model_dir = write_onnx_model(tmp_path / "onnx-model")
+    loaded = app.services.engines.load("onnx-runtime", "tiny-onnx", str(model_dir), {})
+    messages = [{"role": "user", "content": "hi"}]
+    out = loaded.model.chat(messages, {"max_tokens": 8, "temperature": 0.8, "seed": 7}, False)
+    assert out["usage"]["completion_tokens"] == 8 and out["finish_reason"] == "length"
+    again = loaded.model.chat(messages, {"max_tokens": 8, "temperature": 0.8, "seed": 7},
+                              False)
+    assert again["content"] == out["content"] and out["content"]
+    streamed = "".join(loaded.model.chat(messages, {"max_tokens": 8, "seed": 7,
+                                                    "temperature": 0.8}, True))
+    assert streamed == out["content"]
+    import onnxruntime_genai
+    assert Path(onnxruntime_genai.__file__).is_relative_to(folder)
+
+    # A running model blocks the uninstall; after a stop it goes, folder and all.
+    r = api("DELETE", "/v1/engines/onnx-runtime/install")
+    assert r.status == 409 and "tiny-onnx" in r.json["error"]["message"]
+    app.services.engines.unload("tiny-onnx")
+    r = api("DELETE", "/v1/engines/onnx-runtime/install")
+    assert r.status == 200
+    assert r.json == {"message": "Engine onnx-runtime uninstalled successfully"}
+    assert not folder.exists()
+    assert engine(api, "onnx-runtime")["status"] == "Not Installed"
+
+
+def test_install_progress_comes_as_engine_events(app, api, index):
+    stream = app.services.events.listen()
+    assert next(stream).startswith(b":")
+    install_onnx(api)
+    events = []
+    while True:
+        chunk = next(stream)
+        if chunk.startswith(b"data:"):
+            events.append(json.loads(chunk[5:]))
+            if events[-1]["type"] in ("DownloadSuccess", "DownloadError"):
+                break
+    stream.close()
+    types = [e["type"] for e in events]
+    assert types[0] == "DownloadStarted" and types[-1] == "DownloadSuccess"
+    assert all(e["task"]["type"] == "Engine" for e in events)
+
+
+# --- bad inputs ----------------------------------------------------------------------
+
+
+def test_unknown_engine_is_404(api):
+    for method, path in (("POST", "/v1/engines/nope/install"),
+                         ("DELETE", "/v1/engines/nope/install"),
+                         ("GET", "/v1/engines/nope")):
+        r = api(method, path)
+        assert r.status == 404, (method, path)
+        assert r.json["error"]["param"] == "engine"
+
+
+def test_a_variant_for_another_os_is_refused(api):
+    r = api("POST", "/v1/engines/onnx-runtime/install", {"variant": "windows-amd64"})
+    assert r.status == 400
+    assert r.json["error"]["param"] == "variant"
+    assert "linux-amd64" in r.json["error"]["message"]
+    r = api("POST", "/v1/engines/onnx-runtime/install", {"variant": "linux-amd64-cuda-12"})
+    assert r.status == 400 and "NVIDIA" in r.json["error"]["message"]
+
+
+def test_a_version_the_index_lacks_is_400(api, index):
+    r = api("POST", "/v1/engines/onnx-runtime/install", {"version": "9.9.9"})
+    assert r.status == 400
+    assert r.json["error"]["param"] == "version"
+    assert "9.9.9" in r.json["error"]["message"]
+    r = api("POST", "/v1/engines/onnx-runtime/install", {"version": "not a version"})
+    assert r.status == 400 and r.json["error"]["param"] == "version"
+
+
+def test_a_wrong_sha256_fails_the_install_and_installs_nothing(api, index, settings):
+    index.wrong_sha256 = {d.filename for d in index.distributions()
+                          if d.filename.startswith("onnxruntime_genai")}
+    r = api("POST", "/v1/engines/onnx-runtime/install")
+    task = wait_task(api, r.json["task"]["id"])
+    assert task["status"] == "Error" and "checksum mismatch" in task["error"]
+    assert engine(api, "onnx-runtime")["status"] == "Not Installed"
+    assert not (settings.data_dir / "engines" / "onnx-runtime").exists()
+
+
+def test_a_cancelled_install_leaves_nothing_installed(api, index, settings):
+    index.throttle = 0.01
+    r = api("POST", "/v1/engines/onnx-runtime/install")
+    task_id = r.json["task"]["id"]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        tasks = {t["id"]: t for t in api("GET", "/v1/models/pull").json["data"]}
+        if sum(i["downloadedBytes"] for i in tasks[task_id]["items"]) > 256 * 1024:
+            break
+        time.sleep(0.02)
+    assert api("DELETE", "/v1/models/pull", {"taskId": task_id}).status == 200
+    assert wait_task(api, task_id)["status"] == "Stopped"
+    assert engine(api, "onnx-runtime")["status"] == "Not Installed"
+    assert not (settings.data_dir / "engines" / "onnx-runtime").exists()
+    # The part file stays, so the next install resumes instead of starting over.
+    index.throttle = 0
+    assert list((settings.data_dir / "engines" / ".downloads").glob("*.part"))
+    install_onnx(api)
+    ranges = [h.get("range") for m, p, h in index.requests if p.startswith("/files/onnx")]
+    assert any(r and r != "bytes=0-0" for r in ranges)
+
+
+def test_a_killed_unpack_does_not_count_as_installed(app, api, settings):
+    """A staging folder or an unregistered version folder is not an installed engine."""
+    root = settings.data_dir / "engines" / "onnx-runtime" / "linux-amd64"
+    (root / ".0.18.0.partial" / "onnxruntime_genai").mkdir(parents=True)
+    (root / "0.18.0" / "onnxruntime_genai").mkdir(parents=True)
+    fresh = create_app(settings, hardware=app.services.engines.hardware)
+    try:
+        assert engine(lambda *a, **k: call(fresh, *a, **k), "onnx-runtime")["status"] == \
+            "Not Installed"
+    finally:
+        fresh.close()
+
+
+def test_the_builtin_gguf_cpp_is_deactivated_not_deleted(api):
+    r = api("POST", "/v1/engines/gguf-cpp/install")
+    assert r.status == 409 and "already installed" in r.json["error"]["message"]
+    r = api("DELETE", "/v1/engines/gguf-cpp/install")
+    assert r.json == {"message": "Engine gguf-cpp uninstalled successfully"}
+    gguf = engine(api, "gguf-cpp")
+    assert (gguf["status"], gguf["version"], gguf["variant"]) == ("Not Installed", "", "")
+    import llama_cpp  # still on disk
+    assert Path(llama_cpp.__file__).exists()
+    r = api("POST", "/v1/engines/gguf-cpp/install")
+    assert r.status == 200 and r.json["message"] == "Engine gguf-cpp starts installing"
+    assert engine(api, "gguf-cpp")["status"] == "Ready"
+
+
+def test_bad_bodies_name_the_field(api):
+    r = api("POST", "/v1/engines/onnx-runtime/install", {"variant": 3})
+    assert r.status == 400 and r.json["error"]["param"] == "variant"
+    r = api("POST", "/v1/engines/onnx-runtime/install", {"flavour": "x"})
+    assert r.status == 400
+    r = api("POST", "/v1/engines/install", {"wheel": "relative/path.whl"})
+    assert r.status == 400 and r.json["error"]["param"] == "wheel"
+    r = api("POST", "/v1/engines/install", {"wheel": "/no/such/file.whl"})
+    assert r.status == 400 and "No such file" in r.json["error"]["message"]
+
+
+# --- custom engines -------------------------------------------------------------------
+
+
+def test_custom_engine_wheel_installs_lists_and_chats(api, app, index_dir, tmp_path,
+                                                      clean_sys_path):
+    wheel = next(index_dir.glob("localrt_echo_engine-*.whl"))
+    r = api("POST", "/v1/engines/install", {"wheel": str(wheel)})
+    assert r.status == 200 and r.json["message"] == "Engine echo starts installing"
+    assert wait_task(api, r.json["task"]["id"])["status"] == "Success"
+    echo = engine(api, "echo")
+    assert (echo["status"], echo["format"], echo["version"]) == ("Ready", "ECHO", "v1.0.0")
+    assert api("GET", "/engines/echo").json[0]["name"] == "linux-amd64"
+
+    model = write_echo_model(tmp_path / "echo.txt")
+    loaded = app.services.engines.load("echo", "echo-model", str(model), {})
+    out = loaded.model.chat([{"role": "user", "content": "hello there"}], {}, False)
+    assert out["content"] == "echo: hello there"
+    app.services.engines.unload("echo-model")
+    assert api("DELETE", "/v1/engines/echo/install").status == 200
+    assert "echo" not in {e["name"] for e in api("GET", "/v1/engines").json["data"]}
+
+
+def test_custom_engine_wheel_from_a_url(api, index, clean_sys_path):
+    wheel = next(d for d in index.distributions() if d.filename.startswith("localrt_echo"))
+    r = api("POST", "/v1/engines/install", {"wheel": f"{index.root_url}/files/{wheel.filename}"})
+    assert r.status == 200, r.body
+    assert wait_task(api, r.json["task"]["id"])["status"] == "Success"
+    assert engine(api, "echo")["status"] == "Ready"
