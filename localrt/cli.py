@@ -203,7 +203,9 @@ def cmd_pull(ctx: "Context") -> int:
         started = _start_pull(ctx, client, model_id, file)
         if started is None:
             return ExitCode.OK
-        return _follow(ctx, client, stream or _polled_events(client), *started)
+        model, pull_id, task = started
+        return _follow(ctx, client, stream or _polled_events(client), task,
+                       f"Model {model}", "downloaded", f"localrt pull {pull_id}")
 
 
 def _open_events(client):
@@ -282,10 +284,15 @@ _FINISHED = {"DownloadSuccess": "Success", "DownloadError": "Error",
              "DownloadStopped": "Stopped"}
 
 
-def _follow(ctx: "Context", client, stream, model: str, pull_id: str, task: dict) -> int:
-    """Show the task's progress from the event stream until it ends, or Ctrl-C."""
+def _follow(ctx: "Context", client, stream, task: dict, what: str, done: str,
+            again: str) -> int:
+    """Show the task's progress from the event stream until it ends, or Ctrl-C.
+
+    `what` names the thing ("Model x"), `done` says what success did, and `again`
+    is the command that follows (and resumes) the task.
+    """
     task_id = task["id"]
-    progress = Progress(ctx.stderr, model, task)
+    progress = Progress(ctx.stderr, what.split(" ", 1)[-1], task)
     try:
         for event in stream:
             current = event.get("task") or {}
@@ -299,11 +306,11 @@ def _follow(ctx: "Context", client, stream, model: str, pull_id: str, task: dict
             task = _after_stream_ended(client, task_id)
     except KeyboardInterrupt:
         progress.close()
-        return _interrupted(ctx, client, task_id, pull_id)
+        return _interrupted(ctx, client, task_id, again)
     progress.close()
     status = task.get("status")
     if status == "Success":
-        ctx.out(f"Model {model} downloaded")
+        ctx.out(f"{what} {done}")
         return ExitCode.OK
     if status == "Stopped":
         raise CliError(f"Download {task_id} was cancelled")
@@ -319,7 +326,7 @@ def _after_stream_ended(client, task_id: str) -> dict:
     return task
 
 
-def _interrupted(ctx: "Context", client, task_id: str, pull_id: str) -> int:
+def _interrupted(ctx: "Context", client, task_id: str, again: str) -> int:
     """Ctrl-C while following: cancel the download, or (on a terminal) leave it running."""
     if ctx.interactive:
         try:
@@ -328,7 +335,7 @@ def _interrupted(ctx: "Context", client, task_id: str, pull_id: str) -> int:
             ctx.err("")
             answer = None
         if (answer or "").strip().lower() not in ("y", "yes"):
-            ctx.err(f"The download continues in the server. Run `localrt pull {pull_id}` to "
+            ctx.err(f"The download continues in the server. Run `{again}` to "
                     f"follow it again, and press Ctrl-C there to cancel it.")
             return ExitCode.INTERRUPTED
     from localrt.client import ApiError
@@ -340,7 +347,7 @@ def _interrupted(ctx: "Context", client, task_id: str, pull_id: str) -> int:
             raise
         ctx.err(exc.message)
         return ExitCode.INTERRUPTED
-    ctx.err(f"Download {task_id} cancelled; `localrt pull {pull_id}` resumes it")
+    ctx.err(f"Download {task_id} cancelled; `{again}` resumes it")
     return ExitCode.INTERRUPTED
 
 
@@ -403,8 +410,81 @@ def cmd_models_import(ctx: "Context") -> int:
     return ExitCode.OK
 
 
+def cmd_engines(ctx: "Context") -> int:
+    """Run a `localrt engines` subcommand."""
+    return ENGINE_COMMANDS[ctx.args.engines_command](ctx)
+
+
+def cmd_engines_list(ctx: "Context") -> int:
+    """Print every engine as a table."""
+    engines = ctx.call(lambda client: client.list_engines())
+    rows = [(number, e["name"], e["format"], e["version"], e["variant"], e["status"])
+            for number, e in enumerate(engines, 1)]
+    ctx.out(table(("#", "Name", "Supported Formats", "Version", "Variant", "Status"), rows))
+    for e in engines:
+        if e.get("reason"):
+            ctx.err(f"{e['name']}: {e['reason']}")
+    return ExitCode.OK
+
+
+def cmd_engines_get(ctx: "Context") -> int:
+    """Print an engine's installed variants as a table."""
+    name = ctx.args.engine
+    variants = ctx.call(lambda client: client.get_engine(name))
+    if not variants:
+        ctx.out(f"No variant of {name} is installed; `localrt engines install {name}` "
+                f"installs one")
+        return ExitCode.OK
+    rows = [(number, v["engine"], v["version"], v["name"], v.get("status", "Installed"))
+            for number, v in enumerate(variants, 1)]
+    ctx.out(table(("#", "Name", "Version", "Variant", "Status"), rows))
+    for v in variants:
+        if v.get("reason"):
+            ctx.err(f"{v['name']}: {v['reason']}")
+    return ExitCode.OK
+
+
+def cmd_engines_install(ctx: "Context") -> int:
+    """Install an engine variant, or a custom engine wheel, following its progress."""
+    args = ctx.args
+    target = args.engine
+    is_wheel = target.endswith(".whl")
+    if is_wheel and "://" not in target:
+        target = os.path.abspath(target)  # the server resolves paths from its own cwd
+    stream, client = ctx.call(lambda client: (_open_events(client), client))
+    with stream or contextlib.nullcontext():
+        if is_wheel:
+            reply = ctx.call(lambda c: c.install_engine_wheel(target))
+        else:
+            reply = ctx.call(lambda c: c.install_engine(target, args.version, args.variant))
+        if "task" not in reply:
+            ctx.out(reply["message"])
+            return ExitCode.OK
+        name = reply["message"].removesuffix(" starts installing").removeprefix("Engine ")
+        return _follow(ctx, client, stream or _polled_events(client), reply["task"],
+                       f"Engine {name}", "installed", f"localrt engines install {args.engine}")
+
+
+def cmd_engines_uninstall(ctx: "Context") -> int:
+    """Uninstall an engine variant (the active one unless told)."""
+    args = ctx.args
+    reply = ctx.call(lambda c: c.uninstall_engine(args.engine, args.version, args.variant))
+    ctx.out(reply["message"])
+    return ExitCode.OK
+
+
+def cmd_engines_use(ctx: "Context") -> int:
+    """Choose the installed variant an engine's models load."""
+    args = ctx.args
+    ctx.out(ctx.call(lambda c: c.use_engine(args.engine, args.variant, args.version))["message"])
+    return ExitCode.OK
+
+
 COMMANDS = {"start": cmd_start, "stop": cmd_stop, "config": cmd_config, "pull": cmd_pull,
-            "models": cmd_models}
+            "models": cmd_models, "engines": cmd_engines}
+ENGINE_COMMANDS = {"list": cmd_engines_list, "get": cmd_engines_get,
+                   "install": cmd_engines_install, "uninstall": cmd_engines_uninstall,
+                   "use": cmd_engines_use}
 MODEL_COMMANDS = {"list": cmd_models_list, "get": cmd_models_get, "remove": cmd_models_remove,
                   "update": cmd_models_update, "import": cmd_models_import, "pull": cmd_pull}
 MODEL_ALIASES = {"rm": "remove", "delete": "remove"}
@@ -627,7 +707,46 @@ def build_parser(stdout=None, stderr=None) -> argparse.ArgumentParser:
                    "folder instead of linking to it")
     _add_pull_arguments(models.add_parser("pull", help=pull_help,
                                           description=pull_description))
+
+    p = sub.add_parser("engines", help="list, install and uninstall inference engines",
+                       description="Manage the inference engines: gguf-cpp (GGUF, "
+                       "llama.cpp), onnx-runtime (ONNX) and custom engines.")
+    engines = p.add_subparsers(dest="engines_command", metavar="SUBCOMMAND", required=True)
+    engines.add_parser("list", help="list the engines", description="Print a table of the "
+                       "engines with their version, variant and status.")
+    p = engines.add_parser("get", help="list an engine's installed variants",
+                           description="Print a table of an engine's installed variants.")
+    p.add_argument("engine", metavar="ENGINE", help="gguf-cpp, onnx-runtime, or a custom "
+                   "engine's name")
+    p = engines.add_parser("install", help="install an engine, with a progress bar",
+                           description="Install an engine variant from the package index "
+                           "(engineIndexUrl), or a custom engine from a wheel file or URL, "
+                           "showing its progress. Ctrl-C asks whether to cancel it.")
+    p.add_argument("engine", metavar="ENGINE", help="the engine's name, or the path or "
+                   "URL of a custom engine's .whl file")
+    _add_variant_arguments(p, "install (default: the newest)",
+                           "install (default: the one recommended for this machine)")
+    p = engines.add_parser("uninstall", help="uninstall an engine variant",
+                           description="Uninstall an engine variant, the active one unless "
+                           "told. The gguf-cpp build that ships with localrt is deactivated, "
+                           "not deleted; `engines install gguf-cpp` turns it back on.")
+    p.add_argument("engine", metavar="ENGINE", help="the engine's name")
+    _add_variant_arguments(p, "uninstall", "uninstall")
+    p = engines.add_parser("use", help="choose which installed variant models load",
+                           description="Make an installed variant the one the engine's "
+                           "models load. If the engine is already loaded, restart the "
+                           "server for it to take effect.")
+    p.add_argument("engine", metavar="ENGINE", help="the engine's name")
+    p.add_argument("--variant", required=True, metavar="VARIANT", help="the variant to use")
+    p.add_argument("--version", required=True, metavar="VERSION", help="its version")
     return parser
+
+
+def _add_variant_arguments(p: argparse.ArgumentParser, version_help: str,
+                           variant_help: str) -> None:
+    p.add_argument("--version", metavar="VERSION", help=f"the version to {version_help}")
+    p.add_argument("--variant", metavar="VARIANT", help=f"the variant to {variant_help}, "
+                   f"such as linux-amd64-avx2")
 
 
 def _add_pull_arguments(p: argparse.ArgumentParser) -> None:

@@ -104,6 +104,35 @@ class Client:
             body["id"] = model_id
         return self._request("POST", "/v1/models/import", body)
 
+    def list_engines(self) -> list:
+        """GET /v1/engines: every engine with its status, variant and version."""
+        return self._request("GET", "/v1/engines")["data"]
+
+    def get_engine(self, engine: str) -> list:
+        """GET /v1/engines/{engine}: its installed variants."""
+        return self._request("GET", _engine_path(engine))
+
+    def install_engine(self, engine: str, version: str | None = None,
+                       variant: str | None = None) -> dict:
+        """POST /v1/engines/{engine}/install: start installing a variant."""
+        return self._request("POST", _engine_path(engine) + "/install",
+                             _variant_body(version, variant))
+
+    def install_engine_wheel(self, wheel: str) -> dict:
+        """POST /v1/engines/install: a custom engine from a wheel (absolute path or URL)."""
+        return self._request("POST", "/v1/engines/install", {"wheel": wheel})
+
+    def uninstall_engine(self, engine: str, version: str | None = None,
+                         variant: str | None = None) -> dict:
+        """DELETE /v1/engines/{engine}/install."""
+        return self._request("DELETE", _engine_path(engine) + "/install",
+                             _variant_body(version, variant))
+
+    def use_engine(self, engine: str, variant: str, version: str) -> dict:
+        """POST /v1/engines/{engine}/default: the installed variant models load."""
+        return self._request("POST", _engine_path(engine) + "/default",
+                             {"variant": variant, "version": version})
+
     # --- plumbing ------------------------------------------------------------
 
     def _open(self, method: str, path: str, body: Any = None, timeout: float | None = None):
@@ -184,6 +213,14 @@ class EventStream:
 def _model_path(model_id: str) -> str:
     """/v1/models/{id}, with "/", ":" and "%" in the id quoted so they arrive intact."""
     return "/v1/models/" + quote(model_id, safe="")
+
+
+def _engine_path(engine: str) -> str:
+    return "/v1/engines/" + quote(engine, safe="")
+
+
+def _variant_body(version: str | None, variant: str | None) -> dict:
+    return {k: v for k, v in (("version", version), ("variant", variant)) if v is not None}
 
 
 def _error(exc: urllib.error.HTTPError) -> ApiError:

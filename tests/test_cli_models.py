@@ -215,10 +215,12 @@ def test_a_stream_that_ends_early_is_answered_from_the_task_list(thread_server, 
     ctx = cli.Context(args, io.StringIO(), io.StringIO())
     task = client.pull_model("org/single")["task"]
     wait_task(client, task["id"])
-    assert cli._follow(ctx, client, iter([]), "m", "org/single", task) == ExitCode.OK
+    assert cli._follow(ctx, client, iter([]), task, "Model m", "downloaded",
+                       "localrt pull org/single") == ExitCode.OK
     assert ctx.stdout.getvalue() == "Model m downloaded\n"
     with pytest.raises(cli.CliError) as caught:
-        cli._follow(ctx, client, iter([]), "m", "x", {"id": "org:nope:x.gguf", "items": []})
+        cli._follow(ctx, client, iter([]), {"id": "org:nope:x.gguf", "items": []},
+                    "Model m", "downloaded", "localrt pull x")
     assert caught.value.code == ExitCode.UNAVAILABLE
 
 
