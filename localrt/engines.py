@@ -512,7 +512,12 @@ class Engines:
                                f"already installed", param="engine")
         task = self._install_task(name, chosen.name, ver, [self._item(dist)])
         self._downloads.start(task)
-        return {"message": f"Engine {name} starts installing", "task": task.to_dict()}
+        reply = {"message": f"Engine {name} starts installing", "task": task.to_dict()}
+        with self._lock:
+            if name in self._imported:
+                reply["note"] = (f"{name} is already loaded in this server; restart the "
+                                 f"server to use the new variant once it is installed")
+        return reply
 
     def install_wheel(self, source: str) -> dict:
         """Start installing a custom engine from a wheel file path or URL."""

@@ -116,26 +116,26 @@ def _record_line(path: str, data: bytes) -> str:
     return f"{path},sha256={digest},{len(data)}"
 
 
-def build_echo_engine_wheel(out_dir: Path, *, name: str = "localrt-echo-engine",
-                            version: str = "1.0.0") -> Path:
-    """Write the echo engine wheel into out_dir and return its path."""
-    package = _escape(name)
-    dist_info = f"{package}-{version}.dist-info"
+def build_wheel(out_dir: Path, name: str, version: str, files: dict,
+                entry_points: str = "") -> Path:
+    """Write a py3-none-any wheel of `files` (path -> text) with a correct RECORD."""
+    dist_info = f"{_escape(name)}-{version}.dist-info"
     files = {
-        f"{package}/__init__.py": ENGINE_SOURCE.substitute(version=repr(version)),
+        **files,
         f"{dist_info}/METADATA": (
             "Metadata-Version: 2.1\n"
             f"Name: {name}\n"
             f"Version: {version}\n"
-            "Summary: Echo engine for localrt's tests\n"
+            "Summary: A wheel built by localrt's tests\n"
             "Requires-Python: >=3.9\n"),
         f"{dist_info}/WHEEL": (
             "Wheel-Version: 1.0\n"
             "Generator: localrt-tests-enginepkg\n"
             "Root-Is-Purelib: true\n"
             "Tag: py3-none-any\n"),
-        f"{dist_info}/entry_points.txt": f"[{ENTRY_POINT_GROUP}]\necho = {package}:ENGINE\n",
     }
+    if entry_points:
+        files[f"{dist_info}/entry_points.txt"] = entry_points
     contents = {path: text.encode() for path, text in files.items()}
     record = f"{dist_info}/RECORD"
     lines = [_record_line(path, data) for path, data in contents.items()]
@@ -151,6 +151,15 @@ def build_echo_engine_wheel(out_dir: Path, *, name: str = "localrt-echo-engine",
             info.compress_type = zipfile.ZIP_DEFLATED
             zf.writestr(info, data)
     return wheel
+
+
+def build_echo_engine_wheel(out_dir: Path, *, name: str = "localrt-echo-engine",
+                            version: str = "1.0.0") -> Path:
+    """Write the echo engine wheel into out_dir and return its path."""
+    package = _escape(name)
+    return build_wheel(out_dir, name, version,
+                       {f"{package}/__init__.py": ENGINE_SOURCE.substitute(version=repr(version))},
+                       f"[{ENTRY_POINT_GROUP}]\necho = {package}:ENGINE\n")
 
 
 def write_echo_model(path: Path, *, prefix: str = "echo:") -> Path:

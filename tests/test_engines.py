@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, call
-from enginepkg import build_echo_engine_wheel, write_echo_model
+from enginepkg import build_echo_engine_wheel, build_wheel, write_echo_model
 from ggufgen import write_gguf
 from onnxgen import write_onnx_model
 from pkgindex import PackageIndex
@@ -213,6 +213,24 @@ def _modules_after_listing(settings) -> list:
     return json.loads(out.stdout)
 
 
+# A stand-in llama_cpp that kills itself the way the miscompiled AMX build does on its
+# first quantized decode. It tests the probe's parent side only; the real build is
+# probed by test_the_probe_runs_in_a_child_and_is_cached.
+CRASHING_LLAMA_CPP = textwrap.dedent("""
+    import os, signal
+    __version__ = "0.3.99"
+    def llama_print_system_info(): return b"CPU : AVX = 1 | AVX2 = 1 | AVX512 = 1 |"
+    def llama_supports_gpu_offload(): return False
+    def llama_model_quantize_default_params():
+        class P: ftype = 0
+        return P()
+    def llama_model_quantize(src, dst, params):
+        open(dst, "wb").write(open(src, "rb").read()); return 0
+    class Llama:
+        def __init__(self, *a, **k): os.kill(os.getpid(), signal.SIGILL)
+""")
+
+
 def test_a_build_that_crashes_is_incompatible_with_the_reason(tmp_path):
     """The probe's parent side: a child killed by SIGILL is reported, not fatal.
 
@@ -221,19 +239,7 @@ def test_a_build_that_crashes_is_incompatible_with_the_reason(tmp_path):
     """
     fake = tmp_path / "engine" / "llama_cpp"
     fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text(textwrap.dedent("""
-        import os, signal
-        __version__ = "0.3.99"
-        def llama_print_system_info(): return b"CPU : AVX = 1 | AVX2 = 1 | AVX512 = 1 |"
-        def llama_supports_gpu_offload(): return False
-        def llama_model_quantize_default_params():
-            class P: ftype = 0
-            return P()
-        def llama_model_quantize(src, dst, params):
-            open(dst, "wb").write(open(src, "rb").read()); return 0
-        class Llama:
-            def __init__(self, *a, **k): os.kill(os.getpid(), signal.SIGILL)
-    """))
+    (fake / "__init__.py").write_text(CRASHING_LLAMA_CPP)
     result = engines_mod.run_probe(str(tmp_path / "engine"), HW)
     assert result["reason"] == ("the build crashes on this CPU: illegal instruction "
                                 "(SIGILL) in a Q8_0 quantized model")
@@ -480,3 +486,30 @@ def test_custom_engine_wheel_from_a_url(api, index, clean_sys_path):
     assert r.status == 200, r.body
     assert wait_task(api, r.json["task"]["id"])["status"] == "Success"
     assert engine(api, "echo")["status"] == "Ready"
+
+
+def test_a_gguf_cpp_variant_installs_from_the_index_and_is_probed(app, api, index_dir,
+                                                                  tmp_path, quantized):
+    """gguf-cpp variants are llama-cpp-python wheels labelled +<variant feature>. This
+    one crashes, so after its install it is Incompatible and models are refused."""
+    build_wheel(index_dir, "llama-cpp-python", "0.3.99+avx2",
+                {"llama_cpp/__init__.py": CRASHING_LLAMA_CPP})
+    try:
+        r = api("POST", "/v1/engines/gguf-cpp/install", {"variant": "linux-amd64-avx2"})
+        assert r.status == 200, r.body
+        assert wait_task(api, r.json["task"]["id"])["status"] == "Success"
+        gguf = engine(api, "gguf-cpp")
+        assert gguf["status"] == "Incompatible"
+        assert "illegal instruction" in gguf["reason"]
+        rows = {row["name"]: row for row in api("GET", "/engines/gguf-cpp").json}
+        assert rows["linux-amd64-avx2"]["status"] == "Incompatible"
+        assert rows["linux-amd64-avx2"]["version"] == "v0.3.99"
+        with pytest.raises(engines_mod.EngineIncompatible) as refused:
+            app.services.engines.load("gguf-cpp", "m", str(quantized["Q8_0"]), {})
+        assert refused.value.status == 409 and "illegal instruction" in refused.value.message
+        # Uninstalling the variant brings the shipped build back.
+        r = api("DELETE", "/v1/engines/gguf-cpp/install", {"variant": "linux-amd64-avx2"})
+        assert r.status == 200
+        assert engine(api, "gguf-cpp")["status"] == "Ready"
+    finally:
+        (index_dir / "llama_cpp_python-0.3.99+avx2-py3-none-any.whl").unlink()
