@@ -460,7 +460,8 @@ def cmd_engines_install(ctx: "Context") -> int:
         if "task" not in reply:
             ctx.out(reply["message"])
             return ExitCode.OK
-        name = reply["message"].removesuffix(" starts installing").removeprefix("Engine ")
+        # A wheel given by URL names its engine only once it has been downloaded.
+        name = reply.get("engine") or os.path.basename(target)
         return _follow(ctx, client, stream or _polled_events(client), reply["task"],
                        f"Engine {name}", "installed", f"localrt engines install {args.engine}")
 

@@ -20,6 +20,7 @@ not count. llama_cpp and onnxruntime_genai are imported only when a model loads.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib
 import importlib.util
@@ -222,6 +223,11 @@ def recommended(variants: list[Variant], hw: Hardware) -> Variant | None:
     return (gpu or usable or [None])[0]
 
 
+def _key(v: dict) -> tuple[str, str]:
+    """What identifies an installed variant (registry entries, `active`, API rows)."""
+    return v["variant"], v["version"]
+
+
 def display_version(version: str) -> str:
     """Versions are shown as v0.3.36."""
     return f"v{version}" if version and not version.startswith("v") else version
@@ -311,18 +317,16 @@ class Engines:
     def variants(self, name: str) -> list[dict]:
         """The §2.3 entries of an engine's installed variants."""
         with self._lock:
-            if name not in CATALOG and name not in self.names():
-                raise EngineNotFound(f"Unknown engine {name!r}; known engines: "
-                                     f"{', '.join(self.names())}", param="engine")
-            active = self._active(name)
+            self._require_known(name)
+            installed = self._installed(name)
+            active = self._active(name, installed)
             out = []
-            for v in self._installed(name):
+            for v in installed:
                 status = "Installed"
                 problem = self._check(name, v)
                 if problem:
                     status = "Incompatible"
-                elif active and (v["variant"], v["version"]) == \
-                        (active["variant"], active["version"]):
+                elif active and _key(v) == _key(active):
                     status = "Ready"
                 row = {"engine": name, "name": v["variant"],
                        "version": display_version(v["version"]), "status": status}
@@ -369,19 +373,29 @@ class Engines:
         return {"variant": variant, "version": version, "builtin": True, "path": None,
                 "distribution": spec.builtin}
 
-    def _active(self, name: str) -> dict | None:
-        """The variant models of this engine load: the registry's choice, else builtin."""
-        entry = self._state["engines"].get(name, {})
-        installed = self._installed(name)
-        chosen = entry.get("active")
-        for v in installed:
+    def _active(self, name: str, installed: list[dict] | None = None) -> dict | None:
+        """The variant models of this engine load: the registry's choice, else builtin.
+
+        `installed` is `_installed(name)` when the caller has it already.
+        """
+        chosen = self._state["engines"].get(name, {}).get("active")
+        for v in self._installed(name) if installed is None else installed:
             if v.get("builtin"):
-                if chosen is None and not entry.get("builtinDeactivated"):
+                if self._builtin_on(name):
                     return v
-            elif chosen and (v["variant"], v["version"]) == \
-                    (chosen["variant"], chosen["version"]):
+            elif chosen and _key(v) == _key(chosen):
                 return v
         return None
+
+    def _builtin_on(self, name: str) -> bool:
+        """Whether the shipped build is the one models load (when it is installed)."""
+        entry = self._state["engines"].get(name, {})
+        return entry.get("active") is None and not entry.get("builtinDeactivated")
+
+    def _require_known(self, name: str) -> None:
+        if name not in self.names():
+            raise EngineNotFound(f"Unknown engine {name!r}; known engines: "
+                                 f"{', '.join(self.names())}", param="engine")
 
     def _check(self, name: str, v: dict) -> str | None:
         """Why variant `v` cannot run here (None: it can). gguf-cpp builds are probed."""
@@ -506,13 +520,13 @@ class Engines:
                              param="version" if version else "variant")
         ver = dist.version.public
         with self._lock:
-            if any((v["variant"], v["version"]) == (chosen.name, ver)
-                   for v in self._installed(name)):
+            if any(_key(v) == (chosen.name, ver) for v in self._installed(name)):
                 raise Conflict(f"Engine {name} {display_version(ver)} ({chosen.name}) is "
                                f"already installed", param="engine")
         task = self._install_task(name, chosen.name, ver, [self._item(dist)])
         self._downloads.start(task)
-        reply = {"message": f"Engine {name} starts installing", "task": task.to_dict()}
+        reply = {"message": f"Engine {name} starts installing", "engine": name,
+                 "task": task.to_dict()}
         with self._lock:
             if name in self._imported:
                 reply["note"] = (f"{name} is already loaded in this server; restart the "
@@ -530,7 +544,7 @@ class Engines:
             task = self._install_task(None, self.hardware.platform, None, [item])
             self._downloads.start(task)
             return {"message": f"Engine from {filename} starts installing",
-                    "task": task.to_dict()}
+                    "engine": None, "task": task.to_dict()}
         path = Path(source).expanduser()
         if not path.is_absolute():
             raise BadRequest("The wheel path must be absolute", param="wheel")
@@ -539,13 +553,13 @@ class Engines:
         name, version = self._wheel_engine(path)
         task = self._install_task(name, self.hardware.platform, version, [], local=path)
         self._downloads.start(task)
-        return {"message": f"Engine {name} starts installing", "task": task.to_dict()}
+        return {"message": f"Engine {name} starts installing", "engine": name,
+                "task": task.to_dict()}
 
     def uninstall(self, name: str, version: str | None = None,
                   variant: str | None = None) -> dict:
         """Remove an installed variant (the builtin one is only deactivated)."""
-        if name not in self.names():
-            raise EngineNotFound(f"Unknown engine {name!r}", param="engine")
+        self._require_known(name)
         with self._lock:
             running = sorted(m for m, l in self._models.items() if l.engine == name)
             if running:
@@ -553,25 +567,22 @@ class Engines:
                                f"{'them' if len(running) > 1 else 'it'} first",
                                param="engine")
             target = self._pick_installed(name, version, variant)
-            state = json.loads(json.dumps(self._state))
+            state = self._edited_state()
             entry = state["engines"].setdefault(name, {})
             active = entry.get("active")
             if target.get("builtin"):
                 entry["builtinDeactivated"] = True
             else:
                 entry["installed"] = [v for v in entry.get("installed", [])
-                                      if (v["variant"], v["version"]) !=
-                                      (target["variant"], target["version"])]
-                if active and (active["variant"], active["version"]) == \
-                        (target["variant"], target["version"]):
+                                      if _key(v) != _key(target)]
+                if active and _key(active) == _key(target):
                     rest = entry["installed"]
                     entry["active"] = ({"variant": rest[-1]["variant"],
                                         "version": rest[-1]["version"]} if rest else None)
                 if not entry["installed"] and entry.get("custom"):
                     del state["engines"][name]
                     self._objects.pop(name, None)
-            self._write(REGISTRY_FILE, state)
-            self._state = state
+            self._save(state)
         if not target.get("builtin"):
             shutil.rmtree(target["path"], ignore_errors=True)
         log.info("engine %s %s (%s) uninstalled", name, target["version"], target["variant"])
@@ -579,18 +590,16 @@ class Engines:
 
     def set_default(self, name: str, variant: str, version: str) -> dict:
         """Make an installed variant the one models of this engine load."""
-        if name not in self.names():
-            raise EngineNotFound(f"Unknown engine {name!r}", param="engine")
+        self._require_known(name)
         with self._lock:
             target = self._pick_installed(name, version, variant)
-            state = json.loads(json.dumps(self._state))
+            state = self._edited_state()
             entry = state["engines"].setdefault(name, {})
             if target.get("builtin"):
                 entry["active"], entry["builtinDeactivated"] = None, False
             else:
                 entry["active"] = {"variant": target["variant"], "version": target["version"]}
-            self._write(REGISTRY_FILE, state)
-            self._state = state
+            self._save(state)
             message = (f"Engine {name} now uses {target['variant']} "
                        f"{display_version(target['version'])}")
             if self._needs_restart(name, target):
@@ -601,11 +610,9 @@ class Engines:
         spec = CATALOG.get(name)
         if spec is not None:
             return spec
-        if name in self.names():
-            raise BadRequest(f"{name} is a custom engine; install it from its wheel "
-                             f"(localrt engines install PATH_OR_URL.whl)", param="engine")
-        raise EngineNotFound(f"Unknown engine {name!r}; known engines: "
-                             f"{', '.join(self.names())}", param="engine")
+        self._require_known(name)
+        raise BadRequest(f"{name} is a custom engine; install it from its wheel "
+                         f"(localrt engines install PATH_OR_URL.whl)", param="engine")
 
     def _choose_variant(self, spec: EngineSpec, wanted: str | None) -> Variant:
         options = spec.variants(self.hardware)
@@ -631,7 +638,7 @@ class Engines:
     def _pick_installed(self, name: str, version: str | None, variant: str | None) -> dict:
         installed = self._installed(name)
         if version is None and variant is None:
-            active = self._active(name)
+            active = self._active(name, installed)
             if active is not None:
                 return active
         matches = [v for v in installed
@@ -644,15 +651,12 @@ class Engines:
         return matches[-1]
 
     def _reactivate_builtin(self, name: str, builtin: dict) -> dict:
-        entry = self._state["engines"].get(name, {})
-        if self._active(name) is builtin or (not entry.get("builtinDeactivated")
-                                              and entry.get("active") is None):
+        if self._builtin_on(name):
             raise Conflict(f"Engine {name} {display_version(builtin['version'])} "
                            f"({builtin['variant']}) is already installed", param="engine")
-        state = json.loads(json.dumps(self._state))
+        state = self._edited_state()
         state["engines"].setdefault(name, {}).update(active=None, builtinDeactivated=False)
-        self._write(REGISTRY_FILE, state)
-        self._state = state
+        self._save(state)
         return {"message": f"Engine {name} starts installing",
                 "note": "the build that ships with localrt is active again"}
 
@@ -742,19 +746,18 @@ class Engines:
         os.replace(staging, target)
         fsync_dir(target.parent)
         with self._lock:
-            state = json.loads(json.dumps(self._state))
+            state = self._edited_state()
             entry = state["engines"].setdefault(name, {})
             entry["installed"] = [v for v in entry.get("installed", [])
-                                  if (v["variant"], v["version"]) != (variant, version)]
+                                  if _key(v) != (variant, version)]
             entry["installed"].append({"variant": variant, "version": version,
                                        "wheels": [p.name for p in paths],
                                        "installedAt": int(time.time())})
             entry["active"] = {"variant": variant, "version": version}
             if custom:
                 entry["custom"] = True
-            self._write(REGISTRY_FILE, state)
-            self._state = state
-            self._objects.pop(name, None) if custom else None
+                self._objects.pop(name, None)  # a new version loads afresh
+            self._save(state)
             if name == GGUF_ENGINE:
                 self._probe(name, str(target), version)  # a new build is probed at once
         log.info("engine %s %s (%s) installed in %s", name, version, variant, target)
@@ -806,8 +809,7 @@ class Engines:
     def _engine_object(self, name: str):
         spec = CATALOG.get(name)
         if spec is None:
-            if name not in self.names():
-                raise EngineNotFound(f"Unknown engine {name!r}", param="engine")
+            self._require_known(name)
             return self._custom_object(name)
         if name in self._objects:
             return self._objects[name]
@@ -829,6 +831,15 @@ class Engines:
         return engine
 
     # --- registry file ---------------------------------------------------------
+
+    def _edited_state(self) -> dict:
+        """A copy of engines.json's content to change; `_save` makes it current."""
+        return copy.deepcopy(self._state)
+
+    def _save(self, state: dict) -> None:
+        """Write the registry file, then adopt `state` (so a failed write changes nothing)."""
+        self._write(REGISTRY_FILE, state)
+        self._state = state
 
     def _read(self, name: str, default: dict) -> dict:
         try:
