@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from socketserver import ThreadingMixIn
 from types import SimpleNamespace
@@ -114,6 +115,30 @@ def call(app, method, path, json_body=None, body=None, headers=None, query="") -
     names = [k.lower() for k, _ in captured["headers"]]
     assert len(names) == len(set(names)), f"duplicate headers: {captured['headers']}"
     return Response(captured["status"], {k.lower(): v for k, v in captured["headers"]}, data)
+
+
+def wait_task(api, task_id, timeout=20.0):
+    """Poll GET /v1/models/pull until the task is no longer running; return it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        tasks = {t["id"]: t for t in api("GET", "/v1/models/pull").json["data"]}
+        task = tasks.get(task_id)
+        if task and task["status"] not in ("Pending", "Downloading"):
+            return task
+        time.sleep(0.02)
+    raise AssertionError(f"task {task_id} still running after {timeout}s")
+
+
+def wait_bytes(api, task_id, at_least, timeout=20.0):
+    """Poll GET /v1/models/pull until the task has at least `at_least` bytes; return it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        tasks = {t["id"]: t for t in api("GET", "/v1/models/pull").json["data"]}
+        task = tasks.get(task_id)
+        if task and sum(i["downloadedBytes"] for i in task["items"]) >= at_least:
+            return task
+        time.sleep(0.01)
+    raise AssertionError(f"task {task_id} did not reach {at_least} bytes")
 
 
 @pytest.fixture

@@ -27,17 +27,16 @@ import json
 import os
 import re
 import socket
-import socketserver
 import ssl
-import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Union
 from urllib.parse import parse_qs, quote, unquote, urlsplit
+
+from loopback import DISCONNECTS, LoopbackServer
 
 __all__ = ["HubEmulator", "RequestRecord", "HubFile"]
 
@@ -49,8 +48,6 @@ LFS_SUFFIXES = (".gguf", ".onnx", ".bin", ".safetensors", ".data")
 LFS_THRESHOLD = 10 * 1024
 
 # Errors that mean "the client went away"; handled quietly.
-_DISCONNECTS = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError,
-                socket.timeout, ssl.SSLError, ssl.SSLEOFError)
 
 _FileSource = Union[bytes, bytearray, str, os.PathLike]
 
@@ -197,63 +194,13 @@ def _parse_range(value: Optional[str], size: int):
     return start, min(end, size - 1)
 
 
-class _Server(ThreadingHTTPServer):
+class _Server(LoopbackServer):
     """One listening socket; connections are served by daemon threads."""
-
-    daemon_threads = True
 
     def __init__(self, hub: "HubEmulator", kind: str, ssl_context: Optional[ssl.SSLContext]):
         self.hub = hub
         self.kind = kind
-        self.ssl_context = ssl_context
-        self.connections: set = set()
-        self.connections_lock = threading.Lock()
-        super().__init__(("127.0.0.1", 0), _Handler)
-
-    def server_bind(self):
-        # HTTPServer.server_bind calls socket.getfqdn(), a reverse DNS lookup that can
-        # stall on machines without a network; the name is not needed.
-        socketserver.TCPServer.server_bind(self)
-        self.server_name, self.server_port = self.server_address[:2]
-
-    def finish_request(self, request, client_address):
-        # The TLS handshake runs here, in the connection's own thread, so a client that
-        # stalls or rejects the certificate cannot block accept().
-        # Headers and body go out in separate writes; without TCP_NODELAY, Nagle plus
-        # delayed ACKs would add ~40 ms to every keep-alive response.
-        request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if self.ssl_context is not None:
-            try:
-                request = self.ssl_context.wrap_socket(request, server_side=True)
-            except (OSError, ssl.SSLError):
-                return
-        with self.connections_lock:
-            self.connections.add(request)
-        try:
-            self.RequestHandlerClass(request, client_address, self)
-        finally:
-            with self.connections_lock:
-                self.connections.discard(request)
-            if self.ssl_context is not None:
-                try:
-                    request.close()
-                except OSError:
-                    pass
-
-    def handle_error(self, request, client_address):
-        # Disconnects are expected and stay quiet; anything else is an emulator bug
-        # (already answered with a 500), so show the traceback.
-        if not isinstance(sys.exc_info()[1], _DISCONNECTS):
-            traceback.print_exc()
-
-    def close_connections(self):
-        with self.connections_lock:
-            conns = list(self.connections)
-        for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        super().__init__(_Handler, ssl_context)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -268,7 +215,7 @@ class _Handler(BaseHTTPRequestHandler):
     def handle(self):
         try:
             super().handle()
-        except _DISCONNECTS:
+        except DISCONNECTS:
             self.close_connection = True
 
     def send_response(self, code, message=None):
@@ -307,13 +254,13 @@ class _Handler(BaseHTTPRequestHandler):
                 self._cdn()
             else:
                 self._hub()
-        except _DISCONNECTS:
+        except DISCONNECTS:
             raise
         except Exception as exc:  # a bug in the emulator: say so instead of hanging
             self.close_connection = True
             try:
                 self._json(500, {"error": f"hubemu: {type(exc).__name__}: {exc}"})
-            except _DISCONNECTS:
+            except DISCONNECTS:
                 pass
             raise
 

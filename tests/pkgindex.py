@@ -31,18 +31,17 @@ import html
 import json
 import re
 import socket
-import socketserver
-import sys
 import threading
 import time
-import traceback
 import zipfile
 from dataclasses import dataclass
 from email.parser import HeaderParser
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Dict, List, NamedTuple, Optional, Set
 from urllib.parse import quote, unquote, urlsplit
+
+from loopback import DISCONNECTS, LoopbackServer
 
 __all__ = ["PackageIndex", "Distribution", "Request", "normalize", "JSON_TYPE", "CHUNK"]
 
@@ -62,8 +61,6 @@ _WHEEL_RE = re.compile(r"(?P<name>[^-]+)-(?P<version>[^-]+)(-\d[^-]*)?-[^-]+-[^-
 _SDIST_RE = re.compile(r"(?P<name>.+)-(?P<version>[^-]+)\.tar\.gz")
 
 # Errors that mean "the client went away"; handled quietly.
-_DISCONNECTS = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError,
-                socket.timeout)
 
 
 def normalize(name: str) -> str:
@@ -199,51 +196,12 @@ class _HTTPError(Exception):
         self.location = location
 
 
-class _Server(ThreadingHTTPServer):
+class _Server(LoopbackServer):
     """The listening socket; each connection is served by a daemon thread."""
-
-    daemon_threads = True
 
     def __init__(self, index: "PackageIndex"):
         self.index = index
-        # Open connections, so stop() can cut downloads still in progress.
-        self.connections: Set[socket.socket] = set()
-        self.connections_lock = threading.Lock()  # guards connections
-        super().__init__(("127.0.0.1", 0), _Handler)
-
-    def server_bind(self):
-        # HTTPServer.server_bind calls socket.getfqdn(), a reverse DNS lookup that can
-        # stall on machines without a network; the name is not needed.
-        socketserver.TCPServer.server_bind(self)
-        self.server_name, self.server_port = self.server_address[:2]
-
-    def finish_request(self, request, client_address):
-        # Headers and body go out in separate writes; without TCP_NODELAY, Nagle plus
-        # delayed ACKs would add ~40 ms to every keep-alive response.
-        request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        with self.connections_lock:
-            self.connections.add(request)
-        try:
-            super().finish_request(request, client_address)
-        finally:
-            with self.connections_lock:
-                self.connections.discard(request)
-
-    def handle_error(self, request, client_address):
-        # Disconnects are expected; anything else is an emulator bug (already answered
-        # with a 500), so show the traceback.
-        if not isinstance(sys.exc_info()[1], _DISCONNECTS):
-            traceback.print_exc()
-
-    def close_connections(self):
-        """Shut down every open connection (their threads then end on a socket error)."""
-        with self.connections_lock:
-            conns = list(self.connections)
-        for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        super().__init__(_Handler)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -265,7 +223,7 @@ class _Handler(BaseHTTPRequestHandler):
     def handle(self):
         try:
             super().handle()
-        except _DISCONNECTS:
+        except DISCONNECTS:
             self.close_connection = True
 
     def do_GET(self):
@@ -290,13 +248,13 @@ class _Handler(BaseHTTPRequestHandler):
             raise _HTTPError(404, "Not Found")
         except _HTTPError as err:
             self._send_error(err)
-        except _DISCONNECTS:
+        except DISCONNECTS:
             raise
         except Exception as exc:  # an emulator bug: say so instead of hanging
             self.close_connection = True
             try:
                 self._send_error(_HTTPError(500, f"pkgindex: {type(exc).__name__}: {exc}"))
-            except _DISCONNECTS:
+            except DISCONNECTS:
                 pass
             raise
 

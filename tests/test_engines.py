@@ -6,7 +6,6 @@ real models (quantized GGUF through llama.cpp, a generated ONNX model, the echo 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -14,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, call
+from conftest import REPO, call, wait_bytes, wait_task
 from enginepkg import build_echo_engine_wheel, build_wheel, write_echo_model
 from ggufgen import write_gguf
 from onnxgen import write_onnx_model
@@ -125,15 +124,9 @@ def clean_sys_path():
     sys.path[:] = before
 
 
-def wait_task(api, task_id, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        tasks = {t["id"]: t for t in api("GET", "/v1/models/pull").json["data"]}
-        task = tasks.get(task_id)
-        if task and task["status"] not in ("Pending", "Downloading"):
-            return task
-        time.sleep(0.05)
-    raise AssertionError(f"task {task_id} still running after {timeout}s")
+def wait_install(api, task_id):
+    """wait_task with room for unpacking some 35 MB of wheels on a slow machine."""
+    return wait_task(api, task_id, timeout=60.0)
 
 
 def engine(api, name):
@@ -144,7 +137,7 @@ def install_onnx(api):
     r = api("POST", "/v1/engines/onnx-runtime/install")
     assert r.status == 200, r.body
     assert r.json["message"] == "Engine onnx-runtime starts installing"
-    task = wait_task(api, r.json["task"]["id"])
+    task = wait_install(api, r.json["task"]["id"])
     assert task["status"] == "Success", task
     assert task["type"] == "Engine"
     return task
@@ -392,7 +385,7 @@ def test_a_wrong_sha256_fails_the_install_and_installs_nothing(api, index, setti
     index.wrong_sha256 = {d.filename for d in index.distributions()
                           if d.filename.startswith("onnxruntime_genai")}
     r = api("POST", "/v1/engines/onnx-runtime/install")
-    task = wait_task(api, r.json["task"]["id"])
+    task = wait_install(api, r.json["task"]["id"])
     assert task["status"] == "Error" and "checksum mismatch" in task["error"]
     assert engine(api, "onnx-runtime")["status"] == "Not Installed"
     assert not (settings.data_dir / "engines" / "onnx-runtime").exists()
@@ -402,14 +395,9 @@ def test_a_cancelled_install_leaves_nothing_installed(api, index, settings):
     index.throttle = 0.01
     r = api("POST", "/v1/engines/onnx-runtime/install")
     task_id = r.json["task"]["id"]
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        tasks = {t["id"]: t for t in api("GET", "/v1/models/pull").json["data"]}
-        if sum(i["downloadedBytes"] for i in tasks[task_id]["items"]) > 256 * 1024:
-            break
-        time.sleep(0.02)
+    wait_bytes(api, task_id, 256 * 1024 + 1)
     assert api("DELETE", "/v1/models/pull", {"taskId": task_id}).status == 200
-    assert wait_task(api, task_id)["status"] == "Stopped"
+    assert wait_install(api, task_id)["status"] == "Stopped"
     assert engine(api, "onnx-runtime")["status"] == "Not Installed"
     assert not (settings.data_dir / "engines" / "onnx-runtime").exists()
     # The part file stays, so the next install resumes instead of starting over.
@@ -466,7 +454,7 @@ def test_custom_engine_wheel_installs_lists_and_chats(api, app, index_dir, tmp_p
     wheel = next(index_dir.glob("localrt_echo_engine-*.whl"))
     r = api("POST", "/v1/engines/install", {"wheel": str(wheel)})
     assert r.status == 200 and r.json["message"] == "Engine echo starts installing"
-    assert wait_task(api, r.json["task"]["id"])["status"] == "Success"
+    assert wait_install(api, r.json["task"]["id"])["status"] == "Success"
     echo = engine(api, "echo")
     assert (echo["status"], echo["format"], echo["version"]) == ("Ready", "ECHO", "v1.0.0")
     assert api("GET", "/engines/echo").json[0]["name"] == "linux-amd64"
@@ -484,7 +472,7 @@ def test_custom_engine_wheel_from_a_url(api, index, clean_sys_path):
     wheel = next(d for d in index.distributions() if d.filename.startswith("localrt_echo"))
     r = api("POST", "/v1/engines/install", {"wheel": f"{index.root_url}/files/{wheel.filename}"})
     assert r.status == 200, r.body
-    assert wait_task(api, r.json["task"]["id"])["status"] == "Success"
+    assert wait_install(api, r.json["task"]["id"])["status"] == "Success"
     assert engine(api, "echo")["status"] == "Ready"
 
 
@@ -497,7 +485,7 @@ def test_a_gguf_cpp_variant_installs_from_the_index_and_is_probed(app, api, inde
     try:
         r = api("POST", "/v1/engines/gguf-cpp/install", {"variant": "linux-amd64-avx2"})
         assert r.status == 200, r.body
-        assert wait_task(api, r.json["task"]["id"])["status"] == "Success"
+        assert wait_install(api, r.json["task"]["id"])["status"] == "Success"
         gguf = engine(api, "gguf-cpp")
         assert gguf["status"] == "Incompatible"
         assert "illegal instruction" in gguf["reason"]

@@ -8,7 +8,7 @@ from collections import namedtuple
 from pathlib import Path
 
 import pytest
-from conftest import call
+from conftest import call, wait_bytes, wait_task
 from ggufgen import write_gguf
 from hubemu import HubEmulator
 
@@ -52,29 +52,6 @@ def app(settings, hub):
 @pytest.fixture
 def api(app):
     return lambda *args, **kwargs: call(app, *args, **kwargs)
-
-
-def wait_task(api, task_id, timeout=20.0):
-    """Poll GET /v1/models/pull until the task is no longer running; return it."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        tasks = {t["id"]: t for t in api("GET", "/v1/models/pull").json["data"]}
-        task = tasks.get(task_id)
-        if task and task["status"] not in ("Pending", "Downloading"):
-            return task
-        time.sleep(0.02)
-    raise AssertionError(f"task {task_id} still running after {timeout}s")
-
-
-def wait_bytes(api, task_id, at_least, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        tasks = {t["id"]: t for t in api("GET", "/v1/models/pull").json["data"]}
-        task = tasks.get(task_id)
-        if task and sum(i["downloadedBytes"] for i in task["items"]) >= at_least:
-            return task
-        time.sleep(0.01)
-    raise AssertionError(f"task {task_id} did not reach {at_least} bytes")
 
 
 def test_builtin_variant_is_pulled_and_registered(api, hub, settings, weights):
