@@ -12,7 +12,7 @@ import threading
 
 from localrt import __version__
 from localrt.app import Reply, Request, Services
-from localrt.errors import Conflict, ServiceUnavailable
+from localrt.errors import Conflict, InvalidField, ServiceUnavailable
 from localrt.events import TooManyListeners
 from localrt.routing import Route
 
@@ -98,6 +98,48 @@ def import_model(services: Services, request: Request):
     return {"message": f"Model {model['id']} imported", "model": model}
 
 
+# --- running models and chat ------------------------------------------------------
+
+
+def start_model(services: Services, request: Request):
+    """Spec row 7: load a model with its stored parameters and these start options."""
+    options = dict(request.body)
+    given = options.pop("model", None)
+    model_id = request.params.get("model_id", given)
+    if model_id is None:
+        raise InvalidField("Missing required field 'model'", param="model")
+    if given is not None and given != model_id:
+        raise InvalidField(f"Invalid field 'model': {given!r} is not the model in the path, "
+                           f"{model_id!r}", param="model")
+    running, started = services.scheduler.start(model_id, options)
+    message = (f"Model {model_id} started successfully" if started
+               else f"Model {model_id} is already running")
+    return {"message": message, "model": model_id, "engine": running.engine,
+            "options": running.options, "alreadyRunning": not started}
+
+
+def stop_model(services: Services, request: Request):
+    """Spec row 8: unload a model and free its memory."""
+    model_id = request.params.get("model_id") or request.body["model"]
+    services.scheduler.stop(model_id)
+    return {"message": f"Model {model_id} stopped successfully", "model": model_id}
+
+
+def models_status(services: Services, request: Request):
+    """The running models (`localrt ps`), and the machine they run on."""
+    return {"object": "list", "data": services.scheduler.status(),
+            "hardware": services.engines.hardware.status()}
+
+
+def chat_completions(services: Services, request: Request):
+    """Spec row 15: OpenAI's chat completion, streamed as Server-Sent Events or not."""
+    result = services.chats.create(request.body)
+    if isinstance(result, dict):
+        return result
+    return Reply(result, content_type=result.content_type,
+                 headers=[("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")])
+
+
 # --- engines -------------------------------------------------------------------------
 
 
@@ -163,12 +205,19 @@ ROUTES = (
     Route("DELETE", "/v1/engines/{engine}/install", uninstall_engine, "engine-install.json"),
     Route("POST", "/v1/engines/{engine}/default", set_default_engine, "engine-default.json"),
     Route("GET", "/v1/models", list_models),
+    Route("GET", "/v1/models/status", models_status),
+    Route("POST", "/v1/models/start", start_model, "model-start.json"),
+    Route("POST", "/v1/models/stop", stop_model, "model-stop.json"),
     Route("GET", "/v1/models/pull", list_pulls),
     Route("POST", "/v1/models/pull", pull_model_body, "model-pull.json"),
     Route("DELETE", "/v1/models/pull", cancel_pull, "task-cancel.json"),
     Route("POST", "/v1/models/import", import_model, "model-import.json"),
     Route("POST", "/v1/models/{model_id:path}/pull", pull_model),
+    Route("POST", "/v1/models/{model_id:path}/start", start_model, "model-start.json"),
+    Route("POST", "/v1/models/{model_id:path}/stop", stop_model),
+    Route("POST", "/models/{model_id:path}/stop", stop_model),  # spec row 8 is shown without /v1
     Route("GET", "/v1/models/{model_id:path}", get_model),
     Route("DELETE", "/v1/models/{model_id:path}", delete_model),
     Route("PATCH", "/v1/models/{model_id:path}", update_model, "model-update.json"),
+    Route("POST", "/v1/chat/completions", chat_completions, "chat-completion.json"),
 )

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable
 from urllib.parse import parse_qsl
 
 from localrt import models
+from localrt.chat import Chats
 from localrt.config import Config
 from localrt.downloads import Downloads
 from localrt.engines import Engines
@@ -21,6 +22,7 @@ from localrt.errors import (BadRequest, Forbidden, HTTPError, InternalError, Inv
                             PayloadTooLarge, UnsupportedMediaType)
 from localrt.events import EventBus
 from localrt.routing import Router
+from localrt.scheduler import Scheduler
 from localrt.schemas import Validators
 from localrt.settings import Settings
 
@@ -30,7 +32,7 @@ MAX_BODY = 1024 * 1024  # bytes; larger request bodies get a 413
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 PREFLIGHT_MAX_AGE = "600"
 ALLOWED_REQUEST_HEADERS = "Content-Type, Authorization"
-# Each open GET /v1/events stream holds a server thread (localrt.server.THREADS is 8).
+# Each open GET /v1/events stream holds a server thread (see localrt.server.THREADS).
 MAX_EVENT_LISTENERS = 4
 
 
@@ -71,6 +73,8 @@ class Services:
     downloads: Downloads
     models: models.Models
     engines: Engines
+    scheduler: Scheduler
+    chats: Chats
     shutdown: Callable[[], None] | None = None
 
 
@@ -87,12 +91,16 @@ class App:
         downloads = Downloads(config.get, events)
         engines = Engines(settings.data_dir / "engines", config.get, downloads,
                           lambda: settings["engineIndexUrl"], hardware=hardware)
-        registry = models.Registry(settings.data_dir / "models", self.validators,
-                                   is_running=engines.is_running)
+        registry = models.Registry(settings.data_dir / "models", self.validators)
+        scheduler = Scheduler(registry, engines, max_models=settings["maxRunningModels"],
+                              keep_alive=settings["keepAlive"],
+                              lanes=settings["computeLanes"])
+        registry.is_running = scheduler.is_running
         self.services = Services(settings=settings, config=config, events=events,
                                  downloads=downloads,
                                  models=models.Models(settings, config, downloads, registry),
-                                 engines=engines, shutdown=shutdown)
+                                 engines=engines, scheduler=scheduler,
+                                 chats=Chats(registry, scheduler), shutdown=shutdown)
 
     def __call__(self, environ, start_response):
         origin = environ.get("HTTP_ORIGIN")
@@ -175,7 +183,7 @@ class App:
         """End event streams, stop download tasks (their part files stay), unload models."""
         self.services.events.close()
         self.services.downloads.close()
-        self.services.engines.close()
+        self.services.scheduler.close()
 
 
 def create_app(settings: Settings, **kwargs) -> App:

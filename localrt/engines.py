@@ -8,9 +8,8 @@ Custom engines come from the `localrt.engines` entry-point group, either of
 packages in this Python or of wheels installed with `POST /v1/engines/install`.
 
 An engine object has `name`, `format`, `description` and `load(model_path, options)`;
-the loaded model has `chat(messages, params, stream)` and `unload()`. Non-streamed
-chat returns {"content", "finish_reason", "usage": {"prompt_tokens",
-"completion_tokens"}}; streamed chat returns an iterator of text pieces.
+localrt.adapters holds the built-in ones and says what a loaded model offers. Which
+models are loaded, and when they compute, is localrt.scheduler's business.
 
 Installed variants live in `<dataFolderPath>/engines/<engine>/<variant>/<version>/`
 (unpacked wheels, never pip-installed) and are listed in `engines.json` there, which
@@ -35,10 +34,10 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Mapping
 from urllib.parse import unquote, urlsplit
 
 from localrt import wheels
@@ -49,7 +48,7 @@ from localrt.fsutil import atomic_write, fsync_dir
 
 log = logging.getLogger(__name__)
 
-GGUF_ENGINE, ONNX_ENGINE = "gguf-cpp", "onnx-runtime"
+from localrt.adapters import GGUF_ENGINE, ONNX_ENGINE, GgufEngine, OnnxEngine
 ENTRY_POINT_GROUP = "localrt.engines"
 REGISTRY_FILE = "engines.json"
 PROBES_FILE = "probes.json"
@@ -94,6 +93,14 @@ class Hardware:
                 return level
         return None
 
+    def status(self) -> dict:
+        """What `localrt ps` shows about the machine: CPU, cores, memory and CUDA."""
+        memory = _meminfo()
+        return {"os": self.os, "arch": self.arch, "cpu": self.cpu_model,
+                "cpuLevel": self.cpu_level() or "", "cores": len(os.sched_getaffinity(0)),
+                "ramTotal": memory.get("MemTotal", 0),
+                "ramAvailable": memory.get("MemAvailable", 0), "cuda": self.cuda or ""}
+
     def key(self) -> str:
         """Identifies the CPU for cached probe results."""
         text = self.cpu_model + " " + " ".join(sorted(self.cpu_flags))
@@ -123,6 +130,20 @@ def detect_hardware(cpuinfo: Path = Path("/proc/cpuinfo")) -> Hardware:
             flags = frozenset(value.split())
     return Hardware(os_name, _ARCH_NAMES.get(machine, machine), model, flags,
                     _cuda_driver_version())
+
+
+def _meminfo(path: Path = Path("/proc/meminfo")) -> dict:
+    """/proc/meminfo in bytes ({} where there is none)."""
+    out = {}
+    try:
+        for line in path.read_text().splitlines():
+            key, _, value = line.partition(":")
+            parts = value.split()
+            if parts and parts[0].isdigit():
+                out[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    except OSError:
+        pass
+    return out
 
 
 def _cuda_driver_version() -> str | None:
@@ -187,10 +208,10 @@ def _onnx_variants(hw: Hardware) -> list[Variant]:
 
 CATALOG = {
     GGUF_ENGINE: EngineSpec(
-        GGUF_ENGINE, "GGUF", "llama.cpp through llama-cpp-python; runs GGUF models",
+        GGUF_ENGINE, GgufEngine.format, GgufEngine.description,
         "llama_cpp", _gguf_variants, builtin="llama-cpp-python"),
     ONNX_ENGINE: EngineSpec(
-        ONNX_ENGINE, "ONNX", "onnxruntime-genai; runs ONNX models",
+        ONNX_ENGINE, OnnxEngine.format, OnnxEngine.description,
         "onnxruntime_genai", _onnx_variants,
         # onnxruntime-genai publishes wheels for these platforms, CPython 3.10 and newer.
         platforms=("linux-amd64", "linux-arm64", "windows-amd64", "mac-arm64"),
@@ -240,24 +261,13 @@ def _bare_version(version: str) -> str:
 # --- the engines and their loaded models -----------------------------------------
 
 
-@dataclass
-class Loaded:
-    """A model loaded by an engine."""
-
-    model_id: str
-    engine: str
-    model: object
-    options: dict
-    loaded_at: float = field(default_factory=time.time)
-
-
 class Engines:
     """Owns the engines registry file, probe results, and loaded engines and models.
 
     `_lock` guards `_state` (the content of engines.json), `_probes`, `_objects`
-    (engine objects created in this process), `_imported` (engine -> the folder its
-    module was imported from) and `_models` (loaded models). Model loading happens
-    under it, so two starts never load twice; chat runs outside it.
+    (engine objects created in this process) and `_imported` (engine -> the folder its
+    module was imported from). Model loads happen outside it. `in_use(engine)` names
+    the running models of an engine (localrt.scheduler sets it), which block an uninstall.
     """
 
     def __init__(self, root: Path, config: Callable[[], Mapping], downloads: Downloads,
@@ -275,7 +285,7 @@ class Engines:
         self._probes = self._read(PROBES_FILE, {})
         self._objects: dict[str, object] = {}
         self._imported: dict[str, str] = {}
-        self._models: dict[str, Loaded] = {}
+        self.in_use: Callable[[str], list[str]] = lambda engine: []
 
     # --- listing ---------------------------------------------------------------
 
@@ -561,7 +571,7 @@ class Engines:
         """Remove an installed variant (the builtin one is only deactivated)."""
         self._require_known(name)
         with self._lock:
-            running = sorted(m for m, l in self._models.items() if l.engine == name)
+            running = sorted(self.in_use(name))
             if running:
                 raise Conflict(f"Engine {name} is running {', '.join(running)}; stop "
                                f"{'them' if len(running) > 1 else 'it'} first",
@@ -764,47 +774,11 @@ class Engines:
 
     # --- loading models --------------------------------------------------------
 
-    def load(self, engine: str, model_id: str, model_path: str, options: dict) -> Loaded:
-        """Load a model with an engine (once); raises 409 if the engine cannot run it."""
+    def open(self, engine: str, model_path: str, options: dict):
+        """Load a model file with an engine; raises 409 if the engine cannot run here."""
         with self._lock:
-            if model_id in self._models:
-                return self._models[model_id]
             engine_object = self._engine_object(engine)
-            model = engine_object.load(model_path, dict(options))
-            loaded = Loaded(model_id, engine, model, dict(options))
-            self._models[model_id] = loaded
-            log.info("model %s loaded with %s", model_id, engine)
-            return loaded
-
-    def unload(self, model_id: str) -> bool:
-        """Unload a model; False if it was not loaded."""
-        with self._lock:
-            loaded = self._models.pop(model_id, None)
-        if loaded is None:
-            return False
-        loaded.model.unload()
-        log.info("model %s unloaded", model_id)
-        return True
-
-    def loaded(self, model_id: str) -> Loaded | None:
-        """The loaded model with this id, if any."""
-        with self._lock:
-            return self._models.get(model_id)
-
-    def is_running(self, model_id: str) -> bool:
-        """Whether a model is loaded (the models registry asks before a delete)."""
-        with self._lock:
-            return model_id in self._models
-
-    def close(self) -> None:
-        """Unload every model (the server is stopping)."""
-        with self._lock:
-            models, self._models = list(self._models.values()), {}
-        for loaded in models:
-            try:
-                loaded.model.unload()
-            except Exception:
-                log.exception("unloading %s failed", loaded.model_id)
+        return engine_object.load(model_path, dict(options))
 
     def _engine_object(self, name: str):
         spec = CATALOG.get(name)
@@ -923,147 +897,3 @@ def gguf_variant(system_info: str, gpu_offload: bool, hw: Hardware) -> str:
         if feature in features:
             return f"{hw.platform}-{level}"
     return hw.platform
-
-
-# --- the built-in engines -------------------------------------------------------
-
-# Model start options (schemas/model-update.json) -> llama_cpp.Llama arguments.
-LLAMA_OPTIONS = {"ctx_len": "n_ctx", "ngl": "n_gpu_layers", "cpu_threads": "n_threads",
-                 "n_batch": "n_batch", "mlock": "use_mlock", "use_mmap": "use_mmap",
-                 "flash_attn": "flash_attn"}
-CACHE_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml_type values for type_k and type_v
-# Chat parameters both built-in engines take, as llama_cpp names them.
-SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-            "frequency_penalty", "presence_penalty", "repeat_penalty", "logit_bias",
-            "response_format")
-
-
-class GgufEngine:
-    """gguf-cpp: llama.cpp through llama-cpp-python, imported at the first load."""
-
-    name, format = GGUF_ENGINE, "GGUF"
-    description = CATALOG[GGUF_ENGINE].description
-
-    def load(self, model_path: str, options: dict) -> "LlamaModel":
-        """Load a GGUF file with the Llama arguments the options map to."""
-        import llama_cpp
-
-        kwargs = {LLAMA_OPTIONS[k]: v for k, v in options.items() if k in LLAMA_OPTIONS}
-        if options.get("cache_type"):
-            kwargs["type_k"] = kwargs["type_v"] = CACHE_TYPES[options["cache_type"]]
-        return LlamaModel(llama_cpp.Llama(model_path=model_path, verbose=False, **kwargs))
-
-
-class LlamaModel:
-    """A loaded GGUF model. llama.cpp contexts are not thread-safe: one chat at a time."""
-
-    def __init__(self, llm):
-        self.llm = llm
-        self._lock = threading.Lock()  # guards llm between chats
-
-    def chat(self, messages: list, params: dict, stream: bool):
-        """Chat completion with the GGUF's own template; see the module docstring."""
-        kwargs = {k: params[k] for k in SAMPLING if params.get(k) is not None}
-        if stream:
-            return self._stream(messages, kwargs)
-        with self._lock:
-            out = self.llm.create_chat_completion(messages=messages, **kwargs)
-        choice = out["choices"][0]
-        return {"content": choice["message"].get("content") or "",
-                "finish_reason": choice["finish_reason"],
-                "usage": {"prompt_tokens": out["usage"]["prompt_tokens"],
-                          "completion_tokens": out["usage"]["completion_tokens"]}}
-
-    def _stream(self, messages: list, kwargs: dict) -> Iterator[str]:
-        with self._lock:
-            for chunk in self.llm.create_chat_completion(messages=messages, stream=True,
-                                                         **kwargs):
-                piece = chunk["choices"][0]["delta"].get("content")
-                if piece:
-                    yield piece
-
-    def unload(self) -> None:
-        """Free the model and its context."""
-        with self._lock:
-            self.llm.close()
-
-
-class OnnxEngine:
-    """onnx-runtime: onnxruntime-genai, imported from its engine folder at the first load.
-
-    A model is a folder holding genai_config.json, the ONNX graph and the tokenizer
-    files; the chat template comes from tokenizer_config.json.
-    """
-
-    name, format = ONNX_ENGINE, "ONNX"
-    description = CATALOG[ONNX_ENGINE].description
-
-    def load(self, model_path: str, options: dict) -> "OnnxModel":
-        """Load a model folder (or the folder of a file in it)."""
-        import onnxruntime_genai as og
-
-        folder = Path(model_path)
-        if folder.is_file():
-            folder = folder.parent
-        model = og.Model(str(folder))
-        config = json.loads((folder / "genai_config.json").read_text())
-        context = config.get("model", {}).get("context_length") or 2048
-        return OnnxModel(og, model, og.Tokenizer(model),
-                         min(context, options.get("ctx_len") or context))
-
-
-class OnnxModel:
-    """A loaded ONNX model; a fresh Generator per chat, one chat at a time."""
-
-    def __init__(self, og, model, tokenizer, context: int):
-        self._og, self._model, self._tokenizer, self._context = og, model, tokenizer, context
-        self._lock = threading.Lock()  # guards the model between chats
-
-    def chat(self, messages: list, params: dict, stream: bool):
-        """Chat completion with the model's chat template; see the module docstring."""
-        result: dict = {}
-        pieces = self._generate(messages, params, result)
-        if stream:
-            return pieces
-        content = "".join(pieces)
-        return {"content": content, **result}
-
-    def _generate(self, messages: list, params: dict, result: dict) -> Iterator[str]:
-        og, tok = self._og, self._tokenizer
-        prompt = tok.apply_chat_template(json.dumps(messages), add_generation_prompt=True)
-        ids = tok.encode(prompt)
-        max_tokens = params.get("max_tokens") or self._context
-        search = {"max_length": min(len(ids) + max_tokens, self._context)}
-        temperature = params.get("temperature")
-        if temperature:
-            search.update(do_sample=True, temperature=float(temperature))
-            for key in ("top_p", "top_k"):
-                if params.get(key):
-                    search[key] = params[key]
-        if params.get("seed") is not None:
-            search["random_seed"] = int(params["seed"])
-        if params.get("repeat_penalty"):
-            search["repetition_penalty"] = float(params["repeat_penalty"])
-        eos = {int(t) for t in tok.eos_token_ids}
-        with self._lock:
-            gen_params = og.GeneratorParams(self._model)
-            gen_params.set_search_options(**search)
-            generator = og.Generator(self._model, gen_params)
-            generator.append_tokens(ids)
-            stream, last, produced = tok.create_stream(), None, 0
-            while not generator.is_done():
-                generator.generate_next_token()
-                last = int(generator.get_next_tokens()[0])
-                if last in eos:
-                    break
-                produced += 1
-                piece = stream.decode(last)
-                if piece:
-                    yield piece
-            result.update(finish_reason="stop" if last in eos else "length",
-                          usage={"prompt_tokens": len(ids), "completion_tokens": produced})
-
-    def unload(self) -> None:
-        """Drop the model; onnxruntime frees it with the last reference."""
-        with self._lock:
-            self._model = None

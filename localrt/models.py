@@ -30,6 +30,7 @@ from typing import Callable, Iterable
 from urllib.parse import quote, unquote, urlsplit
 
 from localrt import ggufinfo, schemas
+from localrt.adapters import GGUF_ENGINE, ONNX_ENGINE
 from localrt.downloads import (DownloadFailed, Downloads, Item, Task, check_disk_space,
                                fsync_dir)
 from localrt.errors import (BadRequest, Conflict, HTTPError, InvalidField, NotFound,
@@ -132,7 +133,7 @@ def _parse_url(url: str, hub_url: str, param: str) -> ModelRef:
 # --- the registry ----------------------------------------------------------------
 
 DEFINITION = "model.json"
-GGUF_ENGINE, ONNX_ENGINE = "gguf-cpp", "onnx-runtime"
+ONNX_CONFIG = "genai_config.json"  # what makes a folder an ONNX model (onnxruntime-genai)
 DEFAULT_CTX_LEN = 4096  # a default ctx_len never above this, whatever the model was trained on
 SKIPPED_FILES = (".gitattributes",)  # repo files a pull leaves on the hub
 # model.yml's engine names (cortex's) -> localrt's
@@ -442,15 +443,19 @@ class Models:
 
     def import_file(self, path: str, model_id: str | None = None,
                     option: str = "symlink") -> dict:
-        """Register a local GGUF file, linked or copied into the models folder."""
+        """Register a local GGUF file or ONNX model folder, linked or copied in."""
         src = Path(path)
         if not src.is_absolute():
             raise InvalidField(f"Invalid field 'path': {path} is not an absolute path",
                                param="path")
-        if not src.is_file() or not os.access(src, os.R_OK):
+        if src.is_dir():
+            if not (src / ONNX_CONFIG).is_file():
+                raise InvalidField(f"Invalid field 'path': {path} is a folder without "
+                                   f"{ONNX_CONFIG}, so not an ONNX model", param="path")
+        elif not src.is_file() or not os.access(src, os.R_OK):
             raise InvalidField(f"Invalid field 'path': {path} is not a readable file",
                                param="path")
-        if not ggufinfo.is_gguf(src):
+        elif not ggufinfo.is_gguf(src):
             raise InvalidField(f"Invalid field 'path': {path} is not a GGUF file",
                                param="path")
         if model_id is None:
@@ -472,18 +477,20 @@ class Models:
         folder.mkdir(parents=True, mode=0o700)
         target = folder / src.name
         try:
-            if option == "copy":
+            if src.is_dir():
+                files, paths = self._import_folder(src, target, model_id, option)
+            elif option == "copy":
                 check_disk_space(model_id, [Item(src.name, "", target, src.stat().st_size)])
                 sha256 = _copy(src, target)
             else:
-                link = folder / ".import.link"
-                os.symlink(src.resolve(), link)
-                os.replace(link, target)
+                _link(src, target)
                 sha256 = None
-            files = [{"path": src.name, "size": target.stat().st_size, "sha256": sha256}]
+            if not src.is_dir():
+                files = [{"path": src.name, "size": target.stat().st_size, "sha256": sha256}]
+                paths = [target]
             source = {"type": "import", "path": str(src), "option": option}
             try:
-                definition = _definition(model_id, "local", [target], files, source,
+                definition = _definition(model_id, "local", paths, files, source,
                                          self.registry.usable)
             except ValueError as exc:
                 raise InvalidField(f"Invalid field 'path': {exc}", param="path") from None
@@ -491,6 +498,32 @@ class Models:
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
+
+
+    def _import_folder(self, src: Path, target: Path, model_id: str,
+                       option: str) -> tuple[list, list]:
+        """An ONNX model folder, linked or copied file by file; (files, paths)."""
+        names = sorted(p.relative_to(src) for p in src.rglob("*") if p.is_file())
+        if option == "copy":
+            check_disk_space(model_id, [Item(str(n), "", target / n, (src / n).stat().st_size)
+                                        for n in names])
+            sums = {}
+            for n in names:
+                (target / n).parent.mkdir(parents=True, exist_ok=True)
+                sums[n] = _copy(src / n, target / n)
+        else:
+            _link(src, target)
+            sums = dict.fromkeys(names)
+        files = [{"path": f"{target.name}/{n}", "size": (target / n).stat().st_size,
+                  "sha256": sums[n]} for n in names]
+        return files, [target / n for n in names]
+
+
+def _link(src: Path, target: Path) -> None:
+    """A symlink to `src` at `target`, made whole (via a temporary name and a rename)."""
+    link = target.with_name(".import.link")
+    os.symlink(src.resolve(), link)
+    os.replace(link, target)
 
 
 def _task_id(ref: ModelRef) -> str:

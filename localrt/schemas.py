@@ -66,8 +66,16 @@ class Validators:
 
                 schema = load(name)
                 Draft202012Validator.check_schema(schema)
-                self._compiled[name] = Draft202012Validator(schema)
+                self._compiled[name] = Draft202012Validator(schema, registry=_registry())
             return self._compiled[name]
+
+
+def _registry():
+    """Every schema file by its $id, so one can `$ref` another ("model-update.json#/...")."""
+    from referencing import Registry, Resource
+
+    return Registry().with_resources(
+        (name, Resource.from_contents(load(name))) for name in names())
 
 
 _JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",

@@ -32,7 +32,10 @@ LOG_NAME = "localrt.log"
 STDERR_NAME = "server-stderr.log"  # a detached server's raw stderr: crashes before logging starts
 LOG_MAX_BYTES = 10 * 1024 * 1024
 LOG_BACKUPS = 5
-THREADS = 8  # waitress worker threads; later streams and SSE each hold one
+# Waitress worker threads. Event streams (localrt.app.MAX_EVENT_LISTENERS) and chats
+# (localrt.chat.Chats.max_requests) each hold one while they last; the rest keep the
+# API answering.
+THREADS = 32
 STOP_DELAY = 0.2  # seconds between answering DELETE /v1/system and stopping, so the reply is sent
 
 

@@ -77,6 +77,33 @@ def _log_level(value: Any) -> str:
     return level
 
 
+def _positive_int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"expected a whole number of 1 or more, got {value!r}")
+    return value
+
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
+
+
+def _duration(value: Any) -> float:
+    """Seconds, from minutes (a number) or Ollama's style: "30s", "5m", "1h"; 0 is off."""
+    if isinstance(value, str) and value.strip()[-1:].lower() in _DURATION_UNITS:
+        text = value.strip()
+        try:
+            seconds = float(text[:-1]) * _DURATION_UNITS[text[-1].lower()]
+        except ValueError:
+            raise ValueError(f"expected minutes or a duration like 30s, 5m or 1h, "
+                             f"got {value!r}") from None
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value) * 60
+    else:
+        raise ValueError(f"expected minutes or a duration like 30s, 5m or 1h, got {value!r}")
+    if seconds < 0:
+        raise ValueError(f"expected a duration of 0 (off) or more, got {value!r}")
+    return seconds
+
+
 @dataclass(frozen=True)
 class Key:
     """One settings key: its rc name, converter, default and meaning.
@@ -110,6 +137,13 @@ KEYS: tuple[Key, ...] = (
     Key("engineIndexUrl", _hub_url, "https://pypi.org/simple",
         "Python package index (PEP 691 or 503) engine wheels come from",
         env="LOCALRT_ENGINE_INDEX_URL"),
+    Key("maxRunningModels", _positive_int, 2,
+        "models loaded at once; starting one more unloads the least recently used"),
+    Key("keepAlive", _duration, 0.0,
+        "unload a model idle this long: minutes, or 30s/5m/1h; 0 keeps models loaded"),
+    Key("computeLanes", _positive_int, 1,
+        "generations that compute at once, across all models; raise it only with cores "
+        "for each (cpu_threads x lanes <= cores)"),
     # None means: the local origins on the API port, so a port change keeps them right.
     Key("allowedOrigins", _origins, None, "origins allowed by CORS", api="allowed_origins"),
     Key("cors", _boolean, True, "whether CORS headers are sent", api="cors"),

@@ -25,6 +25,7 @@ import pytest
 
 from localrt import settings as settings_mod
 from localrt.app import create_app
+from ggufgen import write_gguf
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -228,3 +229,22 @@ def thread_server(settings):
                           settings=settings)
     httpd.shutdown()
     httpd.server_close()
+
+
+@pytest.fixture(scope="session")
+def quantized(tmp_path_factory):
+    """Tiny GGUF models quantized by llama.cpp itself to Q8_0 and Q4_0."""
+    import llama_cpp
+
+    root = tmp_path_factory.mktemp("quantized")
+    source = write_gguf(root / "tiny-f32.gguf", n_embd=256, n_ff=512, context_length=256)
+    out = {}
+    for name, ftype in (("Q8_0", llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0),
+                        ("Q4_0", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0)):
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = ftype
+        target = root / f"tiny-{name}.gguf"
+        assert llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(),
+                                              params) == 0
+        out[name] = target
+    return out

@@ -242,42 +242,21 @@ def test_a_build_that_crashes_is_incompatible_with_the_reason(tmp_path):
 # --- gguf-cpp runs quantized models -------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def quantized(tmp_path_factory):
-    """Tiny GGUF models quantized by llama.cpp itself to Q8_0 and Q4_0."""
-    import llama_cpp
-
-    root = tmp_path_factory.mktemp("quantized")
-    source = write_gguf(root / "tiny-f32.gguf", n_embd=256, n_ff=512, context_length=256)
-    out = {}
-    for name, ftype in (("Q8_0", llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0),
-                        ("Q4_0", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0)):
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = ftype
-        target = root / f"tiny-{name}.gguf"
-        assert llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(),
-                                              params) == 0
-        out[name] = target
-    return out
-
-
 @pytest.mark.parametrize("quant", ["Q8_0", "Q4_0"])
 def test_gguf_cpp_runs_quantized_models(app, quantized, quant):
-    engines = app.services.engines
-    loaded = engines.load("gguf-cpp", f"tiny-{quant}", str(quantized[quant]),
-                          {"ctx_len": 256, "cpu_threads": 1})
+    model = app.services.engines.open("gguf-cpp", str(quantized[quant]),
+                                      {"ctx_len": 256, "cpu_threads": 1})
     try:
         messages = [{"role": "user", "content": "hello"}]
-        out = loaded.model.chat(messages, {"max_tokens": 6, "temperature": 0}, False)
+        out = model.chat(messages, {"max_tokens": 6, "temperature": 0}, False)
         assert out["usage"]["completion_tokens"] >= 1
         assert out["finish_reason"] in ("stop", "length")
-        again = loaded.model.chat(messages, {"max_tokens": 6, "temperature": 0}, False)
+        again = model.chat(messages, {"max_tokens": 6, "temperature": 0}, False)
         assert again["content"] == out["content"]  # greedy is deterministic
-        pieces = list(loaded.model.chat(messages, {"max_tokens": 6, "temperature": 0}, True))
+        pieces = list(model.chat(messages, {"max_tokens": 6, "temperature": 0}, True))
         assert "".join(pieces) == out["content"]
     finally:
-        assert engines.unload(f"tiny-{quant}")
-    assert not engines.is_running(f"tiny-{quant}")
+        model.unload()
 
 
 # --- installing onnx-runtime from the index emulator --------------------------------
@@ -310,23 +289,28 @@ def test_install_onnx_runtime_and_generate(api, app, index, settings, tmp_path,
     assert r.status == 409 and "already installed" in r.json["error"]["message"]
 
     model_dir = write_onnx_model(tmp_path / "onnx-model")
-    loaded = app.services.engines.load("onnx-runtime", "tiny-onnx", str(model_dir), {})
+    model = app.services.engines.open("onnx-runtime", str(model_dir), {})
     messages = [{"role": "user", "content": "hi"}]
-    out = loaded.model.chat(messages, {"max_tokens": 8, "temperature": 0.8, "seed": 7}, False)
+    out = model.chat(messages, {"max_tokens": 8, "temperature": 0.8, "seed": 7}, False)
     assert out["usage"]["completion_tokens"] == 8 and out["finish_reason"] == "length"
-    again = loaded.model.chat(messages, {"max_tokens": 8, "temperature": 0.8, "seed": 7},
-                              False)
+    again = model.chat(messages, {"max_tokens": 8, "temperature": 0.8, "seed": 7}, False)
     assert again["content"] == out["content"] and out["content"]
-    streamed = "".join(loaded.model.chat(messages, {"max_tokens": 8, "seed": 7,
-                                                    "temperature": 0.8}, True))
+    streamed = "".join(model.chat(messages, {"max_tokens": 8, "seed": 7,
+                                             "temperature": 0.8}, True))
     assert streamed == out["content"]
     import onnxruntime_genai
     assert Path(onnxruntime_genai.__file__).is_relative_to(folder)
 
     # A running model blocks the uninstall; after a stop it goes, folder and all.
+    model.unload()
+    r = api("POST", "/v1/models/import", {"path": str(model_dir), "id": "tiny-onnx"})
+    assert r.status == 200, r.body
+    assert r.json["model"]["engine"] == "onnx-runtime"
+    r = api("POST", "/v1/models/tiny-onnx/start")
+    assert r.status == 200, r.body
     r = api("DELETE", "/v1/engines/onnx-runtime/install")
     assert r.status == 409 and "tiny-onnx" in r.json["error"]["message"]
-    app.services.engines.unload("tiny-onnx")
+    assert api("POST", "/v1/models/tiny-onnx/stop").status == 200
     r = api("DELETE", "/v1/engines/onnx-runtime/install")
     assert r.status == 200
     assert r.json == {"message": "Engine onnx-runtime uninstalled successfully"}
@@ -460,10 +444,9 @@ def test_custom_engine_wheel_installs_lists_and_chats(api, app, index_dir, tmp_p
     assert api("GET", "/engines/echo").json[0]["name"] == "linux-amd64"
 
     model = write_echo_model(tmp_path / "echo.txt")
-    loaded = app.services.engines.load("echo", "echo-model", str(model), {})
-    out = loaded.model.chat([{"role": "user", "content": "hello there"}], {}, False)
+    loaded = app.services.engines.open("echo", str(model), {})
+    out = loaded.chat([{"role": "user", "content": "hello there"}], {}, False)
     assert out["content"] == "echo: hello there"
-    app.services.engines.unload("echo-model")
     assert api("DELETE", "/v1/engines/echo/install").status == 200
     assert "echo" not in {e["name"] for e in api("GET", "/v1/engines").json["data"]}
 
@@ -493,7 +476,7 @@ def test_a_gguf_cpp_variant_installs_from_the_index_and_is_probed(app, api, inde
         assert rows["linux-amd64-avx2"]["status"] == "Incompatible"
         assert rows["linux-amd64-avx2"]["version"] == "v0.3.99"
         with pytest.raises(engines_mod.EngineIncompatible) as refused:
-            app.services.engines.load("gguf-cpp", "m", str(quantized["Q8_0"]), {})
+            app.services.engines.open("gguf-cpp", str(quantized["Q8_0"]), {})
         assert refused.value.status == 409 and "illegal instruction" in refused.value.message
         # Uninstalling the variant brings the shipped build back.
         r = api("DELETE", "/v1/engines/gguf-cpp/install", {"variant": "linux-amd64-avx2"})

@@ -1,0 +1,404 @@
+"""The built-in engines' adapters: llama.cpp (gguf-cpp) and onnxruntime-genai (onnx-runtime).
+
+An engine object has `name`, `format`, `description` and `load(model_path, options)`.
+The model it loads has:
+
+  generate(messages, params) -> Generation   an iterator of text pieces, one per token
+                                             (or fewer while a stop sequence might be
+                                             starting); `finish_reason` and `usage` are
+                                             set once it is exhausted, `close()` stops it
+  chat(messages, params, stream)             the older contract custom engines may keep:
+                                             a dict, or an iterator of pieces
+  memory() -> {"ram", "vram"}                bytes, when the engine knows better than
+                                             the RSS delta measured around the load
+  unload()
+
+`generate` raises InvalidField before it computes anything (a prompt longer than the
+context, a bad response_format), so a streamed reply never starts with an error. It
+does no locking of its own: localrt.scheduler gives one request at a time a model, and
+each token a turn in the compute lane. `params` come from localrt.chat: OpenAI's
+sampling fields (`response_format` as {"type": "json_object"} or {"type": "json_schema",
+"schema"}) plus `prompt` (the text of a model's prompt_template, used instead of the
+chat template when present) and `stop` (a list).
+llama_cpp and onnxruntime_genai are imported only when a model loads.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import random
+from pathlib import Path
+from typing import Iterator
+
+from localrt.errors import InvalidField
+
+GGUF_ENGINE, ONNX_ENGINE = "gguf-cpp", "onnx-runtime"
+
+# Model start options (schemas/model-start.json) -> llama_cpp.Llama arguments.
+LLAMA_OPTIONS = {"ctx_len": "n_ctx", "ngl": "n_gpu_layers", "cpu_threads": "n_threads",
+                 "n_batch": "n_batch", "mlock": "use_mlock", "use_mmap": "use_mmap",
+                 "flash_attn": "flash_attn"}
+# cache_type -> ggml_type, for Llama's type_k and type_v (ggml.h's enum ggml_type).
+CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
+               "iq4_nl": 20, "bf16": 30}
+# Sampling defaults where neither the request nor the model says: llama.cpp's own.
+DEFAULTS = {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05,
+            "repeat_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+
+
+class Generation:
+    """Text pieces as they are generated; `finish_reason` and `usage` once it ends."""
+
+    def __init__(self, prompt_tokens: int, run):
+        self.finish_reason: str | None = None
+        self.usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0}
+        self._pieces = run(self)
+
+    def __iter__(self) -> "Generation":
+        return self
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def close(self) -> None:
+        """Stop generating; the engine is free for the next request."""
+        self._pieces.close()
+
+
+class StopText:
+    """Cuts generated text at the first stop sequence, holding back what might start one."""
+
+    def __init__(self, stops):
+        self.stops = [s for s in stops or () if s]
+        self.hit = False
+        self._pending = ""
+
+    def feed(self, text: str) -> str:
+        """The part of `text` (after what was held back) that is safe to send."""
+        if self.hit:
+            return ""
+        pending = self._pending + text
+        cuts = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
+        if cuts:
+            self.hit, self._pending = True, ""
+            return pending[:min(cuts)]
+        hold = 0
+        for k in range(min(len(pending), max((len(s) for s in self.stops), default=1) - 1), 0, -1):
+            if any(s.startswith(pending[-k:]) for s in self.stops):
+                hold = k
+                break
+        self._pending = pending[len(pending) - hold:]
+        return pending[:len(pending) - hold]
+
+    def flush(self) -> str:
+        """What was held back, once generation ended without a stop sequence."""
+        out, self._pending = ("" if self.hit else self._pending), ""
+        return out
+
+
+def chat_via_generate(model, messages: list, params: dict, stream: bool):
+    """The older chat(messages, params, stream) contract, on top of generate()."""
+    generation = model.generate(messages, params)
+    if stream:
+        return generation
+    content = "".join(generation)
+    return {"content": content, "finish_reason": generation.finish_reason,
+            "usage": dict(generation.usage)}
+
+
+# --- gguf-cpp ------------------------------------------------------------------------
+
+
+class GgufEngine:
+    """gguf-cpp: llama.cpp through llama-cpp-python, imported at the first load."""
+
+    name, format = GGUF_ENGINE, "GGUF"
+    description = "llama.cpp through llama-cpp-python; runs GGUF models"
+
+    def load(self, model_path: str, options: dict) -> "LlamaModel":
+        """Load a GGUF file with the Llama arguments the options map to."""
+        import llama_cpp
+
+        kwargs = {LLAMA_OPTIONS[k]: v for k, v in options.items()
+                  if k in LLAMA_OPTIONS and v is not None}
+        if options.get("cache_type"):
+            kwargs["type_k"] = kwargs["type_v"] = CACHE_TYPES[options["cache_type"]]
+        if "n_threads" in kwargs:
+            kwargs["n_threads_batch"] = kwargs["n_threads"]
+        llm = llama_cpp.Llama(model_path=model_path, verbose=False, **kwargs)
+        return LlamaModel(llm, caching=options.get("caching_enabled", True))
+
+
+class LlamaModel:
+    """A loaded GGUF model: a llama.cpp context and the generation loop around it."""
+
+    def __init__(self, llm, caching: bool = True):
+        import llama_cpp
+
+        self.llm = llm
+        self._llama_cpp = llama_cpp
+        self._caching = caching
+        self._formatter = None  # the GGUF's chat template, compiled at the first chat
+        self._pieces: dict[int, bytes] = {}  # token -> its bytes; the vocabulary is fixed
+
+    def generate(self, messages: list, params: dict) -> Generation:
+        """Tokenize and check now; compute token by token as the Generation is read."""
+        llm = self.llm
+        if params.get("prompt") is not None:
+            text, bos = params["prompt"], llm._model.add_bos_token()
+        else:
+            text, bos = self._format(messages)
+        tokens = llm.tokenize(text.encode("utf-8"), add_bos=bos, special=True)
+        room = llm.n_ctx() - len(tokens)
+        if room <= 0:
+            raise InvalidField(f"Invalid field 'messages': the prompt is {len(tokens)} tokens "
+                               f"and the model's context (ctx_len) holds {llm.n_ctx()}; "
+                               f"shorten the conversation or start the model with a larger "
+                               f"ctx_len", param="messages")
+        max_tokens = min(params.get("max_tokens") or room, room)
+        grammar = self._grammar(params.get("response_format"))
+        bias = self._bias(params.get("logit_bias"))
+        sampling = {"temp": _number(params, "temperature"), "top_p": _number(params, "top_p"),
+                    "top_k": int(_number(params, "top_k")), "min_p": _number(params, "min_p"),
+                    "repeat_penalty": _number(params, "repeat_penalty"),
+                    "frequency_penalty": _number(params, "frequency_penalty"),
+                    "presence_penalty": _number(params, "presence_penalty")}
+        seed = params.get("seed")
+        seed = random.getrandbits(32) if seed is None or seed < 0 else seed & 0xFFFFFFFF
+
+        def run(gen: Generation) -> Iterator[str]:
+            llama_cpp, model, piece_of = self._llama_cpp, llm._model, self._piece
+            decoder = codecs.getincrementaldecoder("utf-8")("replace")
+            stop = StopText(params.get("stop"))
+            finish = "length"
+            if not self._caching:
+                llm.reset()
+            llm.set_seed(seed)
+            tokens_in = llm.generate(tokens, grammar=grammar, logits_processor=bias, **sampling)
+            try:
+                for token in tokens_in:
+                    if llama_cpp.llama_vocab_is_eog(model.vocab, token):
+                        finish = "stop"
+                        break
+                    gen.usage["completion_tokens"] += 1
+                    piece = stop.feed(decoder.decode(piece_of(token)))
+                    if piece:
+                        yield piece
+                    if stop.hit:
+                        finish = "stop"
+                        break
+                    if gen.usage["completion_tokens"] >= max_tokens:
+                        break
+            finally:
+                tokens_in.close()
+            tail = stop.feed(decoder.decode(b"", final=True)) + stop.flush()
+            if tail:
+                yield tail
+            gen.finish_reason = finish
+
+        return Generation(len(tokens), run)
+
+    def chat(self, messages: list, params: dict, stream: bool):
+        """The older contract; see the module docstring."""
+        return chat_via_generate(self, messages, params, stream)
+
+    def _piece(self, token: int) -> bytes:
+        """A token's bytes (special tokens render as nothing, as in llama-cpp-python)."""
+        piece = self._pieces.get(token)
+        if piece is None:
+            import ctypes
+
+            vocab, size = self.llm._model.vocab, 64
+            while True:
+                buf = ctypes.create_string_buffer(size)
+                n = self._llama_cpp.llama_token_to_piece(vocab, token, buf, size, 0, False)
+                if n >= 0:
+                    break
+                size = -n
+            piece = self._pieces[token] = buf.raw[:n]
+        return piece
+
+    def memory(self) -> dict:
+        """RAM and VRAM from llama.cpp: the weights (split by offloaded layers) and the context."""
+        llama_cpp, llm = self._llama_cpp, self.llm
+        weights = llama_cpp.llama_model_size(llm.model)
+        context = llama_cpp.llama_state_get_size(llm.ctx)
+        layers = llama_cpp.llama_model_n_layer(llm.model)
+        offloaded = 0
+        if llama_cpp.llama_supports_gpu_offload():
+            ngl = llm.model_params.n_gpu_layers
+            offloaded = layers + 1 if ngl < 0 else min(ngl, layers + 1)
+        vram = weights * offloaded // (layers + 1)
+        return {"ram": weights - vram + context, "vram": vram}
+
+    def _format(self, messages: list) -> tuple[str, bool]:
+        """The prompt from the GGUF's chat template (llama-2's format if it has none)."""
+        from llama_cpp import llama_chat_format
+
+        llm = self.llm
+        if self._formatter is None:
+            template = llm.metadata.get("tokenizer.chat_template")
+            if template:
+                model = llm._model
+
+                def text(token: int) -> str:
+                    return model.token_get_text(token) if token >= 0 else ""
+
+                self._formatter = llama_chat_format.Jinja2ChatFormatter(
+                    template=template, eos_token=text(model.token_eos()),
+                    bos_token=text(model.token_bos()))
+            else:
+                self._formatter = llama_chat_format.format_llama2
+        try:
+            out = self._formatter(messages=messages)
+        except Exception as exc:  # jinja2 errors, and the template's raise_exception()
+            raise InvalidField(f"Invalid field 'messages': the model's chat template "
+                               f"refused them: {exc}", param="messages") from None
+        return out.prompt, not out.added_special
+
+    def _grammar(self, response_format: dict | None):
+        """A llama.cpp grammar that constrains the reply to JSON (or to a JSON Schema)."""
+        kind = (response_format or {}).get("type")
+        if kind not in ("json_object", "json_schema"):
+            return None
+        from llama_cpp.llama_grammar import JSON_GBNF, LlamaGrammar, json_schema_to_gbnf
+
+        schema = response_format.get("schema")
+        if schema is None:
+            return LlamaGrammar.from_string(JSON_GBNF, verbose=False)
+        try:
+            gbnf = json_schema_to_gbnf(json.dumps(schema))
+            return LlamaGrammar.from_string(gbnf, verbose=False)
+        except Exception as exc:  # the converter raises bare Exceptions for what it cannot do
+            raise InvalidField(f"Invalid field 'response_format': the JSON Schema cannot be "
+                               f"turned into a grammar: {exc}",
+                               param="response_format") from None
+
+    def _bias(self, logit_bias: dict | None):
+        if not logit_bias:
+            return None
+        import numpy as np
+
+        n_vocab = self.llm.n_vocab()
+        bias = {}
+        for key, value in logit_bias.items():
+            token = int(key)
+            if not 0 <= token < n_vocab:
+                raise InvalidField(f"Invalid field 'logit_bias': token {key} is not in the "
+                                   f"model's vocabulary of {n_vocab}", param="logit_bias")
+            bias[token] = float(value)
+        ids = np.array(list(bias), dtype=np.intc)
+        values = np.array(list(bias.values()), dtype=np.single)
+
+        def add_bias(input_ids, scores):
+            scores[ids] += values
+            return scores
+
+        return [add_bias]
+
+    def unload(self) -> None:
+        """Free the model and its context."""
+        self.llm.close()
+
+
+def _number(params: dict, name: str) -> float:
+    value = params.get(name)
+    return DEFAULTS[name] if value is None else value
+
+
+# --- onnx-runtime ----------------------------------------------------------------------
+
+
+class OnnxEngine:
+    """onnx-runtime: onnxruntime-genai, imported from its engine folder at the first load.
+
+    A model is a folder holding genai_config.json, the ONNX graph and the tokenizer
+    files; the chat template comes from tokenizer_config.json.
+    """
+
+    name, format = ONNX_ENGINE, "ONNX"
+    description = "onnxruntime-genai; runs ONNX models"
+
+    def load(self, model_path: str, options: dict) -> "OnnxModel":
+        """Load a model folder (or the folder of a file in it)."""
+        import onnxruntime_genai as og
+
+        folder = Path(model_path)
+        if folder.is_file():
+            folder = folder.parent
+        model = og.Model(str(folder))
+        config = json.loads((folder / "genai_config.json").read_text())
+        context = config.get("model", {}).get("context_length") or 2048
+        return OnnxModel(og, model, og.Tokenizer(model),
+                         min(context, options.get("ctx_len") or context))
+
+
+class OnnxModel:
+    """A loaded ONNX model; a fresh Generator per request."""
+
+    def __init__(self, og, model, tokenizer, context: int):
+        self._og, self._model, self._tokenizer, self._context = og, model, tokenizer, context
+
+    def generate(self, messages: list, params: dict) -> Generation:
+        """Tokenize and check now; compute token by token as the Generation is read."""
+        og, tok = self._og, self._tokenizer
+        prompt = params.get("prompt")
+        if prompt is None:
+            prompt = tok.apply_chat_template(json.dumps(messages), add_generation_prompt=True)
+        ids = tok.encode(prompt)
+        room = self._context - len(ids)
+        if room <= 0:
+            raise InvalidField(f"Invalid field 'messages': the prompt is {len(ids)} tokens "
+                               f"and the model's context holds {self._context}",
+                               param="messages")
+        max_tokens = min(params.get("max_tokens") or room, room)
+        search = {"max_length": len(ids) + max_tokens}
+        temperature = _number(params, "temperature")
+        if temperature > 0:
+            search.update(do_sample=True, temperature=float(temperature),
+                          top_p=float(_number(params, "top_p")),
+                          top_k=int(_number(params, "top_k")))
+        seed = params.get("seed")
+        search["random_seed"] = (random.getrandbits(31) if seed is None or seed < 0
+                                 else seed & 0x7FFFFFFF)
+        if params.get("repeat_penalty"):
+            search["repetition_penalty"] = float(params["repeat_penalty"])
+        if (params.get("response_format") or {}).get("type") in ("json_object", "json_schema"):
+            raise InvalidField("Invalid field 'response_format': onnx-runtime cannot constrain "
+                               "replies to JSON; use a GGUF model", param="response_format")
+        eos = {int(t) for t in tok.eos_token_ids}
+
+        def run(gen: Generation) -> Iterator[str]:
+            gen_params = og.GeneratorParams(self._model)
+            gen_params.set_search_options(**search)
+            generator = og.Generator(self._model, gen_params)
+            generator.append_tokens(ids)
+            stream, stop, finish = tok.create_stream(), StopText(params.get("stop")), "length"
+            while not generator.is_done() and gen.usage["completion_tokens"] < max_tokens:
+                generator.generate_next_token()
+                token = int(generator.get_next_tokens()[0])
+                if token in eos:
+                    finish = "stop"
+                    break
+                gen.usage["completion_tokens"] += 1
+                piece = stop.feed(stream.decode(token))
+                if piece:
+                    yield piece
+                if stop.hit:
+                    finish = "stop"
+                    break
+            tail = stop.flush()
+            if tail:
+                yield tail
+            gen.finish_reason = finish
+
+        return Generation(len(ids), run)
+
+    def chat(self, messages: list, params: dict, stream: bool):
+        """The older contract; see the module docstring."""
+        return chat_via_generate(self, messages, params, stream)
+
+    def unload(self) -> None:
+        """Drop the model; onnxruntime frees it with the last reference."""
+        self._model = None

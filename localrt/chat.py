@@ -1,0 +1,299 @@
+"""Chat completions, OpenAI compatible: the request's parameters, the prompt, the reply.
+
+`Chats.create(body)` takes a request that passed schemas/chat-completion.json and
+returns either the chat.completion dict or a `Stream` of Server-Sent Events. Every
+check that can fail happens before either is returned, so a streamed reply never
+starts with an error: only a failure in the middle of generating ends up inside it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import Iterator
+
+from localrt.adapters import StopText
+from localrt.errors import InvalidField, ServiceUnavailable
+from localrt.scheduler import Lease, Scheduler
+
+log = logging.getLogger(__name__)
+
+# Request fields that are sampling parameters, and stored model parameters with the
+# same meaning (schemas/model-update.json). If you add one, also pass it on in
+# localrt.adapters (and add it to schemas/chat-completion.json).
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty",
+            "presence_penalty", "repeat_penalty", "max_tokens")
+SYSTEM_ROLES = ("system", "developer")
+
+
+class Chats:
+    """Turns chat requests into generations on the scheduler's running models.
+
+    At most `max_requests` chats are in progress (generating or queued) at once: each
+    holds a server thread, and the rest of the API needs some. Past that, a 503.
+    """
+
+    def __init__(self, registry, scheduler: Scheduler, max_requests: int = 16):
+        self._registry = registry
+        self._scheduler = scheduler
+        self.max_requests = max_requests
+        self._slots = threading.BoundedSemaphore(max_requests)
+
+    def create(self, body: dict):
+        """A chat.completion dict, or a Stream when body["stream"] is true."""
+        model_id = body["model"]
+        record = self._registry.get(model_id)  # 404 before anything starts
+        messages = [_message(i, m) for i, m in enumerate(body["messages"])]
+        if body.get("n") not in (None, 1):
+            raise InvalidField("Invalid field 'n': only n=1 is supported", param="n")
+        if body.get("logprobs"):
+            raise InvalidField("Invalid field 'logprobs': log probabilities are not "
+                               "supported", param="logprobs")
+        if not self._slots.acquire(blocking=False):
+            raise ServiceUnavailable(f"Too many chat requests in progress (at most "
+                                     f"{self.max_requests}); retry shortly",
+                                     headers=[("Retry-After", "1")])
+        try:
+            lease = self._scheduler.lease(model_id)
+        except BaseException:
+            self._slots.release()
+            raise
+        lease.on_release(self._slots.release)
+        try:
+            params = _params(body, record, lease.running.options)
+            template = lease.running.options.get("prompt_template")
+            if template:
+                params["prompt"] = render_template(template, messages)
+            generation = _generate(lease.running.model, messages, params)
+        except BaseException:
+            lease.release()
+            raise
+        reply = _Reply(model_id, generation, self._scheduler, lease)
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return Stream(reply, include_usage)
+        try:
+            return reply.complete()
+        finally:
+            reply.close()
+
+
+def _message(index: int, message: dict) -> dict:
+    """An OpenAI message with its content as one string (text parts joined)."""
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if part.get("type") != "text":
+                raise InvalidField(f"Invalid field 'messages[{index}].content[{j}]': only "
+                                   f"text parts are supported, got {part.get('type')!r}",
+                                   param=f"messages[{index}].content[{j}]")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    return {"role": message["role"], "content": content or ""}
+
+
+def _params(body: dict, record: dict, options: dict) -> dict:
+    """Sampling parameters: the request's, else the model's stored ones."""
+    params = {k: record[k] for k in SAMPLING if record.get(k) is not None}
+    params.update((k, body[k]) for k in SAMPLING if body.get(k) is not None)
+    if body.get("max_completion_tokens") is not None:
+        params["max_tokens"] = body["max_completion_tokens"]
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    for s in options.get("stop") or []:  # the model's own stop sequences always apply
+        if s not in stops:
+            stops.append(s)
+    params["stop"] = stops
+    if body.get("logit_bias"):
+        params["logit_bias"] = body["logit_bias"]
+    params["response_format"] = _response_format(body.get("response_format"))
+    return params
+
+
+def _response_format(fmt: dict | None) -> dict | None:
+    """{"type": "json_object"} or {"type": "json_schema", "schema"}; None for text."""
+    if not fmt or fmt.get("type") == "text":
+        return None
+    if fmt["type"] == "json_object":
+        return {"type": "json_object", "schema": fmt.get("schema")}
+    schema = (fmt.get("json_schema") or {}).get("schema")
+    if not isinstance(schema, dict):
+        raise InvalidField("Invalid field 'response_format.json_schema.schema': a json_schema "
+                           "response format needs the JSON Schema object",
+                           param="response_format.json_schema.schema")
+    return {"type": "json_schema", "schema": schema}
+
+
+def render_template(template: str, messages: list) -> str:
+    """A prompt from a cortex-style template with {system_message} and {prompt}.
+
+    The text before {system_message} opens the system turn, the text between it and
+    {prompt} opens each user turn, and the text after {prompt} opens each assistant
+    turn, so a ChatML template renders a whole conversation in ChatML.
+    """
+    system = "\n".join(m["content"] for m in messages if m["role"] in SYSTEM_ROLES)
+    head, has_system, rest = template.partition("{system_message}")
+    if not has_system:
+        head, rest = "", template
+    user_open, _, assistant_open = rest.partition("{prompt}")
+    out = [head, system] if has_system else []
+    pending_system = "" if has_system else system
+    for m in messages:
+        if m["role"] in SYSTEM_ROLES:
+            continue
+        if m["role"] == "assistant":
+            out += [assistant_open, m["content"]]
+        else:
+            text = m["content"]
+            if pending_system:
+                text, pending_system = f"{pending_system}\n\n{text}", ""
+            out += [user_open, text]
+    out.append(assistant_open)
+    return "".join(out)
+
+
+def _generate(model, messages: list, params: dict):
+    if hasattr(model, "generate"):
+        return model.generate(messages, params)
+    return _LegacyGeneration(model.chat(messages, params, True), params)
+
+
+class _LegacyGeneration:
+    """A custom engine's streamed chat() with the Generation interface (usage estimated)."""
+
+    def __init__(self, pieces, params: dict):
+        self._pieces = iter(pieces)
+        self._stop = StopText(params.get("stop"))
+        self._max = params.get("max_tokens")
+        self.finish_reason = None
+        self.usage = {"prompt_tokens": getattr(pieces, "prompt_tokens", 0),
+                      "completion_tokens": 0}
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        while not self._stop.hit:
+            if self._max and self.usage["completion_tokens"] >= self._max:
+                self.finish_reason = "length"
+                raise StopIteration
+            try:
+                piece = next(self._pieces)
+            except StopIteration:
+                self.finish_reason = "stop"
+                tail = self._stop.flush()
+                if tail:
+                    return tail
+                raise
+            self.usage["completion_tokens"] += 1
+            piece = self._stop.feed(piece)
+            if piece:
+                return piece
+        self.finish_reason = "stop"
+        raise StopIteration
+
+    def close(self) -> None:
+        """Stop the engine's iterator."""
+        if hasattr(self._pieces, "close"):
+            self._pieces.close()
+
+
+class _Reply:
+    """One generation paced through the compute lane, and the lease it holds."""
+
+    def __init__(self, model_id: str, generation, scheduler: Scheduler, lease: Lease):
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model_id = model_id
+        self.generation = generation
+        self._scheduler = scheduler
+        self._lease = lease
+
+    def pieces(self) -> Iterator[str]:
+        """Text pieces; each token is computed in its turn of the compute lane."""
+        lane, running = self._scheduler.lane, self._lease.running
+        pieces = iter(self.generation)
+        while not running.stopping.is_set():
+            with lane:
+                piece = next(pieces, None)
+            if piece is None:
+                return
+            yield piece
+        log.info("a reply of %s was cut short: the model is stopping", self.model_id)
+        self.generation.finish_reason = self.generation.finish_reason or "stop"
+
+    def usage(self) -> dict:
+        """OpenAI's usage object."""
+        u = self.generation.usage
+        return {"prompt_tokens": u["prompt_tokens"],
+                "completion_tokens": u["completion_tokens"],
+                "total_tokens": u["prompt_tokens"] + u["completion_tokens"]}
+
+    def complete(self) -> dict:
+        """The whole reply as a chat.completion."""
+        content = "".join(self.pieces())
+        return {"id": self.id, "object": "chat.completion", "created": self.created,
+                "model": self.model_id,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                             "logprobs": None,
+                             "finish_reason": self.generation.finish_reason or "stop"}],
+                "usage": self.usage()}
+
+    def close(self) -> None:
+        """Stop generating (if still going) and give the model to the next request."""
+        try:
+            self.generation.close()
+        finally:
+            self._lease.release()
+
+
+class Stream:
+    """The reply as Server-Sent Events of chat.completion.chunk; close() frees the model."""
+
+    content_type = "text/event-stream"
+
+    def __init__(self, reply: _Reply, include_usage: bool):
+        self._reply = reply
+        self._include_usage = include_usage
+
+    def __iter__(self) -> Iterator[bytes]:
+        reply = self._reply
+        yield self._event({"role": "assistant", "content": ""})
+        try:
+            for piece in reply.pieces():
+                yield self._event({"content": piece})
+        except Exception as exc:
+            log.exception("generation failed in a stream of %s", reply.model_id)
+            error = {"message": f"Generation failed: {exc}", "type": "server_error",
+                     "code": "generation_failed"}
+            yield _sse({"error": error})
+            yield b"data: [DONE]\n\n"
+            return
+        yield self._event({}, reply.generation.finish_reason or "stop")
+        if self._include_usage:
+            yield _sse(self._chunk([], usage=reply.usage()))
+        yield b"data: [DONE]\n\n"
+
+    def close(self) -> None:
+        """Called by the server when the reply ends or the client goes away."""
+        self._reply.close()
+
+    def _event(self, delta: dict, finish_reason: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return _sse(self._chunk([choice]))
+
+    def _chunk(self, choices: list, usage: dict | None = None) -> dict:
+        r = self._reply
+        chunk = {"id": r.id, "object": "chat.completion.chunk", "created": r.created,
+                 "model": r.model_id, "choices": choices}
+        if self._include_usage:
+            chunk["usage"] = usage
+        return chunk
+
+
+def _sse(data: dict) -> bytes:
+    return b"data: " + json.dumps(data, ensure_ascii=False).encode("utf-8") + b"\n\n"

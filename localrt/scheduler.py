@@ -1,0 +1,367 @@
+"""Running models: starting and stopping them, how many stay loaded, and who computes when.
+
+A model starts with its stored parameters, overridden by the start options of the
+request (schemas/model-start.json). At most `maxRunningModels` stay loaded: starting
+one more unloads the least recently used. With `keepAlive` set, a model idle that
+long is unloaded too.
+
+Compute is scheduled in two steps, so generations never fight over the CPU:
+  * a model serves one request at a time; requests queue for it in arrival order
+    (`Running.turn`);
+  * every token of every generation, across all models, takes a turn in the compute
+    lane (`Scheduler.lane`), which has `computeLanes` slots (default 1). Two llama.cpp
+    computations that share the cores are both many times slower than one after the
+    other, so on a machine with cores for several models, raise computeLanes and give
+    each model `cpu_threads` = cores / lanes.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from localrt.adapters import GGUF_ENGINE
+from localrt.errors import BadRequest, Conflict, HTTPError, InvalidField
+
+log = logging.getLogger(__name__)
+
+# The start options (schemas/model-start.json): they are also stored model parameters.
+# If you add one, also map it in localrt.adapters and add it to the CLI (models start).
+START_OPTIONS = ("prompt_template", "stop", "ngl", "ctx_len", "cpu_threads", "n_batch",
+                 "caching_enabled", "grp_attn_n", "grp_attn_w", "mlock", "flash_attn",
+                 "cache_type", "use_mmap", "engine")
+DEFAULT_CTX_LEN = 4096
+QUANTIZED_CACHE = ("q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+MAX_TURN_RETRIES = 3  # a request whose model was stopped while it waited restarts it this often
+
+
+class ModelNotRunning(Conflict):
+    code = "model_not_running"
+
+
+class ModelLoadFailed(HTTPError):
+    """The engine could not load the model (a corrupt file, not enough memory, ...)."""
+
+    status = 422
+    type = "invalid_request_error"
+    code = "model_load_failed"
+
+
+class FairLock:
+    """A semaphore with `slots` that lets waiters in strictly in arrival order."""
+
+    def __init__(self, slots: int = 1):
+        self._cond = threading.Condition(threading.Lock())
+        self._free = slots
+        self._queue: collections.deque = collections.deque()
+
+    def acquire(self) -> None:
+        """Wait for a slot; earlier callers get theirs first."""
+        with self._cond:
+            if self._free and not self._queue:
+                self._free -= 1
+                return
+            me = object()
+            self._queue.append(me)
+            while not (self._free and self._queue[0] is me):
+                self._cond.wait()
+            self._queue.popleft()
+            self._free -= 1
+            if self._free and self._queue:
+                self._cond.notify_all()
+
+    def release(self) -> None:
+        """Give a slot back."""
+        with self._cond:
+            self._free += 1
+            if self._queue:
+                self._cond.notify_all()
+
+    def __enter__(self) -> "FairLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()
+
+    @property
+    def waiting(self) -> int:
+        """How many callers are queued."""
+        with self._cond:
+            return len(self._queue)
+
+
+@dataclass
+class Running:
+    """A loaded model and what `ps` shows about it."""
+
+    model_id: str
+    engine: str
+    model: object
+    options: dict
+    ram: int
+    vram: int
+    started_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+    turn: FairLock = field(default_factory=FairLock)  # one request at a time, in order
+    active: int = 0  # requests holding or waiting for the turn; guarded by Scheduler._lock
+    stopping: threading.Event = field(default_factory=threading.Event)
+
+
+class Lease:
+    """A request's turn on a running model; `release()` exactly once when done."""
+
+    def __init__(self, scheduler: "Scheduler", running: Running):
+        self.running = running
+        self._scheduler = scheduler
+        self._released = False
+        self._callbacks: list = []
+
+    def on_release(self, callback) -> None:
+        """Run `callback` after the release."""
+        self._callbacks.append(callback)
+
+    def release(self) -> None:
+        """Give the model to the next request."""
+        if not self._released:
+            self._released = True
+            try:
+                self._scheduler._release(self.running)
+            finally:
+                for callback in self._callbacks:
+                    callback()
+
+
+class Scheduler:
+    """Owns the running models.
+
+    `_lock` guards `_running` (model id -> Running) and each Running's `active` and
+    `last_used`. `_start_lock` lets one load happen at a time, so a model is never
+    loaded twice and the RSS measured around a load is that model's. Neither is held
+    while a model computes.
+    """
+
+    def __init__(self, registry, engines, max_models: int = 2, keep_alive: float = 0.0,
+                 lanes: int = 1, cores: int | None = None):
+        self._registry = registry
+        self._engines = engines
+        self.max_models = max_models
+        self.keep_alive = keep_alive  # seconds; 0 is off
+        self.lane = FairLock(lanes)
+        self.cores = cores or len(os.sched_getaffinity(0))
+        self._lock = threading.Lock()
+        self._start_lock = threading.Lock()
+        self._running: dict[str, Running] = {}
+        self._closed = threading.Event()
+        engines.in_use = self.models_of
+        self._reaper = None
+        if keep_alive > 0:
+            self._reaper = threading.Thread(target=self._reap, name="localrt-keep-alive",
+                                             daemon=True)
+            self._reaper.start()
+
+    # --- queries ---------------------------------------------------------------
+
+    def is_running(self, model_id: str) -> bool:
+        """Whether a model is loaded."""
+        with self._lock:
+            return model_id in self._running
+
+    def models_of(self, engine: str) -> list[str]:
+        """The running models of an engine."""
+        with self._lock:
+            return [m for m, r in self._running.items() if r.engine == engine]
+
+    def status(self) -> list[dict]:
+        """One row per running model: engine, memory, uptime and effective options."""
+        now = time.time()
+        with self._lock:
+            rows = list(self._running.values())
+            busy = {r.model_id: r.active for r in rows}
+        return [{"id": r.model_id, "object": "model", "engine": r.engine, "ram": r.ram,
+                 "vram": r.vram, "startedAt": int(r.started_at),
+                 "uptime": round(now - r.started_at, 1), "requests": busy[r.model_id],
+                 "options": dict(r.options)} for r in rows]
+
+    # --- start and stop --------------------------------------------------------
+
+    def start(self, model_id: str, options: dict | None = None) -> tuple[Running, bool]:
+        """Load a model; (running, False) if it was running already."""
+        record = self._registry.get(model_id)  # 404 when it is not downloaded
+        with self._lock:
+            if model_id in self._running:
+                return self._running[model_id], False
+        with self._start_lock:
+            with self._lock:
+                if model_id in self._running:
+                    return self._running[model_id], False
+            effective = self.effective_options(record, options or {})
+            self._make_room()
+            running = self._load(record, effective)
+            with self._lock:
+                self._running[model_id] = running
+        log.info("model %s started with %s: %s", model_id, running.engine, effective)
+        return running, True
+
+    def stop(self, model_id: str, why: str = "on request") -> None:
+        """Unload a running model once its current request has stopped generating."""
+        with self._lock:
+            running = self._running.pop(model_id, None)
+        if running is None:
+            self._registry.get(model_id)  # a 404 for an unknown model
+            raise ModelNotRunning(f"Model {model_id} is not running", param="model")
+        self._unload(running, why)
+
+    def close(self) -> None:
+        """Unload every model (the server is stopping)."""
+        self._closed.set()
+        with self._lock:
+            running, self._running = list(self._running.values()), {}
+        for r in running:
+            self._unload(r, "the server is stopping")
+
+    # --- leases, for chat ------------------------------------------------------
+
+    def lease(self, model_id: str) -> Lease:
+        """Wait for this model's turn, starting the model with its stored parameters."""
+        for _ in range(MAX_TURN_RETRIES):
+            with self._lock:
+                running = self._running.get(model_id)
+                if running is not None:
+                    running.active += 1
+            if running is None:
+                if not self._registry.has(model_id):
+                    self._registry.get(model_id)  # raises the 404
+                log.info("starting model %s for a chat request, with its stored parameters",
+                         model_id)
+                self.start(model_id)
+                continue
+            running.turn.acquire()
+            if running.stopping.is_set():  # stopped or evicted while we waited
+                self._release(running)
+                continue
+            with self._lock:
+                running.last_used = time.monotonic()
+            return Lease(self, running)
+        raise Conflict(f"Model {model_id} kept being stopped while this request waited; "
+                       f"raise maxRunningModels or send fewer models at once", param="model")
+
+    def _release(self, running: Running) -> None:
+        with self._lock:
+            running.active -= 1
+            running.last_used = time.monotonic()
+        running.turn.release()
+
+    # --- internals -------------------------------------------------------------
+
+    def effective_options(self, record: dict, requested: dict) -> dict:
+        """Stored parameters overridden by the request; 400 for what the model cannot take."""
+        stored = {k: record[k] for k in START_OPTIONS if record.get(k) is not None}
+        options = {"engine": record["engine"], "ctx_len": DEFAULT_CTX_LEN,
+                   "cpu_threads": self.cores, "ngl": -1, "caching_enabled": True,
+                   **stored, **{k: v for k, v in requested.items() if v is not None}}
+        engine = options["engine"]
+        if engine != record["engine"]:
+            entry = self._engines.entry(engine)
+            wanted = self._engines.entry(record["engine"])["format"]
+            if entry["format"] != wanted:
+                raise InvalidField(f"Invalid field 'engine': model {record['id']} is {wanted}, "
+                                   f"and engine {engine} runs {entry['format'] or 'other'} "
+                                   f"models", param="engine")
+        trained = (record.get("metadata") or {}).get("context_length")
+        if isinstance(trained, int) and options["ctx_len"] > trained:
+            if "ctx_len" in requested:
+                raise InvalidField(f"Invalid field 'ctx_len': {options['ctx_len']} is beyond "
+                                   f"the {trained} tokens model {record['id']} was trained "
+                                   f"on", param="ctx_len")
+            options["ctx_len"] = trained
+        if engine == GGUF_ENGINE:
+            if options.get("grp_attn_n", 1) > 1:
+                raise InvalidField("Invalid field 'grp_attn_n': gguf-cpp has no group "
+                                   "attention (self-extend); leave it at 1", param="grp_attn_n")
+            if options.get("cache_type") in QUANTIZED_CACHE and not options.get("flash_attn"):
+                raise InvalidField(f"Invalid field 'cache_type': a {options['cache_type']} "
+                                   f"KV cache needs flash_attn: true", param="cache_type")
+        template = options.get("prompt_template")
+        if template is not None and "{prompt}" not in template:
+            raise InvalidField("Invalid field 'prompt_template': it needs a {prompt} "
+                               "placeholder", param="prompt_template")
+        return options
+
+    def _make_room(self) -> None:
+        """Unload least recently used models until one more fits under max_models."""
+        while True:
+            with self._lock:
+                if len(self._running) < self.max_models:
+                    return
+                # Idle models go first; among them (or among busy ones) the oldest use.
+                victim = min(self._running.values(), key=lambda r: (r.active > 0, r.last_used))
+                del self._running[victim.model_id]
+            self._unload(victim, f"to stay within maxRunningModels ({self.max_models})")
+
+    def _load(self, record: dict, options: dict) -> Running:
+        engine = options["engine"]
+        path = self._model_path(record)
+        before = _rss()
+        try:
+            model = self._engines.open(engine, str(path), options)
+        except HTTPError:
+            raise
+        except Exception as exc:  # llama.cpp and onnxruntime say why in their own words
+            log.warning("model %s failed to load with %s: %s", record["id"], engine, exc)
+            raise ModelLoadFailed(f"Model {record['id']} failed to load with {engine}: {exc} "
+                                  f"(a damaged file, or not enough memory for ctx_len "
+                                  f"{options.get('ctx_len')})", param="model") from None
+        measured = {"ram": max(_rss() - before, 0), "vram": 0}
+        if hasattr(model, "memory"):
+            try:
+                measured.update(model.memory())
+            except Exception:
+                log.exception("model %s: the engine could not say its memory", record["id"])
+        return Running(record["id"], engine, model, options, measured["ram"], measured["vram"])
+
+    def _model_path(self, record: dict) -> Path:
+        folder = Path(record["path"])
+        files = [f["path"] for f in record["files"]]
+        weights = [f for f in files if f.lower().endswith(".gguf")] or \
+            [f for f in files if f.lower().endswith((".onnx", "genai_config.json"))]
+        if not weights:
+            raise BadRequest(f"Model {record['id']} has no GGUF or ONNX file to load",
+                             param="model")
+        return folder / weights[0]
+
+    def _unload(self, running: Running, why: str) -> None:
+        running.stopping.set()
+        with running.turn:  # waits for the request generating now, which stops at its next token
+            try:
+                running.model.unload()
+            except Exception:
+                log.exception("unloading %s failed", running.model_id)
+        log.info("model %s stopped %s", running.model_id, why)
+
+    def _reap(self) -> None:
+        """Unload models idle for longer than keep_alive."""
+        interval = min(30.0, max(self.keep_alive / 4, 0.05))
+        while not self._closed.wait(interval):
+            now = time.monotonic()
+            with self._lock:
+                idle = [r for r in self._running.values()
+                        if r.active == 0 and now - r.last_used > self.keep_alive]
+                for r in idle:
+                    del self._running[r.model_id]
+            for r in idle:
+                self._unload(r, f"after {self.keep_alive:g} s idle (keepAlive)")
+
+
+def _rss() -> int:
+    """This process's resident memory in bytes (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
