@@ -127,16 +127,19 @@ class GgufEngine:
         if "n_threads" in kwargs:
             kwargs["n_threads_batch"] = kwargs["n_threads"]
         llm = llama_cpp.Llama(model_path=model_path, verbose=False, **kwargs)
-        return LlamaModel(llm, caching=options.get("caching_enabled", True))
+        return LlamaModel(llm, caching=options.get("caching_enabled", True),
+                          context=options.get("ctx_len"))
 
 
 class LlamaModel:
     """A loaded GGUF model: a llama.cpp context and the generation loop around it."""
 
-    def __init__(self, llm, caching: bool = True):
+    def __init__(self, llm, caching: bool = True, context: int | None = None):
         import llama_cpp
 
         self.llm = llm
+        # llama.cpp rounds n_ctx up (to 256); the context is what was asked for.
+        self.context = min(context or llm.n_ctx(), llm.n_ctx())
         self._llama_cpp = llama_cpp
         self._caching = caching
         self._formatter = None  # the GGUF's chat template, compiled at the first chat
@@ -150,10 +153,10 @@ class LlamaModel:
         else:
             text, bos = self._format(messages)
         tokens = llm.tokenize(text.encode("utf-8"), add_bos=bos, special=True)
-        room = llm.n_ctx() - len(tokens)
+        room = self.context - len(tokens)
         if room <= 0:
             raise InvalidField(f"Invalid field 'messages': the prompt is {len(tokens)} tokens "
-                               f"and the model's context (ctx_len) holds {llm.n_ctx()}; "
+                               f"and the model's context (ctx_len) holds {self.context}; "
                                f"shorten the conversation or start the model with a larger "
                                f"ctx_len", param="messages")
         max_tokens = min(params.get("max_tokens") or room, room)

@@ -79,17 +79,21 @@ def _origins(value: str) -> list:
 _TYPES = {"on_off": _on_off, "origins": _origins, "text": str}
 
 
-def model_update_options():
-    """(flag, argparse keywords) for each stored model parameter in schemas/model-update.json.
+def model_update_options(schema: str = "model-update.json", skip=("id",)):
+    """(flag, argparse keywords) for each property of a schema: stored model parameters.
 
     The schema is the one list of parameters: a property added there becomes a
-    `models update` flag here (and must be added to man/localrt.1; tests/test_man.py checks).
+    `models update` (or, in model-start.json, `models start`) flag here, and must be
+    added to man/localrt.1; tests/test_man.py checks.
     """
     from localrt import schemas  # plain JSON reading; jsonschema stays unloaded
 
-    for name, spec in schemas.load("model-update.json")["properties"].items():
-        if name == "id":  # ids cannot change
+    for name, spec in schemas.load(schema)["properties"].items():
+        if name in skip:  # ids cannot change; start's model id is an argument
             continue
+        if "$ref" in spec:  # "model-update.json#/properties/ctx_len"
+            target, _, pointer = spec["$ref"].partition("#/properties/")
+            spec = schemas.load(target)["properties"][pointer]
         kind = spec.get("type")
         options = {"dest": f"param_{name}", "help": _parameter_help(name, spec)}
         if "enum" in spec:
@@ -400,6 +404,155 @@ def cmd_models_update(ctx: "Context") -> int:
     return ExitCode.OK
 
 
+def _start_options(ctx: "Context") -> dict:
+    """The start options given as flags (`models start`, `run`)."""
+    options = {}
+    for name in ctx.args.start_options:
+        value = getattr(ctx.args, f"param_{name}")
+        if value is not None:
+            options[name] = [v for v in value if v] if isinstance(value, list) else value
+    return options
+
+
+def cmd_models_start(ctx: "Context") -> int:
+    """Load a model, with its stored parameters and the options given."""
+    reply = ctx.call(lambda client: client.start_model(ctx.args.model, _start_options(ctx)))
+    ctx.out(reply["message"])
+    return ExitCode.OK
+
+
+def cmd_models_stop(ctx: "Context") -> int:
+    """Unload a running model."""
+    ctx.out(ctx.call(lambda client: client.stop_model(ctx.args.model))["message"])
+    return ExitCode.OK
+
+
+def cmd_ps(ctx: "Context") -> int:
+    """Print the running models, and the machine they run on."""
+    status = ctx.call(lambda client: client.models_status())
+    rows = [(m["id"], m["engine"], human_size(m["ram"]), human_size(m["vram"]),
+             _duration(m["uptime"]), m["options"].get("ctx_len", ""))
+            for m in status["data"]]
+    if rows:
+        ctx.out(table(["Model", "Engine", "RAM", "VRAM", "Up time", "Context"], rows))
+    else:
+        ctx.out("No models are running; `localrt run ID` starts one and chats with it")
+    hw = status.get("hardware") or {}
+    if hw:
+        gpu = f"CUDA {hw['cuda']}" if hw.get("cuda") else "no GPU"
+        ctx.out(f"CPU: {hw.get('cpu') or 'unknown'} ({hw.get('cores')} cores, "
+                f"{hw.get('cpuLevel') or 'no AVX'}); RAM: {human_size(hw.get('ramAvailable', 0))} "
+                f"free of {human_size(hw.get('ramTotal', 0))}; {gpu}")
+    return ExitCode.OK
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m {seconds % 60}s"
+    return f"{seconds // 3600}h {seconds % 3600 // 60}m"
+
+
+def cmd_run(ctx: "Context") -> int:
+    """Pull the model if needed, start it, then chat with it in the terminal."""
+    from localrt.client import ApiError
+
+    model_id = ctx.args.model
+    client = ctx.call(lambda client: client)
+    try:
+        client.get_model(model_id)
+    except ApiError as exc:
+        if exc.status != 404:
+            raise
+        ctx.err(f"Model {model_id} is not downloaded yet; pulling it")
+        model_id = _pull_for_run(ctx, client, model_id)
+    reply = client.start_model(model_id, _start_options(ctx))
+    ctx.err(reply["message"])
+    return Chat(ctx, client, model_id).loop()
+
+
+def _pull_for_run(ctx: "Context", client, model_id: str) -> str:
+    """Pull a model, following its progress; return the local id it got."""
+    stream = _open_events(client)
+    with stream or contextlib.nullcontext():
+        started = _start_pull(ctx, client, model_id, None)
+        if started is None:  # downloaded meanwhile, under its local id
+            return client.pull_model(model_id).get("model", model_id)
+        model, pull_id, task = started
+        code = _follow(ctx, client, stream or _polled_events(client), task, f"Model {model}",
+                       "downloaded", f"localrt pull {pull_id}")
+    if code != ExitCode.OK:
+        raise CliError(f"Model {model_id} was not downloaded", code)
+    return model
+
+
+class Chat:
+    """The terminal chat of `localrt run`: history kept, replies streamed as they come."""
+
+    HELP = "Type a message and press Enter. /exit or Ctrl-D leaves; Ctrl-C stops a reply."
+
+    def __init__(self, ctx: "Context", client, model_id: str):
+        self.ctx, self.client, self.model_id = ctx, client, model_id
+        self.history: list[dict] = []
+
+    def loop(self) -> int:
+        """Read a message, stream the reply; until /exit or end of input."""
+        self.ctx.err(self.HELP)
+        while True:
+            try:
+                line = self._read()
+            except KeyboardInterrupt:  # at the prompt: say how to leave, as Ollama does
+                self.ctx.err("\nUse /exit or Ctrl-D to leave.")
+                continue
+            if line is None or line.strip() in ("/exit", "/bye", "/quit"):
+                self.ctx.err("")
+                return ExitCode.OK
+            if not line.strip():
+                continue
+            if line.strip() in ("/help", "/?"):
+                self.ctx.err(self.HELP)
+                continue
+            self.history.append({"role": "user", "content": line})
+            self.history.append({"role": "assistant", "content": self._reply()})
+
+    def _read(self) -> str | None:
+        """One line from the user; None at end of input (Ctrl-D)."""
+        ctx = self.ctx
+        if ctx.stdin is sys.stdin and ctx.interactive:
+            try:
+                import readline  # noqa: F401  (line editing and history for input())
+            except ImportError:
+                pass
+            try:
+                return input(">>> ")
+            except EOFError:
+                return None
+        return ctx.ask(">>> ")
+
+    def _reply(self) -> str:
+        """Stream one reply to stdout; Ctrl-C ends it early and keeps what came."""
+        pieces: list[str] = []
+        stream = self.client.chat_stream({"model": self.model_id, "messages": self.history})
+        try:
+            for chunk in stream:
+                if "error" in chunk:
+                    raise CliError(f"The reply failed: {chunk['error'].get('message')}")
+                for choice in chunk.get("choices") or []:
+                    piece = (choice.get("delta") or {}).get("content")
+                    if piece:
+                        pieces.append(piece)
+                        self.ctx.stdout.write(piece)
+                        self.ctx.stdout.flush()
+        except KeyboardInterrupt:  # the server stops generating when the stream closes
+            self.ctx.stdout.write(" [interrupted]")
+        finally:
+            stream.close()
+        self.ctx.out("")
+        return "".join(pieces)
+
+
 def cmd_models_import(ctx: "Context") -> int:
     """Register a local GGUF file, linked (the default) or copied."""
     # The server resolves nothing relative to the caller's directory: send an absolute path.
@@ -482,12 +635,13 @@ def cmd_engines_use(ctx: "Context") -> int:
 
 
 COMMANDS = {"start": cmd_start, "stop": cmd_stop, "config": cmd_config, "pull": cmd_pull,
-            "models": cmd_models, "engines": cmd_engines}
+            "run": cmd_run, "ps": cmd_ps, "models": cmd_models, "engines": cmd_engines}
 ENGINE_COMMANDS = {"list": cmd_engines_list, "get": cmd_engines_get,
                    "install": cmd_engines_install, "uninstall": cmd_engines_uninstall,
                    "use": cmd_engines_use}
 MODEL_COMMANDS = {"list": cmd_models_list, "get": cmd_models_get, "remove": cmd_models_remove,
-                  "update": cmd_models_update, "import": cmd_models_import, "pull": cmd_pull}
+                  "update": cmd_models_update, "import": cmd_models_import, "pull": cmd_pull,
+                  "start": cmd_models_start, "stop": cmd_models_stop, "run": cmd_run}
 MODEL_ALIASES = {"rm": "remove", "delete": "remove"}
 
 
@@ -676,6 +830,16 @@ def build_parser(stdout=None, stderr=None) -> argparse.ArgumentParser:
                         "running, follow it. Ctrl-C asks whether to cancel it.")
     _add_pull_arguments(sub.add_parser("pull", help=pull_help, description=pull_description))
 
+    run_help = "pull a model if needed, start it and chat with it"
+    run_description = ("Download the model if it is not local yet (with progress), start "
+                       "it, then chat with it in the terminal: replies stream as they are "
+                       "generated and the conversation is kept. /exit or Ctrl-D leaves; "
+                       "Ctrl-C stops a reply without leaving.")
+    _add_start_arguments(sub.add_parser("run", help=run_help, description=run_description))
+    sub.add_parser("ps", help="show the running models and the hardware",
+                   description="Print the running models (engine, RAM, VRAM, up time, "
+                   "context length) and this machine's CPU, memory and GPU.")
+
     p = sub.add_parser("models", help="list, inspect, change, import and pull models",
                        description="Manage the downloaded and imported models.")
     models = p.add_subparsers(dest="models_command", metavar="SUBCOMMAND", required=True)
@@ -698,16 +862,25 @@ def build_parser(stdout=None, stderr=None) -> argparse.ArgumentParser:
         p.add_argument(flag, **options)
         names.append(flag[2:])
     p.set_defaults(parameters=tuple(names))
-    p = models.add_parser("import", help="register a local GGUF file",
-                          description="Register a local GGUF file as a model, without "
-                          "the hub. The file is linked, or copied with --copy.")
-    p.add_argument("--path", required=True, metavar="FILE", help="the GGUF file")
+    p = models.add_parser("import", help="register a local GGUF file or ONNX folder",
+                          description="Register a local GGUF file, or an ONNX model folder "
+                          "(one holding genai_config.json), as a model, without the hub. "
+                          "It is linked, or copied with --copy.")
+    p.add_argument("--path", required=True, metavar="PATH", help="the GGUF file or ONNX "
+                   "model folder")
     p.add_argument("--id", metavar="ID", help="the model's id (default: the file name "
                    "without .gguf)")
     p.add_argument("--copy", action="store_true", help="copy the file into the models "
                    "folder instead of linking to it")
     _add_pull_arguments(models.add_parser("pull", help=pull_help,
                                           description=pull_description))
+    _add_start_arguments(models.add_parser(
+        "start", help="load a model", description="Load a model with its stored "
+        "parameters; the options given override them for this run."))
+    p = models.add_parser("stop", help="unload a running model",
+                          description="Unload a running model and free its memory.")
+    p.add_argument("model", metavar="ID", help="the model's id")
+    _add_start_arguments(models.add_parser("run", help=run_help, description=run_description))
 
     p = sub.add_parser("engines", help="list, install and uninstall inference engines",
                        description="Manage the inference engines: gguf-cpp (GGUF, "
@@ -748,6 +921,15 @@ def _add_variant_arguments(p: argparse.ArgumentParser, version_help: str,
     p.add_argument("--version", metavar="VERSION", help=f"the version to {version_help}")
     p.add_argument("--variant", metavar="VARIANT", help=f"the variant to {variant_help}, "
                    f"such as linux-amd64-avx2")
+
+
+def _add_start_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="ID", help="the model's id")
+    names = []
+    for flag, options in model_update_options("model-start.json", skip=("model",)):
+        p.add_argument(flag, **options)
+        names.append(flag[2:])
+    p.set_defaults(start_options=tuple(names))
 
 
 def _add_pull_arguments(p: argparse.ArgumentParser) -> None:

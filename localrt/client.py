@@ -16,6 +16,9 @@ from urllib.parse import quote
 # Seconds an event stream may stay silent before the server counts as gone; the
 # server sends a keep-alive comment every 15 s (localrt.events.HEARTBEAT_SECONDS).
 STREAM_TIMEOUT = 60.0
+# Seconds to wait for a model to load or for the next token: a big model on a slow
+# disk, or a chat queued behind others, takes minutes.
+LOAD_TIMEOUT = 600.0
 
 
 class ApiError(Exception):
@@ -133,6 +136,30 @@ class Client:
         return self._request("POST", _engine_path(engine) + "/default",
                              {"variant": variant, "version": version})
 
+    def start_model(self, model_id: str, options: dict | None = None) -> dict:
+        """POST /v1/models/{id}/start: load a model with these start options."""
+        return self._request("POST", _model_path(model_id) + "/start", options or {},
+                             timeout=LOAD_TIMEOUT)
+
+    def stop_model(self, model_id: str) -> dict:
+        """POST /v1/models/{id}/stop: unload a model."""
+        return self._request("POST", _model_path(model_id) + "/stop")
+
+    def models_status(self) -> dict:
+        """GET /v1/models/status: the running models, and the machine."""
+        return self._request("GET", "/v1/models/status")
+
+    def chat(self, request: dict) -> dict:
+        """POST /v1/chat/completions, not streamed: the chat.completion."""
+        return self._request("POST", "/v1/chat/completions", {**request, "stream": False},
+                             timeout=LOAD_TIMEOUT)
+
+    def chat_stream(self, request: dict) -> "EventStream":
+        """POST /v1/chat/completions, streamed: an EventStream of chat.completion.chunk."""
+        return EventStream(self._open("POST", "/v1/chat/completions",
+                                      {**request, "stream": True}, timeout=LOAD_TIMEOUT),
+                           self.base_url)
+
     # --- plumbing ------------------------------------------------------------
 
     def _open(self, method: str, path: str, body: Any = None, timeout: float | None = None):
@@ -157,9 +184,10 @@ class Client:
         except (ConnectionError, TimeoutError) as exc:
             raise Unreachable(f"Cannot reach the localrt server at {self.base_url}: {exc}") from None
 
-    def _request(self, method: str, path: str, body: Any = None) -> Any:
+    def _request(self, method: str, path: str, body: Any = None,
+                 timeout: float | None = None) -> Any:
         """One request; the decoded JSON reply, or ApiError/Unreachable."""
-        with self._open(method, path, body) as resp:
+        with self._open(method, path, body, timeout) as resp:
             raw = resp.read()
         return json.loads(raw) if raw else None
 
@@ -186,6 +214,8 @@ class EventStream:
             for raw in self._resp:
                 line = raw.decode("utf-8").rstrip("\r\n")
                 if not line:  # a blank line ends an event
+                    if data == ["[DONE]"]:  # OpenAI's end of a chat stream
+                        return
                     if data:
                         yield json.loads("\n".join(data))
                     data = []

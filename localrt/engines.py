@@ -327,7 +327,7 @@ class Engines:
     def variants(self, name: str) -> list[dict]:
         """The §2.3 entries of an engine's installed variants."""
         with self._lock:
-            self._require_known(name)
+            self.require_known(name)
             installed = self._installed(name)
             active = self._active(name, installed)
             out = []
@@ -402,7 +402,8 @@ class Engines:
         entry = self._state["engines"].get(name, {})
         return entry.get("active") is None and not entry.get("builtinDeactivated")
 
-    def _require_known(self, name: str) -> None:
+    def require_known(self, name: str) -> None:
+        """Raise a 404 naming the known engines unless `name` is one."""
         if name not in self.names():
             raise EngineNotFound(f"Unknown engine {name!r}; known engines: "
                                  f"{', '.join(self.names())}", param="engine")
@@ -569,7 +570,7 @@ class Engines:
     def uninstall(self, name: str, version: str | None = None,
                   variant: str | None = None) -> dict:
         """Remove an installed variant (the builtin one is only deactivated)."""
-        self._require_known(name)
+        self.require_known(name)
         with self._lock:
             running = sorted(self.in_use(name))
             if running:
@@ -600,7 +601,7 @@ class Engines:
 
     def set_default(self, name: str, variant: str, version: str) -> dict:
         """Make an installed variant the one models of this engine load."""
-        self._require_known(name)
+        self.require_known(name)
         with self._lock:
             target = self._pick_installed(name, version, variant)
             state = self._edited_state()
@@ -620,7 +621,7 @@ class Engines:
         spec = CATALOG.get(name)
         if spec is not None:
             return spec
-        self._require_known(name)
+        self.require_known(name)
         raise BadRequest(f"{name} is a custom engine; install it from its wheel "
                          f"(localrt engines install PATH_OR_URL.whl)", param="engine")
 
@@ -783,7 +784,7 @@ class Engines:
     def _engine_object(self, name: str):
         spec = CATALOG.get(name)
         if spec is None:
-            self._require_known(name)
+            self.require_known(name)
             return self._custom_object(name)
         if name in self._objects:
             return self._objects[name]

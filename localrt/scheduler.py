@@ -267,6 +267,7 @@ class Scheduler:
                    **stored, **{k: v for k, v in requested.items() if v is not None}}
         engine = options["engine"]
         if engine != record["engine"]:
+            self._engines.require_known(engine)
             entry = self._engines.entry(engine)
             wanted = self._engines.entry(record["engine"])["format"]
             if entry["format"] != wanted:
