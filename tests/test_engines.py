@@ -308,6 +308,20 @@ def test_install_onnx_runtime_and_generate(api, app, index, settings, tmp_path,
     assert r.json["model"]["engine"] == "onnx-runtime"
     r = api("POST", "/v1/models/tiny-onnx/start")
     assert r.status == 200, r.body
+    # Chat completions answer the same way as for GGUF models, streamed and not.
+    body = {"model": "tiny-onnx", "messages": messages, "max_tokens": 8, "seed": 7,
+            "temperature": 0.8}
+    r = api("POST", "/v1/chat/completions", body)
+    assert r.status == 200, r.body
+    assert r.json["choices"][0]["message"]["content"] == out["content"]
+    assert r.json["usage"]["completion_tokens"] == 8
+    assert r.json["choices"][0]["finish_reason"] == "length"
+    r = api("POST", "/v1/chat/completions", {**body, "stream": True})
+    chunks = [json.loads(b[6:]) for b in r.body.decode().split("\n\n")
+              if b.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == \
+        out["content"]
+    assert r.body.endswith(b"data: [DONE]\n\n")
     r = api("DELETE", "/v1/engines/onnx-runtime/install")
     assert r.status == 409 and "tiny-onnx" in r.json["error"]["message"]
     assert api("POST", "/v1/models/tiny-onnx/stop").status == 200
