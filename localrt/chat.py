@@ -52,6 +52,7 @@ class Chats:
         if body.get("logprobs"):
             raise InvalidField("Invalid field 'logprobs': log probabilities are not "
                                "supported", param="logprobs")
+        response_format = _response_format(body.get("response_format"))
         if not self._slots.acquire(blocking=False):
             raise ServiceUnavailable(f"Too many chat requests in progress (at most "
                                      f"{self.max_requests}); retry shortly",
@@ -64,6 +65,7 @@ class Chats:
         lease.on_release(self._slots.release)
         try:
             params = _params(body, record, lease.running.options)
+            params["response_format"] = response_format
             template = lease.running.options.get("prompt_template")
             if template:
                 params["prompt"] = render_template(template, messages)
@@ -110,7 +112,6 @@ def _params(body: dict, record: dict, options: dict) -> dict:
     params["stop"] = stops
     if body.get("logit_bias"):
         params["logit_bias"] = body["logit_bias"]
-    params["response_format"] = _response_format(body.get("response_format"))
     return params
 
 
