@@ -499,6 +499,8 @@ class Chat:
 
     def loop(self) -> int:
         """Read a message, stream the reply; until /exit or end of input."""
+        from localrt.client import ApiError
+
         self.ctx.err(self.HELP)
         while True:
             try:
@@ -515,7 +517,13 @@ class Chat:
                 self.ctx.err(self.HELP)
                 continue
             self.history.append({"role": "user", "content": line})
-            self.history.append({"role": "assistant", "content": self._reply()})
+            try:
+                reply = self._reply()
+            except ApiError as exc:  # e.g. the conversation outgrew the context
+                self.history.pop()
+                self.ctx.err(f"Error: {exc}")
+                continue
+            self.history.append({"role": "assistant", "content": reply})
 
     def _read(self) -> str | None:
         """One line from the user; None at end of input (Ctrl-D)."""
@@ -534,8 +542,11 @@ class Chat:
     def _reply(self) -> str:
         """Stream one reply to stdout; Ctrl-C ends it early and keeps what came."""
         pieces: list[str] = []
-        stream = self.client.chat_stream({"model": self.model_id, "messages": self.history})
+        stream = None
         try:
+            # Opening waits for the model's turn (and reads the prompt): Ctrl-C may come here.
+            stream = self.client.chat_stream({"model": self.model_id,
+                                              "messages": self.history})
             for chunk in stream:
                 if "error" in chunk:
                     raise CliError(f"The reply failed: {chunk['error'].get('message')}")
@@ -548,7 +559,8 @@ class Chat:
         except KeyboardInterrupt:  # the server stops generating when the stream closes
             self.ctx.stdout.write(" [interrupted]")
         finally:
-            stream.close()
+            if stream is not None:
+                stream.close()
         self.ctx.out("")
         return "".join(pieces)
 

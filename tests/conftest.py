@@ -231,20 +231,31 @@ def thread_server(settings):
     httpd.server_close()
 
 
+def quantize(source: Path, target: Path, ftype_name: str) -> Path:
+    """Quantize a GGUF file with llama.cpp itself (ftype_name: "Q8_0", "Q4_0")."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype_name}")
+    assert llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(),
+                                          params) == 0
+    return target
+
+
 @pytest.fixture(scope="session")
 def quantized(tmp_path_factory):
     """Tiny GGUF models quantized by llama.cpp itself to Q8_0 and Q4_0."""
-    import llama_cpp
-
     root = tmp_path_factory.mktemp("quantized")
     source = write_gguf(root / "tiny-f32.gguf", n_embd=256, n_ff=512, context_length=256)
-    out = {}
-    for name, ftype in (("Q8_0", llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0),
-                        ("Q4_0", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0)):
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = ftype
-        target = root / f"tiny-{name}.gguf"
-        assert llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(),
-                                              params) == 0
-        out[name] = target
-    return out
+    return {name: quantize(source, root / f"tiny-{name}.gguf", name)
+            for name in ("Q8_0", "Q4_0")}
+
+
+@pytest.fixture(scope="session")
+def slow_gguf(tmp_path_factory):
+    """A bigger random model, quantized to Q8_0: hundreds of tokens a second, not
+    thousands, so a 2000-token reply takes seconds."""
+    root = tmp_path_factory.mktemp("slow")
+    source = write_gguf(root / "slow-f16.gguf", name="slow", n_embd=512, n_layer=4, n_ff=1024,
+                        context_length=4096, file_type="F16")
+    return quantize(source, root / "slow-Q8_0.gguf", "Q8_0")

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 from conftest import REPO, call, wait_bytes, wait_task
 from enginepkg import build_echo_engine_wheel, build_wheel, write_echo_model
-from ggufgen import write_gguf
 from onnxgen import write_onnx_model
 from pkgindex import PackageIndex
 

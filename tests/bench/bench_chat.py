@@ -1,0 +1,480 @@
+"""Chat benchmark: localrt's /v1/chat/completions against raw llama-cpp-python, same model.
+
+Run it from the repository root (not collected by pytest; it has no test_ functions):
+
+    .venv/bin/python tests/bench/bench_chat.py [--threads 2] [--max-tokens 128]
+
+It prints one table with columns metric, localrt, raw, ratio, target, result, and exits
+with status 1 when a row with a target is FAIL (0 otherwise), so it can gate a script.
+
+The model is a synthetic llama (tests/ggufgen.py: n_embd 768, 8 layers, 12 heads, n_ff
+2048, vocabulary 32000, context 2048, random weights; about 106 M parameters), written
+in F16 and quantized to Q8_0 by llama.cpp itself (about 113 MB); `--model PATH` reuses
+a GGUF instead. Both sides load it with n_ctx 2048 and n_threads = n_threads_batch =
+--threads, and generate exactly --max-tokens (K) tokens: temperature 0 (greedy) with
+the end-of-generation tokens (</s> and <|im_end|>) banned through logit_bias.
+
+localrt runs as `python -m localrt start --foreground --port 0` in its own process
+(HOME in a temporary folder), as a real server does; the client reads over HTTP with
+http.client and only timestamps lines while a stream lasts (it parses them after), so
+it takes as little CPU as it can from the two sides it measures. The raw reference is
+`llama_cpp.Llama.create_chat_completion` in this process: the same chat template
+(the GGUF's), the same per-token Python logits processor for the bias. Only one of
+the two holds the model at a time: the bench alternates --rounds rounds of raw (load,
+measure, close) and of localrt (POST start, measure, POST stop), so drift on a shared
+machine hits both alike. Each load starts with one untimed warm-up request; after it
+the prompt is in llama-cpp-python's prefix cache on both sides, so every timed request
+evaluates one prompt token and then decodes: the figures measure the serving path,
+not prompt processing.
+
+Rows (best = the fastest sample, since interference only slows a run down):
+1. streamed decode tok/s: (K - 1) / (arrival of the last content chunk - arrival of
+   the first), best of --repeats x --rounds streams. Target >= 0.97 x raw.
+2. non-streamed tok/s: K / wall time of the whole request, best. Target >= 0.98 x raw.
+3. TTFT: from sending the request (a new connection each time) to the first chunk with
+   non-empty content; median over the long streams and --ttft-samples short
+   (8-token) streams per round. Target: at most 5 ms over raw.
+4. With --clients (4) streaming K tokens each at once, --concurrent-rounds (3) times,
+   on the model still running after the last round: every stream must end with K
+   tokens and [DONE]; aggregate tok/s = all tokens / (last stream's end - first
+   request sent), best round, target >= 0.95 x one stream's end-to-end tok/s (K / its
+   wall time, best of the single streams); p95 TTFT over all those streams
+   (nearest rank; a model serves one request at a time, first come first served, so
+   the last client waits for the three before it: reported, no target).
+5. GET /v1/models from another thread every 20 ms over one keep-alive connection while
+   the concurrent streams run: median (target <= 10 ms) and p95 latency.
+Context rows, no target: raw llama-cpp-python `Llama.generate` loop decode tok/s (no
+chat layer at all: the ceiling), and whether localrt's non-streamed text equals raw's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+MODEL_ID = "bench"
+CTX_LEN = 2048
+PROMPT = ("You are the keeper of a lighthouse on a remote island. Tell me, in as much "
+          "detail as you can, about an ordinary day: the weather, the lamp, the birds.")
+TTFT_TOKENS = 8  # the short streams that sample TTFT
+POLL_INTERVAL = 0.02  # seconds between GET /v1/models during the concurrent streams
+
+
+@contextlib.contextmanager
+def quiet_stderr():
+    """Silence file descriptor 2 (llama.cpp's quantizer prints every tensor there)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "wb") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def make_model(folder: Path) -> Path:
+    """Write the ~106 M-parameter random llama in F16 and quantize it to Q8_0."""
+    import llama_cpp
+    from ggufgen import write_gguf
+
+    source = write_gguf(folder / "bench-f16.gguf", name="bench", n_embd=768, n_layer=8,
+                        n_head=12, n_ff=2048, vocab_size=32000, context_length=CTX_LEN,
+                        file_type="F16")
+    target = folder / "bench-q8_0.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+    with quiet_stderr():
+        status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(),
+                                                params)
+    if status != 0:
+        raise RuntimeError(f"llama_model_quantize failed with status {status}")
+    source.unlink()  # 200 MB nobody reads again
+    return target
+
+
+def eog_bias(model: Path) -> tuple[dict, int]:
+    """{token id: -100} for every end-of-generation token, and the parameter count."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(model), n_ctx=256, n_threads=1, verbose=False)
+    try:
+        vocab = llm._model.vocab
+        bias = {t: -100.0 for t in range(llm.n_vocab())
+                if llama_cpp.llama_vocab_is_eog(vocab, t)}
+        return bias, llama_cpp.llama_model_n_params(llm.model)
+    finally:
+        llm.close()
+
+
+def messages() -> list:
+    """The one-turn conversation every request sends."""
+    return [{"role": "user", "content": PROMPT}]
+
+
+def first_last_content(stamped: list) -> tuple[float | None, float | None]:
+    """Arrival times of the first and the last chunk with non-empty content."""
+    times = [t for t, text in stamped if text]
+    return (times[0], times[-1]) if times else (None, None)
+
+
+# --- raw llama-cpp-python ------------------------------------------------------------
+
+
+def raw_stream(llm, k: int, bias: dict) -> dict:
+    """One streamed create_chat_completion: TTFT, decode tok/s, wall time."""
+    started = time.perf_counter()
+    stamped = []
+    for chunk in llm.create_chat_completion(messages(), max_tokens=k, temperature=0,
+                                            logit_bias=bias, stream=True):
+        stamped.append((time.perf_counter(), chunk["choices"][0]["delta"].get("content")))
+    ended = time.perf_counter()
+    first, last = first_last_content(stamped)
+    return {"ttft": first - started, "decode": (k - 1) / (last - first),
+            "wall": ended - started}
+
+
+def raw_complete(llm, k: int, bias: dict) -> dict:
+    """One non-streamed create_chat_completion: wall time, token count, text."""
+    started = time.perf_counter()
+    reply = llm.create_chat_completion(messages(), max_tokens=k, temperature=0,
+                                       logit_bias=bias)
+    wall = time.perf_counter() - started
+    return {"wall": wall, "tokens": reply["usage"]["completion_tokens"],
+            "text": reply["choices"][0]["message"]["content"]}
+
+
+def raw_generate_loop(llm, k: int) -> float:
+    """Decode tok/s of a bare Llama.generate loop on the same prompt (no chat layer)."""
+    prompt = llm.tokenize(PROMPT.encode(), add_bos=True, special=True)
+    stamps = []
+    for token in llm.generate(prompt, temp=0.0):
+        stamps.append(time.perf_counter())
+        if len(stamps) == k:
+            break
+    return (k - 1) / (stamps[-1] - stamps[0])
+
+
+def raw_round(model: Path, args, bias: dict, out: dict) -> None:
+    """Load the model in this process, take the raw samples into `out`, close it."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(model), n_ctx=CTX_LEN, n_threads=args.threads,
+                          n_threads_batch=args.threads, n_gpu_layers=-1, verbose=False)
+    try:
+        k = args.max_tokens
+        raw_complete(llm, k, bias)  # warm-up: prompt evaluation, template compilation
+        for _ in range(args.repeats):
+            s = raw_stream(llm, k, bias)
+            out["ttft"].append(s["ttft"])
+            out["decode"].append(s["decode"])
+            c = raw_complete(llm, k, bias)
+            if c["tokens"] != k:
+                raise RuntimeError(f"raw generated {c['tokens']} tokens, not {k}")
+            out["complete"].append(k / c["wall"])
+            out["text"] = c["text"]
+        for _ in range(args.ttft_samples):
+            out["ttft"].append(raw_stream(llm, TTFT_TOKENS, bias)["ttft"])
+        out["loop"].append(raw_generate_loop(llm, k))
+        raw_complete(llm, k, bias)  # leaves the cache as the other requests found it
+    finally:
+        llm.close()
+
+
+# --- localrt over HTTP ---------------------------------------------------------------
+
+
+def api(port: int, method: str, path: str, body=None, conn=None) -> tuple[int, dict]:
+    """One JSON request; a new connection unless `conn` is given."""
+    own = conn is None
+    conn = conn or http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    conn.request(method, path, json.dumps(body) if body is not None else None, headers)
+    resp = conn.getresponse()
+    data = json.loads(resp.read())
+    if own:
+        conn.close()
+    return resp.status, data
+
+
+def chat_body(k: int, bias: dict, stream: bool) -> dict:
+    """The chat request localrt gets (the same sampling as the raw calls)."""
+    body = {"model": MODEL_ID, "messages": messages(), "max_tokens": k, "temperature": 0,
+            "logit_bias": {str(t): v for t, v in bias.items()}, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def http_stream(port: int, k: int, bias: dict) -> dict:
+    """One streamed chat over a new connection: TTFT, decode tok/s, wall, tokens, done."""
+    data = json.dumps(chat_body(k, bias, True))
+    started = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    conn.request("POST", "/v1/chat/completions", data, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    lines = []
+    while True:  # only timestamps here: parsing would steal CPU from the server
+        line = resp.readline()
+        if not line:
+            break
+        if line.startswith(b"data: "):
+            lines.append((time.perf_counter(), line))
+            if line.startswith(b"data: [DONE]"):
+                break
+    ended = time.perf_counter()
+    conn.close()
+    if resp.status != 200:
+        raise RuntimeError(f"chat stream answered {resp.status}")
+    stamped, tokens, done = [], None, False
+    for t, line in lines:
+        if line.startswith(b"data: [DONE]"):
+            done = True
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            raise RuntimeError(f"chat stream failed: {chunk['error']}")
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        if chunk["choices"]:
+            stamped.append((t, chunk["choices"][0]["delta"].get("content")))
+    first, last = first_last_content(stamped)
+    return {"started": started, "ended": ended, "ttft": first - started,
+            "decode": (k - 1) / (last - first) if last > first else 0.0,
+            "wall": ended - started, "tokens": tokens, "done": done}
+
+
+def http_complete(port: int, k: int, bias: dict) -> dict:
+    """One non-streamed chat: wall time, token count, text."""
+    data = chat_body(k, bias, False)
+    started = time.perf_counter()
+    status, reply = api(port, "POST", "/v1/chat/completions", data)
+    wall = time.perf_counter() - started
+    if status != 200:
+        raise RuntimeError(f"chat answered {status}: {reply}")
+    return {"wall": wall, "tokens": reply["usage"]["completion_tokens"],
+            "text": reply["choices"][0]["message"]["content"]}
+
+
+def start_model(port: int, threads: int) -> None:
+    """POST /v1/models/bench/start with the bench's context and threads."""
+    status, body = api(port, "POST", f"/v1/models/{MODEL_ID}/start",
+                       {"ctx_len": CTX_LEN, "cpu_threads": threads})
+    if status != 200:
+        raise RuntimeError(f"start answered {status}: {body}")
+
+
+def localrt_round(port: int, args, bias: dict, out: dict) -> None:
+    """Start the model in the server, take localrt's samples into `out`, stop it."""
+    k = args.max_tokens
+    start_model(port, args.threads)
+    http_complete(port, k, bias)  # warm-up, as on the raw side
+    for _ in range(args.repeats):
+        s = http_stream(port, k, bias)
+        if s["tokens"] != k or not s["done"]:
+            raise RuntimeError(f"a stream ended with {s['tokens']} tokens, done={s['done']}")
+        out["ttft"].append(s["ttft"])
+        out["decode"].append(s["decode"])
+        out["single"].append(k / s["wall"])
+        c = http_complete(port, k, bias)
+        if c["tokens"] != k:
+            raise RuntimeError(f"localrt generated {c['tokens']} tokens, not {k}")
+        out["complete"].append(k / c["wall"])
+        out["text"] = c["text"]
+    for _ in range(args.ttft_samples):
+        out["ttft"].append(http_stream(port, TTFT_TOKENS, bias)["ttft"])
+    http_complete(port, k, bias)  # the same trailing request as the raw round
+    status, body = api(port, "POST", f"/v1/models/{MODEL_ID}/stop")
+    if status != 200:
+        raise RuntimeError(f"stop answered {status}: {body}")
+
+
+def poll_models(port: int, stop: threading.Event, times: list) -> None:
+    """GET /v1/models every POLL_INTERVAL over one connection until `stop`; ms into `times`."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    while not stop.is_set():
+        started = time.perf_counter()
+        status, _ = api(port, "GET", "/v1/models", conn=conn)
+        times.append((time.perf_counter() - started) * 1000)
+        if status != 200:
+            raise RuntimeError(f"GET /v1/models answered {status}")
+        stop.wait(POLL_INTERVAL)
+    conn.close()
+
+
+def concurrent(port: int, args, bias: dict) -> dict:
+    """--clients streams at once, --concurrent-rounds times, with /v1/models polled."""
+    k, n = args.max_tokens, args.clients
+    start_model(port, args.threads)
+    http_complete(port, k, bias)  # warm-up
+    streams, aggregate, polled = [], [], []
+    stop = threading.Event()
+    poller = threading.Thread(target=poll_models, args=(port, stop, polled), daemon=True)
+    poller.start()
+    for _ in range(args.concurrent_rounds):
+        results: list = [None] * n
+        gate = threading.Barrier(n)
+
+        def client(i):
+            gate.wait()
+            try:
+                results[i] = http_stream(port, k, bias)
+            except Exception as exc:  # reported as an incomplete stream
+                results[i] = {"error": repr(exc)}
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        streams += results
+        ok = [r for r in results if "error" not in r]
+        if ok:
+            span = max(r["ended"] for r in ok) - min(r["started"] for r in ok)
+            aggregate.append(sum(r["tokens"] or 0 for r in ok) / span)
+    stop.set()
+    poller.join()
+    complete = sum(1 for r in streams
+                   if "error" not in r and r["tokens"] == k and r["done"])
+    ttfts = sorted(r["ttft"] for r in streams if "error" not in r)
+    return {"complete": complete, "total": len(streams), "aggregate": max(aggregate or [0]),
+            "p95_ttft": nearest_rank(ttfts, 95) if ttfts else math.inf,
+            "models_median": statistics.median(polled), "models_p95": nearest_rank(
+                sorted(polled), 95), "polls": len(polled),
+            "errors": [r["error"] for r in streams if "error" in r]}
+
+
+def nearest_rank(ordered: list, pct: float) -> float:
+    """The nearest-rank percentile of an ascending list (the max for p95 of < 20 items)."""
+    return ordered[max(1, math.ceil(pct / 100 * len(ordered))) - 1]
+
+
+def start_server(home: Path):
+    """`python -m localrt start --foreground --port 0` with HOME at `home`; (process, port)."""
+    from localrt import server, settings
+
+    home.mkdir(parents=True, exist_ok=True)
+    s = settings.load(environ={"HOME": str(home)})
+    env = dict(os.environ, HOME=str(home))
+    env.pop("LOCALRT_CONFIG", None)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.Popen([sys.executable, "-m", "localrt", "start", "--foreground",
+                             "--port", "0"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    return proc, server.wait_started(s, proc, timeout=60).port
+
+
+# --- the report ----------------------------------------------------------------------
+
+
+def row(metric: str, ours, ref, fmt: str, target: str, ok) -> list:
+    """One table row; `ok` None marks a context row without a target."""
+    ratio = f"{ours / ref:.3f}x" if isinstance(ref, float) and ref else ""
+    ref_text = fmt.format(ref) if isinstance(ref, float) else (ref or "")
+    ours_text = fmt.format(ours) if isinstance(ours, float) else str(ours)
+    result = "" if ok is None else ("PASS" if ok else "FAIL")
+    return [metric, ours_text, ref_text, ratio, target, result]
+
+
+def report(args, n_params: int, raw: dict, ours: dict, conc: dict) -> list:
+    """The table rows from the collected samples."""
+    k = args.max_tokens
+    raw_decode, our_decode = max(raw["decode"]), max(ours["decode"])
+    raw_complete_, our_complete = max(raw["complete"]), max(ours["complete"])
+    raw_ttft = statistics.median(raw["ttft"]) * 1000
+    our_ttft = statistics.median(ours["ttft"]) * 1000
+    single = max(ours["single"])
+    rows = [
+        row(f"streamed decode tok/s (K={k})", our_decode, raw_decode, "{:.1f}",
+            ">= 0.97x raw", our_decode >= 0.97 * raw_decode),
+        row("non-streamed tok/s, whole request", our_complete, raw_complete_, "{:.1f}",
+            ">= 0.98x raw", our_complete >= 0.98 * raw_complete_),
+        row("TTFT median, ms", our_ttft, raw_ttft, "{:.2f}", "<= raw + 5 ms",
+            our_ttft <= raw_ttft + 5),
+        row(f"{args.clients} concurrent streams completed", f"{conc['complete']}/"
+            f"{conc['total']}", None, "", "all", conc["complete"] == conc["total"]),
+        row(f"{args.clients} concurrent, aggregate tok/s", conc["aggregate"], single,
+            "{:.1f}", ">= 0.95x 1 stream", conc["aggregate"] >= 0.95 * single),
+        row(f"{args.clients} concurrent, p95 TTFT ms", conc["p95_ttft"] * 1000, None,
+            "{:.0f}", "(report)", None),
+        row("GET /v1/models during them, median ms", conc["models_median"], None,
+            "{:.2f}", "<= 10 ms", conc["models_median"] <= 10),
+        row(f"  same, p95 ms ({conc['polls']} requests)", conc["models_p95"], None,
+            "{:.2f}", "(report)", None),
+        row("raw Llama.generate loop decode tok/s", max(raw["loop"]), None, "{:.1f}",
+            "(ceiling)", None),
+        row("non-streamed text equals raw's", "yes" if ours["text"] == raw["text"] else
+            "no", None, "", "(context)", None),
+    ]
+    print(f"model: {n_params / 1e6:.1f} M parameters, Q8_0, n_ctx {CTX_LEN}, "
+          f"{args.threads} threads, K = {k} tokens; samples: "
+          f"{len(ours['decode'])} streams and {len(ours['complete'])} non-streamed "
+          f"requests per side, {len(ours['ttft'])} TTFTs", file=sys.stderr)
+    return rows
+
+
+def main() -> int:
+    """Build or reuse the model, run the rounds, print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2, help="n_threads on both sides")
+    parser.add_argument("--max-tokens", type=int, default=128, help="K, tokens generated "
+                        "per request")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations of raw and "
+                        "localrt")
+    parser.add_argument("--repeats", type=int, default=3, help="streams and non-streamed "
+                        "requests per round")
+    parser.add_argument("--ttft-samples", type=int, default=5, help="short streams per round")
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--concurrent-rounds", type=int, default=3)
+    parser.add_argument("--model", type=Path, help="a GGUF to use instead of generating one")
+    args = parser.parse_args()
+    began = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="localrt-bench-") as tmp:
+        root = Path(tmp)
+        model = args.model.resolve() if args.model else make_model(root)
+        bias, n_params = eog_bias(model)
+        print(f"model {model}: {n_params:,} parameters", file=sys.stderr)
+        proc, port = start_server(root / "home")
+        try:
+            status, body = api(port, "POST", "/v1/models/import",
+                               {"path": str(model), "id": MODEL_ID})
+            if status != 200:
+                raise RuntimeError(f"import answered {status}: {body}")
+            raw = {"ttft": [], "decode": [], "complete": [], "loop": [], "text": None}
+            ours = {"ttft": [], "decode": [], "complete": [], "single": [], "text": None}
+            for i in range(args.rounds):
+                raw_round(model, args, bias, raw)
+                localrt_round(port, args, bias, ours)
+                print(f"round {i + 1}/{args.rounds} done", file=sys.stderr)
+            conc = concurrent(port, args, bias)
+            if conc["errors"]:
+                print("concurrent stream errors:", conc["errors"], file=sys.stderr)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    rows = report(args, n_params, raw, ours, conc)
+    header = ["metric", "localrt", "raw", "ratio", "target", "result"]
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    for r in [header] + rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
+    print(f"total {time.perf_counter() - began:.0f} s", file=sys.stderr)
+    return 1 if any(r[-1] == "FAIL" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,329 @@
+"""Chat completions through a real server on a socket, as clients use it: the official
+`openai` package, curl-style streams read line by line, clients that hang up in the
+middle of a reply, requests that must not wait behind a generation, and requests that
+queue for one model.
+
+The server is the app behind waitress in this process, as `localrt start` serves it.
+The models are tiny GGUF files quantized by llama.cpp; their random weights make
+gibberish, so the tests check shapes, counts and timing, and that greedy decoding
+(temperature 0) gives the same text every time.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from types import SimpleNamespace
+from urllib.parse import urlsplit
+
+import openai
+import pytest
+from ggufgen import EOS_ID
+from waitress import wasyncore
+from waitress.server import create_server
+
+NO_EOS = {str(EOS_ID): -100}  # the model never ends a reply: exactly max_tokens come
+HELLO = [{"role": "user", "content": "Hello there"}]
+LONG = 3000  # tokens of a reply that would take seconds
+
+
+@pytest.fixture
+def server(app):
+    """The app behind waitress on a free port, with as many threads as `localrt start`."""
+    srv = create_server(app, host="127.0.0.1", port=0, threads=32)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    yield SimpleNamespace(url=f"http://127.0.0.1:{srv.effective_port}", app=app)
+    # Sockets are closed in the loop's own thread (never under its select); it then ends.
+    srv.trigger.pull_trigger(lambda: wasyncore.close_all(srv._map))
+    thread.join(5)
+    app.close()  # unloads the models; a reply still generating stops at its next token
+    srv.task_dispatcher.shutdown(timeout=5)
+
+
+def api(url, method, path, body=None, timeout=30):
+    """One JSON request; (status, decoded reply), errors included."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json"} if data else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, json.loads(exc.read())
+
+
+def add_model(url, path, model_id, **start):
+    """Import a GGUF file and start it with one CPU thread (the machine is shared)."""
+    status, body = api(url, "POST", "/v1/models/import", {"path": str(path), "id": model_id})
+    assert status == 200, body
+    status, body = api(url, "POST", f"/v1/models/{model_id}/start",
+                       {"cpu_threads": 1, **start})
+    assert status == 200, body
+    return model_id
+
+
+@pytest.fixture
+def tiny(server, quantized):
+    return add_model(server.url, quantized["Q8_0"], "tiny", ctx_len=256)
+
+
+@pytest.fixture
+def slow(server, slow_gguf):
+    return add_model(server.url, slow_gguf, "slow", ctx_len=4096)
+
+
+def chat_body(model, max_tokens, stream=True, **extra):
+    """A greedy chat request whose reply is exactly max_tokens long."""
+    return {"model": model, "messages": HELLO, "max_tokens": max_tokens, "temperature": 0,
+            "logit_bias": NO_EOS, "stream": stream, **extra}
+
+
+def requests_of(url, model_id):
+    """The model's requests in progress, as GET /v1/models/status counts them."""
+    status, body = api(url, "GET", "/v1/models/status")
+    assert status == 200, body
+    return {row["id"]: row["requests"] for row in body["data"]}[model_id]
+
+
+def wait_for(condition, timeout, what):
+    """Poll `condition` until it is true; the seconds it took."""
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"{what}: still not the case after {timeout} s")
+        time.sleep(0.01)
+    return time.monotonic() - started
+
+
+class RawStream:
+    """A streamed chat on its own connection, read one Server-Sent Event at a time."""
+
+    def __init__(self, url, body, timeout=30):
+        parts = urlsplit(url)
+        self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+        self.conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                          {"Content-Type": "application/json"})
+        self.resp = self.conn.getresponse()
+
+    def __iter__(self):
+        """Each event's data: a decoded chunk, or the string "[DONE]"."""
+        for line in self.resp:
+            if line.startswith(b"data: "):
+                data = line[6:].strip()
+                yield "[DONE]" if data == b"[DONE]" else json.loads(data)
+
+    def close(self):
+        """Hang up without reading the rest."""
+        self.resp.close()
+        self.conn.close()
+
+
+# --- the openai package ------------------------------------------------------------
+
+
+@pytest.fixture
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                       timeout=30) as client:
+        yield client
+
+
+def test_openai_chat_not_streamed(client, tiny):
+    reply = client.chat.completions.create(model=tiny, messages=HELLO, max_tokens=12,
+                                           temperature=0)
+    assert reply.object == "chat.completion" and reply.model == tiny
+    [choice] = reply.choices
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    usage = reply.usage
+    assert usage.prompt_tokens > 0 and 0 <= usage.completion_tokens <= 12
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+    banned = client.chat.completions.create(model=tiny, messages=HELLO, max_tokens=12,
+                                            temperature=0, logit_bias=NO_EOS)
+    assert banned.choices[0].finish_reason == "length"
+    assert banned.usage.completion_tokens == 12
+    assert banned.usage.prompt_tokens == usage.prompt_tokens
+    again = client.chat.completions.create(model=tiny, messages=HELLO, max_tokens=12,
+                                           temperature=0, extra_body={"logit_bias": NO_EOS})
+    assert again.choices[0].message.content == banned.choices[0].message.content
+
+
+def test_openai_chat_streamed_equals_not_streamed(client, tiny):
+    whole = client.chat.completions.create(model=tiny, messages=HELLO, max_tokens=16,
+                                           temperature=0, logit_bias=NO_EOS)
+    chunks = list(client.chat.completions.create(
+        model=tiny, messages=HELLO, max_tokens=16, temperature=0, logit_bias=NO_EOS,
+        stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" and c.model == tiny for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and not any(finishes[:-1])
+    *content, last = chunks
+    assert last.choices == [] and all(c.usage is None for c in content)
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.total_tokens) \
+        == (whole.usage.prompt_tokens, 16, whole.usage.total_tokens)
+
+    # Without include_usage no chunk carries usage.
+    plain = list(client.chat.completions.create(model=tiny, messages=HELLO, max_tokens=16,
+                                                temperature=0, logit_bias=NO_EOS,
+                                                stream=True))
+    assert all(c.usage is None and c.choices for c in plain)
+    assert "".join(c.choices[0].delta.content or "" for c in plain) == text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_unknown_model_is_not_found(client, tiny, stream):
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="nope", messages=HELLO, max_tokens=4,
+                                       stream=stream)
+    assert caught.value.status_code == 404
+    assert "nope" in str(caught.value)
+
+
+def test_openai_lists_models(client, tiny):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [tiny]
+    assert models.data[0].object == "model" and models.data[0].owned_by
+    assert client.models.retrieve(tiny).id == tiny
+
+
+# --- curl-style streams ------------------------------------------------------------
+
+
+def test_a_stream_read_line_by_line(server, tiny):
+    req = urllib.request.Request(server.url + "/v1/chat/completions",
+                                 data=json.dumps(chat_body(tiny, 24)).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        assert resp.headers["Cache-Control"] == "no-cache"
+        lines = [line.decode("utf-8") for line in resp]
+    # Every event is one "data:" line and a blank line.
+    assert all(line.startswith("data: ") for line in lines[::2]), lines
+    assert all(line == "\n" for line in lines[1::2]), lines
+    assert lines[-2] == "data: [DONE]\n"
+    chunks = [json.loads(line[6:]) for line in lines[:-2:2]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    pieces = [c["choices"][0]["delta"]["content"] for c in chunks[1:-1]]
+    assert len(pieces) > 1 and all(pieces)  # token by token, never empty
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + \
+        ["length"]
+    assert chunks[-1]["choices"][0]["delta"] == {}
+    assert all("usage" not in c for c in chunks)
+    status, whole = api(server.url, "POST", "/v1/chat/completions",
+                        chat_body(tiny, 24, stream=False))
+    assert status == 200 and whole["choices"][0]["message"]["content"] == "".join(pieces)
+
+
+# --- hanging up, and not blocking others -------------------------------------------
+
+
+def test_a_client_hanging_up_mid_stream_frees_the_model(server, slow):
+    stream = RawStream(server.url, chat_body(slow, LONG))
+    events = iter(stream)
+    assert next(events)["choices"][0]["delta"]["role"] == "assistant"
+    first = time.monotonic()
+    for _ in range(100):
+        assert next(events)["choices"][0]["delta"]["content"] is not None
+    rate = 100 / (time.monotonic() - first)  # tokens a second, at the start of the reply
+    assert requests_of(server.url, slow) == 1
+    stream.close()
+
+    freed = wait_for(lambda: requests_of(server.url, slow) == 0, 2, "the model is busy")
+    started = time.monotonic()
+    status, reply = api(server.url, "POST", "/v1/chat/completions",
+                        chat_body(slow, 8, stream=False))
+    answered = time.monotonic() - started
+    assert status == 200 and reply["usage"]["completion_tokens"] == 8
+    # The rest of the reply would have taken much longer (later tokens are slower still).
+    rest = (LONG - 100) / rate
+    print(f"{rate:.0f} tokens/s; freed after {freed:.2f} s, next reply in {answered:.2f} s, "
+          f"the rest would have taken {rest:.1f} s")
+    assert freed + answered < rest / 2
+
+
+def test_other_requests_are_answered_while_a_reply_generates(server, slow):
+    stream = RawStream(server.url, chat_body(slow, LONG))
+    try:
+        events = iter(stream)
+        for _ in range(5):
+            next(events)
+        for path in ("/healthz", "/v1/models", "/v1/models/status", "/v1/models/slow",
+                     "/v1/configs"):
+            started = time.monotonic()
+            status, _ = api(server.url, "GET", path)
+            elapsed = time.monotonic() - started
+            assert status == 200 and elapsed < 0.5, (path, elapsed)
+        assert next(events)["choices"][0]["finish_reason"] is None  # still generating
+    finally:
+        stream.close()
+
+
+def test_concurrent_streams_queue_in_arrival_order_and_all_finish(server, slow):
+    """A long reply holds the model; four more requests queue behind it and run in order."""
+    blocker = RawStream(server.url, chat_body(slow, LONG))
+    next(iter(blocker))
+    results, order, lock = {}, [], threading.Lock()
+
+    def streamed(n):
+        stream = RawStream(server.url, chat_body(slow, 32, stream_options={
+            "include_usage": True}))
+        try:
+            events = list(stream)
+        finally:
+            stream.close()
+        with lock:
+            order.append(n)
+        results[n] = events
+
+    threads = []
+    for n in range(4):
+        threads.append(threading.Thread(target=streamed, args=(n,), daemon=True))
+        threads[-1].start()
+        wait_for(lambda: requests_of(server.url, slow) == n + 2, 5, f"request {n} queued")
+    blocker.close()
+    for thread in threads:
+        thread.join(30)
+    assert order == [0, 1, 2, 3]
+    texts = set()
+    for n, events in results.items():
+        assert events[-1] == "[DONE]", events[-3:]
+        *chunks, usage, _ = events
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 32
+        assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + 32
+        texts.add("".join(c["choices"][0]["delta"].get("content", "") for c in chunks))
+    assert len(texts) == 1  # each greedy reply whole, none mixed with another
+    assert requests_of(server.url, slow) == 0
+
+
+def test_a_second_model_answers_while_the_first_generates(server, quantized, slow):
+    other = add_model(server.url, quantized["Q4_0"], "tiny-q4", ctx_len=256)
+    status, body = api(server.url, "GET", "/v1/models/status")
+    assert sorted(row["id"] for row in body["data"]) == [slow, other]  # maxRunningModels 2
+    stream = RawStream(server.url, chat_body(slow, LONG))
+    try:
+        events = iter(stream)
+        for _ in range(5):
+            next(events)
+        # Its tokens take turns with the long reply's in the compute lane: no waiting for it.
+        started = time.monotonic()
+        status, reply = api(server.url, "POST", "/v1/chat/completions",
+                            chat_body(other, 16, stream=False))
+        elapsed = time.monotonic() - started
+        assert status == 200 and reply["model"] == other, reply
+        assert reply["usage"]["completion_tokens"] == 16 and elapsed < 1, elapsed
+        assert next(events)["choices"][0]["finish_reason"] is None  # still generating
+    finally:
+        stream.close()
