@@ -215,12 +215,11 @@ class _Reply:
         self._lease = lease
 
     def pieces(self) -> Iterator[str]:
-        """Text pieces; each token is computed in its turn of the compute lane."""
-        lane, running = self._scheduler.lane, self._lease.running
+        """Text pieces; each token is computed on a compute lane, in its turn."""
+        lanes, running = self._scheduler.lanes, self._lease.running
         pieces = iter(self.generation)
         while not running.stopping.is_set():
-            with lane:
-                piece = next(pieces, None)
+            piece = lanes.run(next, pieces, None)
             if piece is None:
                 return
             yield piece

@@ -8,11 +8,11 @@ long is unloaded too.
 Compute is scheduled in two steps, so generations never fight over the CPU:
   * a model serves one request at a time; requests queue for it in arrival order
     (`Running.turn`);
-  * every token of every generation, across all models, takes a turn in the compute
-    lane (`Scheduler.lane`), which has `computeLanes` slots (default 1). Two llama.cpp
-    computations that share the cores are both many times slower than one after the
-    other, so on a machine with cores for several models, raise computeLanes and give
-    each model `cpu_threads` = cores / lanes.
+  * every token of every generation, across all models, is computed on a compute
+    lane (`Scheduler.lanes`): `computeLanes` threads (default 1) taking token steps in
+    arrival order. Two llama.cpp computations that share the cores are both many times
+    slower than one after the other, so on a machine with cores for several models,
+    raise computeLanes and give each model `cpu_threads` = cores / lanes.
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from localrt.adapters import GGUF_ENGINE
-from localrt.errors import BadRequest, Conflict, HTTPError, InvalidField
+from localrt.errors import BadRequest, Conflict, HTTPError, InvalidField, ServiceUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,54 @@ class FairLock:
             return len(self._queue)
 
 
+class ComputeLanes:
+    """Threads that run every token step, so llama.cpp always computes on the same threads.
+
+    llama.cpp's OpenMP keeps a pool of helper threads per thread that calls it, and
+    once several threads have called it each decode is about twice as slow (measured
+    with tests/bench/bench_chat.py: 150 tokens/s fell to 79 when each request decoded
+    on its own server thread). Steps are taken in arrival order.
+    """
+
+    def __init__(self, lanes: int = 1):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._work, name=f"localrt-compute-{i}",
+                                          daemon=True) for i in range(lanes)]
+        for thread in self._threads:
+            thread.start()
+
+    def run(self, fn, *args):
+        """fn(*args) on a compute thread: its result, or its exception raised here."""
+        if self._closed:
+            raise ServiceUnavailable("The server is stopping")
+        done, box = threading.Event(), {}
+        self._queue.put((fn, args, box, done))
+        done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            fn, args, box, done = job
+            try:
+                box["value"] = fn(*args)
+            except BaseException as exc:  # handed to the caller, who raises it
+                box["error"] = exc
+            finally:
+                done.set()
+
+    def close(self) -> None:
+        """End the threads once the steps already queued are done."""
+        self._closed = True
+        for _ in self._threads:
+            self._queue.put(None)
+
+
 @dataclass
 class Running:
     """A loaded model and what `ps` shows about it."""
@@ -152,7 +201,7 @@ class Scheduler:
         self._engines = engines
         self.max_models = max_models
         self.keep_alive = keep_alive  # seconds; 0 is off
-        self.lane = FairLock(lanes)
+        self.lanes = ComputeLanes(lanes)
         self.cores = cores or len(os.sched_getaffinity(0))
         self._lock = threading.Lock()
         self._start_lock = threading.Lock()
@@ -224,6 +273,7 @@ class Scheduler:
             running, self._running = list(self._running.values()), {}
         for r in running:
             self._unload(r, "the server is stopping")
+        self.lanes.close()
 
     # --- leases, for chat ------------------------------------------------------
 
