@@ -460,6 +460,18 @@ def test_custom_engine_wheel_installs_lists_and_chats(api, app, index_dir, tmp_p
     loaded = app.services.engines.open("echo", str(model), {})
     out = loaded.chat([{"role": "user", "content": "hello there"}], {}, False)
     assert out["content"] == "echo: hello there"
+    # Chat completions stream an engine without generate(), counting pieces as tokens.
+    from localrt.chat import _LegacyGeneration
+
+    params = {"max_tokens": 2, "stop": []}
+    gen = _LegacyGeneration(loaded.chat([{"role": "user", "content": "a b c"}], params, True),
+                            params)
+    assert "".join(gen) == "echo: a" and gen.finish_reason == "length"
+    assert gen.usage["completion_tokens"] == 2
+    params = {"stop": [" b"]}
+    gen = _LegacyGeneration(loaded.chat([{"role": "user", "content": "a b c"}], params, True),
+                            params)
+    assert "".join(gen) == "echo: a" and gen.finish_reason == "stop"
     assert api("DELETE", "/v1/engines/echo/install").status == 200
     assert "echo" not in {e["name"] for e in api("GET", "/v1/engines").json["data"]}
 
