@@ -116,9 +116,50 @@ def ssl_context(config: Mapping) -> ssl.SSLContext:
     return ctx
 
 
-def build_opener(config: Mapping) -> urllib.request.OpenerDirector:
-    """An opener honouring the proxy, no_proxy and SSL fields of `config`."""
-    handlers = [urllib.request.HTTPSHandler(context=ssl_context(config))]
+def _reporting(connection_class, on_socket: Callable):
+    """`connection_class`, reporting each socket it connects (a tunnel's too)."""
+
+    class Reporting(connection_class):
+        def connect(self):
+            super().connect()
+            on_socket(self.sock)
+
+    return Reporting
+
+
+class _HTTPHandler(urllib.request.HTTPHandler):
+    """http:// through a connection that reports its socket as soon as it has one."""
+
+    def __init__(self, on_socket: Callable):
+        super().__init__()
+        self._connection = _reporting(http.client.HTTPConnection, on_socket)
+
+    def http_open(self, req):
+        return self.do_open(self._connection, req)
+
+
+class _HTTPSHandler(urllib.request.HTTPSHandler):
+    """https:// through a connection that reports its socket as soon as it has one."""
+
+    def __init__(self, context: ssl.SSLContext, on_socket: Callable):
+        super().__init__(context=context)
+        self._connection = _reporting(http.client.HTTPSConnection, on_socket)
+
+    def https_open(self, req):
+        return self.do_open(self._connection, req, context=self._context)
+
+
+def build_opener(config: Mapping, on_socket: Callable | None = None
+                 ) -> urllib.request.OpenerDirector:
+    """An opener honouring the proxy, no_proxy and SSL fields of `config`.
+
+    `on_socket(sock)` is called with each connected socket, so that a cancel can shut
+    it down even before the response headers arrive.
+    """
+    if on_socket is None:
+        handlers = [urllib.request.HTTPSHandler(context=ssl_context(config))]
+    else:
+        handlers = [_HTTPHandler(on_socket), _HTTPSHandler(ssl_context(config), on_socket)]
     if urlsplit(config["proxy_url"]).scheme.lower() == "https":
         # The API refuses these (schemas/config-update.json); this catches a hand-edited rc.
         raise UpstreamError("https:// proxy URLs are not supported; set proxy_url to the "
@@ -132,14 +173,14 @@ def build_opener(config: Mapping) -> urllib.request.OpenerDirector:
 
 
 def open_url(config: Mapping, url: str, *, hub_url: str | None = None, headers=None,
-             timeout: float = 30.0):
+             timeout: float = 30.0, on_socket: Callable | None = None):
     """Open `url`; the hub token goes to the hub's host only. Raises UpstreamError."""
     req = urllib.request.Request(url, headers=dict(headers or {}))
     token = config.get("modelhub_token")
     if token and hub_url and urlsplit(url).netloc == urlsplit(hub_url).netloc:
         req.add_unredirected_header("Authorization", f"Bearer {token}")
     try:
-        return build_opener(config).open(req, timeout=timeout)
+        return build_opener(config, on_socket).open(req, timeout=timeout)
     except urllib.error.HTTPError as exc:
         if exc.code == 407:
             exc.close()
@@ -229,7 +270,13 @@ class Task:
     # requirements are known only once the wheel is there).
     after_item: Callable[["Task", "Item"], None] | None = field(default=None, repr=False)
     cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
-    response: object = field(default=None, repr=False)  # the open HTTP response, to abort
+    socket: object = field(default=None, repr=False)  # the open connection's, to abort
+
+    def connected(self, sock) -> None:
+        """Note the download's socket; shut it at once if a cancel came first."""
+        self.socket = sock
+        if self.cancelled.is_set():
+            _abort(sock)
 
     @property
     def running(self) -> bool:
@@ -255,7 +302,9 @@ class Downloads:
     def __init__(self, config: Callable[[], Mapping], events: EventBus):
         self._config = config  # called per request, so Config changes apply at once
         self._events = events
-        self._lock = threading.Lock()  # guards _tasks (the dict, not the tasks' progress)
+        # Guards _tasks (the dict, not the tasks' progress) and the end of each task
+        # with its last event.
+        self._lock = threading.Lock()
         self._tasks: dict[str, Task] = {}
         self._threads: list[threading.Thread] = []
 
@@ -298,7 +347,7 @@ class Downloads:
             raise Conflict(f"Task {task_id} is not running (it is {task.status})",
                            param="taskId")
         task.cancelled.set()
-        _abort(task.response)
+        _abort(task.socket)
         return task.to_dict()
 
     def close(self, timeout: float = 5.0) -> None:
@@ -307,7 +356,7 @@ class Downloads:
             tasks, threads = list(self._tasks.values()), list(self._threads)
         for task in tasks:
             task.cancelled.set()
-            _abort(task.response)
+            _abort(task.socket)
         deadline = time.monotonic() + timeout
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
@@ -333,8 +382,7 @@ class Downloads:
             if task.on_success is not None:
                 task.on_success(task)
         except _Cancelled:
-            task.status = "Stopped"
-            self._publish("DownloadStopped", task)
+            self._finish(task, "Stopped", "DownloadStopped")
             log.info("download %s stopped", task.id)
         except (DownloadFailed, UpstreamError) as exc:
             self._fail(task, str(exc))
@@ -345,17 +393,23 @@ class Downloads:
             log.exception("download %s failed", task.id)
             self._fail(task, "Internal error; the server log has the details")
         else:
-            task.status = "Success"
-            self._publish("DownloadSuccess", task)
+            self._finish(task, "Success", "DownloadSuccess")
             elapsed = time.monotonic() - started
             total = sum(item.size for item in task.items)
             log.info("download %s finished: %s in %.2fs (%s/s)", task.id, human_size(total),
                      elapsed, human_size(total / max(elapsed, 1e-6)))
 
     def _fail(self, task: Task, message: str) -> None:
-        task.status, task.error = "Error", message
-        self._publish("DownloadError", task)
+        task.error = message
+        self._finish(task, "Error", "DownloadError")
         log.warning("download %s failed: %s", task.id, message)
+
+    def _finish(self, task: Task, status: str, event_type: str) -> None:
+        """End a task and say so, before a new run of the same id can start (`start`
+        holds the same lock), so its last event never follows the next run's first."""
+        with self._lock:
+            task.status = status
+            self._publish(event_type, task)
 
     def _publish(self, event_type: str, task: Task) -> None:
         self._events.publish(event_type, task=task.to_dict())
@@ -412,8 +466,10 @@ class Downloads:
         headers = {"Range": f"bytes={offset}-"} if offset else {}
         try:
             resp = open_url(self._config(), item.url, hub_url=task.hub_url,
-                            headers=headers, timeout=30.0)
+                            headers=headers, timeout=30.0, on_socket=task.connected)
         except urllib.error.HTTPError as exc:
+            if task.cancelled.is_set():
+                raise _Cancelled() from None
             exc.close()
             if exc.code == 416 and offset:
                 _restart(item, out, hasher)  # the part is not a prefix of this file
@@ -428,8 +484,9 @@ class Downloads:
         except (ProxyAuthFailed, CertificateFailed):
             raise
         except UpstreamError as exc:
+            if task.cancelled.is_set():  # the cancel shut the socket before the headers
+                raise _Cancelled() from None
             raise _Retry(str(exc)) from None
-        task.response = resp
         try:
             if task.cancelled.is_set():
                 raise _Cancelled()
@@ -445,7 +502,7 @@ class Downloads:
                 raise  # our own file, not the network
             raise _Retry(f"connection lost ({exc.__class__.__name__})") from None
         finally:
-            task.response = None
+            task.socket = None
             resp.close()
 
     def _copy(self, task: Task, item: Item, resp, out, hasher: "_Hasher") -> None:
@@ -576,11 +633,8 @@ def _content_range_starts_at(resp, offset: int) -> bool:
         return False
 
 
-def _abort(resp) -> None:
-    """Unblock a thread reading `resp` by shutting its socket down."""
-    if resp is None:
-        return
-    sock = getattr(getattr(getattr(resp, "fp", None), "raw", None), "_sock", None)
+def _abort(sock) -> None:
+    """Unblock a thread waiting on `sock` by shutting it down."""
     if sock is not None:
         try:
             sock.shutdown(socket.SHUT_RDWR)

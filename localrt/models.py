@@ -41,6 +41,10 @@ from localrt.hub import Hub
 log = logging.getLogger(__name__)
 
 MAX_ID_BYTES = 255
+# Ids that the fixed routes under /v1/models/ shadow (localrt.api.ROUTES): a model
+# registered under one could not be read, started or deleted. If you add such a
+# route, add its last path segment here.
+RESERVED_IDS = ("pull", "import", "start", "stop", "status")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")  # hub org, repo and branch names
 
 
@@ -84,6 +88,16 @@ def check_id(model_id: str, param: str = "model") -> str:
         if any(part in (".", "..") for part in re.split(r"[/:]", model_id)):
             raise InvalidField(f"Invalid field '{param}': the model id holds a '.' or '..' "
                                f"segment", param=param)
+    return model_id
+
+
+def check_new_id(model_id: str, param: str = "model") -> str:
+    """check_id, and refuse the ids the API's fixed routes shadow, for a model to register."""
+    check_id(model_id, param)
+    if model_id in RESERVED_IDS:
+        raise InvalidField(f"Invalid field '{param}': {model_id!r} cannot be a model id, "
+                           f"because /v1/models/{model_id} is another endpoint; choose "
+                           f"another id", param=param)
     return model_id
 
 
@@ -357,12 +371,13 @@ class Models:
                                    "<org>/<repo> model", param="file")
             ref = ModelRef(ref.repo, ref.revision, check_id(file, "file"), builtin=False)
         if ref.builtin or ref.file is not None:  # known before asking the hub
+            check_new_id(ref.local_id)
             done = self._already(ref.local_id, _task_id(ref))
             if done:
                 return done
         hub = Hub(hub_url, self._config.get())
         plan = self._plan(ref, hub)
-        check_id(plan.local_id)  # the file name chosen on the hub is part of it
+        check_new_id(plan.local_id)  # the file name chosen on the hub is part of it
         done = self._already(plan.local_id, plan.task_id)
         if done:
             return done
@@ -460,7 +475,7 @@ class Models:
                                param="path")
         if model_id is None:
             model_id = src.name[:-5] if src.name.lower().endswith(".gguf") else src.name
-        check_id(model_id, "id")
+        check_new_id(model_id, "id")
         with self._lock:
             if self.registry.has(model_id) or model_id in self._importing:
                 raise Conflict(f"A model with id {model_id} already exists", param="id")

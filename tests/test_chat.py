@@ -405,3 +405,12 @@ def test_removing_a_running_model_is_refused(api, tiny, quantized):
     api("POST", "/v1/models/tiny/stop")
     assert api("DELETE", "/v1/models/tiny").status == 200
     assert quantized["Q8_0"].is_file()  # it was linked, not moved
+
+
+@pytest.mark.parametrize("reserved", ["pull", "import", "start", "stop", "status"])
+def test_ids_the_fixed_routes_shadow_cannot_be_registered(api, quantized, reserved):
+    r = api("POST", "/v1/models/import", {"path": str(quantized["Q8_0"]), "id": reserved})
+    assert r.status == 400 and r.json["error"]["param"] == "id"
+    assert "another endpoint" in r.json["message"]
+    r = api("POST", f"/v1/models/{reserved}/pull")  # the built-in model of that name
+    assert r.status == 400 and r.json["error"]["param"] == "model"

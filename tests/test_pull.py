@@ -228,6 +228,28 @@ def test_cancel_stops_quickly_registers_nothing_and_a_new_pull_resumes(api, hub,
     assert ranged.range == f"bytes={kept}-"
 
 
+def test_cancel_stops_a_download_whose_server_never_answers(api, hub):
+    """The CDN accepts the connection and says nothing: the cancel must not wait for
+    the 30 s read timeout."""
+    import socket
+
+    silent = socket.create_server(("127.0.0.1", 0))
+    try:
+        hub.cdn_url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        r = api("POST", "/v1/models/org/big/pull")
+        task_id = r.json["task"]["id"]
+        conn, _ = silent.accept()  # the download has connected; nothing will answer it
+        time.sleep(0.1)  # it is now waiting for the response headers
+        started = time.monotonic()
+        assert api("DELETE", "/v1/models/pull", {"taskId": task_id}).status == 200
+        task = wait_task(api, task_id, timeout=2.0)
+        assert time.monotonic() - started < 1.0
+        assert task["status"] == "Stopped"
+        conn.close()
+    finally:
+        silent.close()
+
+
 def test_cancel_unknown_task_is_404(api):
     r = api("DELETE", "/v1/models/pull", {"taskId": "org:nope:x.gguf"})
     assert r.status == 404 and r.json["error"]["param"] == "taskId"
