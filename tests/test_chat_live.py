@@ -3,7 +3,7 @@
 middle of a reply, requests that must not wait behind a generation, and requests that
 queue for one model.
 
-The server is the app behind waitress in this process, as `localrt start` serves it.
+The server is `localrt start --foreground` in its own process, as users run it.
 The models are tiny GGUF files quantized by llama.cpp; their random weights make
 gibberish, so the tests check shapes, counts and timing, and that greedy decoding
 (temperature 0) gives the same text every time.
@@ -17,14 +17,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from types import SimpleNamespace
 from urllib.parse import urlsplit
 
 import openai
 import pytest
 from ggufgen import EOS_ID
-from waitress import wasyncore
-from waitress.server import create_server
 
 NO_EOS = {str(EOS_ID): -100}  # the model never ends a reply: exactly max_tokens come
 HELLO = [{"role": "user", "content": "Hello there"}]
@@ -32,17 +29,9 @@ LONG = 3000  # tokens of a reply that would take seconds
 
 
 @pytest.fixture
-def server(app):
-    """The app behind waitress on a free port, with as many threads as `localrt start`."""
-    srv = create_server(app, host="127.0.0.1", port=0, threads=32)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    yield SimpleNamespace(url=f"http://127.0.0.1:{srv.effective_port}", app=app)
-    # Sockets are closed in the loop's own thread (never under its select); it then ends.
-    srv.trigger.pull_trigger(lambda: wasyncore.close_all(srv._map))
-    thread.join(5)
-    app.close()  # unloads the models; a reply still generating stops at its next token
-    srv.task_dispatcher.shutdown(timeout=5)
+def server(live_server):
+    """`localrt start --foreground` on a free port, in its own process (conftest)."""
+    return live_server
 
 
 def api(url, method, path, body=None, timeout=30):
