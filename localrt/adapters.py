@@ -40,8 +40,11 @@ LLAMA_OPTIONS = {"ctx_len": "n_ctx", "ngl": "n_gpu_layers", "cpu_threads": "n_th
                  "n_batch": "n_batch", "mlock": "use_mlock", "use_mmap": "use_mmap",
                  "flash_attn": "flash_attn"}
 # cache_type -> ggml_type, for Llama's type_k and type_v (ggml.h's enum ggml_type).
+# If you add one, also add it to the cache_type enum of schemas/model-update.json.
 CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
                "iq4_nl": 20, "bf16": 30}
+# Quantized V caches need flash attention in llama.cpp.
+QUANTIZED_CACHE = tuple(k for k in CACHE_TYPES if k not in ("f32", "f16", "bf16"))
 # Sampling defaults where neither the request nor the model says: llama.cpp's own.
 DEFAULTS = {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05,
             "repeat_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
@@ -95,6 +98,69 @@ class StopText:
         """What was held back, once generation ended without a stop sequence."""
         out, self._pending = ("" if self.hit else self._pending), ""
         return out
+
+
+def token_loop(gen: Generation, tokens, *, decode, is_end=lambda token: False,
+               final=lambda: "", stops=(), max_tokens: int | None = None,
+               exhausted: str = "length") -> Iterator[str]:
+    """The text of `tokens` as it comes, cut at a stop sequence, an end token or max_tokens.
+
+    Counts completion tokens in `gen.usage` and sets `gen.finish_reason` at the end;
+    `exhausted` is the finish reason when `tokens` runs out by itself.
+    """
+    stop, finish = StopText(stops), exhausted
+    for token in tokens:
+        if is_end(token):
+            finish = "stop"
+            break
+        gen.usage["completion_tokens"] += 1
+        piece = stop.feed(decode(token))
+        if piece:
+            yield piece
+        if stop.hit:
+            finish = "stop"
+            break
+        if max_tokens and gen.usage["completion_tokens"] >= max_tokens:
+            finish = "length"
+            break
+    tail = stop.feed(final()) + stop.flush()
+    if tail:
+        yield tail
+    gen.finish_reason = finish
+
+
+def generation_of_pieces(pieces, params: dict) -> Generation:
+    """A Generation over an engine's streamed chat() pieces, each counted as a token."""
+    def run(gen: Generation) -> Iterator[str]:
+        try:
+            yield from token_loop(gen, pieces, decode=str, stops=params.get("stop"),
+                                  max_tokens=params.get("max_tokens"), exhausted="stop")
+        finally:
+            if hasattr(pieces, "close"):
+                pieces.close()
+
+    return Generation(getattr(pieces, "prompt_tokens", 0), run)
+
+
+def _check_room(prompt_tokens: int, context: int) -> int:
+    """The tokens left for the reply; a 400 when the prompt fills the context."""
+    if prompt_tokens >= context:
+        raise InvalidField(f"Invalid field 'messages': the prompt is {prompt_tokens} tokens "
+                           f"and the model's context (ctx_len) holds {context}; shorten the "
+                           f"conversation or start the model with a larger ctx_len",
+                           param="messages")
+    return context - prompt_tokens
+
+
+def _seed(params: dict, bits: int) -> int:
+    """The request's seed as the engine takes it; a random one when none is given.
+
+    Folded below 2**bits - 1, which llama.cpp reads as "pick a random seed".
+    """
+    seed = params.get("seed")
+    if seed is None or seed < 0:
+        return random.getrandbits(bits) % ((1 << bits) - 1)
+    return seed % ((1 << bits) - 1)
 
 
 def chat_via_generate(model, messages: list, params: dict, stream: bool):
@@ -153,12 +219,7 @@ class LlamaModel:
         else:
             text, bos = self._format(messages)
         tokens = llm.tokenize(text.encode("utf-8"), add_bos=bos, special=True)
-        room = self.context - len(tokens)
-        if room <= 0:
-            raise InvalidField(f"Invalid field 'messages': the prompt is {len(tokens)} tokens "
-                               f"and the model's context (ctx_len) holds {self.context}; "
-                               f"shorten the conversation or start the model with a larger "
-                               f"ctx_len", param="messages")
+        room = _check_room(len(tokens), self.context)
         max_tokens = min(params.get("max_tokens") or room, room)
         grammar = self._grammar(params.get("response_format"))
         bias = self._bias(params.get("logit_bias"))
@@ -167,38 +228,23 @@ class LlamaModel:
                     "repeat_penalty": _number(params, "repeat_penalty"),
                     "frequency_penalty": _number(params, "frequency_penalty"),
                     "presence_penalty": _number(params, "presence_penalty")}
-        seed = params.get("seed")
-        seed = random.getrandbits(32) if seed is None or seed < 0 else seed & 0xFFFFFFFF
+        seed = _seed(params, 32)
 
         def run(gen: Generation) -> Iterator[str]:
-            llama_cpp, model, piece_of = self._llama_cpp, llm._model, self._piece
+            llama_cpp, vocab = self._llama_cpp, llm._model.vocab
             decoder = codecs.getincrementaldecoder("utf-8")("replace")
-            stop = StopText(params.get("stop"))
-            finish = "length"
             if not self._caching:
                 llm.reset()
             llm.set_seed(seed)
             tokens_in = llm.generate(tokens, grammar=grammar, logits_processor=bias, **sampling)
             try:
-                for token in tokens_in:
-                    if llama_cpp.llama_vocab_is_eog(model.vocab, token):
-                        finish = "stop"
-                        break
-                    gen.usage["completion_tokens"] += 1
-                    piece = stop.feed(decoder.decode(piece_of(token)))
-                    if piece:
-                        yield piece
-                    if stop.hit:
-                        finish = "stop"
-                        break
-                    if gen.usage["completion_tokens"] >= max_tokens:
-                        break
+                yield from token_loop(
+                    gen, tokens_in, decode=lambda t: decoder.decode(self._piece(t)),
+                    is_end=lambda t: llama_cpp.llama_vocab_is_eog(vocab, t),
+                    final=lambda: decoder.decode(b"", final=True),
+                    stops=params.get("stop"), max_tokens=max_tokens)
             finally:
                 tokens_in.close()
-            tail = stop.feed(decoder.decode(b"", final=True)) + stop.flush()
-            if tail:
-                yield tail
-            gen.finish_reason = finish
 
         return Generation(len(tokens), run)
 
@@ -232,8 +278,10 @@ class LlamaModel:
         if llama_cpp.llama_supports_gpu_offload():
             ngl = llm.model_params.n_gpu_layers
             offloaded = layers + 1 if ngl < 0 else min(ngl, layers + 1)
-        vram = weights * offloaded // (layers + 1)
-        return {"ram": weights - vram + context, "vram": vram}
+        # The offloaded layers' weights go to the GPU, and so does the KV cache
+        # (llama.cpp's offload_kqv) once any layer is offloaded.
+        vram = weights * offloaded // (layers + 1) + (context if offloaded else 0)
+        return {"ram": weights + context - vram, "vram": vram}
 
     def _format(self, messages: list) -> tuple[str, bool]:
         """The prompt from the GGUF's chat template (llama-2's format if it has none)."""
@@ -350,21 +398,14 @@ class OnnxModel:
         if prompt is None:
             prompt = tok.apply_chat_template(json.dumps(messages), add_generation_prompt=True)
         ids = tok.encode(prompt)
-        room = self._context - len(ids)
-        if room <= 0:
-            raise InvalidField(f"Invalid field 'messages': the prompt is {len(ids)} tokens "
-                               f"and the model's context holds {self._context}",
-                               param="messages")
+        room = _check_room(len(ids), self._context)
         max_tokens = min(params.get("max_tokens") or room, room)
-        search = {"max_length": len(ids) + max_tokens}
+        search = {"max_length": len(ids) + max_tokens, "random_seed": _seed(params, 31)}
         temperature = _number(params, "temperature")
         if temperature > 0:
             search.update(do_sample=True, temperature=float(temperature),
                           top_p=float(_number(params, "top_p")),
                           top_k=int(_number(params, "top_k")))
-        seed = params.get("seed")
-        search["random_seed"] = (random.getrandbits(31) if seed is None or seed < 0
-                                 else seed & 0x7FFFFFFF)
         if params.get("repeat_penalty"):
             search["repetition_penalty"] = float(params["repeat_penalty"])
         if (params.get("response_format") or {}).get("type") in ("json_object", "json_schema"):
@@ -377,24 +418,15 @@ class OnnxModel:
             gen_params.set_search_options(**search)
             generator = og.Generator(self._model, gen_params)
             generator.append_tokens(ids)
-            stream, stop, finish = tok.create_stream(), StopText(params.get("stop")), "length"
-            while not generator.is_done() and gen.usage["completion_tokens"] < max_tokens:
-                generator.generate_next_token()
-                token = int(generator.get_next_tokens()[0])
-                if token in eos:
-                    finish = "stop"
-                    break
-                gen.usage["completion_tokens"] += 1
-                piece = stop.feed(stream.decode(token))
-                if piece:
-                    yield piece
-                if stop.hit:
-                    finish = "stop"
-                    break
-            tail = stop.flush()
-            if tail:
-                yield tail
-            gen.finish_reason = finish
+
+            def tokens_out() -> Iterator[int]:
+                while not generator.is_done():
+                    generator.generate_next_token()
+                    yield int(generator.get_next_tokens()[0])
+
+            yield from token_loop(gen, tokens_out(), decode=tok.create_stream().decode,
+                                  is_end=eos.__contains__, stops=params.get("stop"),
+                                  max_tokens=max_tokens)
 
         return Generation(len(ids), run)
 

@@ -101,26 +101,37 @@ def import_model(services: Services, request: Request):
 # --- running models and chat ------------------------------------------------------
 
 
-def start_model(services: Services, request: Request):
-    """Spec row 7: load a model with its stored parameters and these start options."""
-    options = dict(request.body)
-    given = options.pop("model", None)
+def _model_of(request: Request) -> str:
+    """The model id of a start or stop: in the path, or as the body's "model"."""
+    given = (request.body or {}).get("model")
     model_id = request.params.get("model_id", given)
     if model_id is None:
         raise InvalidField("Missing required field 'model'", param="model")
     if given is not None and given != model_id:
         raise InvalidField(f"Invalid field 'model': {given!r} is not the model in the path, "
                            f"{model_id!r}", param="model")
+    return model_id
+
+
+def start_model(services: Services, request: Request):
+    """Spec row 7: load a model with its stored parameters and these start options."""
+    model_id = _model_of(request)
+    options = {k: v for k, v in request.body.items() if k != "model"}
     running, started = services.scheduler.start(model_id, options)
-    message = (f"Model {model_id} started successfully" if started
-               else f"Model {model_id} is already running")
+    message = f"Model {model_id} started successfully"
+    if not started:
+        message = f"Model {model_id} is already running"
+        other = sorted(k for k, v in options.items() if running.options.get(k) != v)
+        if other:
+            message += (f", with other {', '.join(other)}; stop it first to start it with "
+                        f"these options")
     return {"message": message, "model": model_id, "engine": running.engine,
             "options": running.options, "alreadyRunning": not started}
 
 
 def stop_model(services: Services, request: Request):
     """Spec row 8: unload a model and free its memory."""
-    model_id = request.params.get("model_id") or request.body["model"]
+    model_id = _model_of(request)
     services.scheduler.stop(model_id)
     return {"message": f"Model {model_id} stopped successfully", "model": model_id}
 
@@ -214,8 +225,9 @@ ROUTES = (
     Route("POST", "/v1/models/import", import_model, "model-import.json"),
     Route("POST", "/v1/models/{model_id:path}/pull", pull_model),
     Route("POST", "/v1/models/{model_id:path}/start", start_model, "model-start.json"),
-    Route("POST", "/v1/models/{model_id:path}/stop", stop_model),
-    Route("POST", "/models/{model_id:path}/stop", stop_model),  # spec row 8 is shown without /v1
+    Route("POST", "/v1/models/{model_id:path}/stop", stop_model, "model-stop.json"),
+    # spec row 8 is shown without /v1
+    Route("POST", "/models/{model_id:path}/stop", stop_model, "model-stop.json"),
     Route("GET", "/v1/models/{model_id:path}", get_model),
     Route("DELETE", "/v1/models/{model_id:path}", delete_model),
     Route("PATCH", "/v1/models/{model_id:path}", update_model, "model-update.json"),

@@ -15,8 +15,8 @@ import time
 import uuid
 from typing import Iterator
 
-from localrt.adapters import StopText
-from localrt.errors import InvalidField, ServiceUnavailable
+from localrt.adapters import generation_of_pieces
+from localrt.errors import Conflict, InvalidField, ServiceUnavailable
 from localrt.scheduler import Lease, Scheduler
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,6 @@ log = logging.getLogger(__name__)
 # localrt.adapters (and add it to schemas/chat-completion.json).
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty",
             "presence_penalty", "repeat_penalty", "max_tokens")
-SYSTEM_ROLES = ("system", "developer")
 
 
 class Chats:
@@ -95,7 +94,10 @@ def _message(index: int, message: dict) -> dict:
                                    param=f"messages[{index}].content[{j}]")
             texts.append(part["text"])
         content = "\n".join(texts)
-    return {"role": message["role"], "content": content or ""}
+    # Chat templates know system, user and assistant; OpenAI's newer "developer"
+    # messages are system messages to them.
+    role = "system" if message["role"] == "developer" else message["role"]
+    return {"role": role, "content": content or ""}
 
 
 def _params(body: dict, record: dict, options: dict) -> dict:
@@ -136,7 +138,7 @@ def render_template(template: str, messages: list) -> str:
     {prompt} opens each user turn, and the text after {prompt} opens each assistant
     turn, so a ChatML template renders a whole conversation in ChatML.
     """
-    system = "\n".join(m["content"] for m in messages if m["role"] in SYSTEM_ROLES)
+    system = "\n".join(m["content"] for m in messages if m["role"] == "system")
     head, has_system, rest = template.partition("{system_message}")
     if not has_system:
         head, rest = "", template
@@ -144,7 +146,7 @@ def render_template(template: str, messages: list) -> str:
     out = [head, system] if has_system else []
     pending_system = "" if has_system else system
     for m in messages:
-        if m["role"] in SYSTEM_ROLES:
+        if m["role"] == "system":
             continue
         if m["role"] == "assistant":
             out += [assistant_open, m["content"]]
@@ -158,49 +160,16 @@ def render_template(template: str, messages: list) -> str:
 
 
 def _generate(model, messages: list, params: dict):
+    """The model's Generation; for a custom engine without generate(), its streamed chat()."""
     if hasattr(model, "generate"):
         return model.generate(messages, params)
-    return _LegacyGeneration(model.chat(messages, params, True), params)
+    return generation_of_pieces(model.chat(messages, params, True), params)
 
 
-class _LegacyGeneration:
-    """A custom engine's streamed chat() with the Generation interface (usage estimated)."""
+class ReplyCut(Conflict):
+    """The model was stopped (`models stop`, the server stopping) while it replied."""
 
-    def __init__(self, pieces, params: dict):
-        self._pieces = iter(pieces)
-        self._stop = StopText(params.get("stop"))
-        self._max = params.get("max_tokens")
-        self.finish_reason = None
-        self.usage = {"prompt_tokens": getattr(pieces, "prompt_tokens", 0),
-                      "completion_tokens": 0}
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> str:
-        while not self._stop.hit:
-            if self._max and self.usage["completion_tokens"] >= self._max:
-                self.finish_reason = "length"
-                raise StopIteration
-            try:
-                piece = next(self._pieces)
-            except StopIteration:
-                self.finish_reason = "stop"
-                tail = self._stop.flush()
-                if tail:
-                    return tail
-                raise
-            self.usage["completion_tokens"] += 1
-            piece = self._stop.feed(piece)
-            if piece:
-                return piece
-        self.finish_reason = "stop"
-        raise StopIteration
-
-    def close(self) -> None:
-        """Stop the engine's iterator."""
-        if hasattr(self._pieces, "close"):
-            self._pieces.close()
+    code = "model_stopped"
 
 
 class _Reply:
@@ -223,8 +192,8 @@ class _Reply:
             if piece is None:
                 return
             yield piece
-        log.info("a reply of %s was cut short: the model is stopping", self.model_id)
-        self.generation.finish_reason = self.generation.finish_reason or "stop"
+        log.info("a reply of %s was cut short: the model was stopped", self.model_id)
+        raise ReplyCut(f"Model {self.model_id} was stopped during this reply")
 
     def usage(self) -> dict:
         """OpenAI's usage object."""
@@ -267,9 +236,12 @@ class Stream:
             for piece in reply.pieces():
                 yield self._event({"content": piece})
         except Exception as exc:
-            log.exception("generation failed in a stream of %s", reply.model_id)
-            error = {"message": f"Generation failed: {exc}", "type": "server_error",
-                     "code": "generation_failed"}
+            if isinstance(exc, ReplyCut):
+                error = exc.body()["error"]
+            else:
+                log.exception("generation failed in a stream of %s", reply.model_id)
+                error = {"message": f"Generation failed: {exc}", "type": "server_error",
+                         "code": "generation_failed"}
             yield _sse({"error": error})
             yield b"data: [DONE]\n\n"
             return

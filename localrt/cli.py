@@ -460,12 +460,19 @@ def cmd_run(ctx: "Context") -> int:
     from localrt.client import ApiError
 
     model_id = ctx.args.model
-    client = ctx.call(lambda client: client)
-    try:
-        client.get_model(model_id)
-    except ApiError as exc:
-        if exc.status != 404:
-            raise
+
+    def local(client):
+        """(client, whether the model is downloaded); a request, so a server is started."""
+        try:
+            client.get_model(model_id)
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+            return client, False
+        return client, True
+
+    client, downloaded = ctx.call(local)
+    if not downloaded:
         ctx.err(f"Model {model_id} is not downloaded yet; pulling it")
         model_id = _pull_for_run(ctx, client, model_id)
     reply = client.start_model(model_id, _start_options(ctx))
@@ -519,7 +526,7 @@ class Chat:
             self.history.append({"role": "user", "content": line})
             try:
                 reply = self._reply()
-            except ApiError as exc:  # e.g. the conversation outgrew the context
+            except (ApiError, CliError) as exc:  # e.g. the conversation outgrew the context
                 self.history.pop()
                 self.ctx.err(f"Error: {exc}")
                 continue

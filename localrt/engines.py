@@ -41,6 +41,7 @@ from typing import Callable, Mapping
 from urllib.parse import unquote, urlsplit
 
 from localrt import wheels
+from localrt.adapters import GGUF_ENGINE, ONNX_ENGINE, GgufEngine, OnnxEngine
 from localrt.downloads import DownloadFailed as DownloadFailedError
 from localrt.downloads import Downloads, Item, Task
 from localrt.errors import BadRequest, Conflict, HTTPError, NotFound
@@ -48,7 +49,6 @@ from localrt.fsutil import atomic_write, fsync_dir
 
 log = logging.getLogger(__name__)
 
-from localrt.adapters import GGUF_ENGINE, ONNX_ENGINE, GgufEngine, OnnxEngine
 ENTRY_POINT_GROUP = "localrt.engines"
 REGISTRY_FILE = "engines.json"
 PROBES_FILE = "probes.json"
@@ -97,7 +97,7 @@ class Hardware:
         """What `localrt ps` shows about the machine: CPU, cores, memory and CUDA."""
         memory = _meminfo()
         return {"os": self.os, "arch": self.arch, "cpu": self.cpu_model,
-                "cpuLevel": self.cpu_level() or "", "cores": len(os.sched_getaffinity(0)),
+                "cpuLevel": self.cpu_level() or "", "cores": available_cores(),
                 "ramTotal": memory.get("MemTotal", 0),
                 "ramAvailable": memory.get("MemAvailable", 0), "cuda": self.cuda or ""}
 
@@ -130,6 +130,13 @@ def detect_hardware(cpuinfo: Path = Path("/proc/cpuinfo")) -> Hardware:
             flags = frozenset(value.split())
     return Hardware(os_name, _ARCH_NAMES.get(machine, machine), model, flags,
                     _cuda_driver_version())
+
+
+def available_cores() -> int:
+    """The CPUs this process may run on (all of them where that cannot be asked)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _meminfo(path: Path = Path("/proc/meminfo")) -> dict:

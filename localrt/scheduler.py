@@ -18,6 +18,7 @@ Compute is scheduled in two steps, so generations never fight over the CPU:
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import queue
@@ -26,8 +27,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from localrt.adapters import GGUF_ENGINE
+from localrt.adapters import GGUF_ENGINE, QUANTIZED_CACHE
+from localrt.engines import EngineNotFound, available_cores
 from localrt.errors import BadRequest, Conflict, HTTPError, InvalidField, ServiceUnavailable
+from localrt.models import DEFAULT_CTX_LEN
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +39,17 @@ log = logging.getLogger(__name__)
 START_OPTIONS = ("prompt_template", "stop", "ngl", "ctx_len", "cpu_threads", "n_batch",
                  "caching_enabled", "grp_attn_n", "grp_attn_w", "mlock", "flash_attn",
                  "cache_type", "use_mmap", "engine")
-DEFAULT_CTX_LEN = 4096
-QUANTIZED_CACHE = ("q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 MAX_TURN_RETRIES = 3  # a request whose model was stopped while it waited restarts it this often
 
 
 class ModelNotRunning(Conflict):
     code = "model_not_running"
+
+
+class InvalidStoredParameter(Conflict):
+    """A stored parameter the model cannot start with; `models update` fixes it."""
+
+    code = "invalid_stored_parameter"
 
 
 class ModelLoadFailed(HTTPError):
@@ -57,7 +64,7 @@ class FairLock:
     """A semaphore with `slots` that lets waiters in strictly in arrival order."""
 
     def __init__(self, slots: int = 1):
-        self._cond = threading.Condition(threading.Lock())
+        self._cond = threading.Condition(threading.Lock())  # guards _free and _queue
         self._free = slots
         self._queue: collections.deque = collections.deque()
 
@@ -108,6 +115,7 @@ class ComputeLanes:
 
     def __init__(self, lanes: int = 1):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _closed and the end markers' place in _queue
         self._closed = False
         self._threads = [threading.Thread(target=self._work, name=f"localrt-compute-{i}",
                                           daemon=True) for i in range(lanes)]
@@ -116,10 +124,11 @@ class ComputeLanes:
 
     def run(self, fn, *args):
         """fn(*args) on a compute thread: its result, or its exception raised here."""
-        if self._closed:
-            raise ServiceUnavailable("The server is stopping")
         done, box = threading.Event(), {}
-        self._queue.put((fn, args, box, done))
+        with self._lock:  # no step is queued behind the threads' ends
+            if self._closed:
+                raise ServiceUnavailable("The server is stopping")
+            self._queue.put((fn, args, box, done))
         done.wait()
         if "error" in box:
             raise box["error"]
@@ -140,9 +149,10 @@ class ComputeLanes:
 
     def close(self) -> None:
         """End the threads once the steps already queued are done."""
-        self._closed = True
-        for _ in self._threads:
-            self._queue.put(None)
+        with self._lock:
+            self._closed = True
+            for _ in self._threads:
+                self._queue.put(None)
 
 
 @dataclass
@@ -190,9 +200,10 @@ class Scheduler:
     """Owns the running models.
 
     `_lock` guards `_running` (model id -> Running) and each Running's `active` and
-    `last_used`. `_start_lock` lets one load happen at a time, so a model is never
-    loaded twice and the RSS measured around a load is that model's. Neither is held
-    while a model computes.
+    `last_used`; `_idle` (on the same lock) is notified when a model's last request
+    ends. `_start_lock` lets one load happen at a time, so a model is never loaded
+    twice and the RSS measured around a load is that model's. Neither is held while a
+    model computes.
     """
 
     def __init__(self, registry, engines, max_models: int = 2, keep_alive: float = 0.0,
@@ -202,8 +213,11 @@ class Scheduler:
         self.max_models = max_models
         self.keep_alive = keep_alive  # seconds; 0 is off
         self.lanes = ComputeLanes(lanes)
-        self.cores = cores or len(os.sched_getaffinity(0))
+        # Each lane's generation gets its share of the cores, so together they never
+        # use more threads than there are cores.
+        self.default_threads = max(1, (cores or available_cores()) // lanes)
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
         self._start_lock = threading.Lock()
         self._running: dict[str, Running] = {}
         self._closed = threading.Event()
@@ -242,6 +256,7 @@ class Scheduler:
     def start(self, model_id: str, options: dict | None = None) -> tuple[Running, bool]:
         """Load a model; (running, False) if it was running already."""
         record = self._registry.get(model_id)  # 404 when it is not downloaded
+        effective = self.effective_options(record, options or {})  # 400s before waiting
         with self._lock:
             if model_id in self._running:
                 return self._running[model_id], False
@@ -249,11 +264,16 @@ class Scheduler:
             with self._lock:
                 if model_id in self._running:
                     return self._running[model_id], False
-            effective = self.effective_options(record, options or {})
+            if self._closed.is_set():
+                raise ServiceUnavailable("The server is stopping")
             self._make_room()
             running = self._load(record, effective)
             with self._lock:
-                self._running[model_id] = running
+                if not self._closed.is_set():
+                    self._running[model_id] = running
+            if self._closed.is_set():  # close() has unloaded the others meanwhile
+                running.model.unload()
+                raise ServiceUnavailable("The server is stopping")
         log.info("model %s started with %s: %s", model_id, running.engine, effective)
         return running, True
 
@@ -280,6 +300,8 @@ class Scheduler:
     def lease(self, model_id: str) -> Lease:
         """Wait for this model's turn, starting the model with its stored parameters."""
         for _ in range(MAX_TURN_RETRIES):
+            if self._closed.is_set():
+                raise ServiceUnavailable("The server is stopping")
             with self._lock:
                 running = self._running.get(model_id)
                 if running is not None:
@@ -305,53 +327,75 @@ class Scheduler:
         with self._lock:
             running.active -= 1
             running.last_used = time.monotonic()
+            if running.active == 0:
+                self._idle.notify_all()
         running.turn.release()
 
     # --- internals -------------------------------------------------------------
 
     def effective_options(self, record: dict, requested: dict) -> dict:
-        """Stored parameters overridden by the request; 400 for what the model cannot take."""
+        """Stored parameters overridden by the request; 400 for what the model cannot take.
+
+        A stored parameter the model cannot take is a 409 that says how to change it.
+        """
         stored = {k: record[k] for k in START_OPTIONS if record.get(k) is not None}
         options = {"engine": record["engine"], "ctx_len": DEFAULT_CTX_LEN,
-                   "cpu_threads": self.cores, "ngl": -1, "caching_enabled": True,
+                   "cpu_threads": self.default_threads, "ngl": -1, "caching_enabled": True,
                    **stored, **{k: v for k, v in requested.items() if v is not None}}
+
+        def refuse(name: str, why: str):
+            if name in requested:
+                raise InvalidField(f"Invalid field '{name}': {why}", param=name)
+            raise InvalidStoredParameter(
+                f"Model {record['id']} has the stored parameter {name}="
+                f"{json.dumps(options[name])}, but {why}; change it with `localrt models "
+                f"update {record['id']} --{name} ...` or override it in the start request",
+                param=name)
+
         engine = options["engine"]
         if engine != record["engine"]:
-            self._engines.require_known(engine)
-            entry = self._engines.entry(engine)
+            try:
+                self._engines.require_known(engine)
+            except EngineNotFound as exc:
+                refuse("engine", exc.message[0].lower() + exc.message[1:])
             wanted = self._engines.entry(record["engine"])["format"]
-            if entry["format"] != wanted:
-                raise InvalidField(f"Invalid field 'engine': model {record['id']} is {wanted}, "
-                                   f"and engine {engine} runs {entry['format'] or 'other'} "
-                                   f"models", param="engine")
+            runs = self._engines.entry(engine)["format"]
+            if runs != wanted:
+                refuse("engine", f"model {record['id']} is {wanted}, and engine {engine} "
+                                 f"runs {runs or 'other'} models")
         trained = (record.get("metadata") or {}).get("context_length")
         if isinstance(trained, int) and options["ctx_len"] > trained:
             if "ctx_len" in requested:
-                raise InvalidField(f"Invalid field 'ctx_len': {options['ctx_len']} is beyond "
-                                   f"the {trained} tokens model {record['id']} was trained "
-                                   f"on", param="ctx_len")
+                refuse("ctx_len", f"{options['ctx_len']} is beyond the {trained} tokens "
+                                  f"model {record['id']} was trained on")
             options["ctx_len"] = trained
         if engine == GGUF_ENGINE:
             if options.get("grp_attn_n", 1) > 1:
-                raise InvalidField("Invalid field 'grp_attn_n': gguf-cpp has no group "
-                                   "attention (self-extend); leave it at 1", param="grp_attn_n")
+                refuse("grp_attn_n", "gguf-cpp has no group attention (self-extend); "
+                                     "leave it at 1")
             if options.get("cache_type") in QUANTIZED_CACHE and not options.get("flash_attn"):
-                raise InvalidField(f"Invalid field 'cache_type': a {options['cache_type']} "
-                                   f"KV cache needs flash_attn: true", param="cache_type")
+                refuse("cache_type", f"a {options['cache_type']} KV cache needs "
+                                     f"flash_attn: true")
         template = options.get("prompt_template")
         if template is not None and "{prompt}" not in template:
-            raise InvalidField("Invalid field 'prompt_template': it needs a {prompt} "
-                               "placeholder", param="prompt_template")
+            refuse("prompt_template", "it needs a {prompt} placeholder")
         return options
 
     def _make_room(self) -> None:
-        """Unload least recently used models until one more fits under max_models."""
+        """Unload least recently used models until one more fits under max_models.
+
+        Only an idle model is unloaded: with every model busy, this waits for one to
+        finish its requests rather than cut a reply short.
+        """
         while True:
             with self._lock:
                 if len(self._running) < self.max_models:
                     return
-                # Idle models go first; among them (or among busy ones) the oldest use.
-                victim = min(self._running.values(), key=lambda r: (r.active > 0, r.last_used))
+                idle = [r for r in self._running.values() if r.active == 0]
+                if not idle:
+                    self._idle.wait(1.0)
+                    continue
+                victim = min(idle, key=lambda r: r.last_used)
                 del self._running[victim.model_id]
             self._unload(victim, f"to stay within maxRunningModels ({self.max_models})")
 

@@ -66,9 +66,15 @@ def test_start_reports_the_effective_options_and_status_lists_the_model(api, tin
     assert r.json["message"] == "Model tiny started successfully"
     assert (r.json["model"], r.json["engine"]) == ("tiny", "gguf-cpp")
     assert r.json["options"]["ctx_len"] == 128 and r.json["options"]["cpu_threads"] == 1
-    again = api("POST", "/v1/models/tiny/start", {"ctx_len": 64})
+    again = api("POST", "/v1/models/tiny/start", {"cpu_threads": 1})
     assert again.status == 200 and again.json["message"] == "Model tiny is already running"
-    assert again.json["options"]["ctx_len"] == 128  # not loaded twice
+    other = api("POST", "/v1/models/tiny/start", {"ctx_len": 64})
+    assert other.status == 200 and other.json["message"] == (
+        "Model tiny is already running, with other ctx_len; stop it first to start it "
+        "with these options")
+    assert other.json["options"]["ctx_len"] == 128  # not loaded twice
+    r = api("POST", "/v1/models/tiny/start", {"ctx_len": 100000})  # still checked
+    assert r.status == 400 and r.json["error"]["param"] == "ctx_len"
     status = api("GET", "/v1/models/status").json
     row, = status["data"]
     assert (row["id"], row["engine"], row["vram"]) == ("tiny", "gguf-cpp", 0)
@@ -111,7 +117,8 @@ def test_start_errors_for_missing_models_and_engines(api, tiny, tmp_path):
     r = api("POST", "/v1/models/start", {"ctx_len": 64})
     assert r.status == 400 and r.json["error"]["param"] == "model"
     r = api("POST", "/v1/models/start", {"model": "tiny", "engine": "no-such-engine"})
-    assert r.status == 404 and r.json["error"]["code"] == "engine_not_found"
+    assert r.status == 400 and r.json["error"]["param"] == "engine"
+    assert "no-such-engine" in r.json["message"]
 
 
 def test_a_model_whose_engine_is_not_installed_gets_a_409_naming_it(api, tmp_path):
@@ -414,3 +421,39 @@ def test_ids_the_fixed_routes_shadow_cannot_be_registered(api, quantized, reserv
     assert "another endpoint" in r.json["message"]
     r = api("POST", f"/v1/models/{reserved}/pull")  # the built-in model of that name
     assert r.status == 400 and r.json["error"]["param"] == "model"
+
+
+def test_a_seed_of_all_ones_is_deterministic_too(api, tiny):
+    body = {"temperature": 1.5, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "max_tokens": 12,
+            "logit_bias": NO_EOS}
+    for seed in (4294967295, 2 ** 33 - 1):
+        texts = {chat(api, seed=seed, **body).json["choices"][0]["message"]["content"]
+                 for _ in range(3)}
+        assert len(texts) == 1, seed
+
+
+def test_a_bad_stored_parameter_is_a_409_that_says_how_to_fix_it(api, tiny):
+    api("PATCH", "/v1/models/tiny", {"cache_type": "q8_0"})
+    r = chat(api)
+    assert r.status == 409 and r.json["error"]["code"] == "invalid_stored_parameter"
+    assert "localrt models update tiny" in r.json["message"]
+    r = api("POST", "/v1/models/tiny/start", {"flash_attn": True})  # a request can fix it
+    assert r.status == 200, r.body
+
+
+def test_stop_takes_the_model_in_the_body_too(api, tiny):
+    api("POST", "/v1/models/tiny/start")
+    r = api("POST", "/v1/models/tiny/stop", {"model": "other"})
+    assert r.status == 400 and r.json["error"]["param"] == "model"
+    assert api("POST", "/models/tiny/stop", {"model": "tiny"}).status == 200
+    r = api("POST", "/v1/models/stop", {})
+    assert r.status == 400 and r.json["error"]["param"] == "model"
+
+
+def test_developer_messages_are_system_messages(api, tiny):
+    api("POST", "/v1/models/tiny/start",
+        {"prompt_template": "<sys>{system_message}</sys>{prompt}"})
+    as_developer = chat(api, messages=[{"role": "developer", "content": "be brief"}, *USER])
+    as_system = chat(api, messages=[{"role": "system", "content": "be brief"}, *USER])
+    assert as_developer.json["usage"] == as_system.json["usage"]
+    assert as_developer.json["choices"] == as_system.json["choices"]

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 import openai
 import pytest
+from conftest import run_foreground_server
 from ggufgen import EOS_ID
 
 NO_EOS = {str(EOS_ID): -100}  # the model never ends a reply: exactly max_tokens come
@@ -316,3 +317,54 @@ def test_a_second_model_answers_while_the_first_generates(server, quantized, slo
         assert next(events)["choices"][0]["finish_reason"] is None  # still generating
     finally:
         stream.close()
+
+
+def test_a_busy_model_is_not_cut_short_to_make_room(home, slow_gguf, quantized):
+    """Past maxRunningModels, a start waits for the least recently used model to finish
+    its reply instead of cutting it."""
+    (home / ".localrtrc").write_text("maxRunningModels: 1\n")
+    srv = run_foreground_server(home)
+    try:
+        for model_id, path in (("slow", slow_gguf), ("tiny", quantized["Q8_0"])):
+            status, reply = api(srv.url, "POST", "/v1/models/import",
+                                {"path": str(path), "id": model_id})
+            assert status == 200, reply
+        api(srv.url, "POST", "/v1/models/slow/start", {"cpu_threads": 1})
+        result = {}
+        long_chat = threading.Thread(target=lambda: result.update(reply=api(
+            srv.url, "POST", "/v1/chat/completions",
+            {"model": "slow", "messages": HELLO, "max_tokens": 600, "logit_bias": NO_EOS,
+             "temperature": 0})))
+        long_chat.start()
+        deadline = time.monotonic() + 10
+        while not any(m["requests"] for m in api(srv.url, "GET", "/v1/models/status")[1]["data"]):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        status, reply = api(srv.url, "POST", "/v1/models/tiny/start", {"cpu_threads": 1})
+        assert status == 200, reply
+        long_chat.join(30)
+        status, out = result["reply"]
+        assert status == 200 and out["choices"][0]["finish_reason"] == "length"
+        assert out["usage"]["completion_tokens"] == 600
+        running = [m["id"] for m in api(srv.url, "GET", "/v1/models/status")[1]["data"]]
+        assert running == ["tiny"]
+    finally:
+        srv.stop()
+
+
+def test_stopping_a_model_mid_reply_says_so(server, slow_gguf):
+    api(server.url, "POST", "/v1/models/import", {"path": str(slow_gguf), "id": "slow"})
+    api(server.url, "POST", "/v1/models/slow/start", {"cpu_threads": 1})
+    conn = http.client.HTTPConnection("127.0.0.1", urlsplit(server.url).port, timeout=30)
+    conn.request("POST", "/v1/chat/completions", json.dumps(
+        {"model": "slow", "messages": HELLO, "max_tokens": LONG, "logit_bias": NO_EOS,
+         "stream": True}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    resp.readline()  # the role chunk
+    assert api(server.url, "POST", "/v1/models/slow/stop")[0] == 200
+    events = [line[6:] for line in resp.read().decode().splitlines()
+              if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "model_stopped"
+    conn.close()

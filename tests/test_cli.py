@@ -223,3 +223,15 @@ def test_config_change_persists_across_restart(cli_home):
     assert yaml.safe_load(cli_home.path.read_text())["proxyUsername"] == "alice"
     code, out, _ = run("config", "status")
     assert code == 0 and any("alice" in line for line in out.splitlines())
+
+
+def test_run_starts_the_server_too(cli_home, quantized):
+    code, _, err = run("models", "import", "--path", str(quantized["Q8_0"]), "--id", "tiny")
+    assert code == ExitCode.OK, err
+    assert run("stop")[0] == ExitCode.OK
+    out, err = io.StringIO(), io.StringIO()
+    code = main(["run", "tiny", "--cpu_threads", "1"], stdout=out, stderr=err,
+                stdin=io.StringIO("/exit\n"))
+    assert code == ExitCode.OK, err.getvalue()
+    assert "The localrt server was not running; started it" in err.getvalue()
+    assert "Model tiny started successfully" in err.getvalue()

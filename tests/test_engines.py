@@ -461,17 +461,19 @@ def test_custom_engine_wheel_installs_lists_and_chats(api, app, index_dir, tmp_p
     out = loaded.chat([{"role": "user", "content": "hello there"}], {}, False)
     assert out["content"] == "echo: hello there"
     # Chat completions stream an engine without generate(), counting pieces as tokens.
-    from localrt.chat import _LegacyGeneration
+    from localrt.adapters import generation_of_pieces
 
-    params = {"max_tokens": 2, "stop": []}
-    gen = _LegacyGeneration(loaded.chat([{"role": "user", "content": "a b c"}], params, True),
-                            params)
+    def generation(params):
+        pieces = loaded.chat([{"role": "user", "content": "a b c"}], params, True)
+        return generation_of_pieces(pieces, params)
+
+    gen = generation({"max_tokens": 2, "stop": []})
     assert "".join(gen) == "echo: a" and gen.finish_reason == "length"
     assert gen.usage["completion_tokens"] == 2
-    params = {"stop": [" b"]}
-    gen = _LegacyGeneration(loaded.chat([{"role": "user", "content": "a b c"}], params, True),
-                            params)
+    gen = generation({"stop": [" b"]})
     assert "".join(gen) == "echo: a" and gen.finish_reason == "stop"
+    gen = generation({"max_tokens": 2, "stop": [" aX"]})  # held back, then let go at the end
+    assert "".join(gen) == "echo: a" and gen.finish_reason == "length"
     assert api("DELETE", "/v1/engines/echo/install").status == 200
     assert "echo" not in {e["name"] for e in api("GET", "/v1/engines").json["data"]}
 
