@@ -22,6 +22,13 @@ def healthz(services: Services, request: Request):
     return {"status": "ok", "version": __version__}
 
 
+def openapi_document(services: Services, request: Request):
+    """This API as an OpenAPI 3.1 document, made from the route table and schemas/."""
+    from localrt import openapi
+
+    return openapi.document(ROUTES)
+
+
 def get_configs(services: Services, request: Request):
     """Spec row 1: the whole Config."""
     return services.config.get()
@@ -204,6 +211,7 @@ def events(services: Services, request: Request):
 # Fixed paths come before `{model_id:path}` ones: model ids hold "/" and ":".
 ROUTES = (
     Route("GET", "/healthz", healthz),
+    Route("GET", "/openapi.json", openapi_document),
     Route("GET", "/v1/configs", get_configs),
     Route("PATCH", "/v1/configs", patch_configs, "config-update.json"),
     Route("DELETE", "/v1/system", stop_server),

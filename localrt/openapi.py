@@ -1,0 +1,90 @@
+"""The OpenAPI 3.1 document, made from the route table and `schemas/`; never written by hand.
+
+`GET /openapi.json` serves it. Each route's summary is its handler's docstring, its
+request body is the schema file the route names, and every error is schemas/error.json.
+The schema files become `components.schemas`, named by their file name without
+`.json`; a `$ref` from one file to another ("model-update.json#/properties/ctx_len")
+becomes a reference inside the document.
+"""
+
+from __future__ import annotations
+
+import re
+
+from localrt import __version__, schemas
+
+_PARAM = re.compile(r"\{(\w+)(?::path)?\}")
+# Routes whose 200 reply is a stream of Server-Sent Events rather than JSON.
+EVENT_STREAMS = {("GET", "/v1/events"), ("POST", "/v1/chat/completions")}
+
+
+def document(routes) -> dict:
+    """The whole OpenAPI document for `routes` (localrt.api.ROUTES)."""
+    paths: dict = {}
+    seen: dict[str, int] = {}
+    for route in routes:
+        path = _PARAM.sub(r"{\1}", route.pattern)
+        name = route.handler.__name__
+        seen[name] = seen.get(name, 0) + 1
+        operation = {
+            "operationId": name if seen[name] == 1 else f"{name}_{seen[name]}",
+            "summary": (route.handler.__doc__ or name).strip().splitlines()[0],
+            "responses": {"200": _success(route), "default": _error_response()},
+        }
+        params = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
+                  for p in _PARAM.findall(route.pattern)]
+        if params:
+            operation["parameters"] = params
+        if route.schema:
+            operation["requestBody"] = {
+                "required": False,
+                "content": {"application/json": {"schema": _ref(route.schema)}}}
+        paths.setdefault(path, {})[route.method.lower()] = operation
+    components = {_component(name): _local(schemas.load(name), name)
+                  for name in schemas.names()}
+    return {"openapi": "3.1.0",
+            "info": {"title": "localrt", "version": __version__,
+                     "description": "A local model runtime: configuration, engines, models "
+                                    "and OpenAI-compatible chat completions."},
+            "paths": paths,
+            "components": {"schemas": components}}
+
+
+def _success(route) -> dict:
+    if (route.method, route.pattern) in EVENT_STREAMS:
+        content = {"text/event-stream": {"schema": {"type": "string"}}}
+        if route.pattern == "/v1/chat/completions":  # JSON unless "stream": true
+            content["application/json"] = {"schema": {"type": "object"}}
+        return {"description": "Server-Sent Events", "content": content}
+    return {"description": "OK", "content": {"application/json": {"schema": {}}}}
+
+
+def _error_response() -> dict:
+    return {"description": "An error", "content": {"application/json": {
+        "schema": _ref("error.json")}}}
+
+
+def _component(file_name: str) -> str:
+    return file_name[:-len(".json")]
+
+
+def _ref(file_name: str, pointer: str = "") -> dict:
+    return {"$ref": f"#/components/schemas/{_component(file_name)}{pointer}"}
+
+
+def _local(schema, file_name: str):
+    """A schema file as a component: no $id or $schema, references made local."""
+    if isinstance(schema, dict):
+        out = {}
+        for key, value in schema.items():
+            if key in ("$id", "$schema"):
+                continue
+            if key == "$ref" and isinstance(value, str):
+                target, _, pointer = value.partition("#")
+                out.update(_ref(target or file_name, pointer))
+            else:
+                out[key] = _local(value, file_name)
+        return out
+    if isinstance(schema, list):
+        return [_local(v, file_name) for v in schema]
+    return schema

@@ -1,0 +1,58 @@
+"""GET /openapi.json: made from the route table and schemas/, it names every route."""
+
+from __future__ import annotations
+
+import re
+
+from conftest import call
+
+from localrt.api import ROUTES
+
+
+def resolve(doc: dict, ref: str):
+    """Follow a local $ref ("#/components/...") through the document."""
+    assert ref.startswith("#/"), ref
+    node = doc
+    for part in ref[2:].split("/"):
+        node = node[part.replace("~1", "/").replace("~0", "~")]
+    return node
+
+
+def refs(node):
+    """Every $ref value in a JSON value."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "$ref":
+                yield value
+            else:
+                yield from refs(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from refs(value)
+
+
+def test_every_route_is_in_the_document(app):
+    r = call(app, "GET", "/openapi.json")
+    assert r.status == 200
+    doc = r.json
+    assert doc["openapi"] == "3.1.0" and doc["info"]["title"] == "localrt"
+    for route in ROUTES:
+        path = re.sub(r"\{(\w+)(?::path)?\}", r"{\1}", route.pattern)
+        operation = doc["paths"][path][route.method.lower()]
+        assert operation["summary"] and "default" in operation["responses"]
+        if route.schema:
+            body = operation["requestBody"]["content"]["application/json"]["schema"]
+            assert resolve(doc, body["$ref"])["title"]
+        names = re.findall(r"\{(\w+)", route.pattern)
+        assert [p["name"] for p in operation.get("parameters", [])] == names
+    operations = [op["operationId"] for ops in doc["paths"].values() for op in ops.values()]
+    assert len(operations) == len(set(operations)) == len(ROUTES)
+
+
+def test_every_reference_resolves(app):
+    doc = call(app, "GET", "/openapi.json").json
+    found = list(refs(doc))
+    assert "#/components/schemas/model-update/properties/ctx_len" in found
+    for ref in found:
+        resolve(doc, ref)
+    assert not any("$id" in s or "$schema" in s for s in doc["components"]["schemas"].values())
