@@ -310,21 +310,12 @@ class LlamaModel:
 
     def _grammar(self, response_format: dict | None):
         """A llama.cpp grammar that constrains the reply to JSON (or to a JSON Schema)."""
-        kind = (response_format or {}).get("type")
-        if kind not in ("json_object", "json_schema"):
+        gbnf = json_grammar(response_format)
+        if gbnf is None:
             return None
-        from llama_cpp.llama_grammar import JSON_GBNF, LlamaGrammar, json_schema_to_gbnf
+        from llama_cpp.llama_grammar import LlamaGrammar
 
-        schema = response_format.get("schema")
-        if schema is None:
-            return LlamaGrammar.from_string(JSON_GBNF, verbose=False)
-        try:
-            gbnf = json_schema_to_gbnf(json.dumps(schema))
-            return LlamaGrammar.from_string(gbnf, verbose=False)
-        except Exception as exc:  # the converter raises bare Exceptions for what it cannot do
-            raise InvalidField(f"Invalid field 'response_format': the JSON Schema cannot be "
-                               f"turned into a grammar: {exc}",
-                               param="response_format") from None
+        return LlamaGrammar.from_string(gbnf, verbose=False)
 
     def _bias(self, logit_bias: dict | None):
         if not logit_bias:
@@ -351,6 +342,24 @@ class LlamaModel:
     def unload(self) -> None:
         """Free the model and its context."""
         self.llm.close()
+
+
+def json_grammar(response_format: dict | None) -> str | None:
+    """The GBNF grammar gguf-cpp constrains a JSON reply with; a 400 for a schema it cannot
+    turn into one. Checked before a request waits for its model, too."""
+    kind = (response_format or {}).get("type")
+    if kind not in ("json_object", "json_schema"):
+        return None
+    from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+
+    schema = response_format.get("schema")
+    if schema is None:
+        return JSON_GBNF
+    try:
+        return json_schema_to_gbnf(json.dumps(schema))
+    except Exception as exc:  # the converter raises bare Exceptions for what it cannot do
+        raise InvalidField(f"Invalid field 'response_format': the JSON Schema cannot be "
+                           f"turned into a grammar: {exc}", param="response_format") from None
 
 
 def _number(params: dict, name: str) -> float:

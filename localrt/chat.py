@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import Iterator
 
-from localrt.adapters import generation_of_pieces
+from localrt.adapters import GGUF_ENGINE, generation_of_pieces, json_grammar
 from localrt.errors import Conflict, InvalidField, ServiceUnavailable
 from localrt.scheduler import Lease, Scheduler
 
@@ -52,6 +52,8 @@ class Chats:
             raise InvalidField("Invalid field 'logprobs': log probabilities are not "
                                "supported", param="logprobs")
         response_format = _response_format(body.get("response_format"))
+        if record["engine"] == GGUF_ENGINE:
+            json_grammar(response_format)  # a schema it cannot follow: 400 before waiting
         if not self._slots.acquire(blocking=False):
             raise ServiceUnavailable(f"Too many chat requests in progress (at most "
                                      f"{self.max_requests}); retry shortly",

@@ -457,3 +457,10 @@ def test_developer_messages_are_system_messages(api, tiny):
     as_system = chat(api, messages=[{"role": "system", "content": "be brief"}, *USER])
     assert as_developer.json["usage"] == as_system.json["usage"]
     assert as_developer.json["choices"] == as_system.json["choices"]
+
+
+def test_a_schema_llama_cpp_cannot_follow_is_a_400_before_the_model_starts(api, tiny):
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strange"}}}
+    r = chat(api, response_format=fmt)
+    assert r.status == 400 and r.json["error"]["param"] == "response_format"
+    assert api("GET", "/v1/models/status").json["data"] == []  # nothing was started for it
