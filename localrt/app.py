@@ -138,6 +138,13 @@ class App:
     def _dispatch(self, environ, cors_on: bool, allowed_origin: str | None) -> Reply:
         method = environ["REQUEST_METHOD"].upper()
         path = _path(environ)
+        host = environ.get("HTTP_HOST")
+        if host and _loopback(self.services.settings["apiServerHost"]) and \
+                not _loopback(_host_name(host)):
+            # DNS rebinding: a page on evil.example whose name now points at 127.0.0.1
+            # sends Host: evil.example. A server only on loopback is never that host.
+            raise Forbidden(f"Host {host!r} is not this server: it listens on loopback, so "
+                            f"use localhost or 127.0.0.1")
         if method == "OPTIONS":
             return self._options(environ, path, cors_on, allowed_origin)
         route, params = self.router.match(method, path)
@@ -209,6 +216,20 @@ class _Body:
 
 
 _STATUS_LINES = {s.value: f"{s.value} {s.phrase}" for s in HTTPStatus}
+
+
+def _loopback(host: str) -> bool:
+    """Whether a host name or address is this machine's loopback."""
+    host = host.lower().rstrip(".")
+    return host in ("localhost", "::1", "[::1]") or host.endswith(".localhost") or \
+        host.startswith("127.") and host.replace(".", "").isdigit()
+
+
+def _host_name(host: str) -> str:
+    """A Host header without its port: "127.0.0.1:39281" -> "127.0.0.1", "[::1]:1" -> "::1"."""
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
 def _query(environ) -> dict:

@@ -124,3 +124,28 @@ def test_two_apps_in_one_process_are_independent(tmp_path):
 
 def test_stop_without_a_server_is_a_clear_error(wsgi):
     assert_error(wsgi("DELETE", "/v1/system"), 409)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.1:39281", "localhost:8080",
+                                  "LOCALHOST", "[::1]:39281", "::1", "app.localhost:1",
+                                  "127.1.2.3"])
+def test_loopback_host_headers_are_served(wsgi, host):
+    assert wsgi("GET", "/healthz", headers={"Host": host}).status == 200
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:39281", "10.0.0.5",
+                                  "127.0.0.1.evil.example", "localhost.evil.example:1"])
+def test_other_host_headers_are_refused_on_loopback(wsgi, host):
+    """DNS rebinding: a page whose name now points at 127.0.0.1 still sends its own name."""
+    r = wsgi("POST", "/v1/models/pull", {"model": "x"}, headers={"Host": host})
+    assert r.status == 403 and r.json["error"]["code"] == "forbidden"
+    assert "loopback" in r.json["message"]
+
+
+def test_a_server_bound_elsewhere_takes_any_host(home):
+    from localrt import settings as settings_mod
+
+    settings = settings_mod.load(environ={"HOME": str(home)})
+    settings.override(apiServerHost="0.0.0.0")
+    app = create_app(settings)
+    assert call(app, "GET", "/healthz", headers={"Host": "box.lan:39281"}).status == 200
