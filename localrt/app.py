@@ -93,7 +93,7 @@ class App:
                           lambda: settings["engineIndexUrl"], hardware=hardware)
         registry = models.Registry(settings.data_dir / "models", self.validators)
         scheduler = Scheduler(registry, engines, max_models=settings["maxRunningModels"],
-                              keep_alive=settings["keepAlive"],
+                              keep_alive=settings["keepAlive"] * 60,
                               lanes=settings["computeLanes"])
         registry.is_running = scheduler.is_running
         self.services = Services(settings=settings, config=config, events=events,

@@ -86,22 +86,25 @@ def _positive_int(value: Any) -> int:
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
 
 
-def _duration(value: Any) -> float:
-    """Seconds, from minutes (a number) or Ollama's style: "30s", "5m", "1h"; 0 is off."""
+def _minutes(value: Any) -> float:
+    """Minutes, from a number or Ollama's style: "30s", "5m", "1h"; 0 is off.
+
+    A number converts to itself, so the value written back to the file reads the same.
+    """
     if isinstance(value, str) and value.strip()[-1:].lower() in _DURATION_UNITS:
         text = value.strip()
         try:
-            seconds = float(text[:-1]) * _DURATION_UNITS[text[-1].lower()]
+            minutes = float(text[:-1]) * _DURATION_UNITS[text[-1].lower()] / 60
         except ValueError:
             raise ValueError(f"expected minutes or a duration like 30s, 5m or 1h, "
                              f"got {value!r}") from None
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value) * 60
+        minutes = float(value)
     else:
         raise ValueError(f"expected minutes or a duration like 30s, 5m or 1h, got {value!r}")
-    if seconds < 0:
+    if minutes < 0:
         raise ValueError(f"expected a duration of 0 (off) or more, got {value!r}")
-    return seconds
+    return minutes
 
 
 @dataclass(frozen=True)
@@ -139,7 +142,7 @@ KEYS: tuple[Key, ...] = (
         env="LOCALRT_ENGINE_INDEX_URL"),
     Key("maxRunningModels", _positive_int, 2,
         "models loaded at once; starting one more unloads the least recently used"),
-    Key("keepAlive", _duration, 0.0,
+    Key("keepAlive", _minutes, 0.0,
         "unload a model idle this long: minutes, or 30s/5m/1h; 0 keeps models loaded"),
     Key("computeLanes", _positive_int, 1,
         "generations that compute at once, across all models; raise it only with cores "

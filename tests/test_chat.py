@@ -381,9 +381,13 @@ def test_settings_keys_for_running_models(home):
     (home / ".localrtrc").write_text("maxRunningModels: 0\n")
     with pytest.raises(settings_mod.SettingsError, match="maxRunningModels"):
         settings_mod.load(environ={"HOME": str(home)})
-    for value, seconds in (("5m", 300.0), (2, 120.0), ("30s", 30.0), (0, 0.0)):
+    for value, minutes in (("5m", 5.0), (2, 2.0), ("30s", 0.5), ("1h", 60.0), (0, 0.0)):
         (home / ".localrtrc").write_text(f"keepAlive: {json.dumps(value)}\n")
-        assert settings_mod.load(environ={"HOME": str(home)})["keepAlive"] == seconds
+        settings = settings_mod.load(environ={"HOME": str(home)})
+        assert settings["keepAlive"] == minutes
+        settings.update({"cors": False})  # the file is written back...
+        again = settings_mod.load(environ={"HOME": str(home)})
+        assert again["keepAlive"] == minutes  # ...and reads the same
 
 
 def test_fair_lock_lets_waiters_in_in_arrival_order():
