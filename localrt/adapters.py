@@ -163,14 +163,21 @@ def _seed(params: dict, bits: int) -> int:
     return seed % ((1 << bits) - 1)
 
 
-def chat_via_generate(model, messages: list, params: dict, stream: bool):
-    """The older chat(messages, params, stream) contract, on top of generate()."""
-    generation = model.generate(messages, params)
-    if stream:
-        return generation
-    content = "".join(generation)
-    return {"content": content, "finish_reason": generation.finish_reason,
-            "usage": dict(generation.usage)}
+class GeneratingModel:
+    """A loaded model with generate(); chat() offers the older contract on top of it."""
+
+    def generate(self, messages: list, params: dict) -> Generation:
+        """See the module docstring."""
+        raise NotImplementedError
+
+    def chat(self, messages: list, params: dict, stream: bool):
+        """The older chat(messages, params, stream) contract; see the module docstring."""
+        generation = self.generate(messages, params)
+        if stream:
+            return generation
+        content = "".join(generation)
+        return {"content": content, "finish_reason": generation.finish_reason,
+                "usage": dict(generation.usage)}
 
 
 # --- gguf-cpp ------------------------------------------------------------------------
@@ -197,7 +204,7 @@ class GgufEngine:
                           context=options.get("ctx_len"))
 
 
-class LlamaModel:
+class LlamaModel(GeneratingModel):
     """A loaded GGUF model: a llama.cpp context and the generation loop around it."""
 
     def __init__(self, llm, caching: bool = True, context: int | None = None):
@@ -247,10 +254,6 @@ class LlamaModel:
                 tokens_in.close()
 
         return Generation(len(tokens), run)
-
-    def chat(self, messages: list, params: dict, stream: bool):
-        """The older contract; see the module docstring."""
-        return chat_via_generate(self, messages, params, stream)
 
     def _piece(self, token: int) -> bytes:
         """A token's bytes (special tokens render as nothing, as in llama-cpp-python)."""
@@ -394,7 +397,7 @@ class OnnxEngine:
                          min(context, options.get("ctx_len") or context))
 
 
-class OnnxModel:
+class OnnxModel(GeneratingModel):
     """A loaded ONNX model; a fresh Generator per request."""
 
     def __init__(self, og, model, tokenizer, context: int):
@@ -438,10 +441,6 @@ class OnnxModel:
                                   max_tokens=max_tokens)
 
         return Generation(len(ids), run)
-
-    def chat(self, messages: list, params: dict, stream: bool):
-        """The older contract; see the module docstring."""
-        return chat_via_generate(self, messages, params, stream)
 
     def unload(self) -> None:
         """Drop the model; onnxruntime frees it with the last reference."""

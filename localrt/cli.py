@@ -203,13 +203,23 @@ def cmd_pull(ctx: "Context") -> int:
     model_id, file = ctx.args.model, ctx.args.file
     # The event stream opens first, so that no event of the task the pull starts is missed.
     stream, client = ctx.call(lambda client: (_open_events(client), client))
+    return _download(ctx, client, stream, model_id, file)[0]
+
+
+def _download(ctx: "Context", client, stream, model_id: str,
+              file: str | None) -> tuple[int, str]:
+    """Start a pull and follow it until it ends: (exit code, the model's local id).
+
+    `stream` is the event stream, opened before the pull (None: poll instead).
+    """
     with stream or contextlib.nullcontext():
         started = _start_pull(ctx, client, model_id, file)
-        if started is None:
-            return ExitCode.OK
+        if isinstance(started, str):  # already downloaded
+            return ExitCode.OK, started
         model, pull_id, task = started
-        return _follow(ctx, client, stream or _polled_events(client), task,
+        code = _follow(ctx, client, stream or _polled_events(client), task,
                        f"Model {model}", "downloaded", f"localrt pull {pull_id}")
+        return code, model
 
 
 def _open_events(client):
@@ -240,7 +250,8 @@ def _polled_events(client, interval: float = 0.5):
 
 
 def _start_pull(ctx: "Context", client, model_id: str, file: str | None):
-    """POST the pull; return (model id, id to pull again, task), or None if already there."""
+    """POST the pull; return (model id, id to pull again, task), or the model's id if it
+    is already downloaded."""
     from localrt.client import ApiError
 
     pull_id = model_id if file is None else f"{model_id}:{file}"
@@ -258,7 +269,7 @@ def _start_pull(ctx: "Context", client, model_id: str, file: str | None):
         raise
     if "task" not in reply:
         ctx.out(reply["message"])
-        return None
+        return reply.get("model", model_id)
     return reply["model"], pull_id, reply["task"]
 
 
@@ -389,11 +400,7 @@ def cmd_models_remove(ctx: "Context") -> int:
 
 def cmd_models_update(ctx: "Context") -> int:
     """Change a model's stored parameters with one PATCH."""
-    changes = {}
-    for name in ctx.args.parameters:
-        value = getattr(ctx.args, f"param_{name}")
-        if value is not None:
-            changes[name] = [v for v in value if v] if isinstance(value, list) else value
+    changes = _flag_values(ctx, ctx.args.parameters)
     if not changes:
         raise CliError("Nothing to update: give at least one option (see "
                        "`localrt models update -h`)", ExitCode.USAGE)
@@ -404,14 +411,19 @@ def cmd_models_update(ctx: "Context") -> int:
     return ExitCode.OK
 
 
-def _start_options(ctx: "Context") -> dict:
-    """The start options given as flags (`models start`, `run`)."""
-    options = {}
-    for name in ctx.args.start_options:
+def _flag_values(ctx: "Context", names) -> dict:
+    """The values of the model_update_options() flags that were given ('' drops out of a list)."""
+    values = {}
+    for name in names:
         value = getattr(ctx.args, f"param_{name}")
         if value is not None:
-            options[name] = [v for v in value if v] if isinstance(value, list) else value
-    return options
+            values[name] = [v for v in value if v] if isinstance(value, list) else value
+    return values
+
+
+def _start_options(ctx: "Context") -> dict:
+    """The start options given as flags (`models start`, `run`)."""
+    return _flag_values(ctx, ctx.args.start_options)
 
 
 def cmd_models_start(ctx: "Context") -> int:
@@ -482,14 +494,7 @@ def cmd_run(ctx: "Context") -> int:
 
 def _pull_for_run(ctx: "Context", client, model_id: str) -> str:
     """Pull a model, following its progress; return the local id it got."""
-    stream = _open_events(client)
-    with stream or contextlib.nullcontext():
-        started = _start_pull(ctx, client, model_id, None)
-        if started is None:  # downloaded meanwhile, under its local id
-            return client.pull_model(model_id).get("model", model_id)
-        model, pull_id, task = started
-        code = _follow(ctx, client, stream or _polled_events(client), task, f"Model {model}",
-                       "downloaded", f"localrt pull {pull_id}")
+    code, model = _download(ctx, client, _open_events(client), model_id, None)
     if code != ExitCode.OK:
         raise CliError(f"Model {model_id} was not downloaded", code)
     return model

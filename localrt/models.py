@@ -492,17 +492,8 @@ class Models:
         folder.mkdir(parents=True, mode=0o700)
         target = folder / src.name
         try:
-            if src.is_dir():
-                files, paths = self._import_folder(src, target, model_id, option)
-            elif option == "copy":
-                check_disk_space(model_id, [Item(src.name, "", target, src.stat().st_size)])
-                sha256 = _copy(src, target)
-            else:
-                _link(src, target)
-                sha256 = None
-            if not src.is_dir():
-                files = [{"path": src.name, "size": target.stat().st_size, "sha256": sha256}]
-                paths = [target]
+            bring = self._import_folder if src.is_dir() else self._import_file
+            files, paths = bring(src, target, model_id, option)
             source = {"type": "import", "path": str(src), "option": option}
             try:
                 definition = _definition(model_id, "local", paths, files, source,
@@ -514,6 +505,16 @@ class Models:
             shutil.rmtree(folder, ignore_errors=True)
             raise
 
+    def _import_file(self, src: Path, target: Path, model_id: str,
+                     option: str) -> tuple[list, list]:
+        """A GGUF file, linked or copied; (files, paths)."""
+        if option == "copy":
+            check_disk_space(model_id, [Item(src.name, "", target, src.stat().st_size)])
+            sha256 = _copy(src, target)
+        else:
+            _link(src, target)
+            sha256 = None
+        return [{"path": src.name, "size": target.stat().st_size, "sha256": sha256}], [target]
 
     def _import_folder(self, src: Path, target: Path, model_id: str,
                        option: str) -> tuple[list, list]:
@@ -564,6 +565,16 @@ def _safe_relative(path: str) -> bool:
 
 def _ggufs(files) -> list[str]:
     return sorted(f.path for f in files if f.path.lower().endswith(".gguf"))
+
+
+def weights_path(record: dict) -> Path | None:
+    """The file an engine loads for a model record: its GGUF, else its ONNX model file."""
+    files = [f["path"] for f in record["files"]]
+    for engine in (GGUF_ENGINE, ONNX_ENGINE):
+        found = next((f for f in files if _engine_of(f) == engine), None)
+        if found is not None:
+            return Path(record["path"]) / found
+    return None
 
 
 def _engine_of(path: str) -> str | None:

@@ -30,7 +30,7 @@ from pathlib import Path
 from localrt.adapters import GGUF_ENGINE, QUANTIZED_CACHE
 from localrt.engines import EngineNotFound, available_cores
 from localrt.errors import BadRequest, Conflict, HTTPError, InvalidField, ServiceUnavailable
-from localrt.models import DEFAULT_CTX_LEN
+from localrt.models import DEFAULT_CTX_LEN, weights_path
 
 log = logging.getLogger(__name__)
 
@@ -421,14 +421,11 @@ class Scheduler:
         return Running(record["id"], engine, model, options, measured["ram"], measured["vram"])
 
     def _model_path(self, record: dict) -> Path:
-        folder = Path(record["path"])
-        files = [f["path"] for f in record["files"]]
-        weights = [f for f in files if f.lower().endswith(".gguf")] or \
-            [f for f in files if f.lower().endswith((".onnx", "genai_config.json"))]
-        if not weights:
+        path = weights_path(record)
+        if path is None:
             raise BadRequest(f"Model {record['id']} has no GGUF or ONNX file to load",
                              param="model")
-        return folder / weights[0]
+        return path
 
     def _unload(self, running: Running, why: str) -> None:
         running.stopping.set()

@@ -13,6 +13,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from socketserver import ThreadingMixIn
 from types import SimpleNamespace
@@ -116,6 +118,20 @@ def call(app, method, path, json_body=None, body=None, headers=None, query="") -
     names = [k.lower() for k, _ in captured["headers"]]
     assert len(names) == len(set(names)), f"duplicate headers: {captured['headers']}"
     return Response(captured["status"], {k.lower(): v for k, v in captured["headers"]}, data)
+
+
+def send(url, method, path, body=None, timeout=10):
+    """One JSON request to a real server, as curl users make them: (status, decoded
+    reply), error replies included."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json"} if data else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, json.loads(exc.read())
 
 
 def wait_task(api, task_id, timeout=20.0):

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import openai
 import pytest
-from conftest import run_foreground_server
+from conftest import run_foreground_server, send
 from ggufgen import EOS_ID
 
 NO_EOS = {str(EOS_ID): -100}  # the model never ends a reply: exactly max_tokens come
@@ -36,16 +36,8 @@ def server(live_server):
 
 
 def api(url, method, path, body=None, timeout=30):
-    """One JSON request; (status, decoded reply), errors included."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data=data, method=method,
-                                 headers={"Content-Type": "application/json"} if data else {})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        with exc:
-            return exc.code, json.loads(exc.read())
+    """conftest.send, with time for a reply from the slower model."""
+    return send(url, method, path, body, timeout)
 
 
 def add_model(url, path, model_id, **start):

@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+from conftest import send
 from ggufgen import write_gguf
 
 
@@ -126,27 +127,16 @@ def test_running_models_cannot_be_removed(app, wsgi, imported):
 
 
 def test_ids_with_slashes_and_colons_work_url_encoded(live_server, gguf):
-    import urllib.request
-
-    def send(method, path, body=None):
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(live_server.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=10) as resp:
-                return resp.status, json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
-
-    status, _ = send("POST", "/v1/models/import", {"path": str(gguf), "id": "me/tiny:chat"})
+    url = live_server.url
+    status, _ = send(url, "POST", "/v1/models/import", {"path": str(gguf), "id": "me/tiny:chat"})
     assert status == 200
     for path in ("/v1/models/me/tiny:chat", "/v1/models/me%2Ftiny%3Achat",
                  "/v1/models/me%2ftiny:chat"):
-        status, body = send("GET", path)
+        status, body = send(url, "GET", path)
         assert (status, body["id"]) == (200, "me/tiny:chat"), path
-    status, body = send("PATCH", "/v1/models/me%2Ftiny%3Achat", {"ctx_len": 1024})
+    status, body = send(url, "PATCH", "/v1/models/me%2Ftiny%3Achat", {"ctx_len": 1024})
     assert status == 200 and body["model"]["ctx_len"] == 1024
-    status, _ = send("DELETE", "/v1/models/me%2Ftiny%3Achat")
+    status, _ = send(url, "DELETE", "/v1/models/me%2Ftiny%3Achat")
     assert status == 200
 
 

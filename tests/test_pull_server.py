@@ -10,7 +10,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from conftest import run_foreground_server
+from conftest import run_foreground_server, send
 from ggufgen import write_gguf
 from hubemu import HubEmulator
 from proxyfix import start_proxy
@@ -27,17 +27,6 @@ def hub(big):
     with HubEmulator() as emu:
         emu.add_repo("org/big", {"big.gguf": big})
         yield emu
-
-
-def send(url, method, path, body=None, timeout=10):
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url + path, data=data, method=method,
-                                 headers={"Content-Type": "application/json"} if data else {})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
 
 
 def wait_status(url, task_id, timeout=30):

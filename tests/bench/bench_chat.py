@@ -64,7 +64,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -73,6 +72,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+import benchlib  # noqa: E402  (this folder is on sys.path)
 
 MODEL_ID = "bench"
 CTX_LEN = 2048
@@ -207,16 +208,8 @@ def raw_round(model: Path, args, bias: dict, out: dict) -> None:
 
 
 def api(port: int, method: str, path: str, body=None, conn=None) -> tuple[int, dict]:
-    """One JSON request; a new connection unless `conn` is given."""
-    own = conn is None
-    conn = conn or http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    headers = {"Content-Type": "application/json"} if body is not None else {}
-    conn.request(method, path, json.dumps(body) if body is not None else None, headers)
-    resp = conn.getresponse()
-    data = json.loads(resp.read())
-    if own:
-        conn.close()
-    return resp.status, data
+    """benchlib.api, with time for a model to load or a reply to finish."""
+    return benchlib.api(port, method, path, body, conn, timeout=120)
 
 
 def chat_body(k: int, bias: dict, stream: bool) -> dict:
@@ -385,21 +378,6 @@ def nearest_rank(ordered: list, pct: float) -> float:
     return ordered[max(1, math.ceil(pct / 100 * len(ordered))) - 1]
 
 
-def start_server(home: Path):
-    """`python -m localrt start --foreground --port 0` with HOME at `home`; (process, port)."""
-    from localrt import server, settings
-
-    home.mkdir(parents=True, exist_ok=True)
-    s = settings.load(environ={"HOME": str(home)})
-    env = dict(os.environ, HOME=str(home))
-    env.pop("LOCALRT_CONFIG", None)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.Popen([sys.executable, "-m", "localrt", "start", "--foreground",
-                             "--port", "0"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    return proc, server.wait_started(s, proc, timeout=60).port
-
-
 def cpu_snapshot(server_pid: int) -> tuple[int, int]:
     """(jiffies the whole machine was busy, jiffies this process and the server used)."""
     with open("/proc/stat") as f:
@@ -490,7 +468,7 @@ def main() -> int:
         model = args.model.resolve() if args.model else make_model(root)
         bias, n_params = eog_bias(model)
         print(f"model {model}: {n_params:,} parameters", file=sys.stderr)
-        proc, port = start_server(root / "home")
+        proc, port = benchlib.start_server(root / "home", timeout=60)
         try:
             status, body = api(port, "POST", "/v1/models/import",
                                {"path": str(model), "id": MODEL_ID})

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import json
 import os
 import shutil
 import statistics
@@ -46,6 +45,8 @@ SELF = str(Path(__file__).resolve())
 for p in (str(REPO), str(TESTS)):
     if p not in sys.path:
         sys.path.insert(0, p)
+
+from benchlib import api, start_server  # noqa: E402  (this folder is on sys.path)
 
 RUNS = 3
 MODELS = 200
@@ -73,37 +74,6 @@ def make_weights(path: Path, size: int) -> None:
             with open(part, "rb") as f:
                 shutil.copyfileobj(f, out, 4 << 20)
             part.unlink()
-
-
-def child_env(home: Path) -> dict:
-    env = dict(os.environ, HOME=str(home))
-    env.pop("LOCALRT_CONFIG", None)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
-def start_server(home: Path, hub_url: str):
-    from localrt import server, settings
-
-    home.mkdir(parents=True, exist_ok=True)
-    s = settings.load(environ={"HOME": str(home)})
-    s.update({"modelHubUrl": hub_url, "logLevel": "INFO"})
-    proc = subprocess.Popen([PY, "-m", "localrt", "start", "--foreground", "--port", "0"],
-                            env=child_env(home), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    return proc, server.wait_started(s, proc).port
-
-
-def api(port: int, method: str, path: str, body=None, conn=None):
-    own = conn is None
-    conn = conn or http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    headers = {"Content-Type": "application/json"} if body is not None else {}
-    conn.request(method, path, json.dumps(body) if body is not None else None, headers)
-    resp = conn.getresponse()
-    data = json.loads(resp.read())
-    if own:
-        conn.close()
-    return resp.status, data
 
 
 def rss_kb(pid: int) -> int:
@@ -193,7 +163,7 @@ def main() -> int:
                                stdout=subprocess.PIPE, text=True)
         hub_url = hub.stdout.readline().strip()
         home = root / "home"
-        proc, port = start_server(home, hub_url)
+        proc, port = start_server(home, {"modelHubUrl": hub_url, "logLevel": "INFO"})
         try:
             url = f"{hub_url}/org/big/resolve/main/big.gguf"
             os.sync()  # the weights just written must not be flushed during the runs
