@@ -26,6 +26,7 @@ llama_cpp and onnxruntime_genai are imported only when a model loads.
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 import random
 from pathlib import Path
@@ -353,16 +354,25 @@ def json_grammar(response_format: dict | None) -> str | None:
     kind = (response_format or {}).get("type")
     if kind not in ("json_object", "json_schema"):
         return None
-    from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+    from llama_cpp.llama_grammar import JSON_GBNF
 
     schema = response_format.get("schema")
     if schema is None:
         return JSON_GBNF
     try:
-        return json_schema_to_gbnf(json.dumps(schema))
+        return _schema_grammar(json.dumps(schema, sort_keys=True))
     except Exception as exc:  # the converter raises bare Exceptions for what it cannot do
         raise InvalidField(f"Invalid field 'response_format': the JSON Schema cannot be "
                            f"turned into a grammar: {exc}", param="response_format") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _schema_grammar(schema_json: str) -> str:
+    """The grammar of a JSON Schema, converted once: a request checks it before it waits
+    for its model and uses it after, and clients send the same schema again and again."""
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    return json_schema_to_gbnf(schema_json)
 
 
 def _number(params: dict, name: str) -> float:

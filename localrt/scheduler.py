@@ -243,13 +243,11 @@ class Scheduler:
     def status(self) -> list[dict]:
         """One row per running model: engine, memory, uptime and effective options."""
         now = time.time()
-        with self._lock:
-            rows = list(self._running.values())
-            busy = {r.model_id: r.active for r in rows}
-        return [{"id": r.model_id, "object": "model", "engine": r.engine, "ram": r.ram,
-                 "vram": r.vram, "startedAt": int(r.started_at),
-                 "uptime": round(now - r.started_at, 1), "requests": busy[r.model_id],
-                 "options": dict(r.options)} for r in rows]
+        with self._lock:  # `active` changes under it
+            return [{"id": r.model_id, "object": "model", "engine": r.engine, "ram": r.ram,
+                     "vram": r.vram, "startedAt": int(r.started_at),
+                     "uptime": round(now - r.started_at, 1), "requests": r.active,
+                     "options": dict(r.options)} for r in self._running.values()]
 
     # --- start and stop --------------------------------------------------------
 
@@ -306,9 +304,7 @@ class Scheduler:
                 running = self._running.get(model_id)
                 if running is not None:
                     running.active += 1
-            if running is None:
-                if not self._registry.has(model_id):
-                    self._registry.get(model_id)  # raises the 404
+            if running is None:  # start() answers a 404 for a model that is not there
                 log.info("starting model %s for a chat request, with its stored parameters",
                          model_id)
                 self.start(model_id)
