@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Union
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
-from loopback import DISCONNECTS, LoopbackServer
+from loopback import DISCONNECTS, LoopbackHandler, LoopbackServer
 
 __all__ = ["HubEmulator", "RequestRecord", "HubFile"]
 
@@ -203,20 +203,9 @@ class _Server(LoopbackServer):
         super().__init__(_Handler, ssl_context)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class _Handler(LoopbackHandler):
     server_version = "hubemu/1.0"
-    sys_version = ""
     server: _Server
-
-    def log_message(self, format, *args):
-        pass
-
-    def handle(self):
-        try:
-            super().handle()
-        except DISCONNECTS:
-            self.close_connection = True
 
     def send_response(self, code, message=None):
         if getattr(self, "_record", None) is not None and self._record.status is None:

@@ -1,6 +1,7 @@
 """Test support: the listening side shared by the loopback emulators (hubemu, pkgindex).
 
-Not a test module. `LoopbackServer` binds 127.0.0.1 on a port the OS picks, serves
+Not a test module. `LoopbackHandler` is the emulators' request handler base, quiet and
+calm about clients that hang up. `LoopbackServer` binds 127.0.0.1 on a port the OS picks, serves
 each connection in a daemon thread, optionally over TLS, and remembers the open
 connections so an emulator's stop() can cut transfers still in progress.
 """
@@ -13,7 +14,7 @@ import ssl
 import sys
 import threading
 import traceback
-from http.server import ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 
 # Errors a client causes by hanging up; the emulators stay quiet about them.
@@ -77,3 +78,19 @@ class LoopbackServer(ThreadingHTTPServer):
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+
+class LoopbackHandler(BaseHTTPRequestHandler):
+    """A request handler that logs nothing and takes a client's hang-up as the end."""
+
+    protocol_version = "HTTP/1.1"  # keep-alive, as the real hub and index do
+    sys_version = ""
+
+    def log_message(self, format, *args):
+        pass
+
+    def handle(self):
+        try:
+            super().handle()
+        except DISCONNECTS:
+            self.close_connection = True

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Dict, List, NamedTuple, Optional, Set
 from urllib.parse import quote, unquote, urlsplit
 
-from loopback import DISCONNECTS, LoopbackServer
+from loopback import DISCONNECTS, LoopbackHandler, LoopbackServer
 
 __all__ = ["PackageIndex", "Distribution", "Request", "normalize", "JSON_TYPE", "CHUNK"]
 
@@ -204,10 +204,8 @@ class _Server(LoopbackServer):
         super().__init__(_Handler)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class _Handler(LoopbackHandler):
     server_version = "pkgindex/1.0"
-    sys_version = ""
     server: _Server
 
     # The routes: (path pattern, handler method name); the first full match wins.
@@ -216,15 +214,6 @@ class _Handler(BaseHTTPRequestHandler):
         (re.compile(r"/simple/(?P<project>[^/]+)(?P<slash>/?)"), "_project_page"),
         (re.compile(r"/files/(?P<filename>[^/]+)"), "_file"),
     ]
-
-    def log_message(self, format, *args):
-        pass
-
-    def handle(self):
-        try:
-            super().handle()
-        except DISCONNECTS:
-            self.close_connection = True
 
     def do_GET(self):
         self._dispatch()
