@@ -13,13 +13,13 @@ from http import HTTPStatus
 from typing import Any, Callable, Iterable
 from urllib.parse import parse_qsl
 
-from localrt import models
+from localrt import models, security
 from localrt.chat import Chats
 from localrt.config import Config
 from localrt.downloads import Downloads
 from localrt.engines import Engines
 from localrt.errors import (BadRequest, Forbidden, HTTPError, InternalError, InvalidJSON,
-                            PayloadTooLarge, UnsupportedMediaType)
+                            PayloadTooLarge, Unauthorized, UnsupportedMediaType)
 from localrt.events import EventBus
 from localrt.routing import Router
 from localrt.scheduler import Scheduler
@@ -110,7 +110,9 @@ class App:
         try:
             reply = self._dispatch(environ, cors_on, allowed_origin)
         except HTTPError as err:
-            reply = Reply(err.body(), err.status, err.headers)
+            # Messages can quote what upstream said; secrets never leave in them.
+            secrets = security.secrets_of(self.services.settings.snapshot())
+            reply = Reply(security.redact_data(err.body(), secrets), err.status, err.headers)
         except Exception:
             log.exception("unexpected error on %s %s", environ.get("REQUEST_METHOD"),
                           environ.get("PATH_INFO"))
@@ -139,12 +141,23 @@ class App:
         method = environ["REQUEST_METHOD"].upper()
         path = _path(environ)
         host = environ.get("HTTP_HOST")
-        if host and _loopback(self.services.settings["apiServerHost"]) and \
-                not _loopback(_host_name(host)):
+        if host and security.is_loopback(self.services.settings["apiServerHost"]) and \
+                not security.is_loopback(security.host_name(host)):
             # DNS rebinding: a page on evil.example whose name now points at 127.0.0.1
             # sends Host: evil.example. A server only on loopback is never that host.
             raise Forbidden(f"Host {host!r} is not this server: it listens on loopback, so "
                             f"use localhost or 127.0.0.1")
+        preflight = method == "OPTIONS" and "HTTP_ORIGIN" in environ and \
+            "HTTP_ACCESS_CONTROL_REQUEST_METHOD" in environ
+        keys = self.services.settings["apiKeys"]
+        # A browser never sends credentials with a preflight, so it cannot need a key.
+        if keys and path not in security.OPEN_PATHS and not preflight and \
+                not security.key_accepted(environ.get("HTTP_AUTHORIZATION"), keys):
+            raise Unauthorized("An API key is required: send 'Authorization: Bearer <key>' "
+                               "with a key from apiKeys (or LOCALRT_API_KEY)"
+                               if not environ.get("HTTP_AUTHORIZATION") else
+                               "The API key was not accepted",
+                               headers=[("WWW-Authenticate", 'Bearer realm="localrt"')])
         if method == "OPTIONS":
             return self._options(environ, path, cors_on, allowed_origin)
         route, params = self.router.match(method, path)
@@ -216,20 +229,6 @@ class _Body:
 
 
 _STATUS_LINES = {s.value: f"{s.value} {s.phrase}" for s in HTTPStatus}
-
-
-def _loopback(host: str) -> bool:
-    """Whether a host name or address is this machine's loopback."""
-    host = host.lower().rstrip(".")
-    return host in ("localhost", "::1", "[::1]") or host.endswith(".localhost") or \
-        host.startswith("127.") and host.replace(".", "").isdigit()
-
-
-def _host_name(host: str) -> str:
-    """A Host header without its port: "127.0.0.1:39281" -> "127.0.0.1", "[::1]:1" -> "::1"."""
-    if host.startswith("["):
-        return host[1:host.find("]")] if "]" in host else host
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
 def _query(environ) -> dict:

@@ -136,6 +136,10 @@ def cmd_start(ctx: "Context") -> int:
     settings = ctx.settings
     host = ctx.args.host or settings["apiServerHost"]
     port = settings["apiServerPort"] if ctx.args.port is None else ctx.args.port
+    try:
+        server.check_exposure(settings, host)
+    except server.UnsafeAddress as exc:
+        raise CliError(str(exc), ExitCode.SETTINGS) from None
     if ctx.args.foreground:
         try:
             server.serve(settings, host, port)
@@ -166,7 +170,7 @@ def cmd_stop(ctx: "Context") -> int:
     target = running or server.Address(ctx.settings["apiServerHost"],
                                        ctx.settings["apiServerPort"])
     try:
-        Client(target.url, timeout=10).stop_server()
+        Client(target.url, timeout=10, api_key=ctx.api_key).stop_server()
     except Unreachable:
         if not running:
             ctx.out("Server is not running")
@@ -791,6 +795,12 @@ class Context:
         except (server.PortInUse, RuntimeError) as exc:
             raise CliError(str(exc), ExitCode.UNAVAILABLE) from None
 
+    @property
+    def api_key(self) -> str | None:
+        """The key the CLI sends: $LOCALRT_API_KEY, else the first of apiKeys."""
+        keys = self.settings["apiKeys"]
+        return keys[0] if keys else None
+
     def call(self, fn):
         """Run `fn(client)`; if no server is running, start one first and say so."""
         from localrt import server
@@ -798,13 +808,13 @@ class Context:
 
         address = server.locate(self.settings)
         try:
-            return fn(Client(address.url))
+            return fn(Client(address.url, api_key=self.api_key))
         except Unreachable:
             if server.read_pid_file(self.settings):
                 raise  # a server process exists but does not answer; starting another won't help
         address = self.start_server(self.settings["apiServerHost"], self.settings["apiServerPort"])
         self.err(f"The localrt server was not running; started it at {address.url}")
-        return fn(Client(address.url))
+        return fn(Client(address.url, api_key=self.api_key))
 
 
 class _Parser(argparse.ArgumentParser):

@@ -41,9 +41,10 @@ class Unreachable(Exception):
 class Client:
     """Calls one localrt server. Proxies are never used: the server is local."""
 
-    def __init__(self, base_url: str, timeout: float = 30.0):
+    def __init__(self, base_url: str, timeout: float = 30.0, api_key: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self.api_key = api_key  # sent as a Bearer token when the server has apiKeys set
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     # --- the API -------------------------------------------------------------
@@ -165,6 +166,8 @@ class Client:
     def _open(self, method: str, path: str, body: Any = None, timeout: float | None = None):
         data = None
         headers = {"Accept": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
         if body is not None:
             data = json.dumps(body).encode("utf-8")
         if body is not None or method not in ("GET", "HEAD"):

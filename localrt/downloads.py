@@ -32,9 +32,10 @@ from pathlib import Path
 from typing import Callable, Mapping
 from urllib.parse import quote, unquote, urlsplit
 
+from localrt import security
 from localrt.errors import Conflict, InsufficientStorage, NotFound, UpstreamError
 from localrt.events import EventBus
-from localrt.fsutil import fsync_dir, human_size
+from localrt.fsutil import fsync_dir, human_size, private_dir
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +251,8 @@ class Item:
 
     def to_dict(self) -> dict:
         """The item as the API shows it."""
-        return {"id": self.id, "url": self.url, "localPath": str(self.local_path),
+        return {"id": self.id, "url": security.url_without_credentials(self.url),
+                "localPath": str(self.local_path),
                 "bytes": self.size, "downloadedBytes": self.downloaded,
                 "checksum": self.sha256}
 
@@ -400,9 +402,9 @@ class Downloads:
                      elapsed, human_size(total / max(elapsed, 1e-6)))
 
     def _fail(self, task: Task, message: str) -> None:
-        task.error = message
+        task.error = security.redact(message, security.secrets_of(self._config()))
         self._finish(task, "Error", "DownloadError")
-        log.warning("download %s failed: %s", task.id, message)
+        log.warning("download %s failed: %s", task.id, task.error)
 
     def _finish(self, task: Task, status: str, event_type: str) -> None:
         """End a task and say so, before a new run of the same id can start (`start`
@@ -420,7 +422,7 @@ class Downloads:
             item.downloaded = item.size
             return
         part = part_path(item.local_path)
-        part.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        private_dir(part.parent)
         with open(part, "ab+", buffering=0) as out:
             hasher = _Hasher(item)
             if os.fstat(out.fileno()).st_size > item.size:

@@ -45,7 +45,7 @@ from localrt.adapters import GGUF_ENGINE, ONNX_ENGINE, GgufEngine, OnnxEngine
 from localrt.downloads import DownloadFailed as DownloadFailedError
 from localrt.downloads import Downloads, Item, Task
 from localrt.errors import BadRequest, Conflict, HTTPError, NotFound
-from localrt.fsutil import atomic_write, fsync_dir
+from localrt.fsutil import atomic_write, fsync_dir, private_dir
 
 log = logging.getLogger(__name__)
 
@@ -757,7 +757,7 @@ class Engines:
         target = self.root / name / variant / version
         staging = target.with_name(f".{version}.partial")
         shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True, mode=0o700)
+        private_dir(staging)
         for wheel in paths:
             wheels.unpack(wheel, staging)
         shutil.rmtree(target, ignore_errors=True)  # an earlier install that never registered
@@ -834,7 +834,7 @@ class Engines:
             return default
 
     def _write(self, name: str, data: dict) -> None:
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        private_dir(self.root)
         atomic_write(self.root / name, json.dumps(data, indent=2).encode())
 
 

@@ -46,6 +46,14 @@ class InvalidJSON(BadRequest):
     code = "invalid_json"
 
 
+class Unauthorized(HTTPError):
+    """No API key, or a wrong one, where the server requires one."""
+
+    status = 401
+    type = "authentication_error"
+    code = "unauthorized"
+
+
 class Forbidden(HTTPError):
     status = 403
     type = "permission_error"

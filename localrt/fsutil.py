@@ -10,7 +10,7 @@ from pathlib import Path
 def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
     """Write `data` to `path` through a temp file, fsync and rename."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, mode)
@@ -26,6 +26,28 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
             pass
         raise
     fsync_dir(path.parent)
+
+
+def private_dir(path: Path) -> Path:
+    """Create `path` and its missing parents as folders only their owner can open (0700).
+
+    Path.mkdir(parents=True) gives the parents the umask's mode (often 0755), and
+    these folders hold the model definitions, the logs and the settings' neighbours.
+    """
+    target = path = Path(path)
+    missing = []
+    while not path.is_dir() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:
+            if not folder.is_dir():
+                raise
+            continue
+        os.chmod(folder, 0o700)  # whatever the umask took away or left
+    return target
 
 
 def fsync_dir(path: Path) -> None:

@@ -35,7 +35,7 @@ from localrt.downloads import (DownloadFailed, Downloads, Item, Task, check_disk
                                fsync_dir)
 from localrt.errors import (BadRequest, Conflict, HTTPError, InvalidField, NotFound,
                             UpstreamError)
-from localrt.fsutil import atomic_write
+from localrt.fsutil import atomic_write, private_dir
 from localrt.hub import Hub
 
 log = logging.getLogger(__name__)
@@ -489,7 +489,7 @@ class Models:
     def _import(self, src: Path, model_id: str, option: str) -> dict:
         folder = self.registry.root / "imported" / _folder_name(model_id)
         shutil.rmtree(folder, ignore_errors=True)  # what a crashed import left
-        folder.mkdir(parents=True, mode=0o700)
+        private_dir(folder)
         target = folder / src.name
         try:
             bring = self._import_folder if src.is_dir() else self._import_file
@@ -525,7 +525,7 @@ class Models:
                                         for n in names])
             sums = {}
             for n in names:
-                (target / n).parent.mkdir(parents=True, exist_ok=True)
+                private_dir((target / n).parent)
                 sums[n] = _copy(src / n, target / n)
         else:
             _link(src, target)

@@ -22,7 +22,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from localrt.fsutil import atomic_write
+from localrt import security
+from localrt.fsutil import atomic_write, private_dir
 from localrt.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,17 @@ STOP_DELAY = 0.2  # seconds between answering DELETE /v1/system and stopping, so
 
 class PortInUse(Exception):
     """Another program holds the address the server should bind."""
+
+
+class UnsafeAddress(Exception):
+    """The server would listen beyond loopback with no API key to keep strangers out."""
+
+
+def check_exposure(settings: Settings, host: str) -> None:
+    """Raise UnsafeAddress unless `host` is loopback or API keys are set."""
+    problem = security.exposure_problem(host, settings["apiKeys"])
+    if problem:
+        raise UnsafeAddress(problem)
 
 
 @dataclass(frozen=True)
@@ -131,14 +143,17 @@ def check_port_free(host: str, port: int) -> None:
 def setup_logging(settings: Settings, console: bool) -> None:
     """Log to a rotating file under logFolderPath, and to stderr when `console`."""
     log_dir = settings.log_dir
-    log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    private_dir(log_dir)
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     handlers: list[logging.Handler] = [logging.handlers.RotatingFileHandler(
         log_dir / LOG_NAME, maxBytes=LOG_MAX_BYTES, backupCount=LOG_BACKUPS, encoding="utf-8")]
     if console:
         handlers.append(logging.StreamHandler(sys.stderr))
     root = logging.getLogger()
+    # The hub token, the proxy password and the API keys never reach a log line.
+    redacting = security.RedactingFilter(lambda: security.secrets_of(settings.snapshot()))
     for handler in handlers:
+        handler.addFilter(redacting)
         handler.setFormatter(fmt)
         root.addHandler(handler)
     root.setLevel(settings["logLevel"])
@@ -168,8 +183,9 @@ def serve(settings: Settings, host: str | None = None, port: int | None = None,
 
     host = settings["apiServerHost"] if host is None else host
     port = settings["apiServerPort"] if port is None else port
+    check_exposure(settings, host)
     setup_logging(settings, console)
-    settings.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    private_dir(settings.data_dir)
 
     def request_stop():
         time.sleep(STOP_DELAY)
@@ -206,7 +222,7 @@ def serve(settings: Settings, host: str | None = None, port: int | None = None,
 
 def spawn(settings: Settings, host: str, port: int) -> subprocess.Popen:
     """Start `localrt start --foreground` as a detached child process."""
-    settings.log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    private_dir(settings.log_dir)
     cmd = [sys.executable, "-m", "localrt", "--config", str(settings.path),
            "start", "--foreground", "--host", host, "--port", str(port)]
     with open(settings.log_dir / STDERR_NAME, "wb") as err:

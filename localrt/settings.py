@@ -83,6 +83,17 @@ def _positive_int(value: Any) -> int:
     return value
 
 
+def _api_keys(value: Any) -> list:
+    """A list of keys, or one key (as $LOCALRT_API_KEY gives it); none is []."""
+    if value is None or value == "":
+        return []
+    keys = [value] if isinstance(value, str) else value
+    if not isinstance(keys, list) or not all(isinstance(k, str) and k and k.isprintable()
+                                             and not any(c.isspace() for c in k) for k in keys):
+        raise ValueError("expected a list of keys, each a non-empty string without spaces")
+    return list(keys)
+
+
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
 
 
@@ -147,6 +158,9 @@ KEYS: tuple[Key, ...] = (
     Key("computeLanes", _positive_int, 1,
         "generations that compute at once, across all models; raise it only with cores "
         "for each (cpu_threads x lanes <= cores)"),
+    Key("apiKeys", _api_keys, [],
+        "bearer keys that clients must send; required to bind other than loopback",
+        env="LOCALRT_API_KEY"),
     # None means: the local origins on the API port, so a port change keeps them right.
     Key("allowedOrigins", _origins, None, "origins allowed by CORS", api="allowed_origins"),
     Key("cors", _boolean, True, "whether CORS headers are sent", api="cors"),
