@@ -280,7 +280,7 @@ def _read_body(environ, method: str):
     data = stream.read(length) if length else stream.read(MAX_BODY + 1)
     if len(data) > MAX_BODY:
         raise PayloadTooLarge(f"Request body is over the limit of {MAX_BODY} bytes")
-    if not data.strip():
+    if not data:
         return _NO_BODY
     try:
         return json.loads(data, parse_constant=_reject_constant)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from localrt.errors import Conflict, InsufficientStorage
+from localrt.errors import Conflict, InsufficientStorage, InvalidField
 from localrt.settings import KEYS, Settings, SettingsError
 
 # API field name -> rc key, in the spec's order.
@@ -34,6 +34,8 @@ class Config:
 
     def update(self, changes: Mapping[str, Any]) -> dict:
         """Persist the given fields only; return the full Config after the change."""
+        if changes.get("proxy_url"):
+            _check_proxy_url(changes["proxy_url"])
         try:
             values = self._settings.update({FIELDS[k]: v for k, v in changes.items()})
         except SettingsError as exc:  # hand-edited meanwhile; left as it is
@@ -58,3 +60,17 @@ class Config:
         if config["allowed_origins"] is None:
             config["allowed_origins"] = local_origins(values["apiServerPort"])
         return config
+
+
+def _check_proxy_url(url: str) -> None:
+    """What the schema's pattern cannot say: a host, and a port from 1 to 65535."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise InvalidField(f"Invalid field 'proxy_url': {exc}", param="proxy_url") from None
+    if not parts.hostname or port == 0:
+        raise InvalidField("Invalid field 'proxy_url': expected http://host[:port]",
+                           param="proxy_url")

@@ -50,7 +50,7 @@ class Hub:
 
     def files(self, repo: str, revision: str = "main") -> list[HubFile]:
         """Every file of `repo` at `revision`, with sizes and sha256 where the hub has them."""
-        entries = self._get(f"/api/models/{repo}/tree/{quote(revision, safe='')}"
+        entries = self._get(f"/api/models/{quote(repo)}/tree/{quote(revision, safe='')}"
                             "?recursive=1", repo, revision)
         try:
             files = [HubFile(e["path"], e.get("size", 0), (e.get("lfs") or {}).get("oid"),
@@ -67,12 +67,12 @@ class Hub:
 
     def branches(self, repo: str) -> list[str]:
         """The repo's branch names (a built-in model's variants)."""
-        refs = self._get(f"/api/models/{repo}/refs", repo)
+        refs = self._get(f"/api/models/{quote(repo)}/refs", repo)
         return [b["name"] for b in refs.get("branches", [])]
 
     def file_url(self, repo: str, revision: str, path: str) -> str:
         """Where a file's bytes are (the hub may redirect to a CDN)."""
-        return f"{self.url}/{repo}/resolve/{quote(revision, safe='')}/{quote(path)}"
+        return f"{self.url}/{quote(repo)}/resolve/{quote(revision, safe='')}/{quote(path)}"
 
     def _get(self, path: str, repo: str, revision: str | None = None):
         try:

@@ -1,7 +1,8 @@
 """The OpenAPI 3.1 document, made from the route table and `schemas/`; never written by hand.
 
 `GET /openapi.json` serves it. Each route's summary is its handler's docstring, its
-request body is the schema file the route names, and every error is schemas/error.json.
+request body is the schema file the route names, its 200 reply the `$defs` entry of
+schemas/replies.json the route names, and every error is schemas/error.json.
 The schema files become `components.schemas`, named by their file name without
 `.json`; a `$ref` from one file to another ("model-update.json#/properties/ctx_len")
 becomes a reference inside the document.
@@ -36,8 +37,9 @@ def document(routes) -> dict:
         if params:
             operation["parameters"] = params
         if route.schema:
+            # A body may be left out when the schema requires nothing of it (it reads as {}).
             operation["requestBody"] = {
-                "required": False,
+                "required": bool(schemas.load(route.schema).get("required")),
                 "content": {"application/json": {"schema": _ref(route.schema)}}}
         paths.setdefault(path, {})[route.method.lower()] = operation
     components = {_component(name): _local(schemas.load(name), name)
@@ -51,12 +53,14 @@ def document(routes) -> dict:
 
 
 def _success(route) -> dict:
+    body = {"schema": _ref("replies.json", f"/$defs/{route.reply}")} if route.reply else \
+        {"schema": {}}
     if (route.method, route.pattern) in EVENT_STREAMS:
         content = {"text/event-stream": {"schema": {"type": "string"}}}
-        if route.pattern == "/v1/chat/completions":  # JSON unless "stream": true
-            content["application/json"] = {"schema": {"type": "object"}}
+        if route.reply:  # JSON unless the request asked for a stream
+            content["application/json"] = body
         return {"description": "Server-Sent Events", "content": content}
-    return {"description": "OK", "content": {"application/json": {"schema": {}}}}
+    return {"description": "OK", "content": {"application/json": body}}
 
 
 def _error_response() -> dict:

@@ -17,12 +17,14 @@ _PART = re.compile(r"\{(\w+)(?::(path))?\}")
 
 @dataclass(frozen=True)
 class Route:
-    """One endpoint: method, path pattern, handler, and the request body's schema file."""
+    """One endpoint: method, path pattern, handler, the request body's schema file, and
+    the name of its 200 reply's schema in schemas/replies.json (`$defs`)."""
 
     method: str
     pattern: str
     handler: Callable
     schema: str | None = None
+    reply: str | None = None
     regex: re.Pattern = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):

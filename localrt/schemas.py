@@ -59,12 +59,19 @@ class Validators:
         if error is not None:
             raise _describe(error)
 
+    def reply_errors(self, reply: str, instance) -> list[str]:
+        """How `instance` fails the reply schema `reply` (a replies.json `$defs` name)."""
+        validator = self._validator(f"replies.json#/$defs/{reply}")
+        return [f"{'/'.join(map(str, e.absolute_path)) or '(body)'}: {e.message}"
+                for e in validator.iter_errors(instance)]
+
     def _validator(self, name: str):
         with self._lock:
             if name not in self._compiled:
                 from jsonschema import Draft202012Validator
 
-                schema = load(name)
+                # A file, or a reference into one ("replies.json#/$defs/model-list")
+                schema = load(name) if "#" not in name else {"$ref": name}
                 Draft202012Validator.check_schema(schema)
                 self._compiled[name] = Draft202012Validator(schema, registry=_registry())
             return self._compiled[name]

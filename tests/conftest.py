@@ -26,7 +26,7 @@ from wsgiref.validate import validator
 import pytest
 
 from localrt import settings as settings_mod
-from localrt.app import create_app
+from localrt.app import App, create_app
 from ggufgen import write_gguf
 
 REPO = Path(__file__).resolve().parent.parent
@@ -117,7 +117,30 @@ def call(app, method, path, json_body=None, body=None, headers=None, query="") -
         result.close()
     names = [k.lower() for k, _ in captured["headers"]]
     assert len(names) == len(set(names)), f"duplicate headers: {captured['headers']}"
-    return Response(captured["status"], {k.lower(): v for k, v in captured["headers"]}, data)
+    response = Response(captured["status"], {k.lower(): v for k, v in captured["headers"]},
+                        data)
+    check_documented(app, method, path, response)
+    return response
+
+
+def check_documented(app, method, path, response) -> None:
+    """Every JSON reply a test sees matches the schema GET /openapi.json documents for it:
+    the route's reply schema for a 200, schemas/error.json for an error."""
+    if not isinstance(app, App) or method in ("HEAD", "OPTIONS") or \
+            not response.headers.get("content-type", "").startswith("application/json"):
+        return
+    if response.status >= 400:
+        problems = app.validators.reply_errors("error", response.json)
+    else:
+        try:
+            route, _ = app.router.match(method, path)
+        except Exception:
+            return
+        if route.reply is None:
+            return
+        problems = app.validators.reply_errors(route.reply, response.json)
+    assert not problems, f"{method} {path} replied {response.status} against its " \
+        f"documented schema: {problems[:3]}"
 
 
 def send(url, method, path, body=None, timeout=10):

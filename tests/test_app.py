@@ -88,7 +88,8 @@ def test_body_over_limit_is_413(wsgi):
                       headers={"Content-Type": "application/json"}), 413, "payload_too_large")
 
 
-@pytest.mark.parametrize("raw", [b"{", b'{"cors": tru}', b"\xff\xfe", b'{"cors": NaN}'])
+@pytest.mark.parametrize("raw", [b"{", b'{"cors": tru}', b"\xff\xfe", b'{"cors": NaN}',
+                                 b"\n\n", b" "])
 def test_malformed_json_is_400(wsgi, raw):
     body = assert_error(wsgi("PATCH", "/v1/configs", body=raw,
                              headers={"Content-Type": "application/json"}), 400, "invalid_json")

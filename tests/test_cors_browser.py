@@ -1,0 +1,130 @@
+"""CORS in a real browser: headless Chromium, driven by Selenium through Debian's chromedriver.
+
+A page served from another loopback origin (another port) calls fetch() against a
+real localrt server. The browser, not this test, decides whether the page may read
+the answer: it must when the origin is allowed, and must block it when the origin
+is not allowed or when cors is off.
+
+`.ci/run` installs Debian's `chromium` and `chromium-driver`; without them the tests
+are skipped, except under CI (CI=true), where a missing browser is a failure.
+"""
+
+from __future__ import annotations
+
+import http.server
+import os
+import shutil
+import threading
+
+import pytest
+from conftest import run_foreground_server, send
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+
+if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
+    if os.environ.get("CI"):
+        raise RuntimeError("CI must install chromium and chromium-driver (.ci/run does)")
+    pytest.skip("chromium and chromedriver are not installed", allow_module_level=True)
+
+PAGE = b"<!doctype html><title>elsewhere</title><p>a page on another origin</p>"
+
+# Runs in the page: fetch and report what the page could see.
+FETCH = """
+const [url, method, body, done] = arguments;
+const init = {method: method};
+if (body !== null) {
+  init.body = body;
+  init.headers = {"Content-Type": "application/json"};
+}
+fetch(url, init)
+  .then(r => r.text().then(t => done({status: r.status, body: t})))
+  .catch(e => done({blocked: String(e)}));
+"""
+
+
+class _Page(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(PAGE)))
+        self.end_headers()
+        self.wfile.write(PAGE)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def page():
+    """An HTML page on http://127.0.0.1:<another port>: the foreign origin."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Page)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    profile = tmp_path_factory.mktemp("chromium-profile")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-background-networking", "--disable-component-update",
+                 "--disable-default-apps", "--disable-sync", "--no-first-run",
+                 "--disable-extensions", "--metrics-recording-only", "--no-default-browser-check",
+                 f"--user-data-dir={profile}"):
+        options.add_argument(flag)
+    env = {**os.environ, "HOME": str(profile), "SE_AVOID_STATS": "true", "SE_OFFLINE": "true"}
+    service = Service(executable_path=CHROMEDRIVER, env=env)
+    driver = webdriver.Chrome(service=service, options=options)
+    driver.set_script_timeout(30)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture
+def server(home):
+    srv = run_foreground_server(home)
+    yield srv
+    srv.stop()
+    srv.process.stdout.close()
+    srv.process.stderr.close()
+
+
+def fetch_from(browser, page, url, method="GET", body=None) -> dict:
+    browser.get(page + "/")
+    return browser.execute_async_script(FETCH, url, method, body)
+
+
+def test_an_allowed_origin_reads_the_answer(browser, page, server):
+    send(server.url, "PATCH", "/v1/configs", {"cors": True, "allowed_origins": [page]})
+    got = fetch_from(browser, page, server.url + "/v1/models")
+    assert got.get("status") == 200, got
+    assert '"object": "list"' in got["body"]  # the page could read it
+    # A JSON POST is not a "simple" request: the browser sends a preflight first.
+    got = fetch_from(browser, page, server.url + "/v1/models/pull", "POST",
+                     '{"model": "../escape"}')
+    assert got.get("status") == 400 and "invalid_field" in got["body"], got
+
+
+def test_an_origin_not_allowed_is_blocked_by_the_browser(browser, page, server):
+    send(server.url, "PATCH", "/v1/configs",
+         {"cors": True, "allowed_origins": ["http://127.0.0.1:1"]})
+    got = fetch_from(browser, page, server.url + "/v1/models")
+    assert "blocked" in got and "status" not in got, got
+    got = fetch_from(browser, page, server.url + "/v1/configs", "PATCH", '{"cors": false}')
+    assert "blocked" in got, got
+    status, config = send(server.url, "GET", "/v1/configs")
+    assert config["cors"] is True  # the blocked preflight kept the PATCH from being sent
+
+
+def test_with_cors_off_the_browser_blocks_every_origin(browser, page, server):
+    send(server.url, "PATCH", "/v1/configs", {"allowed_origins": [page], "cors": False})
+    got = fetch_from(browser, page, server.url + "/v1/models")
+    assert "blocked" in got and "status" not in got, got

@@ -1,0 +1,117 @@
+"""Fuzz every endpoint of a running server from its own GET /openapi.json (schemathesis).
+
+The bar (issue 6): no 5xx, every 4xx carries the error JSON, and every reply
+matches the schema the document gives for it. Each operation gets FUZZ_EXAMPLES
+generated requests (valid and invalid ones); set LOCALRT_FUZZ_EXAMPLES for a
+longer run.
+
+The server is a real `localrt start --foreground` child with its own HOME. Its hub
+is the hub emulator and its package index an empty loopback index, so nothing
+reaches the internet whatever a generated request asks for.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import pytest
+import schemathesis  # a test dependency (setup.cfg's test extra)
+from conftest import run_foreground_server
+from ggufgen import write_gguf
+from hubemu import HubEmulator
+from hypothesis import HealthCheck, given, settings
+from pkgindex import PackageIndex
+from schemathesis import checks
+
+from localrt.api import ROUTES
+
+FUZZ_EXAMPLES = int(os.environ.get("LOCALRT_FUZZ_EXAMPLES", "25"))
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(tmp_path_factory):
+    from localrt import settings as settings_mod
+
+    home = tmp_path_factory.mktemp("fuzz-home")
+    weights = write_gguf(tmp_path_factory.mktemp("w") / "tiny.gguf", name="tiny")
+    index_dir = tmp_path_factory.mktemp("index")  # an index with no packages
+    with HubEmulator() as hub, PackageIndex(index_dir) as index:
+        hub.add_repo("org/tiny", {"tiny.gguf": weights})
+        settings = settings_mod.load(environ={"HOME": str(home)})
+        settings.update({"modelHubUrl": hub.url, "engineIndexUrl": index.url})
+        srv = run_foreground_server(home)
+        try:
+            yield srv
+        finally:
+            srv.stop(sig=signal.SIGTERM)
+            srv.process.stdout.close()
+            srv.process.stderr.close()
+
+
+BASELINE_CONFIG = {"proxy_url": "", "no_proxy": "localhost,127.0.0.1,::1",
+                   "modelhub_token": "", "verify_peer_ssl": True, "verify_host_ssl": True}
+
+
+@pytest.fixture(scope="module")
+def api_schema(fuzz_server):
+    return schemathesis.openapi.from_url(fuzz_server.url + "/openapi.json")
+
+
+def _send(api_schema, method, path, body):
+    import requests
+
+    base = api_schema.get_base_url()
+    requests.request(method, base + path, json=body, timeout=30).raise_for_status()
+
+
+# DELETE /v1/system stops the server under test, and GET /v1/events never ends
+# (it is a stream of events); both have their own tests.
+NOT_FUZZED = {("DELETE", "/v1/system"), ("GET", "/v1/events")}
+OPERATIONS = sorted({(r.method, re.sub(r"\{(\w+)(?::path)?\}", r"{\1}", r.pattern))
+                     for r in ROUTES} - NOT_FUZZED)
+# Invalid requests can only be made where there is something to break: a body
+# (any string is a valid path parameter).
+BREAKABLE = {(r.method, re.sub(r"\{(\w+)(?::path)?\}", r"{\1}", r.pattern))
+             for r in ROUTES if r.schema}
+CASES = [(m, p, mode) for m, p in OPERATIONS for mode in ("positive", "negative")
+         if mode == "positive" or (m, p) in BREAKABLE]
+
+
+def error_json_on_4xx(ctx, response, case):
+    """Every 4xx is JSON with the error body: a message, and an error object with a code."""
+    if 400 <= response.status_code < 500:
+        body = response.json()
+        assert isinstance(body.get("message"), str) and body["message"], body
+        assert isinstance(body.get("error"), dict) and body["error"].get("code"), body
+
+
+CHECKS = [checks.not_a_server_error, checks.status_code_conformance,
+          checks.content_type_conformance, checks.response_schema_conformance,
+          checks.negative_data_rejection, error_json_on_4xx]
+
+
+@pytest.mark.parametrize("method,path,mode", CASES, ids=[f"{m} {p} {x}" for m, p, x in CASES])
+def test_fuzz(api_schema, method, path, mode):
+    """FUZZ_EXAMPLES requests that follow the schema (or break it), each checked."""
+    operation = api_schema[path][method]
+    strategy = operation.as_strategy(generation_mode=schemathesis.GenerationMode(mode))
+    calls = []
+
+    @given(case=strategy)
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    def run(case):
+        calls.append(case)
+        try:
+            case.call_and_validate(timeout=60, checks=CHECKS)
+        finally:
+            if (method, path) == ("PATCH", "/v1/configs"):
+                # A valid proxy that does not exist makes later pulls fail with a 502,
+                # which is right for them, but not what the other operations test.
+                _send(api_schema, "PATCH", "/v1/configs", BASELINE_CONFIG)
+
+    run()
+    assert calls
+
