@@ -298,3 +298,21 @@ def slow_gguf(tmp_path_factory):
     source = write_gguf(root / "slow-f16.gguf", name="slow", n_embd=512, n_layer=4, n_ff=1024,
                         context_length=4096, file_type="F16")
     return quantize(source, root / "slow-Q8_0.gguf", "Q8_0")
+
+
+WHEELS = REPO / "tests" / ".engine-wheels"
+
+
+@pytest.fixture(scope="session")
+def index_dir(tmp_path_factory):
+    """The real onnxruntime-genai wheels (from .ci/run's pip download) and the echo wheel."""
+    if not list(WHEELS.glob("onnxruntime_genai-*.whl")):
+        pytest.fail(f"{WHEELS} has no onnxruntime-genai wheel; run: python -m pip download "
+                    f"--only-binary=:all: -d {WHEELS} onnxruntime-genai==0.18.0")
+    root = tmp_path_factory.mktemp("index")
+    for wheel in WHEELS.glob("*.whl"):
+        (root / wheel.name).symlink_to(wheel)
+    from enginepkg import build_echo_engine_wheel
+
+    build_echo_engine_wheel(root)
+    return root

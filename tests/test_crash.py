@@ -1,16 +1,32 @@
-"""Kill -9 the server in the middle of a stream of PATCHes: the rc file stays whole."""
+"""Kill -9 the server at random points, restart it, and check what it left.
 
+Covered: config writes (a stream of PATCHes), pulls, engine installs and model
+starts. After every restart the registry must be consistent (no model listed whose
+files are incomplete, no engine listed that is half unpacked), downloads resume,
+and no file is corrupt. The random points come from a seeded generator, printed
+on failure, so a failing run can be repeated.
+"""
+
+import hashlib
 import http.client
 import json
+import os
 import random
 import signal
 import threading
 import time
 import urllib.error
 import urllib.request
+import zipfile
 
+import pytest
 import yaml
-from conftest import run_foreground_server
+from conftest import run_foreground_server, send
+from ggufgen import write_gguf
+from hubemu import HubEmulator
+from pkgindex import PackageIndex
+
+SEED = 20261121
 
 
 def patch_forever(url, sent, stop):
@@ -77,3 +93,220 @@ def check_kill_9(home, servers):
         srv.stop()
         srv.process.stdout.close()
         srv.process.stderr.close()
+
+
+# --- helpers ---------------------------------------------------------------------
+
+
+def kill_9(srv) -> None:
+    srv.process.send_signal(signal.SIGKILL)
+    srv.process.wait(timeout=10)
+    srv.process.stdout.close()
+    srv.process.stderr.close()
+
+
+def stop(srv) -> None:
+    srv.stop()
+    srv.process.stdout.close()
+    srv.process.stderr.close()
+
+
+def sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def assert_models_whole(url) -> list:
+    """Every listed model's files exist with the size and sha256 its definition records."""
+    status, body = send(url, "GET", "/v1/models")
+    assert status == 200
+    for model in body["data"]:
+        for f in model["files"]:
+            path = os.path.join(model["path"], f["path"])
+            assert os.path.getsize(path) == f["size"], (model["id"], path)
+            if f.get("sha256"):
+                assert sha256(path) == f["sha256"], (model["id"], path)
+    return body["data"]
+
+
+@pytest.fixture
+def servers():
+    """Every server a test starts; any still running at the end is killed."""
+    started = []
+    yield started
+    for srv in started:
+        if srv.process.poll() is None:
+            srv.process.kill()
+            srv.process.wait()
+
+
+# --- pulls -------------------------------------------------------------------------
+
+
+def test_kill_9_at_random_points_of_a_pull(home, settings, tmp_path, servers):
+    rng = random.Random(SEED)
+    weights = write_gguf(tmp_path / "big.gguf", name="big", n_embd=512, n_layer=2)
+    size = weights.stat().st_size
+    with HubEmulator() as hub:
+        hub.add_repo("org/big", {"big.gguf": weights})
+        settings.update({"modelHubUrl": hub.url})
+        hub.delay_per_chunk = 0.004  # 64 KiB chunks: about 1.5 s for the whole file
+        fetched = []
+        for round_ in range(5):
+            srv = run_foreground_server(home)
+            servers.append(srv)
+            assert_models_whole(srv.url)  # nothing half-downloaded is listed
+            hub.clear_requests()
+            status, body = send(srv.url, "POST", "/v1/models/org/big/pull")
+            if "task" not in body:  # an earlier round finished it before the kill
+                break
+            wait = rng.uniform(0.05, 1.0)
+            time.sleep(wait)
+            _, tasks = send(srv.url, "GET", "/v1/models/pull")
+            kill_9(srv)
+            gets = [r for r in hub.requests_to("cdn") if r.method == "GET"]
+            fetched.append(gets[-1].range if gets else None)
+            print(f"pull: killed after {wait:.2f}s at about "
+                  f"{tasks['data'][0]['items'][0]['downloadedBytes'] if tasks['data'] else 0}"
+                  f" of {size} bytes (this run asked for {fetched[-1] or 'all'})")
+        hub.delay_per_chunk = 0
+        srv = run_foreground_server(home)
+        servers.append(srv)
+        try:
+            status, body = send(srv.url, "POST", "/v1/models/org/big/pull")
+            if "task" in body:
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    _, tasks = send(srv.url, "GET", "/v1/models/pull")
+                    if not tasks["data"] or tasks["data"][0]["status"] not in (
+                            "Pending", "Downloading"):
+                        break
+                    time.sleep(0.05)
+                assert tasks["data"][0]["status"] == "Success", tasks
+            [model] = assert_models_whole(srv.url)
+            assert model["id"] == "org:big:big.gguf"
+            assert sha256(os.path.join(model["path"], model["files"][0]["path"])) == \
+                sha256(weights)
+            assert model["files"][0]["size"] == size
+        finally:
+            stop(srv)
+    # Later rounds asked for the rest only (Range), not the whole file again.
+    assert any(r and r.startswith("bytes=") and r != "bytes=0-" for r in fetched), fetched
+
+
+# --- engine installs ---------------------------------------------------------------
+
+
+def test_kill_9_at_random_points_of_an_engine_install(home, settings, index_dir, servers):
+    """After each kill, onnx-runtime is Ready with every file of its wheels, or not
+    installed at all; the install then completes."""
+    rng = random.Random(SEED + 1)
+    with PackageIndex(index_dir) as index:
+        settings.update({"engineIndexUrl": index.url})
+        index.throttle = 0.004  # 64 KiB chunks: about 2 s for the ~35 MB of wheels
+        for round_ in range(4):
+            srv = run_foreground_server(home)
+            servers.append(srv)
+            assert_engine_whole(srv.url, settings, index_dir)
+            status, body = send(srv.url, "POST", "/v1/engines/onnx-runtime/install")
+            if status == 409:  # installed by an earlier round
+                break
+            assert status == 200, body
+            wait = rng.uniform(0.1, 2.6)
+            time.sleep(wait)
+            _, tasks = send(srv.url, "GET", "/v1/models/pull")
+            kill_9(srv)
+            print(f"engine install: killed after {wait:.2f}s; tasks then: "
+                  f"{[(t['status'], sum(i['downloadedBytes'] for i in t['items'])) for t in tasks['data']]}")
+        index.throttle = 0
+        srv = run_foreground_server(home)
+        servers.append(srv)
+        try:
+            assert_engine_whole(srv.url, settings, index_dir)
+            status, body = send(srv.url, "POST", "/v1/engines/onnx-runtime/install")
+            if status == 200:
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline:
+                    status, engines = send(srv.url, "GET", "/v1/engines")
+                    onnx = {e["name"]: e for e in engines["data"]}["onnx-runtime"]
+                    if onnx["status"] == "Ready":
+                        break
+                    time.sleep(0.2)
+            assert assert_engine_whole(srv.url, settings, index_dir) == "Ready"
+        finally:
+            stop(srv)
+
+
+def assert_engine_whole(url, settings, index_dir) -> str:
+    """onnx-runtime's status; when Ready, every file of every wheel is in its folder."""
+    status, engines = send(url, "GET", "/v1/engines")
+    onnx = {e["name"]: e for e in engines["data"]}["onnx-runtime"]
+    assert onnx["status"] in ("Ready", "Not Installed"), onnx
+    if onnx["status"] == "Ready":
+        _, variants = send(url, "GET", "/v1/engines/onnx-runtime")
+        [ready] = [v for v in variants if v["status"] == "Ready"]
+        folder = settings.data_dir / "engines" / "onnx-runtime" / ready["name"] / \
+            ready["version"].lstrip("v")
+        state = json.loads((settings.data_dir / "engines" / "engines.json").read_text())
+        assert state  # parses
+        wheels = list(index_dir.glob("onnxruntime_genai-*.whl"))
+        assert wheels
+        for wheel in wheels:
+            with zipfile.ZipFile(wheel) as zf:
+                for info in zf.infolist():
+                    if info.is_dir() or ".data/" in info.filename:
+                        continue
+                    assert (folder / info.filename).stat().st_size == info.file_size, \
+                        info.filename
+    return onnx["status"]
+
+
+# --- model starts --------------------------------------------------------------------
+
+
+def start_cut_short(url) -> None:
+    """POST a model start whose server is about to be killed: no answer is fine."""
+    try:
+        send(url, "POST", "/v1/models/tiny/start", {}, 30)
+    except (OSError, http.client.HTTPException):
+        pass
+
+
+def test_kill_9_at_random_points_of_model_starts(home, quantized, servers):
+    """A kill while a model loads or runs leaves its definition and files as they were."""
+    rng = random.Random(SEED + 2)
+    srv = run_foreground_server(home)
+    servers.append(srv)
+    status, body = send(srv.url, "POST", "/v1/models/import",
+                        {"path": str(quantized["Q8_0"]), "id": "tiny", "option": "copy"})
+    assert status == 200, body
+    definition = send(srv.url, "GET", "/v1/models/tiny")[1]
+    kill_9(srv)
+    for round_ in range(4):
+        srv = run_foreground_server(home)
+        servers.append(srv)
+        assert send(srv.url, "GET", "/v1/models/status")[1]["data"] == []
+        assert send(srv.url, "GET", "/v1/models/tiny")[1] == definition
+        assert_models_whole(srv.url)
+        starter = threading.Thread(target=start_cut_short, args=(srv.url,))
+        starter.start()
+        wait = rng.uniform(0.0, 2.0)
+        time.sleep(wait)
+        running = send(srv.url, "GET", "/v1/models/status")[1]["data"]
+        kill_9(srv)
+        starter.join(timeout=30)
+        print(f"model start: killed after {wait:.2f}s, "
+              f"{'loaded' if running else 'while loading'}")
+    srv = run_foreground_server(home)
+    servers.append(srv)
+    try:
+        assert send(srv.url, "GET", "/v1/models/tiny")[1] == definition
+        status, body = send(srv.url, "POST", "/v1/chat/completions", {
+            "model": "tiny", "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 200 and body["usage"]["completion_tokens"] >= 1, body
+    finally:
+        stop(srv)

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, call, wait_bytes, wait_task
-from enginepkg import build_echo_engine_wheel, build_wheel, write_echo_model
+from conftest import call, wait_bytes, wait_task
+from enginepkg import build_wheel, write_echo_model
 from onnxgen import write_onnx_model
 from pkgindex import PackageIndex
 
@@ -22,7 +22,6 @@ from localrt import engines as engines_mod
 from localrt.app import create_app
 from localrt.engines import Hardware, Variant, gguf_variant, recommended, runnable
 
-WHEELS = REPO / "tests" / ".engine-wheels"
 AVX512 = frozenset({"avx", "avx2", "avx512f", "fma"})
 HW = Hardware("linux", "amd64", "test cpu", AVX512)
 
@@ -76,19 +75,6 @@ def probe_result():
     """The real probe of the llama.cpp build under test, run once per session."""
     hw = engines_mod.detect_hardware()
     return hw, engines_mod.run_probe(None, hw)
-
-
-@pytest.fixture(scope="session")
-def index_dir(tmp_path_factory):
-    """The real onnxruntime-genai wheels (from .ci/run's pip download) and the echo wheel."""
-    if not list(WHEELS.glob("onnxruntime_genai-*.whl")):
-        pytest.fail(f"{WHEELS} has no onnxruntime-genai wheel; run: python -m pip download "
-                    f"--only-binary=:all: -d {WHEELS} onnxruntime-genai==0.18.0")
-    root = tmp_path_factory.mktemp("index")
-    for wheel in WHEELS.glob("*.whl"):
-        (root / wheel.name).symlink_to(wheel)
-    build_echo_engine_wheel(root)
-    return root
 
 
 @pytest.fixture
