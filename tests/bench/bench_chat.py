@@ -58,7 +58,6 @@ all: the ceiling), and whether localrt's non-streamed text is the same as raw's.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import http.client
 import json
 import math
@@ -83,20 +82,6 @@ TTFT_TOKENS = 8  # the short streams that sample TTFT
 POLL_INTERVAL = 0.02  # seconds between GET /v1/models during the concurrent streams
 
 
-@contextlib.contextmanager
-def quiet_stderr():
-    """Silence file descriptor 2 (llama.cpp's quantizer prints every tensor there)."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(os.devnull, "wb") as null:
-        os.dup2(null.fileno(), 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
 def make_model(folder: Path) -> Path:
     """Write the ~106 M-parameter random llama in F16 and quantize it to Q8_0."""
     import llama_cpp
@@ -108,7 +93,7 @@ def make_model(folder: Path) -> Path:
     target = folder / "bench-q8_0.gguf"
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
-    with quiet_stderr():
+    with benchlib.quiet_stderr():
         status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(),
                                                 params)
     if status != 0:

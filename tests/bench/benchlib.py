@@ -6,6 +6,7 @@ sys.path when they run).
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -51,3 +52,17 @@ def api(port: int, method: str, path: str, body=None, conn=None,
     if own:
         conn.close()
     return resp.status, data
+
+
+@contextlib.contextmanager
+def quiet_stderr():
+    """Silence file descriptor 2 (llama.cpp's quantizer prints every tensor there)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "wb") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
