@@ -197,6 +197,10 @@ def cmd_config(ctx: "Context") -> int:
         rows = []
         for name, value in config.items():
             values = value if isinstance(value, list) else [value]
+            if name == "proxy_url":  # user:password@ in a URL is never shown
+                from localrt.security import url_without_credentials
+
+                values = [url_without_credentials(v) for v in values]
             rows += [(name, _show(v)) for v in values] or [(name, "")]
         ctx.out(table(["Config name", "Value"], rows))
     return ExitCode.OK

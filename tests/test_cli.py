@@ -107,6 +107,13 @@ def test_config_status_table(thread_server):
     assert any("| cors" in line and "true" in line for line in lines)
 
 
+def test_config_status_hides_credentials_in_the_proxy_url(thread_server):
+    code, out, err = run("config", "--proxy_url", "http://me:s3cr3t@proxy.lan:3128")
+    assert code == 0, err
+    code, out, err = run("config", "status")
+    assert "s3cr3t" not in out and "http://***@proxy.lan:3128" in out
+
+
 def test_config_sets_many_fields_with_one_patch(thread_server):
     code, out, err = run("config", "--cors", "off", "--allowed_origins", "http://a:1,http://b:2",
                          "--proxy_url", "http://proxy:3128", "--proxy_username", "me",
