@@ -6,9 +6,9 @@ from __future__ import annotations
 import io
 
 import pytest
+from conftest import WHEELS
 from enginepkg import build_echo_engine_wheel
 from pkgindex import PackageIndex
-from test_engines import WHEELS
 
 from localrt.cli import ExitCode, main
 
