@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+import zipfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -563,7 +564,11 @@ class Engines:
             self._downloads.start(task)
             return {"message": f"Engine from {filename} starts installing",
                     "engine": None, "task": task.to_dict()}
-        path = Path(source).expanduser()
+        try:
+            path = Path(source).expanduser()
+        except RuntimeError:  # "~someone/x.whl" for a user this machine does not have
+            raise BadRequest(f"Cannot find the home folder in {source!r}; give an absolute "
+                             f"path", param="wheel") from None
         if not path.is_absolute():
             raise BadRequest("The wheel path must be absolute", param="wheel")
         if not path.is_file():
@@ -693,7 +698,7 @@ class Engines:
             eps = wheels.entry_points(wheel, ENTRY_POINT_GROUP)
             meta = wheels.read_metadata(wheel)
             tags = wheels.wheel_tags(wheel.name)
-        except (ValueError, OSError) as exc:  # zipfile.BadZipFile is a ValueError
+        except (ValueError, OSError, zipfile.BadZipFile) as exc:
             raise BadRequest(f"{wheel.name} is not a usable wheel: {exc}", param="wheel") \
                 from None
         if len(eps) != 1:

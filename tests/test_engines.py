@@ -423,6 +423,11 @@ def test_bad_bodies_name_the_field(api):
     assert r.status == 400 and r.json["error"]["param"] == "variant"
     r = api("POST", "/v1/engines/onnx-runtime/install", {"flavour": "x"})
     assert r.status == 400
+    for not_a_wheel in ("/proc/cpuinfo", __file__):  # found by the fuzz: was a 500
+        r = api("POST", "/v1/engines/install", {"wheel": not_a_wheel})
+        assert r.status == 400 and "not a usable wheel" in r.json["message"], r.json
+    r = api("POST", "/v1/engines/install", {"wheel": "~no-such-user-here/x.whl"})
+    assert r.status == 400 and r.json["error"]["param"] == "wheel"  # found by the fuzz
     r = api("POST", "/v1/engines/install", {"wheel": "relative/path.whl"})
     assert r.status == 400 and r.json["error"]["param"] == "wheel"
     r = api("POST", "/v1/engines/install", {"wheel": "/no/such/file.whl"})
