@@ -204,6 +204,7 @@ class Server:
     settings: settings_mod.Settings
 
     def stop(self, sig=signal.SIGTERM, timeout=15):
+        """Signal the server, wait for it, and close its output pipes; its exit code."""
         if self.process.poll() is None:
             self.process.send_signal(sig)
         try:
@@ -212,6 +213,9 @@ class Server:
             self.process.kill()  # never leave a server behind
             self.process.wait()
             raise
+        finally:
+            self.process.stdout.close()
+            self.process.stderr.close()
 
 
 def run_foreground_server(home: Path, extra=()) -> Server:
@@ -235,8 +239,6 @@ def live_server(home):
     srv = run_foreground_server(home)
     yield srv
     srv.stop()
-    srv.process.stdout.close()
-    srv.process.stderr.close()
 
 
 class _QuietHandler(WSGIRequestHandler):

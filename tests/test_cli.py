@@ -210,8 +210,6 @@ def test_foreground_server_stops_cleanly_on_sigterm(home):
     assert srv.stop(signal.SIGTERM) == 0
     assert not (srv.settings.data_dir / "localrt.pid").exists()
     assert_port_free(srv.port)
-    srv.process.stdout.close()
-    srv.process.stderr.close()
 
 
 def test_stop_over_http_answers_then_exits(home):

@@ -135,8 +135,6 @@ def server(home):
     srv.client = Client(srv.url)
     yield srv
     srv.stop()
-    srv.process.stdout.close()
-    srv.process.stderr.close()
 
 
 def user(text):

@@ -17,7 +17,7 @@ import shutil
 import threading
 
 import pytest
-from conftest import run_foreground_server, send
+from conftest import send
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
@@ -88,43 +88,34 @@ def browser(tmp_path_factory):
     driver.quit()
 
 
-@pytest.fixture
-def server(home):
-    srv = run_foreground_server(home)
-    yield srv
-    srv.stop()
-    srv.process.stdout.close()
-    srv.process.stderr.close()
-
-
 def fetch_from(browser, page, url, method="GET", body=None) -> dict:
     browser.get(page + "/")
     return browser.execute_async_script(FETCH, url, method, body)
 
 
-def test_an_allowed_origin_reads_the_answer(browser, page, server):
-    send(server.url, "PATCH", "/v1/configs", {"cors": True, "allowed_origins": [page]})
-    got = fetch_from(browser, page, server.url + "/v1/models")
+def test_an_allowed_origin_reads_the_answer(browser, page, live_server):
+    send(live_server.url, "PATCH", "/v1/configs", {"cors": True, "allowed_origins": [page]})
+    got = fetch_from(browser, page, live_server.url + "/v1/models")
     assert got.get("status") == 200, got
     assert '"object": "list"' in got["body"]  # the page could read it
     # A JSON POST is not a "simple" request: the browser sends a preflight first.
-    got = fetch_from(browser, page, server.url + "/v1/models/pull", "POST",
+    got = fetch_from(browser, page, live_server.url + "/v1/models/pull", "POST",
                      '{"model": "../escape"}')
     assert got.get("status") == 400 and "invalid_field" in got["body"], got
 
 
-def test_an_origin_not_allowed_is_blocked_by_the_browser(browser, page, server):
-    send(server.url, "PATCH", "/v1/configs",
+def test_an_origin_not_allowed_is_blocked_by_the_browser(browser, page, live_server):
+    send(live_server.url, "PATCH", "/v1/configs",
          {"cors": True, "allowed_origins": ["http://127.0.0.1:1"]})
-    got = fetch_from(browser, page, server.url + "/v1/models")
+    got = fetch_from(browser, page, live_server.url + "/v1/models")
     assert "blocked" in got and "status" not in got, got
-    got = fetch_from(browser, page, server.url + "/v1/configs", "PATCH", '{"cors": false}')
+    got = fetch_from(browser, page, live_server.url + "/v1/configs", "PATCH", '{"cors": false}')
     assert "blocked" in got, got
-    status, config = send(server.url, "GET", "/v1/configs")
+    status, config = send(live_server.url, "GET", "/v1/configs")
     assert config["cors"] is True  # the blocked preflight kept the PATCH from being sent
 
 
-def test_with_cors_off_the_browser_blocks_every_origin(browser, page, server):
-    send(server.url, "PATCH", "/v1/configs", {"allowed_origins": [page], "cors": False})
-    got = fetch_from(browser, page, server.url + "/v1/models")
+def test_with_cors_off_the_browser_blocks_every_origin(browser, page, live_server):
+    send(live_server.url, "PATCH", "/v1/configs", {"allowed_origins": [page], "cors": False})
+    got = fetch_from(browser, page, live_server.url + "/v1/models")
     assert "blocked" in got and "status" not in got, got

@@ -29,6 +29,15 @@ from pkgindex import PackageIndex
 SEED = 20261121
 
 
+@pytest.fixture
+def servers():
+    """Every server a test starts; any still running at the end is killed."""
+    started = []
+    yield started
+    for srv in started:
+        srv.stop(sig=signal.SIGKILL)  # closes the pipes of those already stopped, too
+
+
 def patch_forever(url, sent, stop):
     i = 0
     while not stop.is_set():
@@ -45,18 +54,7 @@ def patch_forever(url, sent, stop):
             return
 
 
-def test_kill_9_during_patches_leaves_old_or_new_state(home):
-    servers = []
-    try:
-        check_kill_9(home, servers)
-    finally:
-        for srv in servers:
-            if srv.process.poll() is None:
-                srv.process.kill()
-                srv.process.wait()
-
-
-def check_kill_9(home, servers):
+def test_kill_9_during_patches_leaves_old_or_new_state(home, servers):
     rng = random.Random(1234)
     for _ in range(4):
         srv = run_foreground_server(home)
@@ -67,13 +65,10 @@ def check_kill_9(home, servers):
         for w in workers:
             w.start()
         time.sleep(rng.uniform(0.2, 0.6))
-        srv.process.send_signal(signal.SIGKILL)
-        srv.process.wait(timeout=10)
+        srv.stop(sig=signal.SIGKILL, timeout=10)
         stop.set()
         for w in workers:
             w.join(timeout=10)
-        srv.process.stdout.close()
-        srv.process.stderr.close()
         assert len(sent) > 5, "the PATCH stream never got going"
 
         data = yaml.safe_load(srv.settings.path.read_text())  # must parse
@@ -91,24 +86,9 @@ def check_kill_9(home, servers):
         with urllib.request.urlopen(srv.url + "/v1/configs") as r:
             assert json.loads(r.read())["proxy_username"] == user
         srv.stop()
-        srv.process.stdout.close()
-        srv.process.stderr.close()
 
 
 # --- helpers ---------------------------------------------------------------------
-
-
-def kill_9(srv) -> None:
-    srv.process.send_signal(signal.SIGKILL)
-    srv.process.wait(timeout=10)
-    srv.process.stdout.close()
-    srv.process.stderr.close()
-
-
-def stop(srv) -> None:
-    srv.stop()
-    srv.process.stdout.close()
-    srv.process.stderr.close()
 
 
 def sha256(path) -> str:
@@ -130,17 +110,6 @@ def assert_models_whole(url) -> list:
             if f.get("sha256"):
                 assert sha256(path) == f["sha256"], (model["id"], path)
     return body["data"]
-
-
-@pytest.fixture
-def servers():
-    """Every server a test starts; any still running at the end is killed."""
-    started = []
-    yield started
-    for srv in started:
-        if srv.process.poll() is None:
-            srv.process.kill()
-            srv.process.wait()
 
 
 # --- pulls -------------------------------------------------------------------------
@@ -166,7 +135,7 @@ def test_kill_9_at_random_points_of_a_pull(home, settings, tmp_path, servers):
             wait = rng.uniform(0.05, 1.0)
             time.sleep(wait)
             _, tasks = send(srv.url, "GET", "/v1/models/pull")
-            kill_9(srv)
+            srv.stop(sig=signal.SIGKILL, timeout=10)
             gets = [r for r in hub.requests_to("cdn") if r.method == "GET"]
             fetched.append(gets[-1].range if gets else None)
             print(f"pull: killed after {wait:.2f}s at about "
@@ -192,7 +161,7 @@ def test_kill_9_at_random_points_of_a_pull(home, settings, tmp_path, servers):
                 sha256(weights)
             assert model["files"][0]["size"] == size
         finally:
-            stop(srv)
+            srv.stop()
     # Later rounds asked for the rest only (Range), not the whole file again.
     assert any(r and r.startswith("bytes=") and r != "bytes=0-" for r in fetched), fetched
 
@@ -218,7 +187,7 @@ def test_kill_9_at_random_points_of_an_engine_install(home, settings, index_dir,
             wait = rng.uniform(0.1, 2.6)
             time.sleep(wait)
             _, tasks = send(srv.url, "GET", "/v1/models/pull")
-            kill_9(srv)
+            srv.stop(sig=signal.SIGKILL, timeout=10)
             print(f"engine install: killed after {wait:.2f}s; tasks then: "
                   f"{[(t['status'], sum(i['downloadedBytes'] for i in t['items'])) for t in tasks['data']]}")
         index.throttle = 0
@@ -237,7 +206,7 @@ def test_kill_9_at_random_points_of_an_engine_install(home, settings, index_dir,
                     time.sleep(0.2)
             assert assert_engine_whole(srv.url, settings, index_dir) == "Ready"
         finally:
-            stop(srv)
+            srv.stop()
 
 
 def assert_engine_whole(url, settings, index_dir) -> str:
@@ -284,7 +253,7 @@ def test_kill_9_at_random_points_of_model_starts(home, quantized, servers):
                         {"path": str(quantized["Q8_0"]), "id": "tiny", "option": "copy"})
     assert status == 200, body
     definition = send(srv.url, "GET", "/v1/models/tiny")[1]
-    kill_9(srv)
+    srv.stop(sig=signal.SIGKILL, timeout=10)
     for round_ in range(4):
         srv = run_foreground_server(home)
         servers.append(srv)
@@ -296,7 +265,7 @@ def test_kill_9_at_random_points_of_model_starts(home, quantized, servers):
         wait = rng.uniform(0.0, 2.0)
         time.sleep(wait)
         running = send(srv.url, "GET", "/v1/models/status")[1]["data"]
-        kill_9(srv)
+        srv.stop(sig=signal.SIGKILL, timeout=10)
         starter.join(timeout=30)
         print(f"model start: killed after {wait:.2f}s, "
               f"{'loaded' if running else 'while loading'}")
@@ -309,4 +278,4 @@ def test_kill_9_at_random_points_of_model_starts(home, quantized, servers):
             "messages": [{"role": "user", "content": "hi"}]})
         assert status == 200 and body["usage"]["completion_tokens"] >= 1, body
     finally:
-        stop(srv)
+        srv.stop()

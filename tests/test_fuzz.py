@@ -46,8 +46,6 @@ def fuzz_server(tmp_path_factory):
             yield srv
         finally:
             srv.stop(sig=signal.SIGTERM)
-            srv.process.stdout.close()
-            srv.process.stderr.close()
 
 
 BASELINE_CONFIG = {"proxy_url": "", "no_proxy": "localhost,127.0.0.1,::1",

@@ -46,8 +46,6 @@ def server(home, settings, hub):
     srv = run_foreground_server(home)
     yield srv
     srv.stop(sig=signal.SIGKILL if srv.process.poll() is None else signal.SIGTERM)
-    srv.process.stdout.close()
-    srv.process.stderr.close()
 
 
 def test_events_stream_carries_the_task(server, hub, big):
@@ -111,8 +109,6 @@ def test_kill_9_mid_download_then_the_pull_resumes(home, server, hub, big):
         assert status == 200 and model["size"] == big.stat().st_size
     finally:
         again.stop()
-        again.process.stdout.close()
-        again.process.stderr.close()
 
 
 def test_pull_through_a_proxy_with_credentials(tmp_path, server, hub):

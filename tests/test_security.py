@@ -236,8 +236,6 @@ def test_a_failed_pull_shows_no_secret_in_tasks_events_or_the_log(home, settings
             seen.append(api("GET", "/v1/models/pull"))
         finally:
             srv.stop()
-            srv.process.stdout.close()
-            srv.process.stderr.close()
     assert "token" in seen[0]
     assert "proxy" in seen[2].lower()
     log_text = (settings.log_dir / server.LOG_NAME).read_text()
