@@ -84,20 +84,12 @@ POLL_INTERVAL = 0.02  # seconds between GET /v1/models during the concurrent str
 
 def make_model(folder: Path) -> Path:
     """Write the ~106 M-parameter random llama in F16 and quantize it to Q8_0."""
-    import llama_cpp
     from ggufgen import write_gguf
 
     source = write_gguf(folder / "bench-f16.gguf", name="bench", n_embd=768, n_layer=8,
                         n_head=12, n_ff=2048, vocab_size=32000, context_length=CTX_LEN,
                         file_type="F16")
-    target = folder / "bench-q8_0.gguf"
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
-    with benchlib.quiet_stderr():
-        status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(),
-                                                params)
-    if status != 0:
-        raise RuntimeError(f"llama_model_quantize failed with status {status}")
+    target = benchlib.quantize(source, folder / "bench-q8_0.gguf", "Q8_0")
     source.unlink()  # 200 MB nobody reads again
     return target
 

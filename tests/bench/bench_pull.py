@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -40,40 +39,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
-PY = sys.executable
-SELF = str(Path(__file__).resolve())
 for p in (str(REPO), str(TESTS)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from benchlib import api, start_server  # noqa: E402  (this folder is on sys.path)
+from benchlib import api, make_weights, start_hub, start_server  # noqa: E402
 
 RUNS = 3
 MODELS = 200
 LIST_REQUESTS = 300
-
-
-def hub_process(weights: str) -> None:
-    """Child: serve `weights` as org/big/big.gguf; print the hub URL; run until stdin closes."""
-    from hubemu import HubEmulator
-
-    with HubEmulator() as hub:
-        hub.add_repo("org/big", {"big.gguf": Path(weights)})
-        print(hub.url, flush=True)
-        sys.stdin.read()
-
-
-def make_weights(path: Path, size: int) -> None:
-    """A valid GGUF header padded with random bytes to `size`."""
-    from ggufgen import write_fake_blob, write_gguf
-
-    header = write_gguf(path.with_suffix(".head"), name="bench")
-    pad = write_fake_blob(path.with_suffix(".pad"), size - header.stat().st_size)
-    with open(path, "wb") as out:
-        for part in (header, pad):
-            with open(part, "rb") as f:
-                shutil.copyfileobj(f, out, 4 << 20)
-            part.unlink()
 
 
 def rss_kb(pid: int) -> int:
@@ -146,11 +120,7 @@ def row(metric, value, ref, fmt, target_text, ok):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mib", type=int, default=1024)
-    parser.add_argument("--hub", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.hub:
-        hub_process(args.hub)
-        return 0
 
     from ggufgen import write_gguf
 
@@ -158,10 +128,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="localrt-bench-") as tmp:
         root = Path(tmp)
         weights = root / "big.gguf"
-        make_weights(weights, size)
-        hub = subprocess.Popen([PY, SELF, "--hub", str(weights)], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, text=True)
-        hub_url = hub.stdout.readline().strip()
+        make_weights(weights, size, "bench")
+        hub, hub_url = start_hub("org/big", "big.gguf", weights)
         home = root / "home"
         proc, port = start_server(home, {"modelHubUrl": hub_url, "logLevel": "INFO"})
         try:

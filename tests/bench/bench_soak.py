@@ -33,7 +33,6 @@ import http.client
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import threading
@@ -46,23 +45,13 @@ for p in (str(REPO), str(TESTS)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from benchlib import api, quiet_stderr, start_server  # noqa: E402
+from benchlib import api, make_weights, quantize, start_hub, start_server  # noqa: E402
 
 METADATA_THREADS = 8
 CHAT_THREADS = 2
 RSS_GROWTH_MB = 64
 WARMUP = 60.0
 MODEL_ID = "soak"
-
-
-def hub_process(weights: str) -> None:
-    """Child: serve `weights` as org/soak/soak.gguf; print the hub URL; run until stdin closes."""
-    from hubemu import HubEmulator
-
-    with HubEmulator() as hub:
-        hub.add_repo("org/soak", {"soak.gguf": Path(weights)})
-        print(hub.url, flush=True)
-        sys.stdin.read()
 
 
 def proc_status(pid: int) -> tuple[int, int]:
@@ -167,52 +156,24 @@ def pull_loop(port: int, stop: threading.Event, tally: Tally) -> None:
 
 def make_model(folder: Path) -> Path:
     """A small random llama, quantized to Q4_0 by llama.cpp: replies take a second or two."""
-    import llama_cpp
     from ggufgen import write_gguf
 
     source = write_gguf(folder / "soak-f16.gguf", name="soak", n_embd=512, n_layer=4,
                         n_ff=1024, context_length=2048, file_type="F16")
-    target = folder / "soak-Q4_0.gguf"
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
-    with quiet_stderr():
-        status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(),
-                                                params)
-    if status:
-        raise RuntimeError(f"llama_model_quantize failed with status {status}")
-    return target
-
-
-def make_weights(path: Path, size: int) -> None:
-    """A valid GGUF header padded with random bytes to `size`."""
-    from ggufgen import write_fake_blob, write_gguf
-
-    header = write_gguf(path.with_suffix(".head"), name="soakpull")
-    pad = write_fake_blob(path.with_suffix(".pad"), size - header.stat().st_size)
-    with open(path, "wb") as out:
-        for part in (header, pad):
-            out.write(part.read_bytes())
-            part.unlink()
+    return quantize(source, folder / "soak-Q4_0.gguf", "Q4_0")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=300.0)
-    parser.add_argument("--hub", help=argparse.SUPPRESS)  # the hub child
     args = parser.parse_args(argv)
-    if args.hub:
-        hub_process(args.hub)
-        return 0
     warmup = min(WARMUP, args.seconds / 3)
     with tempfile.TemporaryDirectory(prefix="localrt-soak-") as tmp:
         tmp = Path(tmp)
         model = make_model(tmp)
         weights = tmp / "pull.gguf"
-        make_weights(weights, 64 << 20)
-        hub = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--hub",
-                                str(weights)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                               text=True)
-        hub_url = hub.stdout.readline().strip()
+        make_weights(weights, 64 << 20, "soakpull")
+        hub, hub_url = start_hub("org/soak", "soak.gguf", weights)
         proc, port = start_server(tmp / "home", {"modelHubUrl": hub_url})
         try:
             status, body = api(port, "POST", "/v1/models/import",

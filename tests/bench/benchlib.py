@@ -1,7 +1,8 @@
-"""What the benchmarks share: a localrt server in its own process, and JSON requests to it.
+"""What the benchmarks share: a localrt server and a hub emulator, each in its own
+process, JSON requests, and the model files they serve.
 
 Not a benchmark. The bench scripts import it as `benchlib` (their folder is on
-sys.path when they run).
+sys.path when they run); run as a script, it is the hub emulator's child process.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+TESTS = REPO / "tests"
 
 
 def child_env(home: Path) -> dict:
@@ -66,3 +68,58 @@ def quiet_stderr():
     finally:
         os.dup2(saved, 2)
         os.close(saved)
+
+
+def make_weights(path: Path, size: int, name: str) -> Path:
+    """A valid GGUF header padded with random bytes to `size`, so that registering
+    it reads real metadata."""
+    import shutil
+
+    from ggufgen import write_fake_blob, write_gguf
+
+    header = write_gguf(path.with_suffix(".head"), name=name)
+    pad = write_fake_blob(path.with_suffix(".pad"), size - header.stat().st_size)
+    with open(path, "wb") as out:
+        for part in (header, pad):
+            with open(part, "rb") as f:
+                shutil.copyfileobj(f, out, 4 << 20)
+            part.unlink()
+    return path
+
+
+def quantize(source: Path, target: Path, ftype_name: str) -> Path:
+    """Quantize a GGUF file with llama.cpp itself (ftype_name: "Q8_0", "Q4_0"), quietly."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype_name}")
+    with quiet_stderr():
+        status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(),
+                                                params)
+    if status != 0:
+        raise RuntimeError(f"llama_model_quantize failed with status {status}")
+    return target
+
+
+def start_hub(repo: str, filename: str, weights: Path):
+    """The hub emulator (tests/hubemu.py) in its own process, serving `weights` as
+    `repo`/`filename`; (process, hub URL). Close the process's stdin to stop it."""
+    hub = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), repo, filename,
+                            str(weights)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           text=True)
+    return hub, hub.stdout.readline().strip()
+
+
+def _serve_hub(repo: str, filename: str, weights: str) -> None:
+    """start_hub's child: print the hub URL, serve until stdin closes."""
+    from hubemu import HubEmulator
+
+    with HubEmulator() as hub:
+        hub.add_repo(repo, {filename: Path(weights)})
+        print(hub.url, flush=True)
+        sys.stdin.read()
+
+
+if __name__ == "__main__":
+    sys.path[:0] = [str(REPO), str(TESTS)]
+    _serve_hub(*sys.argv[1:4])
