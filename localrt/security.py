@@ -18,6 +18,8 @@ import re
 from typing import Callable, Iterable, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
+from localrt.settings import KEYS
+
 # Paths anyone may ask for, with or without a key: the CLI and supervisors
 # probe it to learn whether a server is up.
 OPEN_PATHS = ("/healthz",)
@@ -63,9 +65,9 @@ def key_accepted(authorization: str | None, keys: Iterable[str]) -> bool:
     return found
 
 
-# The secret fields, by their Config (API) names and their settings-file names.
-SECRET_FIELDS = ("modelhub_token", "proxy_password", "modelhubToken", "proxyPassword",
-                 "apiKeys")
+# The secret fields, by their settings-file names and their Config (API) names.
+SECRET_FIELDS = tuple(name for key in KEYS if key.secret
+                      for name in (key.name, key.api) if name)
 MIN_SECRET = 4  # shorter values are not hunted for: replacing "ab" everywhere garbles text
 
 

@@ -132,6 +132,7 @@ class Key:
     comment: str
     api: str | None = None
     env: str | None = None  # an environment variable that overrides the file for this run
+    secret: bool = False  # never shown in logs, error messages or task payloads
 
 
 # The one table of settings. If you add a Config field (a key with `api`), also
@@ -160,16 +161,18 @@ KEYS: tuple[Key, ...] = (
         "for each (cpu_threads x lanes <= cores)"),
     Key("apiKeys", _api_keys, [],
         "bearer keys that clients must send; required to bind other than loopback",
-        env="LOCALRT_API_KEY"),
+        env="LOCALRT_API_KEY", secret=True),
     # None means: the local origins on the API port, so a port change keeps them right.
     Key("allowedOrigins", _origins, None, "origins allowed by CORS", api="allowed_origins"),
     Key("cors", _boolean, True, "whether CORS headers are sent", api="cors"),
-    Key("modelhubToken", _string, "", "bearer token for the model hub", api="modelhub_token"),
+    Key("modelhubToken", _string, "", "bearer token for the model hub", api="modelhub_token",
+        secret=True),
     Key("noProxy", _string, "localhost,127.0.0.1,::1", "hosts that bypass the proxy",
         api="no_proxy"),
     Key("proxyUrl", _string, "", "http(s) proxy for outbound requests", api="proxy_url"),
     Key("proxyUsername", _string, "", "proxy Basic auth user", api="proxy_username"),
-    Key("proxyPassword", _string, "", "proxy Basic auth password", api="proxy_password"),
+    Key("proxyPassword", _string, "", "proxy Basic auth password", api="proxy_password",
+        secret=True),
     Key("verifyHostSsl", _boolean, True, "check the hostname of TLS peers", api="verify_host_ssl"),
     Key("verifyPeerSsl", _boolean, True, "check the certificate chain of TLS peers",
         api="verify_peer_ssl"),
