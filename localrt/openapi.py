@@ -24,7 +24,7 @@ def document(routes) -> dict:
     paths: dict = {}
     seen: dict[str, int] = {}
     for route in routes:
-        path = _PARAM.sub(r"{\1}", route.pattern)
+        path = document_path(route.pattern)
         name = route.handler.__name__
         seen[name] = seen.get(name, 0) + 1
         operation = {
@@ -50,6 +50,11 @@ def document(routes) -> dict:
                                     "and OpenAI-compatible chat completions."},
             "paths": paths,
             "components": {"schemas": components}}
+
+
+def document_path(pattern: str) -> str:
+    """A route pattern as the document writes its path: "{model_id:path}" -> "{model_id}"."""
+    return _PARAM.sub(r"{\1}", pattern)
 
 
 def _success(route) -> dict:

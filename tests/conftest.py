@@ -27,6 +27,7 @@ import pytest
 
 from localrt import settings as settings_mod
 from localrt.app import App, create_app
+from localrt.errors import HTTPError
 from ggufgen import write_gguf
 
 REPO = Path(__file__).resolve().parent.parent
@@ -134,7 +135,7 @@ def check_documented(app, method, path, response) -> None:
     else:
         try:
             route, _ = app.router.match(method, path)
-        except Exception:
+        except HTTPError:  # a path this app's table does not have: nothing documents it
             return
         if route.reply is None:
             return

@@ -13,7 +13,6 @@ reaches the internet whatever a generated request asks for.
 from __future__ import annotations
 
 import os
-import re
 import signal
 
 import pytest
@@ -26,6 +25,7 @@ from pkgindex import PackageIndex
 from schemathesis import checks
 
 from localrt.api import ROUTES
+from localrt.openapi import document_path
 
 FUZZ_EXAMPLES = int(os.environ.get("LOCALRT_FUZZ_EXAMPLES", "25"))
 
@@ -67,11 +67,11 @@ def _send(api_schema, method, path, body):
 # DELETE /v1/system stops the server under test, and GET /v1/events never ends
 # (it is a stream of events); both have their own tests.
 NOT_FUZZED = {("DELETE", "/v1/system"), ("GET", "/v1/events")}
-OPERATIONS = sorted({(r.method, re.sub(r"\{(\w+)(?::path)?\}", r"{\1}", r.pattern))
+OPERATIONS = sorted({(r.method, document_path(r.pattern))
                      for r in ROUTES} - NOT_FUZZED)
 # Invalid requests can only be made where there is something to break: a body
 # (any string is a valid path parameter).
-BREAKABLE = {(r.method, re.sub(r"\{(\w+)(?::path)?\}", r"{\1}", r.pattern))
+BREAKABLE = {(r.method, document_path(r.pattern))
              for r in ROUTES if r.schema}
 CASES = [(m, p, mode) for m, p in OPERATIONS for mode in ("positive", "negative")
          if mode == "positive" or (m, p) in BREAKABLE]

@@ -7,6 +7,7 @@ import re
 from conftest import call
 
 from localrt.api import ROUTES
+from localrt.openapi import document_path
 
 
 def resolve(doc: dict, ref: str):
@@ -37,7 +38,7 @@ def test_every_route_is_in_the_document(app):
     doc = r.json
     assert doc["openapi"] == "3.1.0" and doc["info"]["title"] == "localrt"
     for route in ROUTES:
-        path = re.sub(r"\{(\w+)(?::path)?\}", r"{\1}", route.pattern)
+        path = document_path(route.pattern)
         operation = doc["paths"][path][route.method.lower()]
         assert operation["summary"] and "default" in operation["responses"]
         if route.schema:
@@ -65,7 +66,7 @@ def test_every_json_route_documents_its_reply(app):
         if route.pattern in ("/v1/events",):
             continue
         assert route.reply, f"{route.method} {route.pattern} names no reply schema"
-        path = re.sub(r"\{(\w+)(?::path)?\}", r"{\1}", route.pattern)
+        path = document_path(route.pattern)
         ok = doc["paths"][path][route.method.lower()]["responses"]["200"]
         ref = ok["content"]["application/json"]["schema"]["$ref"]
         assert resolve(doc, ref), ref
