@@ -163,22 +163,31 @@ def raw_round(model: Path, args, bias: dict, out: dict) -> None:
     llm = llama_cpp.Llama(str(model), n_ctx=CTX_LEN, n_threads=args.threads,
                           n_threads_batch=args.threads, n_gpu_layers=-1, verbose=False)
     try:
-        k = args.max_tokens
-        raw_complete(llm, k, bias)  # warm-up: prompt evaluation, template compilation
-        for _ in range(args.repeats):
-            s = raw_stream(llm, k, bias)
-            out["ttft"].append(s["ttft"])
-            out["decode"].append(s["decode"])
-            c = raw_complete(llm, k, bias)
-            if c["tokens"] != k:
-                raise RuntimeError(f"raw generated {c['tokens']} tokens, not {k}")
-            out["complete"].append(k / c["wall"])
-            out["text"] = c["text"]
-        for _ in range(args.ttft_samples):
-            out["ttft"].append(raw_stream(llm, TTFT_TOKENS, bias)["ttft"])
-        out["loop"].append(raw_generate_loop(llm, k))
+        sample(lambda k: raw_stream(llm, k, bias), lambda k: raw_complete(llm, k, bias),
+               args, out, "raw")
+        out["loop"].append(raw_generate_loop(llm, args.max_tokens))
     finally:
         llm.close()
+
+
+def sample(stream, complete, args, out: dict, who: str) -> None:
+    """The samples both sides take, in the same order: a warm-up completion (prompt
+    evaluation, template compilation), then per repeat one K-token stream and one
+    K-token completion, then the short TTFT streams. `stream(k)` and `complete(k)`
+    return dicts as raw_stream and raw_complete do."""
+    k = args.max_tokens
+    complete(k)
+    for _ in range(args.repeats):
+        s = stream(k)
+        out["ttft"].append(s["ttft"])
+        out["decode"].append(s["decode"])
+        c = complete(k)
+        if c["tokens"] != k:
+            raise RuntimeError(f"{who} generated {c['tokens']} tokens, not {k}")
+        out["complete"].append(k / c["wall"])
+        out["text"] = c["text"]
+    for _ in range(args.ttft_samples):
+        out["ttft"].append(stream(TTFT_TOKENS)["ttft"])
 
 
 # --- localrt over HTTP ---------------------------------------------------------------
@@ -260,20 +269,14 @@ def localrt_round(port: int, args, bias: dict, out: dict) -> None:
     """Start the model in the server, take localrt's samples into `out`, stop it."""
     k = args.max_tokens
     start_model(port, args.threads)
-    http_complete(port, k, bias)  # warm-up, as on the raw side
-    for _ in range(args.repeats):
-        s = http_stream(port, k, bias)
-        if s["tokens"] != k or not s["done"]:
+
+    def stream(n: int) -> dict:
+        s = http_stream(port, n, bias)
+        if n == k and (s["tokens"] != k or not s["done"]):
             raise RuntimeError(f"a stream ended with {s['tokens']} tokens, done={s['done']}")
-        out["ttft"].append(s["ttft"])
-        out["decode"].append(s["decode"])
-        c = http_complete(port, k, bias)
-        if c["tokens"] != k:
-            raise RuntimeError(f"localrt generated {c['tokens']} tokens, not {k}")
-        out["complete"].append(k / c["wall"])
-        out["text"] = c["text"]
-    for _ in range(args.ttft_samples):
-        out["ttft"].append(http_stream(port, TTFT_TOKENS, bias)["ttft"])
+        return s
+
+    sample(stream, lambda n: http_complete(port, n, bias), args, out, "localrt")
     status, body = api(port, "POST", f"/v1/models/{MODEL_ID}/stop")
     if status != 200:
         raise RuntimeError(f"stop answered {status}: {body}")
