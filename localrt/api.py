@@ -14,6 +14,7 @@ from localrt import __version__
 from localrt.app import Reply, Request, Services
 from localrt.errors import Conflict, InvalidField, ServiceUnavailable
 from localrt.events import TooManyListeners
+from localrt.models import check_id
 from localrt.routing import Route
 
 
@@ -57,14 +58,19 @@ def list_models(services: Services, request: Request):
     return {"object": "list", "data": services.models.registry.list()}
 
 
+def _path_model(request: Request) -> str:
+    """The {model_id} of the path; a 400 naming `model` for an id no model can have."""
+    return check_id(request.params["model_id"])
+
+
 def get_model(services: Services, request: Request):
     """Spec row 12."""
-    return services.models.registry.get(request.params["model_id"])
+    return services.models.registry.get(_path_model(request))
 
 
 def delete_model(services: Services, request: Request):
     """Spec row 13: the files and the definition."""
-    model_id = request.params["model_id"]
+    model_id = _path_model(request)
     services.models.registry.remove(model_id)
     return {"message": f"Model {model_id} removed", "id": model_id, "object": "model",
             "deleted": True}
@@ -72,18 +78,23 @@ def delete_model(services: Services, request: Request):
 
 def update_model(services: Services, request: Request):
     """Spec row 14: the stored parameters (schemas/model-update.json)."""
-    model = services.models.registry.update(request.params["model_id"], request.body)
+    model = services.models.registry.update(_path_model(request), request.body)
     return {"message": f"Model {model['id']} updated", "model": model}
 
 
 def pull_model(services: Services, request: Request):
     """Spec row 9: start a background download."""
-    return services.models.pull(request.params["model_id"])
+    return services.models.pull(_path_model(request))
 
 
 def pull_model_body(services: Services, request: Request):
     """The newer cortex form of row 9, which can also choose a file: {"model", "file"?}."""
     return services.models.pull(request.body["model"], request.body.get("file"))
+
+
+def model_variants(services: Services, request: Request):
+    """What a pull of a built-in name or a hub repository can choose, with sizes."""
+    return services.models.variants(request.body["model"])
 
 
 def list_pulls(services: Services, request: Request):
@@ -114,6 +125,7 @@ def _model_of(request: Request) -> str:
     model_id = request.params.get("model_id", given)
     if model_id is None:
         raise InvalidField("Missing required field 'model'", param="model")
+    check_id(model_id)
     if given is not None and given != model_id:
         raise InvalidField(f"Invalid field 'model': {given!r} is not the model in the path, "
                            f"{model_id!r}", param="model")
@@ -234,6 +246,8 @@ ROUTES = (
     Route("GET", "/v1/models/pull", list_pulls, reply="task-list"),
     Route("POST", "/v1/models/pull", pull_model_body, "model-pull.json", "pull"),
     Route("DELETE", "/v1/models/pull", cancel_pull, "task-cancel.json", "task-stopping"),
+    Route("POST", "/v1/models/variants", model_variants, "model-variants.json",
+          "model-variants"),
     Route("POST", "/v1/models/import", import_model, "model-import.json", "model-changed"),
     Route("POST", "/v1/models/{model_id:path}/pull", pull_model, reply="pull"),
     Route("POST", "/v1/models/{model_id:path}/start", start_model, "model-start.json",

@@ -150,8 +150,15 @@ class _HTTPSHandler(urllib.request.HTTPSHandler):
         return self.do_open(self._connection, req, context=self._context)
 
 
-def build_opener(config: Mapping, on_socket: Callable | None = None
-                 ) -> urllib.request.OpenerDirector:
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect is the answer itself (an HTTPError with its 3xx status)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+def build_opener(config: Mapping, on_socket: Callable | None = None,
+                 redirects: bool = True) -> urllib.request.OpenerDirector:
     """An opener honouring the proxy, no_proxy and SSL fields of `config`.
 
     `on_socket(sock)` is called with each connected socket, so that a cancel can shut
@@ -170,18 +177,24 @@ def build_opener(config: Mapping, on_socket: Callable | None = None
                                             config["proxy_password"], config["no_proxy"]))
     else:
         handlers.append(urllib.request.ProxyHandler({}))  # never the environment's proxy
+    if not redirects:
+        handlers.append(_NoRedirects())
     return urllib.request.build_opener(*handlers)
 
 
 def open_url(config: Mapping, url: str, *, hub_url: str | None = None, headers=None,
-             timeout: float = 30.0, on_socket: Callable | None = None):
-    """Open `url`; the hub token goes to the hub's host only. Raises UpstreamError."""
-    req = urllib.request.Request(url, headers=dict(headers or {}))
+             timeout: float = 30.0, on_socket: Callable | None = None, method: str = "GET",
+             redirects: bool = True):
+    """Open `url`; the hub token goes to the hub's host only. Raises UpstreamError.
+
+    With `redirects` False a 3xx comes back as an HTTPError carrying its status.
+    """
+    req = urllib.request.Request(url, headers=dict(headers or {}), method=method)
     token = config.get("modelhub_token")
     if token and hub_url and urlsplit(url).netloc == urlsplit(hub_url).netloc:
         req.add_unredirected_header("Authorization", f"Bearer {token}")
     try:
-        return build_opener(config, on_socket).open(req, timeout=timeout)
+        return build_opener(config, on_socket, redirects).open(req, timeout=timeout)
     except urllib.error.HTTPError as exc:
         if exc.code == 407:
             exc.close()

@@ -1,12 +1,22 @@
 """Models: what a model id means, pulling models from the hub, and the registry.
 
-Id shapes (spec 2.4):
-  <name>                  built-in repo <org>/<name>, branch main
-  <name>:<variant>        built-in repo <org>/<name>, branch <variant>
-  <org>/<repo>            a hub repository; the GGUF file is chosen later
-  <org>/<repo>:<file>     a hub repository and one file in it
-  https://<hub>/<org>/<repo>/(blob|resolve)/<rev>/<file>
-Ids are checked here before any I/O, so none can escape the models folder.
+Id shapes, and what each pulls (README "Models" says the same for users):
+  <name>, <org>/<name>        a built-in, the repo <org>/<name> (org: modelHubOrg): the
+                              branch its main's metadata.yml names as `default`, else
+                              its one branch besides main; registered as <name>:<branch>
+  <name>:<branch>             that branch of the built-in (404 naming the others)
+  <org>/<repo>                a hub repository's GGUF: its only one, else its Q4_K_M
+                              one, else a 400 listing them; a repo with no GGUF but
+                              ONNX files is pulled whole. Registered as <org>:<repo>:<file>
+  <org>/<repo>:<x>            x is a file of the repo, a quantization (Q8_0, any case),
+                              or a branch
+  <org>:<repo>:<x>            the same: the id a pull registers, so it can be pulled again
+  https://<hub>/<org>/<repo>[/tree/<rev>]  the repo (a built-in's branch for modelHubOrg)
+  https://<hub>/<org>/<repo>/(blob|resolve)/<rev>/<file>  that file (a built-in's branch)
+A split GGUF (-00001-of-00003.gguf) is one model: every part is pulled, the first
+loaded. Projector files (mmproj*.gguf) are never the model; one comes along, recorded
+as the model's `mmproj`. Ids are checked here before any I/O, so none can escape the
+models folder.
 
 Each downloaded or imported model has a folder under `<dataFolderPath>/models`
 holding its files and a definition file, `model.json` (schemas/model.json),
@@ -36,7 +46,7 @@ from localrt.downloads import (DownloadFailed, Downloads, Item, Task, check_disk
 from localrt.errors import (BadRequest, Conflict, HTTPError, InvalidField, NotFound,
                             UpstreamError)
 from localrt.fsutil import atomic_write, private_dir
-from localrt.hub import Hub
+from localrt.hub import Hub, HubFile, NotOnHub, RevisionNotOnHub
 
 log = logging.getLogger(__name__)
 
@@ -46,26 +56,32 @@ MAX_ID_BYTES = 255
 # route, add its last path segment here.
 RESERVED_IDS = ("pull", "import", "start", "stop", "status")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")  # hub org, repo and branch names
+DEFAULT_QUANT = "Q4_K_M"  # what Ollama's hf.co/... and llama.cpp's -hf take by default
+# A quantization in a GGUF file name: Q4_K_M, q8_0, IQ4_XS, TQ1_0, F16, BF16, F32.
+_QUANT = re.compile(r"(?<![A-Za-z0-9])(?:[IT]?Q[0-9]+(?:_[A-Za-z0-9]+)*|BF16|F16|F32|FP16|FP32)"
+                    r"(?![A-Za-z0-9])", re.IGNORECASE)
+_SPLIT = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf\Z", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
 class ModelRef:
-    """Where a model id points on the hub."""
+    """Where a model id points on the hub, before the hub is asked."""
 
-    repo: str              # "<org>/<repo>"
-    revision: str          # a branch name
-    file: str | None       # a file in the repo, or None when the repo decides (built-ins)
+    repo: str               # "<org>/<repo>"
+    revision: str | None    # a branch; None: the repo decides (metadata.yml, or main)
+    file: str | None        # an exact file path in the repo
     builtin: bool
+    pick: str | None = None  # <x> of <org>/<repo>:<x>: a file, a quantization or a branch
 
     @property
-    def local_id(self) -> str:
-        """The id the model is registered under once pulled."""
+    def known_id(self) -> str | None:
+        """The id a pull of this ref registers, when it is known without the hub."""
         org, name = self.repo.split("/")
         if self.builtin:
-            return name if self.revision == "main" else f"{name}:{self.revision}"
-        if self.file is None:
-            return self.repo
-        return f"{org}:{name}:{self.file}"
+            return f"{name}:{self.revision}" if self.revision else None
+        if self.file is not None and not _SPLIT.match(self.file):
+            return f"{org}:{name}:{self.file}"
+        return None
 
 
 def check_id(model_id: str, param: str = "model") -> str:
@@ -105,20 +121,39 @@ def parse_id(model_id: str, hub_url: str, org: str, param: str = "model") -> Mod
     """Turn a model id of any shape into a ModelRef, or raise InvalidField."""
     check_id(model_id, param)
     if model_id.startswith(("http://", "https://")):
-        return _parse_url(model_id, hub_url, param)
+        return _parse_url(model_id, hub_url, org, param)
+    parts = model_id.split(":", 2)
+    if len(parts) == 3 and "/" not in parts[0] + parts[1]:  # <org>:<repo>:<x>, as registered
+        org_name, repo_name = _split_repo(f"{parts[0]}/{parts[1]}", param)
+        return _repo_ref(org_name, repo_name, None, _pick(parts[2], param), org)
     head, sep, tail = model_id.partition(":")
+    if sep and not tail:
+        raise InvalidField(f"Invalid field '{param}': '{model_id}' is not a model id: nothing "
+                           f"follows ':'", param=param)
     if "/" in head:
         org_name, repo_name = _split_repo(head, param)
-        file = tail if sep else None
-        if sep and not tail:
-            raise InvalidField(f"Invalid field '{param}': empty file name after ':'",
-                               param=param)
-        return ModelRef(f"{org_name}/{repo_name}", "main", file, builtin=False)
+        return _repo_ref(org_name, repo_name, None, _pick(tail, param) if sep else None, org)
     if not _NAME.match(head) or (sep and not _NAME.match(tail)):
         raise InvalidField(f"Invalid field '{param}': '{model_id}' is not a model id; use "
-                           f"<name>, <name>:<variant>, <org>/<repo> or <org>/<repo>:<file>",
-                           param=param)
-    return ModelRef(f"{org}/{head}", tail if sep else "main", None, builtin=True)
+                           f"<name>, <name>:<branch>, <org>/<repo>, <org>/<repo>:<file> or "
+                           f"<org>/<repo>:<quantization>", param=param)
+    return ModelRef(f"{org}/{head}", tail if sep else None, None, builtin=True)
+
+
+def _repo_ref(org_name: str, repo_name: str, revision: str | None, pick: str | None,
+              builtin_org: str) -> ModelRef:
+    """<org>/<repo>[:<pick>]; in the built-ins' org a pick that is no file is a branch."""
+    if org_name.lower() == builtin_org.lower() and (pick is None or _NAME.match(pick)) \
+            and not (pick or "").lower().endswith(".gguf"):
+        return ModelRef(f"{builtin_org}/{repo_name}", pick or revision, None, builtin=True)
+    return ModelRef(f"{org_name}/{repo_name}", revision, None, builtin=False, pick=pick)
+
+
+def _pick(text: str, param: str) -> str:
+    if not _safe_relative(text):
+        raise InvalidField(f"Invalid field '{param}': {text!r} is not a file, quantization or "
+                           f"branch name", param=param)
+    return text
 
 
 def _split_repo(repo: str, param: str) -> tuple[str, str]:
@@ -129,17 +164,29 @@ def _split_repo(repo: str, param: str) -> tuple[str, str]:
     return parts[0], parts[1]
 
 
-def _parse_url(url: str, hub_url: str, param: str) -> ModelRef:
+def _parse_url(url: str, hub_url: str, builtin_org: str, param: str) -> ModelRef:
     parts, hub = urlsplit(url), urlsplit(hub_url)
     if (parts.scheme, parts.netloc) != (hub.scheme, hub.netloc):
         raise InvalidField(f"Invalid field '{param}': {parts.scheme}://{parts.netloc} is not "
                            f"the configured model hub ({hub_url})", param=param)
     segments = [unquote(s) for s in parts.path.strip("/").split("/")]
-    if len(segments) < 5 or segments[2] not in ("blob", "resolve"):
+    shaped = len(segments) == 2 or (len(segments) == 4 and segments[2] == "tree") or \
+        (len(segments) >= 5 and segments[2] in ("blob", "resolve"))
+    if not shaped:
         raise InvalidField(f"Invalid field '{param}': expected a URL shaped "
+                           f"{hub_url}/<org>/<repo>, {hub_url}/<org>/<repo>/tree/<branch> or "
                            f"{hub_url}/<org>/<repo>/resolve/<revision>/<file>", param=param)
     org_name, repo_name = _split_repo("/".join(segments[:2]), param)
-    revision, file = segments[3], "/".join(segments[4:])
+    revision = segments[3] if len(segments) > 3 else None
+    if revision is not None and not _safe_relative(revision):
+        raise InvalidField(f"Invalid field '{param}': {revision!r} is not a revision",
+                           param=param)
+    is_builtin_org = org_name.lower() == builtin_org.lower()
+    if len(segments) <= 4:  # the repo, or one branch of it
+        return ModelRef(f"{org_name}/{repo_name}", revision, None, builtin=is_builtin_org)
+    if is_builtin_org and revision != "main":  # a file of a built-in's branch: that branch
+        return ModelRef(f"{org_name}/{repo_name}", revision, None, builtin=True)
+    file = "/".join(segments[4:])
     check_id(file, param)
     return ModelRef(f"{org_name}/{repo_name}", revision, file, builtin=False)
 
@@ -151,7 +198,8 @@ ONNX_CONFIG = "genai_config.json"  # what makes a folder an ONNX model (onnxrunt
 DEFAULT_CTX_LEN = 4096  # a default ctx_len never above this, whatever the model was trained on
 SKIPPED_FILES = (".gitattributes",)  # repo files a pull leaves on the hub
 # model.yml's engine names (cortex's) -> localrt's
-YML_ENGINES = {"llama-cpp": GGUF_ENGINE, "llamacpp": GGUF_ENGINE, GGUF_ENGINE: GGUF_ENGINE,
+YML_ENGINES = {"llama-cpp": GGUF_ENGINE, "llamacpp": GGUF_ENGINE, "llama.cpp": GGUF_ENGINE,
+               GGUF_ENGINE: GGUF_ENGINE,
                "onnxruntime": ONNX_ENGINE, "onnx": ONNX_ENGINE, ONNX_ENGINE: ONNX_ENGINE}
 LIST_OMITS = ("chat_template",)  # metadata too big for every row of GET /v1/models
 
@@ -343,11 +391,33 @@ def _inside(folder: Path, root: Path) -> bool:
 class _Plan:
     """What a pull will fetch, and where it goes."""
 
-    ref: ModelRef
+    ref: ModelRef           # resolved: revision set, file set for a single model file
     local_id: str
     task_id: str
     folder: Path
     items: list
+    mmproj: str | None = None  # the projector's path in the folder, if one comes along
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """One model among a repo's GGUF files: a file, or every part of a split one."""
+
+    parts: tuple            # HubFile, in part order
+    quant: str | None
+
+    @property
+    def path(self) -> str:
+        return self.parts[0].path
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.parts)
+
+    def choice(self, repo: str) -> dict:
+        """How the API lists it when a choice is needed."""
+        return {"id": f"{repo}:{self.path}", "file": self.path, "size": self.size,
+                "quantization": self.quant, "parts": len(self.parts)}
 
 
 class Models:
@@ -363,33 +433,66 @@ class Models:
 
     def pull(self, model_id: str, file: str | None = None) -> dict:
         """Start downloading a model; or say it is already downloaded."""
-        hub_url, org = self._settings["modelHubUrl"], self._settings["modelHubOrg"]
-        ref = parse_id(model_id, hub_url, org)
+        ref = self._parse(model_id)
         if file is not None:
-            if ref.builtin or ref.file is not None:
+            if ref.builtin or ref.file is not None or ref.pick is not None:
                 raise InvalidField("Invalid field 'file': a file can only be chosen for an "
                                    "<org>/<repo> model", param="file")
             ref = ModelRef(ref.repo, ref.revision, check_id(file, "file"), builtin=False)
-        if ref.builtin or ref.file is not None:  # known before asking the hub
-            check_new_id(ref.local_id)
-            done = self._already(ref.local_id, _task_id(ref))
+        if ref.known_id is not None:  # known before asking the hub
+            check_new_id(ref.known_id)
+            done = self._already(ref.known_id, _task_id(ref))
             if done:
                 return done
-        hub = Hub(hub_url, self._config.get())
+        hub = self._hub()
         plan = self._plan(ref, hub)
         check_new_id(plan.local_id)  # the file name chosen on the hub is part of it
         done = self._already(plan.local_id, plan.task_id)
         if done:
             return done
         other = self.registry.at(plan.folder)
-        if other is not None:  # e.g. built-in "x" and the repo "<org>/x" are one folder
+        if other is not None:  # e.g. one file pulled as <org>/<repo> and by its URL
             return {"message": f"Model {plan.local_id} is already downloaded as {other}",
                     "model": other}
+        # A gated repository lists its files to anyone and refuses their bytes: ask for one
+        # byte of the largest now, so the answer is a clear 403 and not a failed task.
+        largest = max(plan.items, key=lambda item: item.size)
+        hub.check_access(plan.ref.repo, plan.ref.revision, largest.id)
         task = Task(plan.task_id, "Model", plan.items, hub_url=hub.url,
                     on_success=lambda task: self._register(plan))
         self.downloads.start(task)
         return {"message": f"Model {plan.local_id} starts downloading", "model": plan.local_id,
                 "task": task.to_dict()}
+
+    def variants(self, model_id: str) -> dict:
+        """What a pull of `model_id` can choose from: a built-in's branches, or a repo's
+        GGUF models, with sizes; `default` is what a pull without a choice takes."""
+        ref = self._parse(model_id)
+        hub = self._hub()
+        org, name = ref.repo.split("/")
+        if ref.builtin and ref.revision is None:
+            branches = [b for b in hub.branches(ref.repo) if b != "main"]
+            default = self._default_branch(ref, hub, branches)
+            data = [{"id": f"{name}:{b}", "name": b, "default": b == default,
+                     "size": sum(f.size for f in hub.files(ref.repo, b))} for b in branches]
+            return {"object": "list", "model": model_id, "repo": ref.repo, "kind": "branches",
+                    "default": default and f"{name}:{default}", "data": data}
+        if ref.builtin or ref.file is not None or ref.pick is not None:
+            raise InvalidField(f"Invalid field 'model': {model_id} names one model already; "
+                               f"there is nothing to choose", param="model")
+        revision = ref.revision or "main"
+        candidates = _candidates(self._listing(ref.repo, revision, hub))
+        chosen = _default_candidate(candidates)
+        data = [{**c.choice(ref.repo), "name": c.path, "default": c is chosen}
+                for c in candidates]
+        return {"object": "list", "model": model_id, "repo": ref.repo, "kind": "files",
+                "default": chosen and f"{ref.repo}:{chosen.path}", "data": data}
+
+    def _parse(self, model_id: str) -> ModelRef:
+        return parse_id(model_id, self._settings["modelHubUrl"], self._settings["modelHubOrg"])
+
+    def _hub(self) -> Hub:
+        return Hub(self._settings["modelHubUrl"], self._config.get())
 
     def _already(self, local_id: str, task_id: str) -> dict | None:
         if self.registry.has(local_id):
@@ -399,41 +502,108 @@ class Models:
                            extra={"taskId": task_id, "model": local_id})
         return None
 
-    def _plan(self, ref: ModelRef, hub: Hub) -> _Plan:
-        files = [f for f in hub.files(ref.repo, ref.revision) if f.path not in SKIPPED_FILES]
+    def _listing(self, repo: str, revision: str, hub: Hub) -> list[HubFile]:
+        """A revision's files, less those a pull leaves on the hub; none with an unsafe path."""
+        files = [f for f in hub.files(repo, revision) if f.path not in SKIPPED_FILES]
         for f in files:  # the file list is remote input: no path may leave the folder
             if not _safe_relative(f.path):
                 raise UpstreamError(f"The model hub listed a file with an unsafe path in "
-                                    f"{ref.repo}: {f.path!r}; nothing was downloaded")
+                                    f"{repo}: {f.path!r}; nothing was downloaded")
+        return files
+
+    def _plan(self, ref: ModelRef, hub: Hub) -> _Plan:
         if ref.builtin:
-            chosen = files
-        elif ref.file is not None:
-            chosen = [f for f in files if f.path == ref.file]
-            if not chosen:
-                raise NotFound(f"No file {ref.file} in {ref.repo} at {ref.revision}; "
-                               f"its GGUF files: {', '.join(_ggufs(files)) or 'none'}",
+            return self._plan_builtin(ref, hub)
+        revision = ref.revision or "main"
+        files = self._listing(ref.repo, revision, hub)
+        candidates = _candidates(files)
+        if ref.file is not None:
+            chosen = _by_file(files, candidates, ref.file)
+            if chosen is None:
+                raise NotFound(f"No file {ref.file} in {ref.repo} at {revision}; its GGUF "
+                               f"files: {_listed(candidates)}", param="file")
+        elif ref.pick is not None:
+            chosen = _by_file(files, candidates, ref.pick) or \
+                _one(ref, [c for c in candidates if (c.quant or "").upper() == ref.pick.upper()])
+            if chosen is None:
+                if ref.pick in hub.branches(ref.repo):
+                    return self._plan(ModelRef(ref.repo, ref.pick, None, False), hub)
+                raise NotFound(f"No file {ref.pick} in {ref.repo}, nor a quantization or "
+                               f"branch of that name; its GGUF files: {_listed(candidates)}",
                                param="file")
+        elif not candidates:
+            if not any(_engine_of(f.path) == ONNX_ENGINE for f in files):
+                raise BadRequest(f"{ref.repo} at {revision} has no GGUF or ONNX model files, "
+                                 f"so there is nothing localrt can run; nothing was "
+                                 f"downloaded", param="model")
+            return self._whole(ModelRef(ref.repo, revision, None, False), files, hub,
+                               f"{ref.repo.replace('/', ':')}:{revision}")
         else:
-            ggufs = _ggufs(files)
-            if len(ggufs) == 1:
-                return self._plan(ModelRef(ref.repo, ref.revision, ggufs[0], False), hub)
-            if len(ggufs) > 1:
-                raise BadRequest(f"{ref.repo} holds {len(ggufs)} GGUF files; choose one with "
-                                 f"\"file\" or as {ref.repo}:<file>: {', '.join(ggufs)}",
-                                 param="file", extra={"files": ggufs})
-            chosen = files  # no GGUF: the whole repo, e.g. an ONNX model folder
-        if not any(_engine_of(f.path) for f in chosen):
-            raise NotFound(f"{ref.repo} at {ref.revision} has no GGUF or ONNX model files",
-                           param="model")
-        host = urlsplit(hub.url).netloc.lower().replace(":", "_")
-        leaf = ref.file.replace("/", "_") if ref.file else ref.revision
-        folder = self.registry.root / host / ref.repo / leaf
-        items = [Item(f.path, hub.file_url(ref.repo, ref.revision, f.path),
-                      folder / (Path(f.path).name if ref.file else f.path),
-                      f.size, f.sha256, f.git_oid) for f in chosen]
-        local_id = ref.local_id if ref.file or ref.builtin else \
-            f"{ref.repo.replace('/', ':')}:{ref.revision}"
-        return _Plan(ref, local_id, _task_id(ref), folder, items)
+            chosen = _default_candidate(candidates) or _one(ref, candidates)
+        resolved = ModelRef(ref.repo, revision, chosen.path, builtin=False)
+        org, name = ref.repo.split("/")
+        folder = self.registry.root / _host(hub) / ref.repo / chosen.path.replace("/", "_")
+        projector = _projector(files)
+        wanted = list(chosen.parts) + ([projector] if projector else [])
+        items = [Item(f.path, hub.file_url(ref.repo, revision, f.path),
+                      folder / Path(f.path).name, f.size, f.sha256, f.git_oid) for f in wanted]
+        return _Plan(resolved, f"{org}:{name}:{chosen.path}", _task_id(resolved), folder,
+                     items, projector and Path(projector.path).name)
+
+    def _plan_builtin(self, ref: ModelRef, hub: Hub) -> _Plan:
+        name = ref.repo.split("/")[1]
+        branch = ref.revision
+        if branch is None:
+            branches = [b for b in hub.branches(ref.repo) if b != "main"]
+            branch = self._default_branch(ref, hub, branches)
+            if branch is None and not branches:
+                branch = "main"  # a repo that keeps one model on main
+            elif branch is None:
+                choices = [f"localrt pull {name}:{b}" for b in branches]
+                raise BadRequest(f"{name} has {len(branches)} variants and no default; choose "
+                                 f"one: {', '.join(f'`{c}`' for c in choices)}",
+                                 param="model",
+                                 extra={"branches": branches,
+                                        "choices": [f"{name}:{b}" for b in branches]})
+        try:
+            files = self._listing(ref.repo, branch, hub)
+        except RevisionNotOnHub:
+            others = [b for b in hub.branches(ref.repo) if b != "main"]
+            raise NotOnHub(f"No such model on the hub: {name} has no variant {branch}; its "
+                           f"variants: {', '.join(others) or 'none'}", param="model",
+                           extra={"branches": others}) from None
+        candidates = _candidates(files)
+        if len(candidates) > 1:  # main holds every quantization: never all of them
+            raise BadRequest(f"{ref.repo} holds {len(candidates)} GGUF models on {branch}; "
+                             f"pull a variant (`localrt pull {name}:<branch>`) or one file "
+                             f"as {ref.repo}:<file>: {_listed(candidates)}", param="model",
+                             extra={"files": [c.path for c in candidates]})
+        if not candidates and not any(_engine_of(f.path) for f in files):
+            raise BadRequest(f"{ref.repo} at {branch} has no GGUF or ONNX model files, so "
+                             f"there is nothing localrt can run; nothing was downloaded",
+                             param="model")
+        return self._whole(ModelRef(ref.repo, branch, None, True), files, hub,
+                           f"{name}:{branch}")
+
+    def _whole(self, ref: ModelRef, files: list[HubFile], hub: Hub, local_id: str) -> _Plan:
+        """A plan that fetches every file of a revision (a built-in's branch, an ONNX repo)."""
+        folder = self.registry.root / _host(hub) / ref.repo / ref.revision
+        items = [Item(f.path, hub.file_url(ref.repo, ref.revision, f.path), folder / f.path,
+                      f.size, f.sha256, f.git_oid) for f in files]
+        projector = _projector(files)
+        return _Plan(ref, local_id, _task_id(ref), folder, items,
+                     projector and projector.path)
+
+    def _default_branch(self, ref: ModelRef, hub: Hub, branches: list[str]) -> str | None:
+        """The branch a built-in's metadata.yml names as default, or its only branch."""
+        text = hub.text(ref.repo, "main", "metadata.yml")
+        default = _yml_mapping(text, f"{ref.repo}/metadata.yml").get("default")
+        if default is not None and str(default) in branches:
+            return str(default)
+        if default is not None:
+            log.warning("%s/metadata.yml names the default branch %r, which does not exist",
+                        ref.repo, default)
+        return branches[0] if len(branches) == 1 else None
 
     def _register(self, plan: _Plan) -> None:
         """Once every file is checked: read the defaults, write the definition."""
@@ -446,6 +616,8 @@ class Models:
         try:
             definition = _definition(plan.local_id, org, paths, files, source,
                                      self.registry.usable)
+            if plan.mmproj:
+                definition["mmproj"] = plan.mmproj
             other = self.registry.at(plan.folder)
             if other not in (None, plan.local_id):
                 raise Conflict(f"its folder already holds the model {other}")
@@ -563,18 +735,100 @@ def _safe_relative(path: str) -> bool:
         not any(ord(c) < 32 or ord(c) == 127 for c in path)
 
 
-def _ggufs(files) -> list[str]:
-    return sorted(f.path for f in files if f.path.lower().endswith(".gguf"))
+def _host(hub: Hub) -> str:
+    """The models folder's name for a hub: its host and port."""
+    return urlsplit(hub.url).netloc.lower().replace(":", "_")
+
+
+def is_projector(path: str) -> bool:
+    """Whether a GGUF file is a vision projector (mmproj*.gguf), never a model to load."""
+    name = path.lower().rsplit("/", 1)[-1]
+    return name.startswith("mmproj") and name.endswith(".gguf")
+
+
+def quantization(path: str) -> str | None:
+    """The quantization a GGUF file's name says (Q4_K_M, Q8_0, F16...), upper-cased."""
+    stem = path.rsplit("/", 1)[-1]
+    split = _SPLIT.match(stem)
+    stem = split.group(1) if split else stem[:-5] if stem.lower().endswith(".gguf") else stem
+    found = _QUANT.findall(stem)
+    return found[-1].upper() if found else None
+
+
+def _candidates(files: list[HubFile]) -> list[_Candidate]:
+    """The GGUF models among a revision's files: a split model's parts make one, in part
+    order (every part must be listed); projectors are not models."""
+    singles, splits = [], {}
+    for f in sorted(files, key=lambda f: f.path):
+        if not f.path.lower().endswith(".gguf") or is_projector(f.path):
+            continue
+        m = _SPLIT.match(f.path)
+        if m:
+            splits.setdefault((m.group(1), m.group(3)), []).append(f)
+        else:
+            singles.append(_Candidate((f,), quantization(f.path)))
+    for (_, total), parts in splits.items():
+        if len(parts) != int(total):
+            log.warning("%s: %d of %s parts are listed; it is left out", parts[0].path,
+                        len(parts), total)
+            continue
+        singles.append(_Candidate(tuple(parts), quantization(parts[0].path)))
+    return sorted(singles, key=lambda c: c.path)
+
+
+def _default_candidate(candidates: list[_Candidate]) -> _Candidate | None:
+    """The model a repo pull takes without a choice: the only one, else the only Q4_K_M."""
+    if len(candidates) == 1:
+        return candidates[0]
+    preferred = [c for c in candidates if c.quant == DEFAULT_QUANT]
+    return preferred[0] if len(preferred) == 1 else None
+
+
+def _one(ref: ModelRef, candidates: list[_Candidate]) -> _Candidate | None:
+    """The one candidate, None for none, and a 400 listing them when there are several."""
+    if len(candidates) <= 1:
+        return candidates[0] if candidates else None
+    listing = [c.path for c in candidates]
+    raise BadRequest(f"{ref.repo} holds {len(candidates)} GGUF models; choose one with "
+                     f"\"file\" or as {ref.repo}:<file> or {ref.repo}:<quantization>: "
+                     f"{', '.join(listing)}", param="file",
+                     extra={"files": listing, "choices": [c.choice(ref.repo) for c in candidates]})
+
+
+def _by_file(files: list[HubFile], candidates: list[_Candidate], path: str):
+    """The candidate that is, or holds, the file `path`; None when no file has that path."""
+    for c in candidates:
+        if any(f.path == path for f in c.parts):
+            return c
+    f = next((f for f in files if f.path == path), None)
+    if f is None:
+        return None
+    if is_projector(path):
+        raise BadRequest(f"{path} is a vision projector (mmproj), not a model; choose the "
+                         f"model file, and its projector comes along", param="file")
+    if not _engine_of(path):
+        raise BadRequest(f"{path} is not a GGUF or ONNX model file", param="file")
+    return _Candidate((f,), quantization(path))
+
+
+def _listed(candidates: list[_Candidate]) -> str:
+    return ", ".join(c.path for c in candidates) or "none"
+
+
+def _projector(files: list[HubFile]) -> HubFile | None:
+    """The projector that comes with a model: the repo's only one, else its F16 one."""
+    found = sorted((f for f in files if is_projector(f.path)), key=lambda f: f.path)
+    f16 = [f for f in found if quantization(f.path) == "F16"]
+    return (f16 or found or [None])[0]
 
 
 def weights_path(record: dict) -> Path | None:
-    """The file an engine loads for a model record: its GGUF, else its ONNX model file."""
-    files = [f["path"] for f in record["files"]]
-    for engine in (GGUF_ENGINE, ONNX_ENGINE):
-        found = next((f for f in files if _engine_of(f) == engine), None)
-        if found is not None:
-            return Path(record["path"]) / found
-    return None
+    """The file an engine loads for a model record: its GGUF (a split one's first part,
+    never a projector), else its ONNX model file."""
+    files = sorted(f["path"] for f in record["files"])
+    found = next((f for f in files if _engine_of(f) == GGUF_ENGINE and not is_projector(f)),
+                 None) or next((f for f in files if _engine_of(f) == ONNX_ENGINE), None)
+    return Path(record["path"]) / found if found is not None else None
 
 
 def _engine_of(path: str) -> str | None:
@@ -586,10 +840,17 @@ def _engine_of(path: str) -> str | None:
     return None
 
 
+# Record fields that model.yml cannot set: localrt's own, and those it derives.
+RECORD_FIELDS = ("id", "object", "created", "owned_by", "files", "source", "metadata",
+                 "path", "size", "status", "engine", "mmproj")
+
+
 def _definition(model_id: str, owner: str, paths: list[Path], files: list[dict],
                 source: dict, usable: Callable[[dict], dict]) -> dict:
     """A model definition: files and source, plus defaults from model.yml and the weights.
 
+    model.yml's parameters are checked like any stored parameter; its other fields
+    (cortex's n_parallel, version, model...) are kept as they are, so they show.
     Raises ValueError when the weights cannot be read.
     """
     yml = _read_model_yml([p for p in paths if p.name == "model.yml"])
@@ -599,13 +860,13 @@ def _definition(model_id: str, owner: str, paths: list[Path], files: list[dict],
     definition = {"id": model_id, "name": model_id, "engine": engine,
                   "created": int(time.time()), "owned_by": owner, "files": files,
                   "source": source}
-    ggufs = sorted((p for p in paths if p.name.lower().endswith(".gguf")),
-                   key=lambda p: p.stat().st_size)
-    if ggufs:
+    ggufs = sorted((p for p in paths if p.name.lower().endswith(".gguf")
+                    and not is_projector(p.name)), key=lambda p: p.name)
+    if ggufs:  # a split model's metadata is in its first part
         try:
-            meta = ggufinfo.model_defaults(ggufs[-1])
+            meta = ggufinfo.model_defaults(ggufs[0])
         except (ggufinfo.GGUFError, OSError) as exc:
-            raise ValueError(f"{ggufs[-1].name} cannot be read as GGUF: {exc}") from None
+            raise ValueError(f"{ggufs[0].name} cannot be read as GGUF: {exc}") from None
         definition["metadata"] = {k: v for k, v in meta.items() if k != "stop"}
         from_weights = {}
         if meta.get("name"):
@@ -617,6 +878,12 @@ def _definition(model_id: str, owner: str, paths: list[Path], files: list[dict],
         definition.update(usable(from_weights))  # the weights are outside input too
     names = parameter_names()
     definition.update(usable({k: v for k, v in yml.items() if k in names}))
+    for key, value in yml.items():
+        if key not in names and key not in RECORD_FIELDS and isinstance(key, str):
+            try:  # YAML has dates and other types that JSON lacks: they become text
+                definition[key] = json.loads(json.dumps(value, default=str))
+            except ValueError:
+                log.warning("ignoring the model.yml field %s: not JSON", key)
     return definition
 
 
@@ -624,12 +891,24 @@ def _read_model_yml(paths: list[Path]) -> dict:
     """The hub's model.yml (cortex's format), or {} when there is none or it is unusable."""
     if not paths:
         return {}
+    try:
+        text = paths[0].read_text(encoding="utf-8")
+    except (OSError, UnicodeError) as exc:
+        log.warning("ignoring %s: %s", paths[0], exc)
+        return {}
+    return _yml_mapping(text, str(paths[0]))
+
+
+def _yml_mapping(text: str | None, where: str) -> dict:
+    """A YAML file's top-level mapping (safe_load), or {} when it is missing or not one."""
+    if not text:
+        return {}
     import yaml
 
     try:
-        data = yaml.safe_load(paths[0].read_text(encoding="utf-8"))
-    except (OSError, UnicodeError, yaml.YAMLError) as exc:
-        log.warning("ignoring %s: %s", paths[0], exc)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        log.warning("ignoring %s: %s", where, exc)
         return {}
     return data if isinstance(data, dict) else {}
 

@@ -37,7 +37,9 @@ def _compile(pattern: str) -> re.Pattern:
         out += re.escape(pattern[pos:m.start()])
         out += f"(?P<{m.group(1)}>.+?)" if m.group(2) else f"(?P<{m.group(1)}>[^/]+)"
         pos = m.end()
-    return re.compile(out + re.escape(pattern[pos:]) + r"\Z")
+    # DOTALL: a parameter may hold any character (a model id with a newline must reach
+    # its handler, which refuses it by name, not be "no such endpoint").
+    return re.compile(out + re.escape(pattern[pos:]) + r"\Z", re.DOTALL)
 
 
 class Router:
