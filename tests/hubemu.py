@@ -15,15 +15,34 @@ Two real HTTP/1.1 servers on 127.0.0.1, each on a port chosen by the OS:
   redirects large files to cdn-lfs.hf.co with a signed URL.
 
 Both support keep-alive, Range requests, optional TLS, a request log and fault switches
-(dropped connections, corrupted bytes, slow bodies, error statuses); see HubEmulator.
-Bodies are streamed in 64 KiB chunks, so a 1 GiB file given as a Path never sits in
-memory.
+(dropped connections, corrupted bytes, slow bodies, error statuses, 429 rate limits, a
+per-connection bandwidth cap); see HubEmulator. Bodies are streamed in 64 KiB chunks, so
+a 1 GiB file given as a Path never sits in memory.
+
+Where huggingface.co behaves in a way a client must cope with, the emulator does too:
+
+* tree listings (``/api/models/{repo}/tree/{rev}``) come in pages of at most
+  ``hub.tree_page_size`` entries (1000, as on huggingface.co); a page with more to come
+  has a ``Link: <...&cursor=...>; rel="next"`` header;
+* a gated repo's API answers (info, tree, refs) need no token, only its files do:
+  ``resolve`` answers 401 without a token and 403 with a wrong one
+  (``X-Error-Code: GatedRepo``);
+* an unknown repo is a 401 ``RepoNotFound`` (``hub.missing_repo_status``), not a 404, so
+  that a private repo's existence is not revealed;
+* ``hub.add_cortexso(name, variants, ...)`` publishes a built-in model with cortexso's
+  layout: one branch per variant, and a ``main`` branch with README.md, metadata.yml
+  (``default:`` names the default variant), a template model.yml and a copy of every
+  variant's weights as ``<name>-<branch>.gguf``, so pulling all of main would download
+  every quantization.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
+import math
 import os
 import re
 import socket
@@ -34,20 +53,21 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Union
-from urllib.parse import parse_qs, quote, unquote, urlsplit
+from urllib.parse import parse_qs, parse_qsl, quote, unquote, urlencode, urlsplit
 
 from loopback import DISCONNECTS, LoopbackHandler, LoopbackServer
 
 __all__ = ["HubEmulator", "RequestRecord", "HubFile"]
 
 CHUNK = 64 * 1024
+# With a bandwidth cap, sendfile goes out in slices of at most this size, with sleeps
+# between them; small enough to pace smoothly, big enough to cost little CPU.
+PACED_SLICE = 256 * 1024
 
 # Files stored with Git LFS on the emulated hub (huggingface.co decides this per repo
 # with .gitattributes; model weights are always LFS there).
 LFS_SUFFIXES = (".gguf", ".onnx", ".bin", ".safetensors", ".data")
 LFS_THRESHOLD = 10 * 1024
-
-# Errors that mean "the client went away"; handled quietly.
 
 _FileSource = Union[bytes, bytearray, str, os.PathLike]
 
@@ -82,6 +102,7 @@ class HubFile:
     pointer_size: int = 0  # size of the LFS pointer file
 
     def lfs_info(self) -> dict:
+        """The "lfs" object of this file's tree entry."""
         return {"oid": self.sha256, "size": self.size, "pointerSize": self.pointer_size}
 
 
@@ -118,12 +139,13 @@ def _git_blob_oid(size: int, chunks) -> str:
     return h.hexdigest()
 
 
-def _iter_file(path: Path, start: int = 0, length: Optional[int] = None):
+def _iter_file(path: Path, start: int = 0, length: Optional[int] = None,
+               chunk_size: int = CHUNK):
     with open(path, "rb") as f:
         f.seek(start)
         remaining = length
         while remaining is None or remaining > 0:
-            chunk = f.read(CHUNK if remaining is None else min(CHUNK, remaining))
+            chunk = f.read(chunk_size if remaining is None else min(chunk_size, remaining))
             if not chunk:
                 return
             if remaining is not None:
@@ -194,6 +216,51 @@ def _parse_range(value: Optional[str], size: int):
     return start, min(end, size - 1)
 
 
+class _Pacer:
+    """Holds one response body to at most `rate` bytes per second.
+
+    Before a slice goes out it waits until the body's bytes so far, that slice
+    included, fit the rate since the body started; so the last byte leaves no sooner
+    than size / rate after the first, as from a capped CDN edge."""
+
+    def __init__(self, rate: Optional[float]):
+        self.rate = rate
+        self.start = time.monotonic()
+        self.sent = 0
+
+    def slice_size(self, largest: int) -> int:
+        """How much to send at once: `largest`, or ~100 ms of bytes when that is less."""
+        if not self.rate:
+            return largest
+        return max(1024, min(largest, int(self.rate / 10)))
+
+    def wait(self, n: int) -> None:
+        """Sleep until `n` more bytes may go out."""
+        if not self.rate:
+            return
+        self.sent += n
+        delay = self.start + self.sent / self.rate - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+
+    def refund(self, n: int) -> None:
+        """Take back `n` bytes that wait() allowed for but that did not go out."""
+        self.sent -= n
+
+
+def _encode_cursor(path: str) -> str:
+    # Opaque to clients, like huggingface.co's (base64 of the last path listed).
+    return base64.urlsafe_b64encode(json.dumps({"file_name": path}).encode()).decode()
+
+
+def _decode_cursor(cursor: str) -> Optional[str]:
+    try:
+        path = json.loads(base64.urlsafe_b64decode(cursor.encode()))["file_name"]
+    except (ValueError, KeyError, TypeError, binascii.Error):
+        return None
+    return path if isinstance(path, str) else None
+
+
 class _Server(LoopbackServer):
     """One listening socket; connections are served by daemon threads."""
 
@@ -238,11 +305,19 @@ class _Handler(LoopbackHandler):
         # Split before unquoting so an encoded "/" (revision "refs%2Fpr%2F1") stays in
         # its segment, as huggingface_hub quotes revisions with safe="".
         self.segments = [unquote(s) for s in split.path.split("/")[1:]]
+        self.raw_path, self.raw_query = split.path, split.query
         try:
-            if self.server.kind == "cdn":
+            kind = self._kind()
+            if kind and self._take_rate_limit(kind):
+                return
+            if kind == "cdn":
                 self._cdn()
+            elif kind == "api":
+                self._api(self.segments)
+            elif kind == "resolve":
+                self._resolve(self.segments)
             else:
-                self._hub()
+                self._error(404, "Not Found")
         except DISCONNECTS:
             raise
         except Exception as exc:  # a bug in the emulator: say so instead of hanging
@@ -273,6 +348,29 @@ class _Handler(LoopbackHandler):
         if code:
             headers["X-Error-Code"] = code
         self._json(status, {"error": message}, headers)
+
+    def _kind(self) -> Optional[str]:
+        """"api", "resolve" or "cdn": which kind of request this is (None: neither)."""
+        if self.server.kind == "cdn":
+            return "cdn"
+        segs = self.segments
+        if len(segs) >= 3 and segs[:2] == ["api", "models"]:
+            return "api"
+        if "resolve" in segs[1:3]:
+            return "resolve"
+        return None
+
+    def _take_rate_limit(self, kind: str) -> bool:
+        """Answer 429 with Retry-After when a rate limit is queued for this kind."""
+        seconds = self.server.hub._take_rate_limit(kind)
+        if seconds is None:
+            return False
+        # huggingface.co sends no X-Error-Code with a 429, only the message.
+        message = ("hubemu: rate limit reached; you have exceeded the request quota. "
+                   "Retry later.")
+        self._json(429, {"error": message}, {"X-Error-Message": message,
+                                             "Retry-After": str(math.ceil(seconds))})
+        return True
 
     def _take_fail_status(self) -> bool:
         status = self.server.hub._take_fail_status()
@@ -308,7 +406,16 @@ class _Handler(LoopbackHandler):
         self.end_headers()
         if self.head:
             return
+        hub._body_started()
+        try:
+            self._send_body(f, start, length)
+        finally:
+            hub._body_ended()
 
+    def _send_body(self, f: HubFile, start: int, length: int):
+        """`length` bytes of `f` from `start`, paced and with the faults applied."""
+        hub = self.server.hub
+        pacer = _Pacer(hub.max_bytes_per_second)
         drop = hub._take_drop()
         limit = length if drop is None else min(drop, length)
         flip = start + length // 2 if (hub.corrupt and length) else None
@@ -320,20 +427,30 @@ class _Handler(LoopbackHandler):
             with open(f.source, "rb") as src:
                 pos, end = start, start + limit
                 while pos < end:
-                    sent = os.sendfile(self.connection.fileno(), src.fileno(), pos, end - pos)
+                    # Uncapped, one sendfile call takes it all; capped, it goes in
+                    # slices with sleeps between them.
+                    count = end - pos
+                    if pacer.rate:
+                        count = pacer.slice_size(min(PACED_SLICE, count))
+                    pacer.wait(count)
+                    sent = os.sendfile(self.connection.fileno(), src.fileno(), pos, count)
                     if not sent:
                         break
                     pos += sent
+                    pacer.refund(count - sent)  # a short write: the next slice has it
             return
+        chunk_size = pacer.slice_size(CHUNK)
         if isinstance(f.source, bytes):
             view = memoryview(f.source)
-            chunks = (view[pos:pos + CHUNK] for pos in range(start, start + limit, CHUNK))
+            chunks = (view[pos:pos + chunk_size]
+                      for pos in range(start, start + limit, chunk_size))
         else:
-            chunks = _iter_file(f.source, start, limit)
+            chunks = _iter_file(f.source, start, limit, chunk_size)
         pos = start
         for i, chunk in enumerate(chunks):
             if i and delay:
                 time.sleep(delay)
+            pacer.wait(len(chunk))
             if flip is not None and pos <= flip < pos + len(chunk):
                 chunk = bytearray(chunk)
                 chunk[flip - pos] ^= 0xFF
@@ -377,7 +494,7 @@ class _Handler(LoopbackHandler):
         return None, 0
 
     def _authorized(self, repo: _Repo) -> bool:
-        """Gated-repo check; answers 401/403 itself and returns False on failure."""
+        """Gated-repo check for a file; answers 401/403 itself and returns False on failure."""
         if repo.gated_token is None:
             return True
         auth = self.headers.get("Authorization")
@@ -393,22 +510,18 @@ class _Handler(LoopbackHandler):
             return False
         return True
 
-    def _hub(self):
-        segs = self.segments
-        if len(segs) >= 3 and segs[:2] == ["api", "models"]:
-            self._api(segs)
-            return
-        if "resolve" in segs[1:3]:
-            self._resolve(segs)
-            return
-        self._error(404, "Not Found")
+    def _repo_not_found(self):
+        # huggingface.co answers 401 for a repo that does not exist, the same as for a
+        # private one without the token, so that private repos' names do not leak.
+        self._error(self.server.hub.missing_repo_status, "Repository not found",
+                    "RepoNotFound")
 
     def _api(self, segs):
+        # A gated repo's API answers need no token (huggingface.co lists its files to
+        # anyone); only its files do, in _resolve.
         repo, n = self._find_repo(segs, 2)
         if repo is None:
-            self._error(404, "Repository not found", "RepoNotFound")
-            return
-        if not self._authorized(repo):
+            self._repo_not_found()
             return
         rest = segs[2 + n:]
         if not rest:
@@ -487,7 +600,30 @@ class _Handler(LoopbackHandler):
         dir_entries = [{"type": "directory",
                         "oid": hashlib.sha1(f"{branch.sha}:{d}".encode()).hexdigest(),
                         "size": 0, "path": d} for d in sorted(dirs)]
-        self._json(200, dir_entries + entries)
+        self._tree_page(dir_entries + entries)
+
+    def _tree_page(self, listing: List[dict]):
+        """One page of a tree listing, from ?cursor= on, with a Link to the next page."""
+        begin = 0
+        if "cursor" in self.query:
+            after = _decode_cursor(self.query["cursor"][0])
+            paths = [e["path"] for e in listing]
+            if after is None or after not in paths:
+                self._error(400, "Invalid cursor")
+                return
+            begin = paths.index(after) + 1
+        size = max(1, self.server.hub.tree_page_size)
+        page = listing[begin:begin + size]
+        headers = {}
+        if begin + size < len(listing):
+            # huggingface.co keeps the request's own query (recursive, expand, ...) and
+            # adds the cursor; clients follow the Link as it is.
+            query = [(k, v) for k, v in parse_qsl(self.raw_query, keep_blank_values=True)
+                     if k != "cursor"]
+            query.append(("cursor", _encode_cursor(page[-1]["path"])))
+            link = f"{self.server.hub.url}{self.raw_path}?{urlencode(query)}"
+            headers["Link"] = f'<{link}>; rel="next"'
+        self._json(200, page, headers)
 
     def _refs(self, repo: _Repo):
         refs = {
@@ -507,7 +643,7 @@ class _Handler(LoopbackHandler):
             return
         repo, n = self._find_repo(segs, 0)
         if repo is None or len(segs) < n + 3 or segs[n] != "resolve":
-            self._error(404, "Repository not found", "RepoNotFound")
+            self._repo_not_found()
             return
         if not self._authorized(repo):
             return
@@ -558,20 +694,40 @@ class HubEmulator:
     * ``corrupt`` (bool): flip one byte (XOR 0xFF) in the middle of every served file
       body, i.e. at offset start + length // 2 of the bytes being sent; stays on until
       reset.
-    * ``delay_per_chunk`` (seconds): sleep between 64 KiB body chunks.
+    * ``delay_per_chunk`` (seconds): sleep between body chunks (64 KiB, or less under
+      a low ``max_bytes_per_second``).
     * ``fail_status`` (list of ints): each file request (hub resolve GET/HEAD, or CDN
       GET/HEAD) pops the first status and is answered with it and a JSON error.
+    * ``rate_limit`` (list of seconds): each request of a kind in ``rate_limit_on``
+      (a set of "api", "resolve", "cdn"; default all three) pops the first entry and is
+      answered 429 with ``Retry-After: <seconds>`` (rounded up to an integer) and a JSON
+      error without X-Error-Code, as huggingface.co sends it.
+    * ``max_bytes_per_second`` (number or None): caps every file body (hub and CDN) at
+      that rate on each connection, as a CDN edge does; N parallel connections get N
+      times the rate. None (the default) is uncapped.
+
+    Behaviour of the real hub, also plain attributes, not reset by reset_faults():
+
+    * ``tree_page_size`` (default 1000, as huggingface.co): entries per tree page.
+    * ``missing_repo_status`` (default 401, as huggingface.co): the status of
+      RepoNotFound answers; set 404 for hubs that answer so.
     * ``redirect_to_cdn`` (bool, default True): False serves LFS files from the hub.
 
-    ``requests`` is the log of RequestRecord, in arrival order, for both servers.
+    ``requests`` is the log of RequestRecord, in arrival order, for both servers;
+    ``max_concurrent_bodies`` is the most file bodies that were being sent at the same
+    time since the last clear_requests().
     """
 
     def __init__(self, ssl_context: Optional[ssl.SSLContext] = None):
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards requests, the body counts and the faults
         self._repos: Dict[str, _Repo] = {}
         self._blobs: Dict[str, HubFile] = {}  # sha256 -> file, for the CDN
         self.requests: List[RequestRecord] = []
+        self._open_bodies = 0
+        self.max_concurrent_bodies = 0
         self.redirect_to_cdn = True
+        self.tree_page_size = 1000
+        self.missing_repo_status = 401
         self.reset_faults()
         scheme = "https" if ssl_context is not None else "http"
         self._servers = []
@@ -624,8 +780,9 @@ class HubEmulator:
 
         `files` are the default branch's files, path -> bytes (or str) or a Path (streamed
         from disk; hashed once).  `branches` maps further branch names to their files.
-        With `gated_token`, every API and file request for the repo needs
-        ``Authorization: Bearer <gated_token>`` (401 without it, 403 with another).
+        With `gated_token` the repo is gated, as on huggingface.co: its API answers need
+        no token, but its files (resolve) need ``Authorization: Bearer <gated_token>``
+        (401 without it, 403 with another).
         """
         trees = {default_branch: dict(files or {})}
         for name, branch_files in (branches or {}).items():
@@ -648,6 +805,36 @@ class HubEmulator:
                         self._blobs[f.sha256] = f
             self._repos[repo_id] = repo
 
+    def add_cortexso(self, name: str, variants: Mapping[str, Mapping[str, _FileSource]], *,
+                     default: Optional[str] = None, org: str = "cortexso",
+                     author: str = "cortexso", source_model: Optional[str] = None,
+                     metadata: bool = True, gated_token: Optional[str] = None) -> None:
+        """Publish `org`/`name` laid out like a real cortexso built-in model repo.
+
+        `variants` maps branch name -> that branch's files (e.g. model.gguf, model.yml,
+        mmproj.gguf).  Each branch also gets copies of README.md and metadata.yml.
+        ``main`` holds README.md, metadata.yml (``default: <default>``, left out when
+        `default` is None; no file at all with ``metadata=False``), a template model.yml
+        and every variant's model.gguf as ``<source_model or name>-<branch>.gguf``.
+        """
+        if "main" in variants:
+            raise ValueError("a cortexso variant cannot be called 'main'")
+        lines = ["version: 1", f"name: {name}"]
+        if default is not None:
+            lines.append(f"default: {default}")
+        lines.append(f"author: {json.dumps(author)}")  # a JSON string is a YAML string
+        shared = {"README.md": _cortexso_readme(org, name, list(variants), default)}
+        if metadata:
+            shared["metadata.yml"] = "\n".join(lines) + "\n"
+        main = {**shared, "model.yml": _CORTEXSO_TEMPLATE.format(name=name)}
+        stem = source_model or name
+        branches = {}
+        for branch, files in variants.items():
+            if "model.gguf" in files:
+                main[f"{stem}-{branch}.gguf"] = files["model.gguf"]
+            branches[branch] = {**shared, **files}
+        self.add_repo(f"{org}/{name}", main, branches=branches, gated_token=gated_token)
+
     def commit_sha(self, repo_id: str, branch: Optional[str] = None) -> str:
         """The commit sha reported for a branch (default: the repo's default branch)."""
         repo = self._repos[repo_id]
@@ -661,16 +848,22 @@ class HubEmulator:
     # -- faults and log ---------------------------------------------------------
 
     def reset_faults(self):
+        """Turn every fault switch off (see the class docstring)."""
         with self._lock:
             self.drop_after: Optional[int] = None
             self.drop_once = True
             self.corrupt = False
             self.delay_per_chunk = 0.0
             self.fail_status: List[int] = []
+            self.rate_limit: List[float] = []
+            self.rate_limit_on = {"api", "resolve", "cdn"}
+            self.max_bytes_per_second: Optional[float] = None
 
     def clear_requests(self):
+        """Empty the request log and restart the max_concurrent_bodies count."""
         with self._lock:
             self.requests.clear()
+            self.max_concurrent_bodies = self._open_bodies
 
     def requests_to(self, server: str) -> List[RequestRecord]:
         """The logged requests that reached "hub" or "cdn"."""
@@ -697,3 +890,51 @@ class HubEmulator:
             if self.fail_status:
                 return self.fail_status.pop(0)
             return None
+
+    def _take_rate_limit(self, kind: str) -> Optional[float]:
+        with self._lock:
+            if self.rate_limit and kind in self.rate_limit_on:
+                return self.rate_limit.pop(0)
+            return None
+
+    def _body_started(self):
+        with self._lock:
+            self._open_bodies += 1
+            self.max_concurrent_bodies = max(self.max_concurrent_bodies, self._open_bodies)
+
+    def _body_ended(self):
+        with self._lock:
+            self._open_bodies -= 1
+
+
+# The template model.yml on a cortexso repo's main branch: the variants' own model.yml
+# files are what a client reads; this one only names the fields, like the real one.
+_CORTEXSO_TEMPLATE = """\
+# BEGIN GENERAL GGUF METADATA
+id: {name}
+model: {name}
+name: {name}
+version: 1
+files:
+  - model.gguf
+# END GENERAL GGUF METADATA
+
+# BEGIN INFERENCE PARAMETERS
+stop: []
+stream: true
+# END INFERENCE PARAMETERS
+
+# BEGIN MODEL LOAD PARAMETERS
+engine: llama-cpp
+ctx_len: 4096
+# END MODEL LOAD PARAMETERS
+"""
+
+
+def _cortexso_readme(org: str, name: str, branches: List[str], default: Optional[str]) -> str:
+    rows = "".join(f"| {i} | [{b}](https://huggingface.co/{org}/{name}/tree/{b}) | "
+                   f"`cortex run {name}:{b}` |\n" for i, b in enumerate(branches, 1))
+    note = f"\nThe default variant is `{default}`.\n" if default else ""
+    return (f"---\nlicense: other\npipeline_tag: text-generation\ntags:\n- cortex.cpp\n---\n\n"
+            f"## Overview\n\n{name}, packaged for local use.\n\n## Variants\n\n"
+            f"| No | Variant | Command |\n|----|---------|---------|\n{rows}{note}")
