@@ -196,7 +196,10 @@ def open_url(config: Mapping, url: str, *, hub_url: str | None = None, headers=N
     try:
         return build_opener(config, on_socket, redirects).open(req, timeout=timeout)
     except urllib.error.HTTPError as exc:
-        if exc.code == 407:
+        # A 407 is the proxy's, and so is any answer that challenges for proxy credentials
+        # (some proxies refuse with 401 or 403 plus Proxy-Authenticate): never the hub's.
+        if exc.code == 407 or (config["proxy_url"] and exc.headers is not None
+                               and exc.headers.get("Proxy-Authenticate")):
             exc.close()
             raise ProxyAuthFailed(_proxy_auth_message(config)) from None
         raise  # the caller knows what a 401, 403 or 404 from the hub means

@@ -100,13 +100,16 @@ def write_gguf(
     n_ff: Optional[int] = None,
     file_type: str = "F32",
     seed: int = 0,
+    split_max_tensors: int = 0,
 ) -> Path:
     """Write a tiny random-weight llama model to `path` and return it as a Path.
 
     `file_type` is "F32" or "F16" (2-D weights in F16; norm vectors stay F32, as
     llama.cpp's converters do).  `chat_template=None` leaves tokenizer.chat_template out.
     `n_head_kv` defaults to `n_head` (no GQA); `n_ff` defaults to 2 * n_embd.
-    With the defaults the file is about 320 KB.
+    With the defaults the file is about 320 KB. With `split_max_tensors` the model is
+    written as llama.cpp's split files, `<stem>-00001-of-0000N.gguf` beside `path`, and
+    the first part's path is returned.
     """
     path = Path(path)
     if file_type not in _FILE_TYPES:
@@ -121,7 +124,7 @@ def write_gguf(
     tokens, scores, types = _vocab(vocab_size)
 
     arch = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA]  # "llama"
-    writer = gguf.GGUFWriter(path, arch)  # adds general.architecture
+    writer = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
     writer.add_name(name)
     writer.add_file_type(int(ftype))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -182,6 +185,8 @@ def write_gguf(
         writer.write_tensors_to_file()
     finally:
         writer.close()
+    if split_max_tensors:
+        return sorted(path.parent.glob(f"{path.stem}-00001-of-*.gguf"))[0]
     return path
 
 

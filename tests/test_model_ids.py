@@ -4,7 +4,7 @@ import pytest
 
 from localrt import settings as settings_mod
 from localrt.errors import InvalidField
-from localrt.models import ModelRef, parse_id
+from localrt.models import ModelRef, parse_id, quantization
 
 HUB = "https://huggingface.co"
 
@@ -13,22 +13,57 @@ def parse(model_id):
     return parse_id(model_id, HUB, "cortexso")
 
 
-@pytest.mark.parametrize("model_id, ref, local_id", [
-    ("tinyllama", ModelRef("cortexso/tinyllama", "main", None, True), "tinyllama"),
-    ("tinyllama:1b-gguf", ModelRef("cortexso/tinyllama", "1b-gguf", None, True),
+@pytest.mark.parametrize("model_id, ref, known_id", [
+    # a built-in's default branch is known only once the hub's metadata.yml is read
+    ("tinyllama", ModelRef("cortexso/tinyllama", None, None, True), None),
+    ("cortexso/tinyllama", ModelRef("cortexso/tinyllama", None, None, True), None),
+    ("tinyllama:1b", ModelRef("cortexso/tinyllama", "1b", None, True), "tinyllama:1b"),
+    ("cortexso/tinyllama:1b-gguf", ModelRef("cortexso/tinyllama", "1b-gguf", None, True),
      "tinyllama:1b-gguf"),
-    ("TheBloke/TinyLlama-1.1B-GGUF", ModelRef("TheBloke/TinyLlama-1.1B-GGUF", "main", None,
-                                               False), "TheBloke/TinyLlama-1.1B-GGUF"),
-    ("org/repo:model.Q4_K_M.gguf", ModelRef("org/repo", "main", "model.Q4_K_M.gguf", False),
-     "org:repo:model.Q4_K_M.gguf"),
+    ("TheBloke/TinyLlama-1.1B-GGUF", ModelRef("TheBloke/TinyLlama-1.1B-GGUF", None, None,
+                                               False), None),
+    ("org/repo:model.Q4_K_M.gguf", ModelRef("org/repo", None, None, False,
+                                            pick="model.Q4_K_M.gguf"), None),
+    ("org/repo:q8_0", ModelRef("org/repo", None, None, False, pick="q8_0"), None),
+    # the id a single-file pull registers pulls the same file again
+    ("org:repo:model.Q4_K_M.gguf", ModelRef("org/repo", None, None, False,
+                                            pick="model.Q4_K_M.gguf"), None),
+    ("org:repo:sub/dir/m.gguf", ModelRef("org/repo", None, None, False, pick="sub/dir/m.gguf"),
+     None),
+    # a main file of the built-ins' org is a file, not a branch
+    ("cortexso/tinyllama:tinyllama-q2_k.gguf", ModelRef("cortexso/tinyllama", None, None, False,
+                                                        pick="tinyllama-q2_k.gguf"), None),
     (f"{HUB}/org/repo/resolve/main/model.gguf", ModelRef("org/repo", "main", "model.gguf", False),
      "org:repo:model.gguf"),
     (f"{HUB}/org/repo/blob/dev/sub/dir/m.gguf", ModelRef("org/repo", "dev", "sub/dir/m.gguf",
                                                           False), "org:repo:sub/dir/m.gguf"),
+    (f"{HUB}/org/repo", ModelRef("org/repo", None, None, False), None),
+    (f"{HUB}/org/repo/tree/dev", ModelRef("org/repo", "dev", None, False), None),
+    (f"{HUB}/cortexso/tinyllama/tree/1b", ModelRef("cortexso/tinyllama", "1b", None, True),
+     "tinyllama:1b"),
+    (f"{HUB}/cortexso/tinyllama/blob/1b/model.gguf",
+     ModelRef("cortexso/tinyllama", "1b", None, True), "tinyllama:1b"),
+    (f"{HUB}/cortexso/tinyllama/resolve/main/tinyllama-q2_k.gguf",
+     ModelRef("cortexso/tinyllama", "main", "tinyllama-q2_k.gguf", False),
+     "cortexso:tinyllama:tinyllama-q2_k.gguf"),
 ])
-def test_shapes(model_id, ref, local_id):
+def test_shapes(model_id, ref, known_id):
     assert parse(model_id) == ref
-    assert ref.local_id == local_id
+    assert ref.known_id == known_id
+
+
+@pytest.mark.parametrize("name, quant", [
+    ("tinyllama-1.1b-chat-v1.0.Q4_K_M.gguf", "Q4_K_M"),
+    ("qwen2.5-0.5b-instruct-q8_0.gguf", "Q8_0"),
+    ("Llama-3.2-1B-Instruct-IQ4_XS.gguf", "IQ4_XS"),
+    ("Q4_K_M/Model-UD-Q4_K_XL-00001-of-00002.gguf", "Q4_K_XL"),
+    ("gemma-3-270m-it-F16.gguf", "F16"),
+    ("model-bf16.gguf", "BF16"),
+    ("model.gguf", None),
+    ("qwen2-7b.gguf", None),
+])
+def test_quantization_from_a_file_name(name, quant):
+    assert quantization(name) == quant
 
 
 @pytest.mark.parametrize("model_id, why", [
@@ -44,10 +79,13 @@ def test_shapes(model_id, ref, local_id):
     ("a" * 256, "255 bytes"),
     ("é" * 128, "255 bytes"),
     ("a/b/c", "<org>/<repo>"),
-    ("name:", "not a model id"),
+    ("name:", "nothing follows"),
     ("bad name", "not a model id"),
     ("https://evil.example/org/repo/resolve/main/x.gguf", "configured model hub"),
     (f"{HUB}/org/repo/tree/main/x.gguf", "URL shaped"),
+    (f"{HUB}/org/repo/commits/main", "URL shaped"),
+    ("org:repo:../x.gguf", "'..'"),
+    ("org/repo:", "nothing follows"),
     (f"{HUB}/org/repo/resolve/main/..%2F..%2Fx", "'..'"),
 ])
 def test_rejected_before_any_io(model_id, why):
