@@ -76,6 +76,10 @@ class Client:
             body["file"] = file
         return self._request("POST", "/v1/models/pull", body)
 
+    def model_variants(self, model_id: str) -> dict:
+        """POST /v1/models/variants: a built-in's branches or a repo's GGUF models, sized."""
+        return self._request("POST", "/v1/models/variants", {"model": model_id})
+
     def list_pulls(self) -> list:
         """GET /v1/models/pull: the download tasks with their progress."""
         return self._request("GET", "/v1/models/pull")["data"]

@@ -310,3 +310,41 @@ def test_help_stays_light(home):
     out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(home),
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.fixture
+def cortexso(hub, weights):
+    hub.add_cortexso("llama", {"1b": {"model.gguf": weights.small},
+                               "8b": {"model.gguf": weights.other, "model.yml": MODEL_YML}},
+                     default="1b")
+    return hub
+
+
+def test_a_terminal_sees_the_variants_and_enter_takes_the_default(thread_server, client,
+                                                                  cortexso, weights):
+    code, out, err = run("pull", "llama", stdin=Terminal("\n"), stderr=Terminal())
+    assert code == 0, err
+    assert out == "Model llama:1b downloaded\n"
+    assert "llama has 2 variants:" in err
+    lines = [line for line in err.splitlines() if line.startswith("  ")]
+    assert lines[0].split()[:2] == ["1.", "1b"] and lines[0].endswith("(default)")
+    assert lines[1].split()[:2] == ["2.", "8b"] and "(default)" not in lines[1]
+    sizes = {row["name"]: row["size"] for row in client.model_variants("llama")["data"]}
+    assert sizes["1b"] > weights.small.stat().st_size  # the weights and the small files
+    assert human_size(sizes["1b"]) in lines[0] and human_size(sizes["8b"]) in lines[1]
+    assert "Choose a variant [1-2, Enter for 1b]: " in err
+    assert [m["id"] for m in client.list_models()] == ["llama:1b"]
+
+
+def test_a_terminal_can_choose_another_variant(thread_server, client, cortexso):
+    code, out, err = run("pull", "llama", stdin=Terminal("8b\n"), stderr=Terminal())
+    assert code == 0, err
+    assert out == "Model llama:8b downloaded\n"
+    assert client.get_model("llama:8b")["name"] == "Tiny Q8"
+
+
+def test_without_a_terminal_the_default_is_taken_without_asking(thread_server, client,
+                                                                cortexso):
+    code, out, err = run("pull", "llama")
+    assert code == 0, err
+    assert out == "Model llama:1b downloaded\n" and "Choose" not in err
