@@ -439,6 +439,8 @@ class Models:
                 raise InvalidField("Invalid field 'file': a file can only be chosen for an "
                                    "<org>/<repo> model", param="file")
             ref = ModelRef(ref.repo, ref.revision, check_id(file, "file"), builtin=False)
+        if ref.builtin and ref.revision is None:  # "pull", "status": never worth a hub call
+            check_new_id(ref.repo.split("/")[1])
         if ref.known_id is not None:  # known before asking the hub
             check_new_id(ref.known_id)
             done = self._already(ref.known_id, _task_id(ref))

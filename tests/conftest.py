@@ -183,6 +183,14 @@ def wait_bytes(api, task_id, at_least, timeout=20.0):
 
 
 @pytest.fixture
+def hub_app(settings, hub):
+    """An app pulling from the module's `hub` fixture (a HubEmulator)."""
+    settings.update({"modelHubUrl": hub.url})
+    app = create_app(settings)
+    yield app
+    app.close()
+
+
 def wsgi(app):
     """call(...) bound to this test's app."""
     return lambda *args, **kwargs: call(app, *args, **kwargs)

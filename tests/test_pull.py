@@ -8,7 +8,7 @@ from collections import namedtuple
 from pathlib import Path
 
 import pytest
-from conftest import call, wait_bytes, wait_task
+from conftest import call, wait_bytes, wait_task, wsgi
 from ggufgen import write_gguf
 from hubemu import HubEmulator
 
@@ -42,16 +42,8 @@ def hub(weights):
 
 
 @pytest.fixture
-def app(settings, hub):
-    settings.update({"modelHubUrl": hub.url})
-    app = create_app(settings)
-    yield app
-    app.close()
-
-
-@pytest.fixture
-def api(app):
-    return lambda *args, **kwargs: call(app, *args, **kwargs)
+def api(hub_app):
+    return wsgi(hub_app)
 
 
 def test_builtin_variant_is_pulled_and_registered(api, hub, settings, weights):

@@ -8,11 +8,10 @@ import hashlib
 from collections import namedtuple
 
 import pytest
-from conftest import call, send, wait_task
+from conftest import send, wait_task, wsgi
 from ggufgen import write_gguf
 from hubemu import HubEmulator
 
-from localrt.app import create_app
 
 MODEL_YML = (b"name: TinyLlama Chat\nmodel: tinyllama:1b\nversion: 2\nengine: llama.cpp\n"
              b"ctx_len: 128\ntemperature: 0.7\nn_parallel: 1\nngl: 33\n"
@@ -63,16 +62,8 @@ def hub(weights):
 
 
 @pytest.fixture
-def app(settings, hub):
-    settings.update({"modelHubUrl": hub.url})
-    app = create_app(settings)
-    yield app
-    app.close()
-
-
-@pytest.fixture
-def api(app):
-    return lambda *args, **kwargs: call(app, *args, **kwargs)
+def api(hub_app):
+    return wsgi(hub_app)
 
 
 def fetched(hub):
