@@ -88,7 +88,7 @@ class App:
         self.validators = Validators()
         config = Config(settings)
         events = EventBus(MAX_EVENT_LISTENERS)
-        downloads = Downloads(config.get, events)
+        downloads = Downloads(config.get, events, lambda: settings["downloadConnections"])
         engines = Engines(settings.data_dir / "engines", config.get, downloads,
                           lambda: settings["engineIndexUrl"], hardware=hardware)
         registry = models.Registry(settings.data_dir / "models", self.validators)

@@ -159,6 +159,10 @@ KEYS: tuple[Key, ...] = (
     Key("computeLanes", _positive_int, 1,
         "generations that compute at once, across all models; raise it only with cores "
         "for each (cpu_threads x lanes <= cores)"),
+    # 8: what aria2c -x and Ollama use; a CDN caps each connection, so several fill a link.
+    Key("downloadConnections", _positive_int, 8,
+        "connections that fetch one file of 64 MiB or more at once; 1 fetches every file "
+        "in one stream"),
     Key("apiKeys", _api_keys, [],
         "bearer keys that clients must send; required to bind other than loopback",
         env="LOCALRT_API_KEY", secret=True),

@@ -166,6 +166,73 @@ def test_kill_9_at_random_points_of_a_pull(home, settings, tmp_path, servers):
     assert any(r and r.startswith("bytes=") and r != "bytes=0-" for r in fetched), fetched
 
 
+def test_kill_9_at_random_points_of_a_parallel_pull(home, settings, tmp_path, servers):
+    """A file fetched in pieces: after each kill the part map counts only bytes that are
+    in the part file, and the next server asks for the rest of each piece, no more."""
+    rng = random.Random(SEED + 3)
+    weights = write_gguf(tmp_path / "huge.gguf", name="huge", n_embd=1024, n_layer=2)
+    size = weights.stat().st_size
+    assert size >= 64 * 2**20  # big enough to go in pieces
+    with HubEmulator() as hub:
+        hub.add_repo("org/huge", {"huge.gguf": weights})
+        settings.update({"modelHubUrl": hub.url, "downloadConnections": 4})
+        hub.max_bytes_per_second = 4 * 2**20  # four connections: about 5 s for the file
+        expected = None  # the ranges the next server must ask for, from the map left
+        resumed = []
+        for round_ in range(6):
+            srv = run_foreground_server(home)
+            servers.append(srv)
+            assert_models_whole(srv.url)
+            hub.clear_requests()
+            status, body = send(srv.url, "POST", "/v1/models/org/huge/pull")
+            if "task" not in body:  # an earlier round finished it before the kill
+                break
+            part = body["task"]["items"][0]["localPath"] + ".part"
+            wait = rng.uniform(0.5, 2.5)
+            time.sleep(wait)
+            srv.stop(sig=signal.SIGKILL, timeout=10)
+            asked = sorted(tuple(int(n) for n in r.range[len("bytes="):].split("-"))
+                           for r in hub.requests_to("cdn") if r.method == "GET")
+            if expected is not None:
+                assert asked == expected, (round_, asked, expected)
+            expected = None
+            if os.path.exists(part + ".map"):
+                with open(part + ".map") as f:
+                    saved = json.load(f)
+                piece = saved["piece"]
+                expected = []
+                with open(part, "rb") as got, open(weights, "rb") as want:
+                    for i, done in enumerate(saved["done"]):
+                        start, end = i * piece, min((i + 1) * piece, size)
+                        got.seek(start)
+                        want.seek(start)
+                        assert got.read(done) == want.read(done), (round_, i, done)
+                        if start + done < end:
+                            expected.append((start + done, end - 1))
+                resumed += [r for r in expected if r[0] % piece]
+            print(f"parallel pull: killed after {wait:.2f}s; the next server is to ask "
+                  f"for {expected}")
+        hub.max_bytes_per_second = None
+        srv = run_foreground_server(home)
+        servers.append(srv)
+        try:
+            status, body = send(srv.url, "POST", "/v1/models/org/huge/pull")
+            if "task" in body:
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    _, tasks = send(srv.url, "GET", "/v1/models/pull")
+                    if tasks["data"][0]["status"] not in ("Pending", "Downloading"):
+                        break
+                    time.sleep(0.05)
+                assert tasks["data"][0]["status"] == "Success", tasks
+            [model] = assert_models_whole(srv.url)
+            path = os.path.join(model["path"], model["files"][0]["path"])
+            assert sha256(path) == sha256(weights) and not os.path.exists(path + ".part.map")
+        finally:
+            srv.stop()
+    assert resumed, "no kill left a piece half done"
+
+
 # --- engine installs ---------------------------------------------------------------
 
 

@@ -110,14 +110,26 @@ def start_hub(repo: str, filename: str, weights: Path):
     return hub, hub.stdout.readline().strip()
 
 
+def cap_hub(hub: subprocess.Popen, bytes_per_second: float | None) -> None:
+    """Cap each connection of a start_hub child at `bytes_per_second` (None: uncapped),
+    as a CDN edge does; returns once the child has it."""
+    hub.stdin.write(f"cap {bytes_per_second or 'none'}\n")
+    hub.stdin.flush()
+    assert hub.stdout.readline().strip() == "ok"
+
+
 def _serve_hub(repo: str, filename: str, weights: str) -> None:
-    """start_hub's child: print the hub URL, serve until stdin closes."""
+    """start_hub's child: print the hub URL, then serve until stdin closes, taking
+    `cap BYTES_PER_SECOND` and `cap none` lines from it (cap_hub)."""
     from hubemu import HubEmulator
 
     with HubEmulator() as hub:
         hub.add_repo(repo, {filename: Path(weights)})
         print(hub.url, flush=True)
-        sys.stdin.read()
+        for line in sys.stdin:
+            value = line.split()[1]
+            hub.max_bytes_per_second = None if value == "none" else float(value)
+            print("ok", flush=True)
 
 
 if __name__ == "__main__":
