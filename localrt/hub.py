@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Mapping
 from urllib.parse import quote, urljoin
 
-from localrt.downloads import open_url
+from localrt.downloads import open_url, retry_after_seconds
 from localrt.errors import Forbidden, HTTPError, NotFound, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ class Hub:
                     return contextlib.nullcontext(exc)  # a redirect was the answer asked for
                 code = exc.headers.get("X-Error-Code", "") if exc.headers else ""
                 if exc.code == 429 and attempt < RATE_LIMIT_TRIES:
-                    wait = _retry_after(exc.headers)
+                    wait = retry_after_seconds(exc.headers)
                     if not self._stopping.wait(wait if wait is not None else 2.0 ** attempt):
                         continue
                 if missing_file_ok and exc.code == 404 and code != "RevisionNotFound" \
@@ -209,10 +209,3 @@ class Hub:
 class _MissingFile(Exception):
     """The revision exists and the file does not."""
 
-
-def _retry_after(headers, cap: float = 30.0) -> float | None:
-    """Retry-After in seconds (capped), or None when absent or an HTTP date."""
-    try:
-        return min(max(float((headers or {}).get("Retry-After", "")), 0.0), cap)
-    except ValueError:
-        return None
