@@ -191,6 +191,7 @@ def hub_app(settings, hub):
     app.close()
 
 
+@pytest.fixture
 def wsgi(app):
     """call(...) bound to this test's app."""
     return lambda *args, **kwargs: call(app, *args, **kwargs)

@@ -8,7 +8,7 @@ from collections import namedtuple
 from pathlib import Path
 
 import pytest
-from conftest import call, wait_bytes, wait_task, wsgi
+from conftest import call, wait_bytes, wait_task
 from ggufgen import write_gguf
 from hubemu import HubEmulator
 
@@ -43,7 +43,7 @@ def hub(weights):
 
 @pytest.fixture
 def api(hub_app):
-    return wsgi(hub_app)
+    return lambda *args, **kwargs: call(hub_app, *args, **kwargs)
 
 
 def test_builtin_variant_is_pulled_and_registered(api, hub, settings, weights):

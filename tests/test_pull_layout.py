@@ -8,7 +8,7 @@ import hashlib
 from collections import namedtuple
 
 import pytest
-from conftest import send, wait_task, wsgi
+from conftest import call, send, wait_task
 from ggufgen import write_gguf
 from hubemu import HubEmulator
 
@@ -63,7 +63,7 @@ def hub(weights):
 
 @pytest.fixture
 def api(hub_app):
-    return wsgi(hub_app)
+    return lambda *args, **kwargs: call(hub_app, *args, **kwargs)
 
 
 def fetched(hub):
