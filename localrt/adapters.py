@@ -1,6 +1,13 @@
 """The built-in engines' adapters: llama.cpp (gguf-cpp) and onnxruntime-genai (onnx-runtime).
 
-An engine object has `name`, `format`, `description` and `load(model_path, options)`.
+An engine object has `name`, `format`, `description` and `load(model_path, options)`,
+and may have the engine's own rules, which localrt.engines asks before anything waits:
+
+  check_options(options) -> [(option, why)]   the start options it cannot take
+                                              (schemas/model-start.json's names)
+  check_request(params)                       raises InvalidField for a chat request it
+                                              cannot serve (params as generate() gets them)
+
 The model it loads has:
 
   generate(messages, params) -> Generation   an iterator of text pieces, one per token
@@ -13,7 +20,8 @@ The model it loads has:
                                              the RSS delta measured around the load
   unload()
 
-`generate` raises InvalidField before it computes anything (a prompt longer than the
+A custom engine's model with only chat() is wrapped in `ChatOnlyModel`, so every
+loaded model has generate(). `generate` raises InvalidField before it computes anything (a prompt longer than the
 context, a bad response_format), so a streamed reply never starts with an error. It
 does no locking of its own: localrt.scheduler gives one request at a time a model, and
 each token a turn in the compute lane. `params` come from localrt.chat: OpenAI's
@@ -181,6 +189,34 @@ class GeneratingModel:
                 "usage": dict(generation.usage)}
 
 
+class ChatOnlyModel(GeneratingModel):
+    """A custom engine's model that has only the older chat(): generate() reads its
+    streamed pieces, each counted as a token. Everything else is the model's own."""
+
+    def __init__(self, model):
+        self._model = model
+
+    def generate(self, messages: list, params: dict) -> Generation:
+        """See the module docstring."""
+        return generation_of_pieces(self._model.chat(messages, params, True), params)
+
+    def chat(self, messages: list, params: dict, stream: bool):
+        """The model's own chat()."""
+        return self._model.chat(messages, params, stream)
+
+    def unload(self) -> None:
+        """The model's own unload()."""
+        self._model.unload()
+
+    def __getattr__(self, name):  # memory(), and anything else the engine offers
+        return getattr(self._model, name)
+
+
+def generating(model):
+    """A loaded model with generate(): the model itself, or a ChatOnlyModel around it."""
+    return model if hasattr(model, "generate") else ChatOnlyModel(model)
+
+
 # --- gguf-cpp ------------------------------------------------------------------------
 
 
@@ -203,6 +239,19 @@ class GgufEngine:
         llm = llama_cpp.Llama(model_path=model_path, verbose=False, **kwargs)
         return LlamaModel(llm, caching=options.get("caching_enabled", True),
                           context=options.get("ctx_len"))
+
+    @staticmethod
+    def check_options(options: dict) -> Iterator[tuple[str, str]]:
+        """(option, why) for each start option llama.cpp cannot take."""
+        if options.get("grp_attn_n", 1) > 1:
+            yield "grp_attn_n", "gguf-cpp has no group attention (self-extend); leave it at 1"
+        if options.get("cache_type") in QUANTIZED_CACHE and not options.get("flash_attn"):
+            yield "cache_type", f"a {options['cache_type']} KV cache needs flash_attn: true"
+
+    @staticmethod
+    def check_request(params: dict) -> None:
+        """A 400 for a JSON Schema that cannot become a grammar."""
+        json_grammar(params.get("response_format"))
 
 
 class LlamaModel(GeneratingModel):
@@ -406,6 +455,20 @@ class OnnxEngine:
         return OnnxModel(og, model, og.Tokenizer(model),
                          min(context, options.get("ctx_len") or context))
 
+    @staticmethod
+    def check_options(options: dict) -> Iterator[tuple[str, str]]:
+        """onnxruntime-genai ignores the llama.cpp options rather than refusing them."""
+        return iter(())
+
+    @staticmethod
+    def check_request(params: dict) -> None:
+        """A 400 for a JSON response format: onnxruntime-genai cannot constrain one."""
+        if (params.get("response_format") or {}).get("type") in ("json_object",
+                                                                  "json_schema"):
+            raise InvalidField("Invalid field 'response_format': onnx-runtime cannot "
+                               "constrain replies to JSON; use a GGUF model",
+                               param="response_format")
+
 
 class OnnxModel(GeneratingModel):
     """A loaded ONNX model; a fresh Generator per request."""
@@ -430,9 +493,7 @@ class OnnxModel(GeneratingModel):
                           top_k=int(_number(params, "top_k")))
         if params.get("repeat_penalty"):
             search["repetition_penalty"] = float(params["repeat_penalty"])
-        if (params.get("response_format") or {}).get("type") in ("json_object", "json_schema"):
-            raise InvalidField("Invalid field 'response_format': onnx-runtime cannot constrain "
-                               "replies to JSON; use a GGUF model", param="response_format")
+        OnnxEngine.check_request(params)
         eos = {int(t) for t in tok.eos_token_ids}
 
         def run(gen: Generation) -> Iterator[str]:

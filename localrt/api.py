@@ -11,11 +11,11 @@ from __future__ import annotations
 import threading
 
 from localrt import __version__
-from localrt.app import Reply, Request, Services
 from localrt.errors import Conflict, InvalidField, ServiceUnavailable
 from localrt.events import TooManyListeners
 from localrt.models import check_id
-from localrt.routing import Route
+from localrt.routing import Reply, Request, Route
+from localrt.services import Services
 
 
 def healthz(services: Services, request: Request):
@@ -55,7 +55,14 @@ def stop_server(services: Services, request: Request):
 
 def list_models(services: Services, request: Request):
     """Spec row 11: the downloaded models, in OpenAI's list shape."""
-    return {"object": "list", "data": services.models.registry.list()}
+    return {"object": "list",
+            "data": [_with_status(services, m) for m in services.registry.list()]}
+
+
+def _with_status(services: Services, record: dict) -> dict:
+    """A model's record with its status: "running" or "downloaded"."""
+    running = services.scheduler.is_running(record["id"])
+    return {**record, "status": "running" if running else "downloaded"}
 
 
 def _path_model(request: Request) -> str:
@@ -65,21 +72,22 @@ def _path_model(request: Request) -> str:
 
 def get_model(services: Services, request: Request):
     """Spec row 12."""
-    return services.models.registry.get(_path_model(request))
+    return _with_status(services, services.registry.get(_path_model(request)))
 
 
 def delete_model(services: Services, request: Request):
     """Spec row 13: the files and the definition."""
     model_id = _path_model(request)
-    services.models.registry.remove(model_id)
+    with services.scheduler.not_running(model_id):
+        services.registry.remove(model_id)
     return {"message": f"Model {model_id} removed", "id": model_id, "object": "model",
             "deleted": True}
 
 
 def update_model(services: Services, request: Request):
     """Spec row 14: the stored parameters (schemas/model-update.json)."""
-    model = services.models.registry.update(_path_model(request), request.body)
-    return {"message": f"Model {model['id']} updated", "model": model}
+    model = services.registry.update(_path_model(request), request.body)
+    return {"message": f"Model {model['id']} updated", "model": _with_status(services, model)}
 
 
 def pull_model(services: Services, request: Request):
@@ -113,7 +121,7 @@ def import_model(services: Services, request: Request):
     body = request.body
     model = services.models.import_file(body["path"], body.get("id"),
                                         body.get("option", "symlink"))
-    return {"message": f"Model {model['id']} imported", "model": model}
+    return {"message": f"Model {model['id']} imported", "model": _with_status(services, model)}
 
 
 # --- running models and chat ------------------------------------------------------
@@ -191,10 +199,10 @@ def install_engine(services: Services, request: Request):
 
 
 def uninstall_engine(services: Services, request: Request):
-    """Spec row 5."""
-    body = request.body
-    return services.engines.uninstall(request.params["engine"], body.get("version"),
-                                      body.get("variant"))
+    """Spec row 5: refused while the engine runs a model."""
+    body, name = request.body, request.params["engine"]
+    with services.scheduler.engine_unused(name):
+        return services.engines.uninstall(name, body.get("version"), body.get("variant"))
 
 
 def install_engine_wheel(services: Services, request: Request):

@@ -1,29 +1,23 @@
 """The WSGI application: request parsing, validation, CORS, and the one error boundary.
 
 `create_app(settings)` builds it; nothing here is module-level state, so two
-apps can live in one process. Routes and handlers are in `localrt.api`.
+apps can live in one process. Routes and handlers are in `localrt.api`, the domain
+objects they use are built by `localrt.services.build_services`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any, Callable, Iterable
+from typing import Iterable
 from urllib.parse import parse_qsl
 
-from localrt import models, security
-from localrt.chat import Chats
-from localrt.config import Config
-from localrt.downloads import Downloads
-from localrt.engines import Engines
+from localrt import security
 from localrt.errors import (BadRequest, Forbidden, HTTPError, InternalError, InvalidJSON,
                             PayloadTooLarge, Unauthorized, UnsupportedMediaType)
-from localrt.events import EventBus
-from localrt.routing import Router
-from localrt.scheduler import Scheduler
-from localrt.schemas import Validators
+from localrt.routing import Reply, Request, Router
+from localrt.services import build_services
 from localrt.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -32,50 +26,6 @@ MAX_BODY = 1024 * 1024  # bytes; larger request bodies get a 413
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 PREFLIGHT_MAX_AGE = "600"
 ALLOWED_REQUEST_HEADERS = "Content-Type, Authorization"
-# Each open GET /v1/events stream holds a server thread (see localrt.server.THREADS).
-MAX_EVENT_LISTENERS = 4
-
-
-@dataclass
-class Request:
-    """What a handler sees: plain data, never the WSGI environ."""
-
-    method: str
-    path: str
-    params: dict = field(default_factory=dict)
-    query: dict = field(default_factory=dict)
-    headers: dict = field(default_factory=dict)
-    body: Any = None
-
-
-@dataclass
-class Reply:
-    """A handler's answer when a plain 200 JSON body is not enough.
-
-    `body` is JSON-able data, or an iterable of bytes when `content_type` is
-    not JSON. `after` runs once the response has been handed to the server.
-    """
-
-    body: Any
-    status: int = 200
-    headers: list = field(default_factory=list)
-    content_type: str = "application/json"
-    after: Callable[[], None] | None = None
-
-
-@dataclass
-class Services:
-    """The domain objects handlers use. One set per app."""
-
-    settings: Settings
-    config: Config
-    events: EventBus
-    downloads: Downloads
-    models: models.Models
-    engines: Engines
-    scheduler: Scheduler
-    chats: Chats
-    shutdown: Callable[[], None] | None = None
 
 
 class App:
@@ -85,22 +35,8 @@ class App:
         if routes is None:
             from localrt.api import ROUTES as routes
         self.router = Router(routes)
-        self.validators = Validators()
-        config = Config(settings)
-        events = EventBus(MAX_EVENT_LISTENERS)
-        downloads = Downloads(config.get, events, lambda: settings["downloadConnections"])
-        engines = Engines(settings.data_dir / "engines", config.get, downloads,
-                          lambda: settings["engineIndexUrl"], hardware=hardware)
-        registry = models.Registry(settings.data_dir / "models", self.validators)
-        scheduler = Scheduler(registry, engines, max_models=settings["maxRunningModels"],
-                              keep_alive=settings["keepAlive"] * 60,
-                              lanes=settings["computeLanes"])
-        registry.is_running = scheduler.is_running
-        self.services = Services(settings=settings, config=config, events=events,
-                                 downloads=downloads,
-                                 models=models.Models(settings, config, downloads, registry),
-                                 engines=engines, scheduler=scheduler,
-                                 chats=Chats(registry, scheduler), shutdown=shutdown)
+        self.services = build_services(settings, shutdown=shutdown, hardware=hardware)
+        self.validators = self.services.validators
 
     def __call__(self, environ, start_response):
         origin = environ.get("HTTP_ORIGIN")
@@ -201,9 +137,7 @@ class App:
 
     def close(self) -> None:
         """End event streams, stop download tasks (their part files stay), unload models."""
-        self.services.events.close()
-        self.services.downloads.close()
-        self.services.scheduler.close()
+        self.services.close()
 
 
 def create_app(settings: Settings, **kwargs) -> App:

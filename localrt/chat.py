@@ -4,6 +4,10 @@
 returns either the chat.completion dict or a `Stream` of Server-Sent Events. Every
 check that can fail happens before either is returned, so a streamed reply never
 starts with an error: only a failure in the middle of generating ends up inside it.
+
+This module keeps only OpenAI's shapes: the engine checks what it can serve
+(localrt.engines), and the scheduler gives the model and paces its tokens
+(`Lease.steps`, localrt.scheduler).
 """
 
 from __future__ import annotations
@@ -15,9 +19,8 @@ import time
 import uuid
 from typing import Iterator
 
-from localrt.adapters import GGUF_ENGINE, generation_of_pieces, json_grammar
-from localrt.errors import Conflict, InvalidField, ServiceUnavailable
-from localrt.scheduler import Lease, Scheduler
+from localrt.errors import InvalidField, ServiceUnavailable
+from localrt.scheduler import Lease, ModelStopped, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +38,9 @@ class Chats:
     holds a server thread, and the rest of the API needs some. Past that, a 503.
     """
 
-    def __init__(self, registry, scheduler: Scheduler, max_requests: int = 16):
+    def __init__(self, registry, engines, scheduler: Scheduler, max_requests: int = 16):
         self._registry = registry
+        self._engines = engines
         self._scheduler = scheduler
         self.max_requests = max_requests
         self._slots = threading.BoundedSemaphore(max_requests)
@@ -52,8 +56,8 @@ class Chats:
             raise InvalidField("Invalid field 'logprobs': log probabilities are not "
                                "supported", param="logprobs")
         response_format = _response_format(body.get("response_format"))
-        if record["engine"] == GGUF_ENGINE:
-            json_grammar(response_format)  # a schema it cannot follow: 400 before waiting
+        # What the engine cannot serve (a schema it cannot follow): a 400 before waiting.
+        self._engines.check_request(record["engine"], {"response_format": response_format})
         if not self._slots.acquire(blocking=False):
             raise ServiceUnavailable(f"Too many chat requests in progress (at most "
                                      f"{self.max_requests}); retry shortly",
@@ -65,23 +69,23 @@ class Chats:
             raise
         lease.on_release(self._slots.release)
         try:
-            params = _params(body, record, lease.running.options)
+            params = _params(body, record, lease.options)
             params["response_format"] = response_format
-            template = lease.running.options.get("prompt_template")
+            template = lease.options.get("prompt_template")
             if template:
                 params["prompt"] = render_template(template, messages)
-            generation = _generate(lease.running.model, messages, params)
+            generation = lease.model.generate(messages, params)
         except BaseException:
             lease.release()
             raise
-        reply = _Reply(model_id, generation, self._scheduler, lease)
+        completion = Completion(model_id, generation, lease)
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return Stream(reply, include_usage)
+            return Stream(completion, include_usage)
         try:
-            return reply.complete()
+            return completion.complete()
         finally:
-            reply.close()
+            completion.close()
 
 
 def _message(index: int, message: dict) -> dict:
@@ -161,41 +165,19 @@ def render_template(template: str, messages: list) -> str:
     return "".join(out)
 
 
-def _generate(model, messages: list, params: dict):
-    """The model's Generation; for a custom engine without generate(), its streamed chat()."""
-    if hasattr(model, "generate"):
-        return model.generate(messages, params)
-    return generation_of_pieces(model.chat(messages, params, True), params)
+class Completion:
+    """One chat completion: its id, its generation, and the lease it holds."""
 
-
-class ReplyCut(Conflict):
-    """The model was stopped (`models stop`, the server stopping) while it replied."""
-
-    code = "model_stopped"
-
-
-class _Reply:
-    """One generation paced through the compute lane, and the lease it holds."""
-
-    def __init__(self, model_id: str, generation, scheduler: Scheduler, lease: Lease):
+    def __init__(self, model_id: str, generation, lease: Lease):
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model_id = model_id
         self.generation = generation
-        self._scheduler = scheduler
         self._lease = lease
 
     def pieces(self) -> Iterator[str]:
-        """Text pieces; each token is computed on a compute lane, in its turn."""
-        lanes, running = self._scheduler.lanes, self._lease.running
-        pieces = iter(self.generation)
-        while not running.stopping.is_set():
-            piece = lanes.run(next, pieces, None)
-            if piece is None:
-                return
-            yield piece
-        log.info("a reply of %s was cut short: the model was stopped", self.model_id)
-        raise ReplyCut(f"Model {self.model_id} was stopped during this reply")
+        """Text pieces as the scheduler computes them; ModelStopped if the model stops."""
+        return self._lease.steps(self.generation)
 
     def usage(self) -> dict:
         """OpenAI's usage object."""
@@ -227,43 +209,43 @@ class Stream:
 
     content_type = "text/event-stream"
 
-    def __init__(self, reply: _Reply, include_usage: bool):
-        self._reply = reply
+    def __init__(self, completion: Completion, include_usage: bool):
+        self._completion = completion
         self._include_usage = include_usage
 
     def __iter__(self) -> Iterator[bytes]:
-        reply = self._reply
+        completion = self._completion
         yield self._event({"role": "assistant", "content": ""})
         try:
-            for piece in reply.pieces():
+            for piece in completion.pieces():
                 yield self._event({"content": piece})
         except Exception as exc:
-            if isinstance(exc, ReplyCut):
+            if isinstance(exc, ModelStopped):
                 error = exc.body()["error"]
             else:
-                log.exception("generation failed in a stream of %s", reply.model_id)
+                log.exception("generation failed in a stream of %s", completion.model_id)
                 error = {"message": f"Generation failed: {exc}", "type": "server_error",
                          "code": "generation_failed"}
             yield _sse({"error": error})
             yield b"data: [DONE]\n\n"
             return
-        yield self._event({}, reply.generation.finish_reason or "stop")
+        yield self._event({}, completion.generation.finish_reason or "stop")
         if self._include_usage:
-            yield _sse(self._chunk([], usage=reply.usage()))
+            yield _sse(self._chunk([], usage=completion.usage()))
         yield b"data: [DONE]\n\n"
 
     def close(self) -> None:
         """Called by the server when the reply ends or the client goes away."""
-        self._reply.close()
+        self._completion.close()
 
     def _event(self, delta: dict, finish_reason: str | None = None) -> bytes:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         return _sse(self._chunk([choice]))
 
     def _chunk(self, choices: list, usage: dict | None = None) -> dict:
-        r = self._reply
-        chunk = {"id": r.id, "object": "chat.completion.chunk", "created": r.created,
-                 "model": r.model_id, "choices": choices}
+        c = self._completion
+        chunk = {"id": c.id, "object": "chat.completion.chunk", "created": c.created,
+                 "model": c.model_id, "choices": choices}
         if self._include_usage:
             chunk["usage"] = usage
         return chunk

@@ -42,7 +42,7 @@ from typing import Callable, Mapping
 from urllib.parse import unquote, urlsplit
 
 from localrt import wheels
-from localrt.adapters import GGUF_ENGINE, ONNX_ENGINE, GgufEngine, OnnxEngine
+from localrt.adapters import GGUF_ENGINE, ONNX_ENGINE, GgufEngine, OnnxEngine, generating
 from localrt.downloads import DownloadFailed as DownloadFailedError
 from localrt.downloads import Downloads, Item, Task
 from localrt.errors import BadRequest, Conflict, HTTPError, NotFound
@@ -214,6 +214,7 @@ def _onnx_variants(hw: Hardware) -> list[Variant]:
             Variant(f"{hw.platform}-cuda-12", "onnxruntime-genai-cuda", None, "cuda-12")]
 
 
+_ADAPTERS = {GGUF_ENGINE: GgufEngine, ONNX_ENGINE: OnnxEngine}  # TODO(merge): the row's factory
 CATALOG = {
     GGUF_ENGINE: EngineSpec(
         GGUF_ENGINE, GgufEngine.format, GgufEngine.description,
@@ -274,8 +275,8 @@ class Engines:
 
     `_lock` guards `_state` (the content of engines.json), `_probes`, `_objects`
     (engine objects created in this process) and `_imported` (engine -> the folder its
-    module was imported from). Model loads happen outside it. `in_use(engine)` names
-    the running models of an engine (localrt.scheduler sets it), which block an uninstall.
+    module was imported from). Model loads happen outside it. An uninstall is refused
+    while the engine runs a model by the scheduler (Scheduler.engine_unused).
     """
 
     def __init__(self, root: Path, config: Callable[[], Mapping], downloads: Downloads,
@@ -293,7 +294,6 @@ class Engines:
         self._probes = self._read(PROBES_FILE, {})
         self._objects: dict[str, object] = {}
         self._imported: dict[str, str] = {}
-        self.in_use: Callable[[str], list[str]] = lambda engine: []
 
     # --- listing ---------------------------------------------------------------
 
@@ -584,11 +584,6 @@ class Engines:
         """Remove an installed variant (the builtin one is only deactivated)."""
         self.require_known(name)
         with self._lock:
-            running = sorted(self.in_use(name))
-            if running:
-                raise Conflict(f"Engine {name} is running {', '.join(running)}; stop "
-                               f"{'them' if len(running) > 1 else 'it'} first",
-                               param="engine")
             target = self._pick_installed(name, version, variant)
             state = self._edited_state()
             entry = state["engines"].setdefault(name, {})
@@ -788,10 +783,35 @@ class Engines:
     # --- loading models --------------------------------------------------------
 
     def open(self, engine: str, model_path: str, options: dict):
-        """Load a model file with an engine; raises 409 if the engine cannot run here."""
+        """Load a model file with an engine; raises 409 if the engine cannot run here.
+
+        The model always has generate() (see localrt.adapters)."""
         with self._lock:
             engine_object = self._engine_object(engine)
-        return engine_object.load(model_path, dict(options))
+        return generating(engine_object.load(model_path, dict(options)))
+
+    def check_options(self, name: str, options: dict) -> list[tuple[str, str]]:
+        """(option, why) for each start option the engine cannot take."""
+        check = getattr(self._rules(name), "check_options", None)
+        return list(check(options)) if check else []
+
+    def check_request(self, name: str, params: dict) -> None:
+        """Raise InvalidField for a chat request the engine cannot serve."""
+        check = getattr(self._rules(name), "check_request", None)
+        if check:
+            check(params)
+
+    def _rules(self, name: str):
+        """What holds an engine's own checks: a built-in's adapter class, or a custom
+        engine's object (None when it cannot be loaded; its start says why)."""
+        spec = CATALOG.get(name)
+        if spec is not None:
+            return _ADAPTERS[name]
+        try:
+            with self._lock:
+                return self._custom_object(name)
+        except HTTPError:
+            return None
 
     def _engine_object(self, name: str):
         spec = CATALOG.get(name)

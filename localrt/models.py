@@ -221,11 +221,9 @@ class Registry:
     server is their only writer, so reads never touch the disk.
     """
 
-    def __init__(self, root: Path, validators: schemas.Validators,
-                 is_running: Callable[[str], bool] = lambda model_id: False):
+    def __init__(self, root: Path, validators: schemas.Validators):
         self.root = Path(root)
         self._validators = validators
-        self.is_running = is_running  # the engines' answer, once models can run
         self._lock = threading.RLock()  # guards _models and every definition file write
         self._models: dict[str, tuple[Path, dict]] | None = None  # id -> (folder, definition)
 
@@ -268,12 +266,11 @@ class Registry:
         return self._record(folder, updated)
 
     def remove(self, model_id: str) -> None:
-        """Forget a model and delete its folder (an imported file's link, never the file)."""
+        """Forget a model and delete its folder (an imported file's link, never the file).
+
+        The scheduler refuses this for a running model (Scheduler.not_running)."""
         with self._lock:
             folder, _ = self._find(model_id)
-            if self.is_running(model_id):
-                raise Conflict(f"Model {model_id} is running; stop it first with "
-                               f"`localrt models stop {model_id}`", param="model")
             # The definition goes first: a crash part-way leaves stray files, never a
             # registered model with missing ones.
             (folder / DEFINITION).unlink(missing_ok=True)  # or deleted by hand
@@ -362,7 +359,6 @@ class Registry:
                                   if k not in LIST_OMITS}
         record["size"] = sum(f["size"] for f in d["files"])
         record["path"] = str(folder)
-        record["status"] = "running" if self.is_running(d["id"]) else "downloaded"
         return record
 
 

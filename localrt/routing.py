@@ -1,4 +1,5 @@
-"""Routes as data, and `Router.match`, a pure function of method and path.
+"""Routes as data, `Router.match` (a pure function of method and path), and what a
+handler takes and gives: `Request` and `Reply`.
 
 A pattern is a path with `{name}` parts, which match one path segment, and
 `{name:path}` parts, which match one or more segments (model ids hold `/`).
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from localrt.errors import MethodNotAllowed, NotFound
 
@@ -29,6 +30,33 @@ class Route:
 
     def __post_init__(self):
         object.__setattr__(self, "regex", _compile(self.pattern))
+
+
+@dataclass
+class Request:
+    """What a handler sees: plain data, never the WSGI environ."""
+
+    method: str
+    path: str
+    params: dict = field(default_factory=dict)
+    query: dict = field(default_factory=dict)
+    headers: dict = field(default_factory=dict)
+    body: Any = None
+
+
+@dataclass
+class Reply:
+    """A handler's answer when a plain 200 JSON body is not enough.
+
+    `body` is JSON-able data, or an iterable of bytes when `content_type` is
+    not JSON. `after` runs once the response has been handed to the server.
+    """
+
+    body: Any
+    status: int = 200
+    headers: list = field(default_factory=list)
+    content_type: str = "application/json"
+    after: Callable[[], None] | None = None
 
 
 def _compile(pattern: str) -> re.Pattern:

@@ -5,19 +5,25 @@ request (schemas/model-start.json). At most `maxRunningModels` stay loaded: star
 one more unloads the least recently used. With `keepAlive` set, a model idle that
 long is unloaded too.
 
+The scheduler owns what runs, so it also refuses what must not happen to a running
+model: deleting it, or uninstalling its engine (`not_running`, `engine_unused`).
+
 Compute is scheduled in two steps, so generations never fight over the CPU:
   * a model serves one request at a time; requests queue for it in arrival order
-    (`Running.turn`);
+    (`Running.turn`), and `lease(model_id)` waits for that turn;
   * every token of every generation, across all models, is computed on a compute
     lane (`Scheduler.lanes`): `computeLanes` threads (default 1) taking token steps in
-    arrival order. Two llama.cpp computations that share the cores are both many times
-    slower than one after the other, so on a machine with cores for several models,
-    raise computeLanes and give each model `cpu_threads` = cores / lanes.
+    arrival order. A lease's `steps(generation)` is how a request reads its tokens,
+    and it ends with ModelStopped when the model is stopped meanwhile. Two llama.cpp
+    computations that share the cores are both many times slower than one after the
+    other, so on a machine with cores for several models, raise computeLanes and give
+    each model `cpu_threads` = cores / lanes.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -26,8 +32,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
-from localrt.adapters import GGUF_ENGINE, QUANTIZED_CACHE
 from localrt.engines import EngineNotFound, available_cores
 from localrt.errors import BadRequest, Conflict, HTTPError, InvalidField, ServiceUnavailable
 from localrt.models import DEFAULT_CTX_LEN, weights_path
@@ -44,6 +50,12 @@ MAX_TURN_RETRIES = 3  # a request whose model was stopped while it waited restar
 
 class ModelNotRunning(Conflict):
     code = "model_not_running"
+
+
+class ModelStopped(Conflict):
+    """The model was stopped (`models stop`, the server stopping) while it replied."""
+
+    code = "model_stopped"
 
 
 class InvalidStoredParameter(Conflict):
@@ -173,13 +185,31 @@ class Running:
 
 
 class Lease:
-    """A request's turn on a running model; `release()` exactly once when done."""
+    """A request's turn on a running model: the `model`, its `options`, and `steps()`.
+
+    `release()` exactly once when done.
+    """
 
     def __init__(self, scheduler: "Scheduler", running: Running):
         self.running = running
+        self.model = running.model
+        self.options = running.options
         self._scheduler = scheduler
         self._released = False
         self._callbacks: list = []
+
+    def steps(self, generation) -> Iterator[str]:
+        """The generation's text pieces, each token computed on a compute lane in its
+        turn; ModelStopped if the model is stopped before the generation ends."""
+        lanes, running = self._scheduler.lanes, self.running
+        pieces = iter(generation)
+        while not running.stopping.is_set():
+            piece = lanes.run(next, pieces, None)
+            if piece is None:
+                return
+            yield piece
+        log.info("a reply of %s was cut short: the model was stopped", running.model_id)
+        raise ModelStopped(f"Model {running.model_id} was stopped during this reply")
 
     def on_release(self, callback) -> None:
         """Run `callback` after the release."""
@@ -221,7 +251,6 @@ class Scheduler:
         self._start_lock = threading.Lock()
         self._running: dict[str, Running] = {}
         self._closed = threading.Event()
-        engines.in_use = self.models_of
         self._reaper = None
         if keep_alive > 0:
             self._reaper = threading.Thread(target=self._reap, name="localrt-keep-alive",
@@ -239,6 +268,25 @@ class Scheduler:
         """The running models of an engine."""
         with self._lock:
             return [m for m, r in self._running.items() if r.engine == engine]
+
+    @contextlib.contextmanager
+    def not_running(self, model_id: str):
+        """Hold off model loads while the body runs; a 409 if `model_id` is running."""
+        with self._start_lock:
+            if self.is_running(model_id):
+                raise Conflict(f"Model {model_id} is running; stop it first with "
+                               f"`localrt models stop {model_id}`", param="model")
+            yield
+
+    @contextlib.contextmanager
+    def engine_unused(self, engine: str):
+        """Hold off model loads while the body runs; a 409 if a model of `engine` runs."""
+        with self._start_lock:
+            running = sorted(self.models_of(engine))
+            if running:
+                raise Conflict(f"Engine {engine} is running {', '.join(running)}; stop "
+                               f"{'them' if len(running) > 1 else 'it'} first", param="engine")
+            yield
 
     def status(self) -> list[dict]:
         """One row per running model: engine, memory, uptime and effective options."""
@@ -365,13 +413,8 @@ class Scheduler:
                 refuse("ctx_len", f"{options['ctx_len']} is beyond the {trained} tokens "
                                   f"model {record['id']} was trained on")
             options["ctx_len"] = trained
-        if engine == GGUF_ENGINE:
-            if options.get("grp_attn_n", 1) > 1:
-                refuse("grp_attn_n", "gguf-cpp has no group attention (self-extend); "
-                                     "leave it at 1")
-            if options.get("cache_type") in QUANTIZED_CACHE and not options.get("flash_attn"):
-                refuse("cache_type", f"a {options['cache_type']} KV cache needs "
-                                     f"flash_attn: true")
+        for name, why in self._engines.check_options(engine, options):
+            refuse(name, why)
         template = options.get("prompt_template")
         if template is not None and "{prompt}" not in template:
             refuse("prompt_template", "it needs a {prompt} placeholder")

@@ -119,7 +119,7 @@ def test_remove_deletes_the_link_but_never_the_imported_file(wsgi, gguf, importe
 
 
 def test_running_models_cannot_be_removed(app, wsgi, imported):
-    app.services.models.registry.is_running = lambda model_id: model_id == "me/tiny:chat"
+    assert wsgi("POST", "/v1/models/start", {"model": "me/tiny:chat"}).status == 200
     assert wsgi("GET", "/v1/models/me/tiny:chat").json["status"] == "running"
     r = wsgi("DELETE", "/v1/models/me/tiny:chat")
     assert r.status == 409 and "running" in r.json["message"]

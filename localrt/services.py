@@ -1,0 +1,79 @@
+"""The one place the domain objects are built and wired: `build_services(settings)`.
+
+Each object gets what it depends on when it is built, in dependency order, and
+nothing is assigned to it afterwards:
+
+    config      the settings file (localrt.config)
+    events      the event bus of GET /v1/events
+    downloads   download tasks, with the config's outbound options
+    engines     the engine catalog, installs and loading, which download with `downloads`
+    registry    the downloaded models' definitions (localrt.models.Registry)
+    models      pulls and imports, which add to the registry
+    scheduler   what runs: loads through `engines`, reads the `registry`, and refuses
+                to delete a running model or uninstall an engine in use
+    chats       chat completions on the scheduler's models
+
+Handlers (localrt.api) get the `Services` and call these objects directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from localrt.chat import Chats
+from localrt.config import Config
+from localrt.downloads import Downloads
+from localrt.engines import Engines
+from localrt.events import EventBus
+from localrt.models import Models, Registry
+from localrt.scheduler import Scheduler
+from localrt.schemas import Validators
+from localrt.settings import Settings
+
+# Each open GET /v1/events stream holds a server thread (see localrt.server.THREADS).
+MAX_EVENT_LISTENERS = 4
+
+
+@dataclass
+class Services:
+    """The domain objects handlers use. One set per app."""
+
+    settings: Settings
+    validators: Validators
+    config: Config
+    events: EventBus
+    downloads: Downloads
+    engines: Engines
+    registry: Registry
+    models: Models
+    scheduler: Scheduler
+    chats: Chats
+    shutdown: Callable[[], None] | None = None
+
+    def close(self) -> None:
+        """End event streams, stop download tasks (their part files stay), unload models."""
+        self.events.close()
+        self.downloads.close()
+        self.scheduler.close()
+
+
+def build_services(settings: Settings, *, shutdown: Callable[[], None] | None = None,
+                   hardware=None) -> Services:
+    """Every domain object for these settings. `shutdown` stops the server (None when
+    it cannot stop itself); `hardware` replaces detection (tests pass one in)."""
+    validators = Validators()
+    config = Config(settings)
+    events = EventBus(MAX_EVENT_LISTENERS)
+    downloads = Downloads(config.get, events, lambda: settings["downloadConnections"])
+    engines = Engines(settings.data_dir / "engines", config.get, downloads,
+                      lambda: settings["engineIndexUrl"], hardware=hardware)
+    registry = Registry(settings.data_dir / "models", validators)
+    models = Models(settings, config, downloads, registry)
+    scheduler = Scheduler(registry, engines, max_models=settings["maxRunningModels"],
+                          keep_alive=settings["keepAlive"] * 60,
+                          lanes=settings["computeLanes"])
+    chats = Chats(registry, engines, scheduler)
+    return Services(settings=settings, validators=validators, config=config, events=events,
+                    downloads=downloads, engines=engines, registry=registry, models=models,
+                    scheduler=scheduler, chats=chats, shutdown=shutdown)
