@@ -21,6 +21,7 @@ from localrt.engines import Engines
 from localrt.errors import (BadRequest, Forbidden, HTTPError, InternalError, InvalidJSON,
                             PayloadTooLarge, Unauthorized, UnsupportedMediaType)
 from localrt.events import EventBus
+from localrt.installs import EngineState, Installs
 from localrt.routing import Router
 from localrt.scheduler import Scheduler
 from localrt.schemas import Validators
@@ -73,6 +74,7 @@ class Services:
     downloads: Downloads
     models: models.Models
     engines: Engines
+    installs: Installs
     scheduler: Scheduler
     chats: Chats
     shutdown: Callable[[], None] | None = None
@@ -81,7 +83,8 @@ class Services:
 class App:
     """The localrt WSGI callable."""
 
-    def __init__(self, settings: Settings, routes=None, shutdown=None, hardware=None):
+    def __init__(self, settings: Settings, routes=None, shutdown=None, hardware=None,
+                 run_probe=None):
         if routes is None:
             from localrt.api import ROUTES as routes
         self.router = Router(routes)
@@ -89,8 +92,11 @@ class App:
         config = Config(settings)
         events = EventBus(MAX_EVENT_LISTENERS)
         downloads = Downloads(config.get, events, lambda: settings["downloadConnections"])
-        engines = Engines(settings.data_dir / "engines", config.get, downloads,
-                          lambda: settings["engineIndexUrl"], hardware=hardware)
+        state = EngineState(settings.data_dir / "engines")
+        engines = Engines(settings.data_dir / "engines", state, hardware=hardware,
+                          run_probe=run_probe)
+        installs = Installs(engines, state, downloads, config.get,
+                            lambda: settings["engineIndexUrl"])
         registry = models.Registry(settings.data_dir / "models", self.validators)
         scheduler = Scheduler(registry, engines, max_models=settings["maxRunningModels"],
                               keep_alive=settings["keepAlive"] * 60,
@@ -99,7 +105,7 @@ class App:
         self.services = Services(settings=settings, config=config, events=events,
                                  downloads=downloads,
                                  models=models.Models(settings, config, downloads, registry),
-                                 engines=engines, scheduler=scheduler,
+                                 engines=engines, installs=installs, scheduler=scheduler,
                                  chats=Chats(registry, scheduler), shutdown=shutdown)
 
     def __call__(self, environ, start_response):
