@@ -20,7 +20,8 @@ models folder.
 
 Each downloaded or imported model has a folder under `<dataFolderPath>/models`
 holding its files and a definition file, `model.json` (schemas/model.json),
-written atomically and only once every file is complete and checked.
+written atomically and only once every file is complete and checked. Its `engine`
+is model.yml's, else the engine catalog's (localrt.engines) for the files.
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ from typing import Callable, Iterable
 from urllib.parse import quote, unquote, urlsplit
 
 from localrt import ggufinfo, schemas
-from localrt.engines import engine_alias, engine_for_files, weights_file
 from localrt.downloads import (DownloadFailed, Downloads, Item, Task, check_disk_space,
                                fsync_dir)
+from localrt.engines import engine_alias, engine_for_files, weights_file
 from localrt.errors import (BadRequest, Conflict, HTTPError, InvalidField, NotFound,
                             UpstreamError)
 from localrt.fsutil import atomic_write, private_dir
