@@ -194,27 +194,27 @@ def get_engine(services: Services, request: Request):
 def install_engine(services: Services, request: Request):
     """Spec row 4: start installing; progress comes as Download* events of type Engine."""
     body = request.body
-    return services.engines.install(request.params["engine"], body.get("version"),
-                                    body.get("variant"))
+    return services.installs.install(request.params["engine"], body.get("version"),
+                                     body.get("variant"))
 
 
 def uninstall_engine(services: Services, request: Request):
     """Spec row 5: refused while the engine runs a model."""
     body, name = request.body, request.params["engine"]
     with services.scheduler.engine_unused(name):
-        return services.engines.uninstall(name, body.get("version"), body.get("variant"))
+        return services.installs.uninstall(name, body.get("version"), body.get("variant"))
 
 
 def install_engine_wheel(services: Services, request: Request):
     """Install a custom engine from a wheel path or URL."""
-    return services.engines.install_wheel(request.body["wheel"])
+    return services.installs.install_wheel(request.body["wheel"])
 
 
 def set_default_engine(services: Services, request: Request):
     """Choose which installed variant models of an engine load."""
     body = request.body
-    return services.engines.set_default(request.params["engine"], body["variant"],
-                                        body["version"])
+    return services.installs.set_default(request.params["engine"], body["variant"],
+                                         body["version"])
 
 
 def events(services: Services, request: Request):

@@ -31,11 +31,13 @@ ALLOWED_REQUEST_HEADERS = "Content-Type, Authorization"
 class App:
     """The localrt WSGI callable."""
 
-    def __init__(self, settings: Settings, routes=None, shutdown=None, hardware=None):
+    def __init__(self, settings: Settings, routes=None, shutdown=None, hardware=None,
+                 run_probe=None):
         if routes is None:
             from localrt.api import ROUTES as routes
         self.router = Router(routes)
-        self.services = build_services(settings, shutdown=shutdown, hardware=hardware)
+        self.services = build_services(settings, shutdown=shutdown, hardware=hardware,
+                                       run_probe=run_probe)
         self.validators = self.services.validators
 
     def __call__(self, environ, start_response):

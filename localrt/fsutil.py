@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -26,6 +28,23 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
             pass
         raise
     fsync_dir(path.parent)
+
+
+def write_json(path: Path, data) -> None:
+    """Write `data` as indented JSON with atomic_write."""
+    atomic_write(path, json.dumps(data, indent=2).encode())
+
+
+def read_json(path: Path, default: dict) -> dict:
+    """A JSON object file's content; `default` when it is missing, unreadable or no object."""
+    try:
+        data = json.loads(Path(path).read_text())
+        return data if isinstance(data, dict) else default
+    except FileNotFoundError:
+        return default
+    except (OSError, ValueError) as exc:
+        logging.getLogger(__name__).warning("ignoring %s: %s", path, exc)
+        return default
 
 
 def private_dir(path: Path) -> Path:

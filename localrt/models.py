@@ -20,7 +20,8 @@ models folder.
 
 Each downloaded or imported model has a folder under `<dataFolderPath>/models`
 holding its files and a definition file, `model.json` (schemas/model.json),
-written atomically and only once every file is complete and checked.
+written atomically and only once every file is complete and checked. Its `engine`
+is model.yml's, else the engine catalog's (localrt.engines) for the files.
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ from typing import Callable, Iterable
 from urllib.parse import quote, unquote, urlsplit
 
 from localrt import ggufinfo, schemas
-from localrt.adapters import GGUF_ENGINE, ONNX_ENGINE
 from localrt.downloads import (DownloadFailed, Downloads, Item, Task, check_disk_space,
                                fsync_dir)
+from localrt.engines import engine_alias, engine_for_files, weights_file
 from localrt.errors import (BadRequest, Conflict, HTTPError, InvalidField, NotFound,
                             UpstreamError)
 from localrt.fsutil import atomic_write, private_dir
@@ -197,10 +198,6 @@ DEFINITION = "model.json"
 ONNX_CONFIG = "genai_config.json"  # what makes a folder an ONNX model (onnxruntime-genai)
 DEFAULT_CTX_LEN = 4096  # a default ctx_len never above this, whatever the model was trained on
 SKIPPED_FILES = (".gitattributes",)  # repo files a pull leaves on the hub
-# model.yml's engine names (cortex's) -> localrt's
-YML_ENGINES = {"llama-cpp": GGUF_ENGINE, "llamacpp": GGUF_ENGINE, "llama.cpp": GGUF_ENGINE,
-               GGUF_ENGINE: GGUF_ENGINE,
-               "onnxruntime": ONNX_ENGINE, "onnx": ONNX_ENGINE, ONNX_ENGINE: ONNX_ENGINE}
 LIST_OMITS = ("chat_template",)  # metadata too big for every row of GET /v1/models
 
 
@@ -530,7 +527,7 @@ class Models:
                                f"branch of that name; its GGUF files: {_listed(candidates)}",
                                param="file")
         elif not candidates:
-            if not any(_engine_of(f.path) == ONNX_ENGINE for f in files):
+            if engine_for_files((f.path for f in files), folder=True) is None:
                 raise BadRequest(f"{ref.repo} at {revision} has no GGUF or ONNX model files, "
                                  f"so there is nothing localrt can run; nothing was "
                                  f"downloaded", param="model")
@@ -576,7 +573,7 @@ class Models:
                              f"pull a variant (`localrt pull {name}:<branch>`) or one file "
                              f"as {ref.repo}:<file>: {_listed(candidates)}", param="model",
                              extra={"files": [c.path for c in candidates]})
-        if not candidates and not any(_engine_of(f.path) for f in files):
+        if not candidates and engine_for_files(f.path for f in files) is None:
             raise BadRequest(f"{ref.repo} at {branch} has no GGUF or ONNX model files, so "
                              f"there is nothing localrt can run; nothing was downloaded",
                              param="model")
@@ -804,7 +801,7 @@ def _by_file(files: list[HubFile], candidates: list[_Candidate], path: str):
     if is_projector(path):
         raise BadRequest(f"{path} is a vision projector (mmproj), not a model; choose the "
                          f"model file, and its projector comes along", param="file")
-    if not _engine_of(path):
+    if engine_for_files([path]) is None:
         raise BadRequest(f"{path} is not a GGUF or ONNX model file", param="file")
     return _Candidate((f,), quantization(path))
 
@@ -823,19 +820,8 @@ def _projector(files: list[HubFile]) -> HubFile | None:
 def weights_path(record: dict) -> Path | None:
     """The file an engine loads for a model record: its GGUF (a split one's first part,
     never a projector), else its ONNX model file."""
-    files = sorted(f["path"] for f in record["files"])
-    found = next((f for f in files if _engine_of(f) == GGUF_ENGINE and not is_projector(f)),
-                 None) or next((f for f in files if _engine_of(f) == ONNX_ENGINE), None)
+    found = weights_file(f["path"] for f in record["files"] if not is_projector(f["path"]))
     return Path(record["path"]) / found if found is not None else None
-
-
-def _engine_of(path: str) -> str | None:
-    name = path.lower().rsplit("/", 1)[-1]
-    if name.endswith(".gguf"):
-        return GGUF_ENGINE
-    if name.endswith(".onnx") or name == "genai_config.json":
-        return ONNX_ENGINE
-    return None
 
 
 # Record fields that model.yml cannot set: localrt's own, and those it derives.
@@ -852,9 +838,10 @@ def _definition(model_id: str, owner: str, paths: list[Path], files: list[dict],
     Raises ValueError when the weights cannot be read.
     """
     yml = _read_model_yml([p for p in paths if p.name == "model.yml"])
-    engines = {_engine_of(p.name) for p in paths} - {None}
-    engine = YML_ENGINES.get(str(yml.get("engine", "")).lower()) or \
-        (GGUF_ENGINE if GGUF_ENGINE in engines else ONNX_ENGINE)
+    # When no file name says (a GGUF imported under a name without .gguf), the record
+    # names the engine of ONNX folders, as it always has; such a model cannot start.
+    engine = engine_alias(str(yml.get("engine", ""))) or \
+        engine_for_files(p.name for p in paths) or engine_for_files([ONNX_CONFIG])
     definition = {"id": model_id, "name": model_id, "engine": engine,
                   "created": int(time.time()), "owned_by": owner, "files": files,
                   "source": source}

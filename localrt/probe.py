@@ -15,16 +15,41 @@ The model is written here (a tiny random llama with a byte-level SentencePiece
 vocabulary), then quantized with ``llama_cpp.llama_model_quantize`` to each type in
 `QUANT_TYPES`. Everything lives in a temporary folder that is removed at the end.
 numpy is imported here only: it comes with llama-cpp-python.
+
+The parent's side is here too: `run_probe` starts the child and reads its lines into a
+result (`{"variant", "version", "systemInfo", "seconds", "decodeTokensPerSecond"}`, or
+a `reason` when the build failed), and `Probes` keeps the results per build and CPU in
+`<dataFolderPath>/engines/probes.json`. This module imports only the standard library
+and localrt.fsutil at the top, so the child starts fast.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
+import logging
+import os
+import re
+import signal
 import struct
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from localrt.fsutil import read_json, write_json
+
+if TYPE_CHECKING:  # only for annotations: the child never imports it
+    from localrt.hardware import Hardware
+
+log = logging.getLogger(__name__)
+
+PROBES_FILE = "probes.json"
+PROBE_TIMEOUT = 300  # seconds; a probe loads and decodes two tiny models
 
 # ggml type names -> llama_ftype values (llama.h: LLAMA_FTYPE_MOSTLY_Q4_0 = 2, Q8_0 = 7).
 QUANT_TYPES = {"Q8_0": 7, "Q4_0": 2}
@@ -129,6 +154,9 @@ def write_model(path: Path, seed: int = 0) -> Path:
     return path
 
 
+# --- the child ---------------------------------------------------------------------
+
+
 def main(argv: list[str]) -> int:
     """Probe the llama_cpp importable here (ENGINE_DIR first on sys.path, if given)."""
     if argv:
@@ -158,6 +186,130 @@ def main(argv: list[str]) -> int:
             llm.close()
     _emit(stage="done", tokens_per_second=round(min(rates), 1))
     return 0
+
+
+
+# --- the parent --------------------------------------------------------------------
+
+
+def run_probe(path: str | None, hw: Hardware) -> dict:
+    """Run this module as a child on a llama.cpp build (None: the one localrt ships with)."""
+    cmd = [sys.executable, "-m", "localrt.probe"] + ([path] if path else [])
+    env = dict(os.environ)
+    # The child must import this localrt, wherever it is installed or checked out.
+    localrt_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [localrt_root, env.get("PYTHONPATH")]))
+    started = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PROBE_TIMEOUT,
+                              env=env, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return {"reason": f"the build's probe did not finish in {PROBE_TIMEOUT} s"}
+    lines = []
+    for line in proc.stdout.splitlines():
+        try:
+            lines.append(json.loads(line))
+        except ValueError:
+            pass
+    info = next((line for line in lines if line.get("stage") == "info"), {})
+    result = {"variant": gguf_variant(info.get("system_info", ""),
+                                      info.get("gpu_offload", False), hw),
+              "version": info.get("version", ""), "systemInfo": info.get("system_info", ""),
+              "seconds": round(time.monotonic() - started, 2)}
+    last = lines[-1] if lines else {}
+    if proc.returncode == 0 and last.get("stage") == "done":
+        result["decodeTokensPerSecond"] = last.get("tokens_per_second")
+        return result
+    result["reason"] = _probe_failure(proc, last)
+    return result
+
+
+def _probe_failure(proc: subprocess.CompletedProcess, last: dict) -> str:
+    where = (f"in a {last['type']} quantized model" if last.get("stage") == "decode"
+             else "while loading")
+    if proc.returncode < 0:
+        sig = signal.Signals(-proc.returncode)
+        what = {signal.SIGILL: "illegal instruction", signal.SIGSEGV: "segmentation fault",
+                signal.SIGBUS: "bus error", signal.SIGABRT: "abort"}.get(sig, sig.name)
+        return f"the build crashes on this CPU: {what} ({sig.name}) {where}"
+    if last.get("stage") == "error":
+        return f"the build failed its probe: {last.get('message')}"
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return f"the build failed its probe {where} (exit {proc.returncode}): {tail[:300]}"
+
+
+def gguf_variant(system_info: str, gpu_offload: bool, hw: Hardware) -> str:
+    """The variant name of a llama.cpp build, from llama_print_system_info()."""
+    features = set(re.findall(r"(\w+) = 1", system_info))
+    if gpu_offload and "CUDA" in system_info:
+        major = (hw.cuda or "12").split(".")[0]
+        return f"{hw.platform}-cuda-{major}"
+    if gpu_offload and "METAL" in system_info.upper():
+        return f"{hw.platform}-metal"
+    for level, feature in (("avx512", "AVX512"), ("avx2", "AVX2"), ("avx", "AVX")):
+        if feature in features:
+            return f"{hw.platform}-{level}"
+    return hw.platform
+
+
+def probe_key(path: str | None, version: str, hw: Hardware) -> str:
+    """A build and this CPU: the llama_cpp folder, its libraries' sizes and times."""
+    if path is None:
+        found = importlib.util.find_spec("llama_cpp")
+        folder = Path(list(found.submodule_search_locations)[0])
+    else:
+        folder = Path(path) / "llama_cpp"
+    stamp = [str(folder), version]
+    for lib in sorted((folder / "lib").glob("*.so")):
+        st = lib.stat()
+        stamp.append(f"{lib.name}:{st.st_size}:{st.st_mtime_ns}")
+    digest = hashlib.sha256("\n".join(stamp).encode()).hexdigest()[:16]
+    return f"{digest}-{hw.key()}"
+
+
+class Probes:
+    """The probe result of each llama.cpp build on this CPU, kept in probes.json.
+
+    `_lock` guards `_results` (probes.json's content) and `_running` (key -> an event
+    set when that build's probe ends), and nothing else: it is never held while a
+    child runs. A second caller for a build being probed waits for the first one's
+    result; other builds are probed meanwhile. `run` is `run_probe`, or a stand-in
+    (tests pass one that answers with a result they share).
+    """
+
+    def __init__(self, root: Path, hardware: Hardware,
+                 run: Callable[[str | None, Hardware], dict] | None = None):
+        self._file = root / PROBES_FILE
+        self._hardware = hardware
+        self._run = run or run_probe
+        self._lock = threading.Lock()
+        self._results: dict[str, dict] = read_json(self._file, {})
+        self._running: dict[str, threading.Event] = {}
+
+    def result(self, name: str, path: str | None, version: str) -> dict:
+        """The cached probe result of engine `name`'s build at `path` (None: shipped)."""
+        key = probe_key(path, version, self._hardware)
+        while True:
+            with self._lock:
+                if key in self._results:
+                    return self._results[key]
+                running = self._running.get(key)
+                if running is None:
+                    done = self._running[key] = threading.Event()
+                    break
+            running.wait()  # then the result is cached, or that probe raised: run it here
+        try:
+            result = self._run(path, self._hardware)
+            with self._lock:
+                self._results[key] = result
+                write_json(self._file, self._results)
+        finally:
+            with self._lock:
+                del self._running[key]
+            done.set()
+        if result.get("reason"):
+            log.warning("%s %s failed its probe: %s", name, version, result["reason"])
+        return result
 
 
 if __name__ == "__main__":

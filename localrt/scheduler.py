@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from localrt.engines import EngineNotFound, available_cores
+from localrt.engines import EngineNotFound
 from localrt.errors import BadRequest, Conflict, HTTPError, InvalidField, ServiceUnavailable
+from localrt.hardware import available_cores
 from localrt.models import DEFAULT_CTX_LEN, weights_path
 
 log = logging.getLogger(__name__)

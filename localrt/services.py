@@ -6,7 +6,9 @@ nothing is assigned to it afterwards:
     config      the settings file (localrt.config)
     events      the event bus of GET /v1/events
     downloads   download tasks, with the config's outbound options
-    engines     the engine catalog, installs and loading, which download with `downloads`
+    engines     the engine catalog, the listing and loading (engines.json's EngineState
+                is shared with installs; probe results are engines.probes)
+    installs    engine installs, uninstalls and defaults, which download with `downloads`
     registry    the downloaded models' definitions (localrt.models.Registry)
     models      pulls and imports, which add to the registry
     scheduler   what runs: loads through `engines`, reads the `registry`, and refuses
@@ -26,6 +28,7 @@ from localrt.config import Config
 from localrt.downloads import Downloads
 from localrt.engines import Engines
 from localrt.events import EventBus
+from localrt.installs import EngineState, Installs
 from localrt.models import Models, Registry
 from localrt.scheduler import Scheduler
 from localrt.schemas import Validators
@@ -45,6 +48,7 @@ class Services:
     events: EventBus
     downloads: Downloads
     engines: Engines
+    installs: Installs
     registry: Registry
     models: Models
     scheduler: Scheduler
@@ -59,15 +63,19 @@ class Services:
 
 
 def build_services(settings: Settings, *, shutdown: Callable[[], None] | None = None,
-                   hardware=None) -> Services:
+                   hardware=None, run_probe=None) -> Services:
     """Every domain object for these settings. `shutdown` stops the server (None when
-    it cannot stop itself); `hardware` replaces detection (tests pass one in)."""
+    it cannot stop itself); `hardware` replaces detection and `run_probe(path, hw)` the
+    gguf-cpp build check (tests pass them in)."""
     validators = Validators()
     config = Config(settings)
     events = EventBus(MAX_EVENT_LISTENERS)
     downloads = Downloads(config.get, events, lambda: settings["downloadConnections"])
-    engines = Engines(settings.data_dir / "engines", config.get, downloads,
-                      lambda: settings["engineIndexUrl"], hardware=hardware)
+    state = EngineState(settings.data_dir / "engines")
+    engines = Engines(settings.data_dir / "engines", state, hardware=hardware,
+                      run_probe=run_probe)
+    installs = Installs(engines, state, downloads, config.get,
+                        lambda: settings["engineIndexUrl"])
     registry = Registry(settings.data_dir / "models", validators)
     models = Models(settings, config, downloads, registry)
     scheduler = Scheduler(registry, engines, max_models=settings["maxRunningModels"],
@@ -75,5 +83,5 @@ def build_services(settings: Settings, *, shutdown: Callable[[], None] | None = 
                           lanes=settings["computeLanes"])
     chats = Chats(registry, engines, scheduler)
     return Services(settings=settings, validators=validators, config=config, events=events,
-                    downloads=downloads, engines=engines, registry=registry, models=models,
+                    downloads=downloads, engines=engines, installs=installs, registry=registry, models=models,
                     scheduler=scheduler, chats=chats, shutdown=shutdown)

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -19,8 +20,11 @@ from onnxgen import write_onnx_model
 from pkgindex import PackageIndex
 
 from localrt import engines as engines_mod
+from localrt import probe as probe_mod
 from localrt.app import create_app
-from localrt.engines import Hardware, Variant, gguf_variant, recommended, runnable
+from localrt.engines import Variant
+from localrt.hardware import Hardware, detect_hardware, recommended, runnable
+from localrt.probe import gguf_variant
 
 AVX512 = frozenset({"avx", "avx2", "avx512f", "fma"})
 HW = Hardware("linux", "amd64", "test cpu", AVX512)
@@ -33,7 +37,7 @@ def test_detect_hardware_reads_cpu_flags(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu avx avx2 sse\n"
                        "processor\t: 1\nflags\t\t: fpu\n")
-    hw = engines_mod.detect_hardware(cpuinfo)
+    hw = detect_hardware(cpuinfo)
     assert hw.cpu_model == "Some CPU"
     assert hw.cpu_flags == {"fpu", "avx", "avx2", "sse"}
     assert hw.cpu_level() == "avx2"
@@ -58,6 +62,26 @@ def test_recommended_variant_prefers_gpu_then_best_cpu():
     assert recommended(variants, gpu).name == "linux-amd64-cuda-12"
 
 
+def test_each_catalog_row_says_what_its_adapter_says():
+    for spec in engines_mod.CATALOG.values():
+        adapter = spec.adapter()
+        assert (adapter.name, adapter.format, adapter.description) == \
+            (spec.name, spec.format, spec.description)
+
+
+def test_the_catalog_says_which_engine_loads_a_model():
+    assert engines_mod.engine_for_files(["a/Model.Q8_0.GGUF", "genai_config.json"]) == \
+        "gguf-cpp"
+    assert engines_mod.engine_for_files(["model.onnx", "tokenizer.json"]) == "onnx-runtime"
+    assert engines_mod.engine_for_files(["x.gguf"], folder=True) is None
+    assert engines_mod.engine_for_files(["README.md"]) is None
+    assert engines_mod.weights_file(["m/model.onnx", "m/genai_config.json"]) == \
+        "m/genai_config.json"
+    assert engines_mod.engine_alias("Llama.CPP") == "gguf-cpp"
+    assert engines_mod.engine_alias("onnxruntime") == "onnx-runtime"
+    assert engines_mod.engine_alias("vllm") is None
+
+
 def test_gguf_variant_comes_from_system_info():
     info = "CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | "
     assert gguf_variant(info, False, HW) == "linux-amd64-avx512"
@@ -73,8 +97,8 @@ def test_gguf_variant_comes_from_system_info():
 @pytest.fixture(scope="session")
 def probe_result():
     """The real probe of the llama.cpp build under test, run once per session."""
-    hw = engines_mod.detect_hardware()
-    return hw, engines_mod.run_probe(None, hw)
+    hw = detect_hardware()
+    return hw, probe_mod.run_probe(None, hw)
 
 
 @pytest.fixture
@@ -87,11 +111,12 @@ def index(index_dir):
 def app(settings, index, probe_result):
     """An app whose engine index is the emulator; the session's probe result is reused."""
     hw, result = probe_result
+
+    def run_probe(path, hw):  # the shipped build's result is the session's
+        return result if path is None else probe_mod.run_probe(path, hw)
+
     settings.update({"engineIndexUrl": index.url})
-    app = create_app(settings, hardware=hw)
-    engines = app.services.engines
-    key = engines._probe_key(None, engines_mod.metadata.version("llama-cpp-python"))
-    engines._probes[key] = result
+    app = create_app(settings, hardware=hw, run_probe=run_probe)
     yield app
     app.close()
 
@@ -209,6 +234,58 @@ CRASHING_LLAMA_CPP = textwrap.dedent("""
 """)
 
 
+def test_one_probe_runs_per_build_and_other_builds_do_not_wait(tmp_path):
+    started, release, calls = threading.Event(), threading.Event(), []
+
+    def run(path, hw):
+        calls.append(path)
+        if path.endswith("slow"):
+            started.set()
+            assert release.wait(10)
+        return {"variant": hw.platform, "version": "1"}
+
+    probes = probe_mod.Probes(tmp_path, HW, run)
+    results = []
+    slow = [threading.Thread(target=lambda: results.append(
+        probes.result("gguf-cpp", str(tmp_path / "slow"), "1"))) for _ in range(3)]
+    for t in slow:
+        t.start()
+    assert started.wait(10)
+    assert probes.result("gguf-cpp", str(tmp_path / "fast"), "1")["variant"] == "linux-amd64"
+    release.set()
+    for t in slow:
+        t.join(10)
+    assert len(results) == 3 and calls.count(str(tmp_path / "slow")) == 1
+    again = probe_mod.Probes(tmp_path, HW, run)  # kept in probes.json
+    assert again.result("gguf-cpp", str(tmp_path / "slow"), "1") == results[0]
+    assert len(calls) == 2
+
+
+def test_listing_engines_does_not_wait_for_the_probe_of_another_build(settings, tmp_path):
+    started, release = threading.Event(), threading.Event()
+
+    def run(path, hw):
+        if path is not None:
+            started.set()
+            assert release.wait(10)
+        return {"variant": hw.platform, "version": "1"}
+
+    app = create_app(settings, hardware=HW, run_probe=run)
+    try:
+        engines = app.services.engines
+        probing = threading.Thread(target=engines.problem, args=(
+            "gguf-cpp", {"path": str(tmp_path / "build"), "version": "0.3.99"}))
+        probing.start()
+        assert started.wait(10)
+        r = call(app, "GET", "/v1/engines")
+        assert r.status == 200 and r.json["data"][0]["status"] == "Ready"
+        release.set()
+        probing.join(10)
+    finally:
+        release.set()
+        app.close()
+
+
 def test_a_build_that_crashes_is_incompatible_with_the_reason(tmp_path):
     """The probe's parent side: a child killed by SIGILL is reported, not fatal.
 
@@ -218,7 +295,7 @@ def test_a_build_that_crashes_is_incompatible_with_the_reason(tmp_path):
     fake = tmp_path / "engine" / "llama_cpp"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text(CRASHING_LLAMA_CPP)
-    result = engines_mod.run_probe(str(tmp_path / "engine"), HW)
+    result = probe_mod.run_probe(str(tmp_path / "engine"), HW)
     assert result["reason"] == ("the build crashes on this CPU: illegal instruction "
                                 "(SIGILL) in a Q8_0 quantized model")
     assert result["variant"] == "linux-amd64-avx512"

@@ -63,21 +63,22 @@ def measure(engine_dir: str, model: Path, threads: int) -> dict:
 def main() -> int:
     from ggufgen import write_gguf
 
-    from localrt import engines
+    from localrt.hardware import detect_hardware
+    from localrt.probe import run_probe
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reference", required=True, help="folder holding a llama_cpp "
                         "package (the default build)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    hw = engines.detect_hardware()
+    hw = detect_hardware()
     with tempfile.TemporaryDirectory() as tmp:
         model = write_gguf(Path(tmp) / "bench-f16.gguf", n_embd=1024, n_layer=4, n_head=8,
                            n_ff=2816, vocab_size=1024, context_length=1024, file_type="F16")
         shipped, reference = measure("", model, args.threads), \
             measure(args.reference, model, args.threads)
-    probe_shipped = engines.run_probe(None, hw)
-    probe_reference = engines.run_probe(args.reference, hw)
+    probe_shipped = run_probe(None, hw)
+    probe_reference = run_probe(args.reference, hw)
     print(f"{'metric':32} {'shipped':>12} {'reference':>12} {'ratio':>7}")
     for key in ("prompt", "decode"):
         if "error" in shipped or "error" in reference:

@@ -1,0 +1,362 @@
+"""Installing, uninstalling and choosing engine variants, and engines.json that records them.
+
+An install replies at once and runs as a download task of type Engine (localrt.downloads):
+the engine's wheel for this Python and the requirements this environment lacks, from
+the package index (localrt.wheels). Once every wheel is checked they are unpacked
+beside `<dataFolderPath>/engines/<engine>/<variant>/<version>/`, renamed into it, and
+only then listed in engines.json, written atomically: a folder not in the file does
+not count, so a cancelled or killed install leaves nothing half installed. Nothing is
+ever pip-installed. The shipped gguf-cpp build is deactivated, never deleted.
+
+`EngineState` owns engines.json; `Installs` changes it, and localrt.engines reads it.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+import zipfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, Mapping
+from urllib.parse import unquote, urlsplit
+
+from localrt import plugins, wheels
+from localrt.downloads import DownloadFailed, Downloads, Item, Task
+from localrt.engines import (CATALOG, EngineNotInstalled, EngineSpec, Engines, Variant,
+                             builtin_on, display_version, key)
+from localrt.errors import BadRequest, Conflict, HTTPError
+from localrt.fsutil import fsync_dir, private_dir, read_json, write_json
+from localrt.hardware import Hardware, recommended, runnable
+
+log = logging.getLogger(__name__)
+
+REGISTRY_FILE = "engines.json"
+DOWNLOADS_DIR = ".downloads"   # wheels while they download, under the engines folder
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*\Z")  # engine, variant and version
+
+
+class EngineState:
+    """engines.json: each engine's installed variants, its active one, custom engines.
+
+    `_lock` guards the file, and `_data` from the copy `edit()` hands out until that
+    copy is written. `_data` is replaced, never changed, so what `read()` returns is a
+    consistent snapshot without the lock.
+    """
+
+    def __init__(self, root: Path):
+        self._file = root / REGISTRY_FILE
+        self._lock = threading.Lock()
+        self._data = read_json(self._file, {"engines": {}})
+
+    def read(self) -> dict:
+        """The content of engines.json; never change it (`edit` does)."""
+        return self._data
+
+    def entry(self, name: str) -> dict:
+        """One engine's record ({} for none)."""
+        return self._data["engines"].get(name, {})
+
+    @contextmanager
+    def edit(self) -> Iterator[dict]:
+        """A copy to change in a `with` block, written atomically and adopted at its end.
+
+        An exception in the block changes nothing, and neither does a failed write.
+        """
+        with self._lock:
+            data = copy.deepcopy(self._data)
+            yield data
+            write_json(self._file, data)
+            self._data = data
+
+
+class Installs:
+    """Install, uninstall and `use` (the default variant) for the engines of `engines`.
+
+    It holds no lock of its own: engines.json is `state`'s, and no lock is held while
+    a wheel downloads or a new build is probed.
+    """
+
+    def __init__(self, engines: Engines, state: EngineState, downloads: Downloads,
+                 config: Callable[[], Mapping], index_url: Callable[[], str]):
+        self._engines = engines
+        self._state = state
+        self._downloads = downloads
+        self._config = config
+        self._index_url = index_url
+        self.root = engines.root
+
+    def install(self, name: str, version: str | None = None,
+                variant: str | None = None) -> dict:
+        """Start installing a variant of a built-in engine as a download task."""
+        engines, hw = self._engines, self._engines.hardware
+        spec = self._builtin_spec(name)
+        reason = engines.platform_reason(spec)
+        if reason:
+            raise BadRequest(f"Cannot install {name}: {reason}", param="engine")
+        chosen = choose_variant(spec, variant, hw)
+        builtin = engines.builtin(spec) if spec.builtin else None
+        if builtin and version is None and variant in (None, builtin["variant"]):
+            return self._reactivate_builtin(name, builtin)
+        index = self._index_url()
+        dist = wheels.choose(wheels.project_files(self._config(), index, chosen.distribution),
+                             f"=={_bare_version(version)}" if version else "", chosen.local)
+        if dist is None:
+            wanted = f"{chosen.distribution} {version}" if version else chosen.distribution
+            raise BadRequest(f"The package index {index} has no {wanted} wheel for variant "
+                             f"{chosen.name} that this Python runs "
+                             f"({wheels.supported_tags()[0]})",
+                             param="version" if version else "variant")
+        ver = dist.version.public
+        if any(key(v) == (chosen.name, ver) for v in engines.installed(name)):
+            raise Conflict(f"Engine {name} {display_version(ver)} ({chosen.name}) is "
+                           f"already installed", param="engine")
+        task = self._install_task(name, chosen.name, ver, [self._item(dist)])
+        self._downloads.start(task)
+        reply = {"message": f"Engine {name} starts installing", "engine": name,
+                 "task": task.to_dict()}
+        if engines.loaded(name):
+            reply["note"] = (f"{name} is already loaded in this server; restart the "
+                             f"server to use the new variant once it is installed")
+        return reply
+
+    def install_wheel(self, source: str) -> dict:
+        """Start installing a custom engine from a wheel file path or URL."""
+        platform = self._engines.hardware.platform
+        if urlsplit(source).scheme in ("http", "https"):
+            filename = unquote(urlsplit(source).path.rsplit("/", 1)[-1])
+            if not filename.endswith(".whl") or not SAFE_NAME.match(filename):
+                raise BadRequest(f"{source} does not name a .whl file", param="wheel")
+            size = wheels.content_length(self._config(), source)
+            item = Item(filename, source, self.root / DOWNLOADS_DIR / filename, size)
+            task = self._install_task(None, platform, None, [item])
+            self._downloads.start(task)
+            return {"message": f"Engine from {filename} starts installing",
+                    "engine": None, "task": task.to_dict()}
+        try:
+            path = Path(source).expanduser()
+        except RuntimeError:  # "~someone/x.whl" for a user this machine does not have
+            raise BadRequest(f"Cannot find the home folder in {source!r}; give an absolute "
+                             f"path", param="wheel") from None
+        if not path.is_absolute():
+            raise BadRequest("The wheel path must be absolute", param="wheel")
+        if not path.is_file():
+            raise BadRequest(f"No such file: {path}", param="wheel")
+        name, version = wheel_engine(path)
+        task = self._install_task(name, platform, version, [], local=path)
+        self._downloads.start(task)
+        return {"message": f"Engine {name} starts installing", "engine": name,
+                "task": task.to_dict()}
+
+    def uninstall(self, name: str, version: str | None = None,
+                  variant: str | None = None) -> dict:
+        """Remove an installed variant (the builtin one is only deactivated).
+
+        The API refuses it while the engine runs a model (Scheduler.engine_unused)."""
+        self._engines.require_known(name)
+        target = self._pick_installed(name, version, variant)
+        dropped = False
+        with self._state.edit() as state:
+            entry = state["engines"].setdefault(name, {})
+            active = entry.get("active")
+            if target.get("builtin"):
+                entry["builtinDeactivated"] = True
+            else:
+                entry["installed"] = [v for v in entry.get("installed", [])
+                                      if key(v) != key(target)]
+                if active and key(active) == key(target):
+                    rest = entry["installed"]
+                    entry["active"] = ({"variant": rest[-1]["variant"],
+                                        "version": rest[-1]["version"]} if rest else None)
+                if not entry["installed"] and entry.get("custom"):
+                    del state["engines"][name]
+                    dropped = True
+        if dropped:
+            self._engines.forget(name)
+        if not target.get("builtin"):
+            shutil.rmtree(target["path"], ignore_errors=True)
+        log.info("engine %s %s (%s) uninstalled", name, target["version"], target["variant"])
+        return {"message": f"Engine {name} uninstalled successfully"}
+
+    def set_default(self, name: str, variant: str, version: str) -> dict:
+        """Make an installed variant the one models of this engine load."""
+        self._engines.require_known(name)
+        target = self._pick_installed(name, version, variant)
+        with self._state.edit() as state:
+            entry = state["engines"].setdefault(name, {})
+            if target.get("builtin"):
+                entry["active"], entry["builtinDeactivated"] = None, False
+            else:
+                entry["active"] = {"variant": target["variant"], "version": target["version"]}
+        message = (f"Engine {name} now uses {target['variant']} "
+                   f"{display_version(target['version'])}")
+        if self._engines.needs_restart(name, target):
+            message += "; it is already loaded, so restart the server to use it"
+        return {"message": message}
+
+    def _builtin_spec(self, name: str) -> EngineSpec:
+        spec = CATALOG.get(name)
+        if spec is not None:
+            return spec
+        self._engines.require_known(name)
+        raise BadRequest(f"{name} is a custom engine; install it from its wheel "
+                         f"(localrt engines install PATH_OR_URL.whl)", param="engine")
+
+    def _pick_installed(self, name: str, version: str | None, variant: str | None) -> dict:
+        installed = self._engines.installed(name)
+        if version is None and variant is None:
+            active = self._engines.active(name, installed)
+            if active is not None:
+                return active
+        matches = [v for v in installed
+                   if (variant is None or v["variant"] == variant)
+                   and (version is None or v["version"] == _bare_version(version))]
+        if not matches:
+            what = " ".join(filter(None, [variant, version and display_version(version)]))
+            raise EngineNotInstalled(f"Engine {name} {what} is not installed".replace("  ", " "),
+                                     param="variant" if variant else "engine")
+        return matches[-1]
+
+    def _reactivate_builtin(self, name: str, builtin: dict) -> dict:
+        with self._state.edit() as state:
+            entry = state["engines"].setdefault(name, {})
+            if builtin_on(entry):  # raised inside the edit: nothing is written
+                raise Conflict(f"Engine {name} {display_version(builtin['version'])} "
+                               f"({builtin['variant']}) is already installed", param="engine")
+            entry.update(active=None, builtinDeactivated=False)
+        return {"message": f"Engine {name} starts installing",
+                "note": "the build that ships with localrt is active again"}
+
+    def _item(self, dist: wheels.Dist) -> Item:
+        if not dist.sha256:
+            raise wheels.PackageIndexError(f"The package index gives no sha256 for "
+                                           f"{dist.filename}; refusing an unchecked wheel")
+        size = dist.size if dist.size is not None else \
+            wheels.content_length(self._config(), dist.url)
+        return Item(dist.filename, dist.url, self.root / DOWNLOADS_DIR / dist.filename,
+                    size, sha256=dist.sha256.lower())
+
+    def _install_task(self, name: str | None, variant: str, version: str | None,
+                      items: list[Item], local: Path | None = None) -> Task:
+        """A download task whose items are the wheels; success unpacks and registers."""
+        config, index = self._config(), self._index_url()
+        planned: dict[str, str] = {}
+        wheel_files: list[Path] = [local] if local else []
+        found = {"name": name, "version": version}
+
+        def queue_requirements(task: Task, wheel: Path) -> None:
+            meta = wheels.read_metadata(wheel)
+            planned[wheels.canonicalize_name(meta["Name"])] = str(meta["Version"])
+            for req in wheels.missing_requirements(meta, planned):
+                dist = wheels.choose(wheels.project_files(config, index, req.name),
+                                     str(req.specifier))
+                if dist is None:
+                    raise DownloadFailed(f"{meta['Name']} needs {req}, and the package "
+                                         f"index {index} has no wheel of it for this Python")
+                planned[wheels.canonicalize_name(req.name)] = dist.version.public
+                task.items.append(self._item(dist))
+
+        def after_item(task: Task, item: Item) -> None:
+            if found["name"] is None:  # a custom wheel from a URL: now its name is known
+                try:
+                    found["name"], found["version"] = wheel_engine(item.local_path)
+                except HTTPError as exc:
+                    raise DownloadFailed(exc.message) from None
+            queue_requirements(task, item.local_path)
+
+        def on_success(task: Task) -> None:
+            paths = wheel_files + [item.local_path for item in task.items]
+            self._finish_install(found["name"], variant, found["version"], paths)
+            for item in task.items:
+                item.local_path.unlink(missing_ok=True)
+
+        task_name = name or (items[0].id if items else "wheel")
+        task = Task(f"{task_name}:{variant}:{version or 'latest'}", "Engine", items,
+                    on_success=on_success, after_item=after_item)
+        if local is not None:
+            queue_requirements(task, local)
+        return task
+
+    def _finish_install(self, name: str, variant: str, version: str,
+                        paths: list[Path]) -> None:
+        """Unpack the wheels beside their final folder, rename it in, then register it."""
+        target = self.root / name / variant / version
+        staging = target.with_name(f".{version}.partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        private_dir(staging)
+        for wheel in paths:
+            wheels.unpack(wheel, staging)
+        shutil.rmtree(target, ignore_errors=True)  # an earlier install that never registered
+        os.replace(staging, target)
+        fsync_dir(target.parent)
+        custom = name not in CATALOG
+        with self._state.edit() as state:
+            entry = state["engines"].setdefault(name, {})
+            entry["installed"] = [v for v in entry.get("installed", [])
+                                  if key(v) != (variant, version)]
+            entry["installed"].append({"variant": variant, "version": version,
+                                       "wheels": [p.name for p in paths],
+                                       "installedAt": int(time.time())})
+            entry["active"] = {"variant": variant, "version": version}
+            if custom:
+                entry["custom"] = True
+        if custom:
+            self._engines.forget(name)  # a new version loads afresh
+        else:
+            # A new build is probed now (by engines that probe), not at its first use.
+            self._engines.problem(name, {"path": str(target), "version": version})
+        log.info("engine %s %s (%s) installed in %s", name, version, variant, target)
+
+
+def choose_variant(spec: EngineSpec, wanted: str | None, hw: Hardware) -> Variant:
+    """The variant of `spec` to install: `wanted`, else the recommended one; 400 if none."""
+    options = spec.variants(hw)
+    if wanted is None:
+        chosen = recommended(options, hw)
+        if chosen is None:
+            raise BadRequest(f"This machine runs no variant of {spec.name}", param="variant")
+        return chosen
+    for option in options:
+        if option.name == wanted:
+            reason = runnable(option, hw)
+            if reason:
+                raise BadRequest(f"Variant {wanted} cannot run here: {reason}",
+                                 param="variant")
+            return option
+    if not SAFE_NAME.match(wanted) or not wanted.startswith(hw.platform):
+        raise BadRequest(f"Variant {wanted!r} cannot run here: it is not built for "
+                         f"this machine ({hw.platform})", param="variant")
+    raise BadRequest(f"Unknown variant {wanted!r} of {spec.name}; variants for this "
+                     f"machine: {', '.join(o.name for o in options)}", param="variant")
+
+
+def wheel_engine(wheel: Path) -> tuple[str, str]:
+    """The engine name and version a custom engine wheel declares; 400 if it is unfit."""
+    group = plugins.ENTRY_POINT_GROUP
+    try:
+        eps = wheels.entry_points(wheel, group)
+        meta = wheels.read_metadata(wheel)
+        tags = wheels.wheel_tags(wheel.name)
+    except (ValueError, OSError, zipfile.BadZipFile) as exc:
+        raise BadRequest(f"{wheel.name} is not a usable wheel: {exc}", param="wheel") \
+            from None
+    if len(eps) != 1:
+        raise BadRequest(f"{wheel.name} must declare exactly one {group} entry point; it "
+                         f"declares {len(eps)}", param="wheel")
+    name = next(iter(eps))
+    if name in CATALOG or not SAFE_NAME.match(name):
+        raise BadRequest(f"{wheel.name} declares the engine name {name!r}, which is "
+                         f"taken or unsafe", param="wheel")
+    if not set(tags) & set(wheels.supported_tags()):
+        raise BadRequest(f"{wheel.name} is built for {', '.join(sorted(tags))}, not for "
+                         f"this Python", param="wheel")
+    return name, str(meta["Version"])
+
+
+def _bare_version(version: str) -> str:
+    return version[1:] if version.startswith("v") else version
