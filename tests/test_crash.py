@@ -22,7 +22,7 @@ import zipfile
 
 import pytest
 import yaml
-from conftest import run_foreground_server, send
+from conftest import run_foreground_server, send, wait_pull
 from ggufgen import write_gguf
 from hubemu import HubEmulator
 from pkgindex import PackageIndex
@@ -154,14 +154,8 @@ def test_kill_9_at_random_points_of_a_pull(home, settings, tmp_path, servers):
         try:
             status, body = send(srv.url, "POST", "/v1/models/org/big/pull")
             if "task" in body:
-                deadline = time.monotonic() + 30
-                while time.monotonic() < deadline:
-                    _, tasks = send(srv.url, "GET", "/v1/models/pull")
-                    if not tasks["data"] or tasks["data"][0]["status"] not in (
-                            "Pending", "Downloading"):
-                        break
-                    time.sleep(0.05)
-                assert tasks["data"][0]["status"] == "Success", tasks
+                task = wait_pull(srv.url, body["task"]["id"])
+                assert task["status"] == "Success", task
             [model] = assert_models_whole(srv.url)
             assert model["id"] == "org:big:big.gguf"
             assert sha256(os.path.join(model["path"], model["files"][0]["path"])) == \
@@ -225,13 +219,8 @@ def test_kill_9_at_random_points_of_a_parallel_pull(home, settings, tmp_path, se
         try:
             status, body = send(srv.url, "POST", "/v1/models/org/huge/pull")
             if "task" in body:
-                deadline = time.monotonic() + 30
-                while time.monotonic() < deadline:
-                    _, tasks = send(srv.url, "GET", "/v1/models/pull")
-                    if tasks["data"][0]["status"] not in ("Pending", "Downloading"):
-                        break
-                    time.sleep(0.05)
-                assert tasks["data"][0]["status"] == "Success", tasks
+                task = wait_pull(srv.url, body["task"]["id"])
+                assert task["status"] == "Success", task
             [model] = assert_models_whole(srv.url)
             path = os.path.join(model["path"], model["files"][0]["path"])
             assert sha256(path) == sha256(weights) and not os.path.exists(path + ".part.map")
