@@ -55,7 +55,7 @@ MAX_ID_BYTES = 255
 # Ids that the fixed routes under /v1/models/ shadow (localrt.api.ROUTES): a model
 # registered under one could not be read, started or deleted. If you add such a
 # route, add its last path segment here.
-RESERVED_IDS = ("pull", "import", "start", "stop", "status")
+RESERVED_IDS = ("pull", "import", "start", "stop", "status", "variants")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")  # hub org, repo and branch names
 DEFAULT_QUANT = "Q4_K_M"  # what Ollama's hf.co/... and llama.cpp's -hf take by default
 # A quantization in a GGUF file name: Q4_K_M, q8_0, IQ4_XS, TQ1_0, F16, BF16, F32.

@@ -2,7 +2,7 @@
 
 The index speaks PEP 691 (JSON) or PEP 503 (HTML); both are asked for in one Accept
 header and the reply's Content-Type says which came back. Requests go through
-`downloads.open_url`, so the proxy and TLS settings of Config apply. Version and
+`opener.open_url`, so the proxy and TLS settings of Config apply. Version and
 marker logic is `packaging`'s (PEP 440 and PEP 508 are easy to get subtly wrong).
 
 Wheels are never pip-installed: `unpack` extracts one into an engine folder, which
@@ -31,7 +31,7 @@ from packaging.utils import (InvalidWheelFilename, canonicalize_name,
                              parse_wheel_filename)
 from packaging.version import InvalidVersion, Version
 
-from localrt.downloads import open_url
+from localrt.opener import open_url
 from localrt.errors import UpstreamError
 
 JSON_TYPE = "application/vnd.pypi.simple.v1+json"

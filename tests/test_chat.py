@@ -17,6 +17,7 @@ import pytest
 from conftest import call
 
 from localrt import settings as settings_mod
+from localrt.api import ROUTES
 from localrt.app import create_app
 from localrt.chat import render_template
 from localrt.scheduler import FairLock
@@ -418,7 +419,14 @@ def test_removing_a_running_model_is_refused(api, tiny, quantized):
     assert quantized["Q8_0"].is_file()  # it was linked, not moved
 
 
-@pytest.mark.parametrize("reserved", ["pull", "import", "start", "stop", "status"])
+def shadowed_ids() -> list:
+    """What follows /v1/models/ in every route path there that has no parameter."""
+    prefix = "/v1/models/"
+    return sorted({route.pattern[len(prefix):] for route in ROUTES
+                   if route.pattern.startswith(prefix) and "{" not in route.pattern})
+
+
+@pytest.mark.parametrize("reserved", shadowed_ids())
 def test_ids_the_fixed_routes_shadow_cannot_be_registered(api, quantized, reserved):
     r = api("POST", "/v1/models/import", {"path": str(quantized["Q8_0"]), "id": reserved})
     assert r.status == 400 and r.json["error"]["param"] == "id"

@@ -9,6 +9,7 @@ on failure, so a failing run can be repeated.
 
 import hashlib
 import http.client
+import itertools
 import json
 import os
 import random
@@ -21,7 +22,7 @@ import zipfile
 
 import pytest
 import yaml
-from conftest import run_foreground_server, send
+from conftest import run_foreground_server, send, wait_pull
 from ggufgen import write_gguf
 from hubemu import HubEmulator
 from pkgindex import PackageIndex
@@ -38,12 +39,12 @@ def servers():
         srv.stop(sig=signal.SIGKILL)  # closes the pipes of those already stopped, too
 
 
-def patch_forever(url, sent, stop):
-    i = 0
+def patch_forever(url, tokens, sent, stop):
+    """PATCH both proxy fields with one token no other PATCH of the test uses."""
     while not stop.is_set():
-        i += 1
-        body = {"proxy_username": f"user{i}", "no_proxy": f"host{i}"}
-        sent.append(i)
+        n = next(tokens)  # itertools.count: safe to share between the two workers
+        body = {"proxy_username": f"user{n}", "no_proxy": f"host{n}"}
+        sent.add(n)  # before the request: the server may apply it and die before answering
         req = urllib.request.Request(url + "/v1/configs", method="PATCH",
                                      data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
@@ -54,13 +55,22 @@ def patch_forever(url, sent, stop):
             return
 
 
+def proxy_state(path) -> tuple:
+    """(proxyUsername, noProxy) as the settings file holds them; the file must parse."""
+    data = yaml.safe_load(path.read_text())
+    assert data["apiServerPort"] == 39281 and data["cors"] is True, data
+    return data["proxyUsername"], data["noProxy"]
+
+
 def test_kill_9_during_patches_leaves_old_or_new_state(home, servers):
     rng = random.Random(1234)
+    tokens = itertools.count(1)
     for _ in range(4):
         srv = run_foreground_server(home)
         servers.append(srv)
-        sent, stop = [], threading.Event()
-        workers = [threading.Thread(target=patch_forever, args=(srv.url, sent, stop))
+        old = proxy_state(srv.settings.path)  # what the last round left, or the defaults
+        sent, stop = set(), threading.Event()
+        workers = [threading.Thread(target=patch_forever, args=(srv.url, tokens, sent, stop))
                    for _ in range(2)]
         for w in workers:
             w.start()
@@ -71,20 +81,17 @@ def test_kill_9_during_patches_leaves_old_or_new_state(home, servers):
             w.join(timeout=10)
         assert len(sent) > 5, "the PATCH stream never got going"
 
-        data = yaml.safe_load(srv.settings.path.read_text())  # must parse
-        user, hosts = data["proxyUsername"], data["noProxy"]
-        # Both fields come from one PATCH: either still the first state or one whole update.
-        if user == "":
-            assert hosts == "localhost,127.0.0.1,::1" or hosts.startswith("host")
-        else:
-            n = int(user[len("user"):])
-            assert hosts == f"host{n}" and n in sent
-        assert data["apiServerPort"] == 39281 and data["cors"] is True
+        # Every PATCH writes both fields with its own token, so a torn or mixed write
+        # matches neither the state before this round nor any one PATCH of it.
+        state = proxy_state(srv.settings.path)
+        whole = {old} | {(f"user{n}", f"host{n}") for n in sent}
+        assert state in whole, (old, state)
         # The next server starts on the same file and reads those values.
         srv = run_foreground_server(home)
         servers.append(srv)
         with urllib.request.urlopen(srv.url + "/v1/configs") as r:
-            assert json.loads(r.read())["proxy_username"] == user
+            config = json.loads(r.read())
+        assert (config["proxy_username"], config["no_proxy"]) == state
         srv.stop()
 
 
@@ -147,14 +154,8 @@ def test_kill_9_at_random_points_of_a_pull(home, settings, tmp_path, servers):
         try:
             status, body = send(srv.url, "POST", "/v1/models/org/big/pull")
             if "task" in body:
-                deadline = time.monotonic() + 30
-                while time.monotonic() < deadline:
-                    _, tasks = send(srv.url, "GET", "/v1/models/pull")
-                    if not tasks["data"] or tasks["data"][0]["status"] not in (
-                            "Pending", "Downloading"):
-                        break
-                    time.sleep(0.05)
-                assert tasks["data"][0]["status"] == "Success", tasks
+                task = wait_pull(srv.url, body["task"]["id"])
+                assert task["status"] == "Success", task
             [model] = assert_models_whole(srv.url)
             assert model["id"] == "org:big:big.gguf"
             assert sha256(os.path.join(model["path"], model["files"][0]["path"])) == \
@@ -218,13 +219,8 @@ def test_kill_9_at_random_points_of_a_parallel_pull(home, settings, tmp_path, se
         try:
             status, body = send(srv.url, "POST", "/v1/models/org/huge/pull")
             if "task" in body:
-                deadline = time.monotonic() + 30
-                while time.monotonic() < deadline:
-                    _, tasks = send(srv.url, "GET", "/v1/models/pull")
-                    if tasks["data"][0]["status"] not in ("Pending", "Downloading"):
-                        break
-                    time.sleep(0.05)
-                assert tasks["data"][0]["status"] == "Success", tasks
+                task = wait_pull(srv.url, body["task"]["id"])
+                assert task["status"] == "Success", task
             [model] = assert_models_whole(srv.url)
             path = os.path.join(model["path"], model["files"][0]["path"])
             assert sha256(path) == sha256(weights) and not os.path.exists(path + ".part.map")

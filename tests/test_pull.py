@@ -306,9 +306,9 @@ def test_proxy_credentials_never_reach_a_cdn_that_is_not_proxied(api, hub, setti
 
 
 def test_a_failed_write_fails_the_task_and_never_renames(api, hub, monkeypatch):
-    from localrt import downloads
+    from localrt import fetch
 
-    real_write, calls = downloads.os.write, []
+    real_write, calls = fetch.os.write, []
 
     def flaky_write(fd, data):
         calls.append(len(data))
@@ -318,12 +318,12 @@ def test_a_failed_write_fails_the_task_and_never_renames(api, hub, monkeypatch):
             raise OSError(28, "No space left on device")  # ... then the disk is full
         return real_write(fd, data)
 
-    monkeypatch.setattr(downloads.os, "write", flaky_write)
+    monkeypatch.setattr(fetch.os, "write", flaky_write)
     api("POST", "/v1/models/org/big/pull")
     task = wait_task(api, "org:big:big.gguf")
     assert task["status"] == "Error" and "No space left on device" in task["error"]
     assert api("GET", "/v1/models").json["data"] == []
-    monkeypatch.setattr(downloads.os, "write", real_write)
+    monkeypatch.setattr(fetch.os, "write", real_write)
     api("POST", "/v1/models/org/big/pull")
     assert wait_task(api, "org:big:big.gguf")["status"] == "Success"
     path = Path(api("GET", "/v1/models/org:big:big.gguf").json["path"]) / "big.gguf"

@@ -10,7 +10,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from conftest import run_foreground_server, send
+from conftest import run_foreground_server, send, wait_pull
 from ggufgen import write_gguf
 from hubemu import HubEmulator
 from proxyfix import start_proxy
@@ -27,17 +27,6 @@ def hub(big):
     with HubEmulator() as emu:
         emu.add_repo("org/big", {"big.gguf": big})
         yield emu
-
-
-def wait_status(url, task_id, timeout=30):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        _, body = send(url, "GET", "/v1/models/pull")
-        task = {t["id"]: t for t in body["data"]}.get(task_id)
-        if task and task["status"] not in ("Pending", "Downloading"):
-            return task
-        time.sleep(0.05)
-    raise AssertionError(f"{task_id} still running")
 
 
 @pytest.fixture
@@ -101,7 +90,7 @@ def test_kill_9_mid_download_then_the_pull_resumes(home, server, hub, big):
         status, body = send(again.url, "GET", "/v1/models")
         assert status == 200 and body["data"] == []  # nothing half-downloaded is listed
         send(again.url, "POST", "/v1/models/org/big/pull")
-        assert wait_status(again.url, "org:big:big.gguf")["status"] == "Success"
+        assert wait_pull(again.url, "org:big:big.gguf")["status"] == "Success"
         [get] = [r for r in hub.requests_to("cdn") if r.method == "GET"]
         resumed_at = int(get.range.split("=")[1].rstrip("-"))
         assert 2 * 1024 * 1024 <= resumed_at < big.stat().st_size
@@ -124,5 +113,5 @@ def test_pull_through_a_proxy_with_credentials(tmp_path, server, hub):
         send(server.url, "PATCH", "/v1/configs", {"proxy_password": "s3cret"})
         status, body = send(server.url, "POST", "/v1/models/org/big/pull")
         assert status == 200, body
-        assert wait_status(server.url, "org:big:big.gguf")["status"] == "Success"
+        assert wait_pull(server.url, "org:big:big.gguf")["status"] == "Success"
         assert all("via" in r.headers for r in hub.requests)  # every request was proxied
