@@ -1,7 +1,8 @@
 """The one HTTP client for localrt's API, over urllib. The CLI uses only this.
 
 Requests go through `_request` (and, for streams, `_stream`); errors are
-decoded in one place, `_error`.
+decoded in one place, `_error`. A client given `start` starts a missing server
+on its first request and retries there (the CLI's `Context.client()`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import http.client
 import json
 import urllib.error
 import urllib.request
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 from urllib.parse import quote
 
 # Seconds an event stream may stay silent before the server counts as gone; the
@@ -41,10 +42,15 @@ class Unreachable(Exception):
 class Client:
     """Calls one localrt server. Proxies are never used: the server is local."""
 
-    def __init__(self, base_url: str, timeout: float = 30.0, api_key: str | None = None):
+    def __init__(self, base_url: str, timeout: float = 30.0, api_key: str | None = None,
+                 start: Callable[[], str | None] | None = None):
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.api_key = api_key  # sent as a Bearer token when the server has apiKeys set
+        # Called at most once, when the first request finds nothing at base_url: it
+        # starts a server and returns its URL, where the request is made again, or
+        # returns None and Unreachable is raised. See localrt.cli.context.
+        self._start = start
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     # --- the API -------------------------------------------------------------
@@ -168,6 +174,18 @@ class Client:
     # --- plumbing ------------------------------------------------------------
 
     def _open(self, method: str, path: str, body: Any = None, timeout: float | None = None):
+        start, self._start = self._start, None  # only the first request may start a server
+        try:
+            return self._open_once(method, path, body, timeout)
+        except Unreachable:
+            url = start() if start is not None else None
+            if url is None:
+                raise
+        self.base_url = url.rstrip("/")
+        return self._open_once(method, path, body, timeout)
+
+    def _open_once(self, method: str, path: str, body: Any = None,
+                   timeout: float | None = None):
         data = None
         headers = {"Accept": "application/json"}
         if self.api_key:

@@ -136,8 +136,8 @@ class Key:
 
 
 # The one table of settings. If you add a Config field (a key with `api`), also
-# add it to schemas/config.json and schemas/config-update.json, to the CLI's
-# `config` options in localrt/cli.py, and to man/localrt.1.
+# add it to schemas/config.json and schemas/config-update.json (whose description
+# and x-metavar make its `localrt config` flag), and to man/localrt.1.
 KEYS: tuple[Key, ...] = (
     Key("apiServerHost", _string, "127.0.0.1", "address the API server binds"),
     Key("apiServerPort", _port, DEFAULT_PORT, "port the API server binds"),

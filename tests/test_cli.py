@@ -131,6 +131,16 @@ def test_config_sets_many_fields_with_one_patch(thread_server):
     assert config["verify_host_ssl"] is True and config["verify_peer_ssl"] is False
 
 
+def test_config_flags_are_the_schema():
+    from localrt import schemas
+    from localrt.cli.flags import config_options
+    from localrt.config import FIELDS
+
+    flags = [flag[2:] for flag, _ in config_options()]
+    assert flags == list(schemas.load("config-update.json")["properties"])
+    assert set(flags) == set(FIELDS)
+
+
 def test_server_error_is_one_line_on_stderr(thread_server):
     code, out, err = run("config", "--allowed_origins", "not-an-origin")
     assert code == ExitCode.ERROR

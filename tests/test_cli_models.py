@@ -17,6 +17,7 @@ from hubemu import HubEmulator
 
 from localrt import cli
 from localrt.cli import ExitCode, main
+from localrt.cli import follow, output
 from localrt.fsutil import human_size
 from localrt.client import Client
 
@@ -78,7 +79,7 @@ def wait_task(client, task_id, timeout=10.0):
 
 def interrupt_on_first_progress(monkeypatch):
     """Ctrl-C once, as soon as the CLI shows the download's progress."""
-    original, fired = cli.Progress.update, []
+    original, fired = output.Progress.update, []
 
     def update(self, task):
         if not fired:
@@ -87,7 +88,7 @@ def interrupt_on_first_progress(monkeypatch):
         return original(self, task)
 
     # Not monkeypatch.undo() in there: that would also undo the `home` fixture's HOME.
-    monkeypatch.setattr(cli.Progress, "update", update)
+    monkeypatch.setattr(output.Progress, "update", update)
 
 
 # --- pull ---------------------------------------------------------------------------
@@ -215,12 +216,12 @@ def test_a_stream_that_ends_early_is_answered_from_the_task_list(thread_server, 
     ctx = cli.Context(args, io.StringIO(), io.StringIO())
     task = client.pull_model("org/single")["task"]
     wait_task(client, task["id"])
-    assert cli._follow(ctx, client, iter([]), task, "Model m", "downloaded",
-                       "localrt pull org/single") == ExitCode.OK
+    assert follow.follow(ctx, client, iter([]), task, "Model m", "downloaded",
+                          "localrt pull org/single") == ExitCode.OK
     assert ctx.stdout.getvalue() == "Model m downloaded\n"
     with pytest.raises(cli.CliError) as caught:
-        cli._follow(ctx, client, iter([]), {"id": "org:nope:x.gguf", "items": []},
-                    "Model m", "downloaded", "localrt pull x")
+        follow.follow(ctx, client, iter([]), {"id": "org:nope:x.gguf", "items": []},
+                      "Model m", "downloaded", "localrt pull x")
     assert caught.value.code == ExitCode.UNAVAILABLE
 
 

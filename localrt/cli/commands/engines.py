@@ -1,0 +1,78 @@
+"""`localrt engines list|get|install|uninstall|use`: the inference engines."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from localrt.cli.context import Context, ExitCode
+from localrt.cli.follow import follow, open_events, polled_events
+from localrt.cli.output import table
+
+
+def cmd_engines_list(ctx: Context) -> int:
+    """Print every engine as a table."""
+    engines = ctx.client().list_engines()
+    rows = [(number, e["name"], e["format"], e["version"], e["variant"], e["status"])
+            for number, e in enumerate(engines, 1)]
+    ctx.out(table(("#", "Name", "Supported Formats", "Version", "Variant", "Status"), rows))
+    for e in engines:
+        if e.get("reason"):
+            ctx.err(f"{e['name']}: {e['reason']}")
+    return ExitCode.OK
+
+
+def cmd_engines_get(ctx: Context) -> int:
+    """Print an engine's installed variants as a table."""
+    name = ctx.args.engine
+    variants = ctx.client().get_engine(name)
+    if not variants:
+        ctx.out(f"No variant of {name} is installed; `localrt engines install {name}` "
+                f"installs one")
+        return ExitCode.OK
+    rows = [(number, v["engine"], v["version"], v["name"], v.get("status", "Installed"))
+            for number, v in enumerate(variants, 1)]
+    ctx.out(table(("#", "Name", "Version", "Variant", "Status"), rows))
+    for v in variants:
+        if v.get("reason"):
+            ctx.err(f"{v['name']}: {v['reason']}")
+    return ExitCode.OK
+
+
+def cmd_engines_install(ctx: Context) -> int:
+    """Install an engine variant, or a custom engine wheel, following its progress."""
+    args = ctx.args
+    target = args.engine
+    is_wheel = target.endswith(".whl")
+    if is_wheel and "://" not in target:
+        target = os.path.abspath(target)  # the server resolves paths from its own cwd
+    client = ctx.client()
+    # The event stream opens first, so that no event of the install's task is missed.
+    stream = open_events(client)
+    with stream or contextlib.nullcontext():
+        if is_wheel:
+            reply = client.install_engine_wheel(target)
+        else:
+            reply = client.install_engine(target, args.version, args.variant)
+        if "task" not in reply:
+            ctx.out(reply["message"])
+            return ExitCode.OK
+        # A wheel given by URL names its engine only once it has been downloaded.
+        name = reply.get("engine") or os.path.basename(target)
+        return follow(ctx, client, stream or polled_events(client), reply["task"],
+                      f"Engine {name}", "installed", f"localrt engines install {args.engine}")
+
+
+def cmd_engines_uninstall(ctx: Context) -> int:
+    """Uninstall an engine variant (the active one unless told)."""
+    args = ctx.args
+    reply = ctx.client().uninstall_engine(args.engine, args.version, args.variant)
+    ctx.out(reply["message"])
+    return ExitCode.OK
+
+
+def cmd_engines_use(ctx: Context) -> int:
+    """Choose the installed variant an engine's models load."""
+    args = ctx.args
+    ctx.out(ctx.client().use_engine(args.engine, args.variant, args.version)["message"])
+    return ExitCode.OK

@@ -1,0 +1,100 @@
+"""`localrt models list|get|remove|update|import|start|stop` and `localrt ps`.
+
+`models pull` and `models run` are `pull` and `run` (localrt.cli.commands.pull, .run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from localrt.cli.context import CliError, Context, ExitCode
+from localrt.cli.flags import flag_values
+from localrt.cli.output import duration, table
+from localrt.fsutil import human_size
+
+
+def cmd_models_list(ctx: Context) -> int:
+    """Print the downloaded and imported models as a table."""
+    models = ctx.client().list_models()
+    if not models:
+        ctx.out("No models downloaded yet; `localrt pull ID` downloads one")
+        return ExitCode.OK
+    rows = [(number, m["id"], m.get("engine", ""), human_size(m.get("size", 0)),
+             m.get("status", "")) for number, m in enumerate(models, 1)]
+    ctx.out(table(["#", "ID", "Engine", "Size", "Status"], rows))
+    return ExitCode.OK
+
+
+def cmd_models_get(ctx: Context) -> int:
+    """Print one model's record as JSON."""
+    model = ctx.client().get_model(ctx.args.model)
+    ctx.out(json.dumps(model, indent=2, ensure_ascii=False))
+    return ExitCode.OK
+
+
+def cmd_models_remove(ctx: Context) -> int:
+    """Delete a model's files and definition."""
+    ctx.client().remove_model(ctx.args.model)
+    ctx.out(f"Model {ctx.args.model} removed")
+    return ExitCode.OK
+
+
+def cmd_models_update(ctx: Context) -> int:
+    """Change a model's stored parameters with one PATCH."""
+    changes = flag_values(ctx.args, ctx.args.parameters)
+    if not changes:
+        raise CliError("Nothing to update: give at least one option (see "
+                       "`localrt models update -h`)", ExitCode.USAGE)
+    reply = ctx.client().update_model(ctx.args.model, changes)
+    shown = ", ".join(f"{name}={json.dumps(value, ensure_ascii=False)}"
+                      for name, value in changes.items())
+    ctx.out(f"Model {reply['model']['id']} updated: {shown}")
+    return ExitCode.OK
+
+
+def cmd_models_import(ctx: Context) -> int:
+    """Register a local GGUF file, linked (the default) or copied."""
+    # The server resolves nothing relative to the caller's directory: send an absolute path.
+    path = os.path.abspath(os.path.expanduser(ctx.args.path))
+    option = "copy" if ctx.args.copy else "symlink"
+    reply = ctx.client().import_model(path, ctx.args.id, option)
+    ctx.out(f"Model {reply['model']['id']} imported from {path}")
+    return ExitCode.OK
+
+
+def cmd_models_start(ctx: Context) -> int:
+    """Load a model, with its stored parameters and the options given."""
+    reply = ctx.client().start_model(ctx.args.model, start_options(ctx))
+    ctx.out(reply["message"])
+    return ExitCode.OK
+
+
+def start_options(ctx: Context) -> dict:
+    """The start options given as flags (`models start`, `run`)."""
+    return flag_values(ctx.args, ctx.args.start_options)
+
+
+def cmd_models_stop(ctx: Context) -> int:
+    """Unload a running model."""
+    ctx.out(ctx.client().stop_model(ctx.args.model)["message"])
+    return ExitCode.OK
+
+
+def cmd_ps(ctx: Context) -> int:
+    """Print the running models, and the machine they run on."""
+    status = ctx.client().models_status()
+    rows = [(m["id"], m["engine"], human_size(m["ram"]), human_size(m["vram"]),
+             duration(m["uptime"]), m["options"].get("ctx_len", ""))
+            for m in status["data"]]
+    if rows:
+        ctx.out(table(["Model", "Engine", "RAM", "VRAM", "Up time", "Context"], rows))
+    else:
+        ctx.out("No models are running; `localrt run ID` starts one and chats with it")
+    hw = status.get("hardware") or {}
+    if hw:
+        gpu = f"CUDA {hw['cuda']}" if hw.get("cuda") else "no GPU"
+        ctx.out(f"CPU: {hw.get('cpu') or 'unknown'} ({hw.get('cores')} cores, "
+                f"{hw.get('cpuLevel') or 'no AVX'}); RAM: {human_size(hw.get('ramAvailable', 0))} "
+                f"free of {human_size(hw.get('ramTotal', 0))}; {gpu}")
+    return ExitCode.OK

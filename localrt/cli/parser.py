@@ -1,0 +1,173 @@
+"""The `localrt` argparse tree: every command, subcommand and option, and their help.
+
+The option lists of `config`, `models update`, `models start` and `run` are made
+from the request schemas (localrt.cli.flags). If you add a command or option, also
+add it to man/localrt.1 (tests/test_man.py checks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from localrt import __version__
+from localrt.cli.flags import config_options, model_update_options, port
+
+# Other names `models` subcommands answer to.
+MODEL_ALIASES = {"rm": "remove", "delete": "remove"}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that prints to the streams main() was given."""
+
+    streams = (sys.stdout, sys.stderr)
+
+    def _print_message(self, message, file=None):
+        if message:
+            out, err = self.streams
+            (err if file is sys.stderr or file is None else out).write(message)
+
+
+def build_parser(stdout=None, stderr=None) -> argparse.ArgumentParser:
+    """The whole argparse tree."""
+    parser_class = type("Parser", (_Parser,), {"streams": (stdout or sys.stdout,
+                                                           stderr or sys.stderr)})
+    parser = parser_class(prog="localrt", description="A local model runtime: an HTTP API "
+                          "server and this command line for it.")
+    parser.add_argument("--version", action="version", version=f"localrt {__version__}")
+    parser.add_argument("--config", metavar="PATH",
+                        help="settings file to use instead of ~/.localrtrc ($LOCALRT_CONFIG)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("start", help="start the API server", description="Start the API "
+                       "server in the background and wait until it answers.")
+    p.add_argument("--host", help="address to bind (default: apiServerHost, 127.0.0.1)")
+    p.add_argument("--port", type=port, help="port to bind (default: apiServerPort, 39281; "
+                   "0 picks a free one)")
+    p.add_argument("--foreground", action="store_true",
+                   help="run in the foreground, for systemd and containers; SIGTERM stops it")
+
+    sub.add_parser("stop", help="stop the API server",
+                   description="Stop the API server gracefully and wait until its port is free.")
+
+    p = sub.add_parser("config", help="show or change the server's configuration",
+                       description="Without options, or with `status`, print every setting. "
+                       "With options, change those settings in one request.")
+    p.add_argument("action", nargs="?", choices=["status"], help="print every setting")
+    _add_schema_options(p, config_options(), "config_fields")
+
+    pull_help = "download a model from the hub, with a progress bar"
+    pull_description = ("Download a model from the model hub and register it, showing its "
+                        "progress. ID is <name>, <name>:<variant>, <org>/<repo>, "
+                        "<org>/<repo>:<file> or a hub URL. If the download is already "
+                        "running, follow it. Ctrl-C asks whether to cancel it.")
+    _add_pull_arguments(sub.add_parser("pull", help=pull_help, description=pull_description))
+
+    run_help = "pull a model if needed, start it and chat with it"
+    run_description = ("Download the model if it is not local yet (with progress), start "
+                       "it, then chat with it in the terminal: replies stream as they are "
+                       "generated and the conversation is kept. /exit or Ctrl-D leaves; "
+                       "Ctrl-C stops a reply without leaving.")
+    _add_start_arguments(sub.add_parser("run", help=run_help, description=run_description))
+    sub.add_parser("ps", help="show the running models and the hardware",
+                   description="Print the running models (engine, RAM, VRAM, up time, "
+                   "context length) and this machine's CPU, memory and GPU.")
+
+    p = sub.add_parser("models", help="list, inspect, change, import and pull models",
+                       description="Manage the downloaded and imported models.")
+    models = p.add_subparsers(dest="models_command", metavar="SUBCOMMAND", required=True)
+    models.add_parser("list", help="list the models", description="Print a table of the "
+                      "downloaded and imported models.")
+    p = models.add_parser("get", help="print a model's record as JSON",
+                          description="Print a model's whole record as JSON.")
+    p.add_argument("model", metavar="ID", help="the model's id, as `models list` shows it")
+    p = models.add_parser("remove", aliases=[a for a, n in MODEL_ALIASES.items()
+                                             if n == "remove"],
+                          help="delete a model", description="Delete a model's files and "
+                          "definition. An imported model's own file is never deleted.")
+    p.add_argument("model", metavar="ID", help="the model's id")
+    p = models.add_parser("update", help="change a model's stored parameters",
+                          description="Change the stored load and inference parameters "
+                          "of a model in one request. Only the options given change.")
+    p.add_argument("model", metavar="ID", help="the model's id")
+    _add_schema_options(p, model_update_options(), "parameters")
+    p = models.add_parser("import", help="register a local GGUF file or ONNX folder",
+                          description="Register a local GGUF file, or an ONNX model folder "
+                          "(one holding genai_config.json), as a model, without the hub. "
+                          "It is linked, or copied with --copy.")
+    p.add_argument("--path", required=True, metavar="PATH", help="the GGUF file or ONNX "
+                   "model folder")
+    p.add_argument("--id", metavar="ID", help="the model's id (default: the file name "
+                   "without .gguf)")
+    p.add_argument("--copy", action="store_true", help="copy the file into the models "
+                   "folder instead of linking to it")
+    _add_pull_arguments(models.add_parser("pull", help=pull_help,
+                                          description=pull_description))
+    _add_start_arguments(models.add_parser(
+        "start", help="load a model", description="Load a model with its stored "
+        "parameters; the options given override them for this run."))
+    p = models.add_parser("stop", help="unload a running model",
+                          description="Unload a running model and free its memory.")
+    p.add_argument("model", metavar="ID", help="the model's id")
+    _add_start_arguments(models.add_parser("run", help=run_help, description=run_description))
+
+    p = sub.add_parser("engines", help="list, install and uninstall inference engines",
+                       description="Manage the inference engines: gguf-cpp (GGUF, "
+                       "llama.cpp), onnx-runtime (ONNX) and custom engines.")
+    engines = p.add_subparsers(dest="engines_command", metavar="SUBCOMMAND", required=True)
+    engines.add_parser("list", help="list the engines", description="Print a table of the "
+                       "engines with their version, variant and status.")
+    p = engines.add_parser("get", help="list an engine's installed variants",
+                           description="Print a table of an engine's installed variants.")
+    p.add_argument("engine", metavar="ENGINE", help="gguf-cpp, onnx-runtime, or a custom "
+                   "engine's name")
+    p = engines.add_parser("install", help="install an engine, with a progress bar",
+                           description="Install an engine variant from the package index "
+                           "(engineIndexUrl), or a custom engine from a wheel file or URL, "
+                           "showing its progress. Ctrl-C asks whether to cancel it.")
+    p.add_argument("engine", metavar="ENGINE", help="the engine's name, or the path or "
+                   "URL of a custom engine's .whl file")
+    _add_variant_arguments(p, "install (default: the newest)",
+                           "install (default: the one recommended for this machine)")
+    p = engines.add_parser("uninstall", help="uninstall an engine variant",
+                           description="Uninstall an engine variant, the active one unless "
+                           "told. The gguf-cpp build that ships with localrt is deactivated, "
+                           "not deleted; `engines install gguf-cpp` turns it back on.")
+    p.add_argument("engine", metavar="ENGINE", help="the engine's name")
+    _add_variant_arguments(p, "uninstall", "uninstall")
+    p = engines.add_parser("use", help="choose which installed variant models load",
+                           description="Make an installed variant the one the engine's "
+                           "models load. If the engine is already loaded, restart the "
+                           "server for it to take effect.")
+    p.add_argument("engine", metavar="ENGINE", help="the engine's name")
+    p.add_argument("--variant", required=True, metavar="VARIANT", help="the variant to use")
+    p.add_argument("--version", required=True, metavar="VERSION", help="its version")
+    return parser
+
+
+def _add_variant_arguments(p: argparse.ArgumentParser, version_help: str,
+                           variant_help: str) -> None:
+    p.add_argument("--version", metavar="VERSION", help=f"the version to {version_help}")
+    p.add_argument("--variant", metavar="VARIANT", help=f"the variant to {variant_help}, "
+                   f"such as linux-amd64-avx2")
+
+
+def _add_start_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="ID", help="the model's id")
+    _add_schema_options(p, model_update_options("model-start.json", skip=("model",)),
+                        "start_options")
+
+
+def _add_pull_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="ID", help="the model to download")
+    p.add_argument("--file", metavar="NAME", help="which GGUF file of an <org>/<repo> "
+                   "repository to download (asked for on a terminal when it holds several)")
+
+
+def _add_schema_options(p: argparse.ArgumentParser, options, names_dest: str) -> None:
+    """Add flags made from a schema; `names_dest` lists their names for flag_values()."""
+    names = []
+    for flag, keywords in options:
+        p.add_argument(flag, **keywords)
+        names.append(flag[2:])
+    p.set_defaults(**{names_dest: tuple(names)})

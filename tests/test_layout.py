@@ -1,0 +1,99 @@
+"""The package's shape stays what the README's design notes say.
+
+No import cycles (lazy imports inside functions count too), no class over 300 lines,
+and only the adapters and the engine catalog know engines by name.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "localrt"
+MAX_CLASS_LINES = 300
+# The only modules that may compare or spell out the built-in engines' names.
+ENGINE_NAME_OWNERS = {"localrt.adapters", "localrt.engines"}
+ENGINE_NAMES = ("gguf-cpp", "onnx-runtime")
+ENGINE_CONSTANTS = ("GGUF_ENGINE", "ONNX_ENGINE")
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def imports_of(name: str, path: Path, known: dict) -> set[str]:
+    """The package modules `name` imports, anywhere in its body."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target not in (name, "localrt"):
+                found.add(target)
+    return found
+
+
+def test_the_import_graph_has_no_cycles():
+    known = modules()
+    graph = {name: imports_of(name, path, known) for name, path in known.items()}
+    cycles = []
+    state: dict[str, str] = {}  # name -> "open" while on the path, "done" after
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = "open"
+        for dep in sorted(graph[name]):
+            if state.get(dep) == "open":
+                cycles.append(path[path.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert cycles == []
+
+
+def test_no_class_is_longer_than_300_lines():
+    long = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_CLASS_LINES:
+                    long.append((name, node.name, lines))
+    assert long == []
+
+
+@pytest.mark.parametrize("name", sorted(set(modules()) - ENGINE_NAME_OWNERS))
+def test_only_the_adapters_and_the_catalog_know_engines_by_name(name):
+    tree = ast.parse(modules()[name].read_text())
+    seen = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                node.value in ENGINE_NAMES:
+            seen.add(node.value)
+        elif isinstance(node, ast.Name) and node.id in ENGINE_CONSTANTS:
+            seen.add(node.id)
+        elif isinstance(node, ast.alias) and node.name in ENGINE_CONSTANTS:
+            seen.add(node.name)
+    assert seen == set()
