@@ -39,7 +39,7 @@ def document(routes) -> dict:
         if route.schema:
             # A body may be left out when the schema requires nothing of it (it reads as {}).
             operation["requestBody"] = {
-                "required": bool(schemas.load(route.schema).get("required")),
+                "required": _needs_body(schemas.load(route.schema)),
                 "content": {"application/json": {"schema": _ref(route.schema)}}}
         paths.setdefault(path, {})[route.method.lower()] = operation
     components = {_component(name): _local(schemas.load(name), name)
@@ -55,6 +55,13 @@ def document(routes) -> dict:
 def document_path(pattern: str) -> str:
     """A route pattern as the document writes its path: "{model_id:path}" -> "{model_id}"."""
     return _PARAM.sub(r"{\1}", pattern)
+
+
+def _needs_body(schema: dict) -> bool:
+    """Whether a schema requires a field: itself, or each branch of its if/then/else."""
+    if schema.get("required"):
+        return True
+    return "if" in schema and all(_needs_body(schema.get(k, {})) for k in ("then", "else"))
 
 
 def _success(route) -> dict:
