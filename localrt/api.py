@@ -85,7 +85,7 @@ def delete_model(services: Services, request: Request):
 
 
 def update_model(services: Services, request: Request):
-    """Spec row 14: the stored parameters (schemas/model-update.json)."""
+    """Spec row 14: stored parameters and model.yml fields (schemas/model-update.json)."""
     model = services.registry.update(_path_model(request), request.body)
     return {"message": f"Model {model['id']} updated", "model": _with_status(services, model)}
 

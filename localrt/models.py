@@ -199,6 +199,12 @@ ONNX_CONFIG = "genai_config.json"  # what makes a folder an ONNX model (onnxrunt
 DEFAULT_CTX_LEN = 4096  # a default ctx_len never above this, whatever the model was trained on
 SKIPPED_FILES = (".gitattributes",)  # repo files a pull leaves on the hub
 LIST_OMITS = ("chat_template",)  # metadata too big for every row of GET /v1/models
+DEFAULT_VERSION = "1"  # a record's version when model.yml gave none, as cortex's model.yml has
+# What only a pull or an import sets: a PATCH may repeat the value a model has, and
+# any other is a 409 saying what changes it.
+FIXED_FIELDS = {"files": "a pull or an import", "engine": "a pull, an import or an engine install",
+                "created": "a pull or an import", "owned_by": "a pull or an import",
+                "size": "a pull or an import"}
 
 
 class ModelNotFound(NotFound):
@@ -211,11 +217,22 @@ def parameter_names() -> tuple[str, ...]:
     return tuple(k for k in schemas.load("model-update.json")["properties"] if k != "id")
 
 
+@functools.lru_cache(maxsize=None)
+def kept_names() -> tuple[str, ...]:
+    """cortex's model.yml fields a definition keeps, typed, without localrt using them:
+    the properties of schemas/model-yml.json, less those only localrt sets."""
+    return tuple(k for k in schemas.load("model-yml.json")["properties"]
+                 if k not in RECORD_FIELDS)
+
+
 class Registry:
     """The downloaded models, one definition file each, indexed in memory.
 
     The index is built from the definition files on first use; after that the
-    server is their only writer, so reads never touch the disk.
+    server is their only writer, so reads never touch the disk. A definition holds
+    localrt's parameters (schemas/model-update.json) and cortex's model.yml fields
+    that localrt keeps without using them (schemas/model-yml.json); a record adds
+    what cortex's clients read: `model` (the id again) and `version`.
     """
 
     def __init__(self, root: Path, validators: schemas.Validators):
@@ -253,12 +270,25 @@ class Registry:
         return self._record(folder, definition)
 
     def update(self, model_id: str, changes: dict) -> dict:
-        """Change stored parameters; the id itself cannot change."""
-        if "id" in changes and changes["id"] != model_id:
-            raise InvalidField("Invalid field 'id': a model's id cannot change", param="id")
+        """Change stored parameters and kept model.yml fields (schemas/model-update.json).
+
+        The id (`id`, or cortex's `model`) cannot change: another is a 400. FIXED_FIELDS
+        change only through a pull or an import: another value is a 409.
+        """
+        for key in ("id", "model"):
+            if key in changes and changes[key] != model_id:
+                raise InvalidField(f"Invalid field '{key}': a model's id cannot change; "
+                                   f"{changes[key]!r} is not {model_id!r}", param=key)
         with self._lock:
             folder, d = self._find(model_id)
-            updated = {**d, **{k: v for k, v in changes.items() if k != "id"}}
+            record = self._record(folder, d)
+            for key, by in FIXED_FIELDS.items():
+                if key in changes and not _same(key, changes[key], record):
+                    raise Conflict(f"Model {model_id}'s {key} changes only through {by}, "
+                                   f"never an update; it is {_shown(record[key])}",
+                                   param=key)
+            dropped = ("id", "model", "object", *FIXED_FIELDS)
+            updated = {**d, **{k: v for k, v in changes.items() if k not in dropped}}
             self._write(folder, updated)
         return self._record(folder, updated)
 
@@ -349,8 +379,9 @@ class Registry:
 
     def _record(self, folder: Path, d: dict, brief: bool = False) -> dict:
         record = {"id": d["id"], "object": "model", "created": d["created"],
-                  "owned_by": d["owned_by"]}
+                  "owned_by": d["owned_by"], "model": d["id"]}  # cortex's name for the id
         record.update((k, v) for k, v in d.items() if k not in record)
+        record.setdefault("version", DEFAULT_VERSION)
         if brief and "metadata" in d:
             record["metadata"] = {k: v for k, v in d["metadata"].items()
                                   if k not in LIST_OMITS}
@@ -370,6 +401,25 @@ def _incomplete(folder: Path, files: Iterable[dict]) -> str | None:
         if size != f["size"]:
             return f"{path} has {size} bytes, not {f['size']}"
     return None
+
+
+def _same(key: str, given, record: dict) -> bool:
+    """Whether a PATCH's value of a FIXED_FIELDS field is the one the model has: files as
+    localrt records them or as their paths (cortex's shape), cortex's engine names too."""
+    if key == "files":
+        paths = [f["path"] for f in record["files"]]
+        return given in (record["files"], paths,
+                         [str(Path(record["path"]) / p) for p in paths])
+    if key == "engine" and isinstance(given, str):
+        given = engine_alias(given) or given
+    return given == record[key]
+
+
+def _shown(value) -> str:
+    """A record's value for a message: files by their paths."""
+    if isinstance(value, list):
+        return ", ".join(str(v.get("path", v) if isinstance(v, dict) else v) for v in value)
+    return repr(value)
 
 
 def _inside(folder: Path, root: Path) -> bool:
@@ -824,17 +874,19 @@ def weights_path(record: dict) -> Path | None:
     return Path(record["path"]) / found if found is not None else None
 
 
-# Record fields that model.yml cannot set: localrt's own, and those it derives.
+# Record fields that model.yml cannot set: localrt's own, and those it derives
+# (`model` is the id, as cortex calls it).
 RECORD_FIELDS = ("id", "object", "created", "owned_by", "files", "source", "metadata",
-                 "path", "size", "status", "engine", "mmproj")
+                 "path", "size", "status", "engine", "mmproj", "model")
 
 
 def _definition(model_id: str, owner: str, paths: list[Path], files: list[dict],
                 source: dict, usable: Callable[[dict], dict]) -> dict:
     """A model definition: files and source, plus defaults from model.yml and the weights.
 
-    model.yml's parameters are checked like any stored parameter; its other fields
-    (cortex's n_parallel, version, model...) are kept as they are, so they show.
+    model.yml's parameters, and the cortex fields localrt keeps (kept_names: n_parallel,
+    version...), are checked like any stored parameter; its other fields are kept as
+    they are, so they show.
     Raises ValueError when the weights cannot be read.
     """
     yml = _read_model_yml([p for p in paths if p.name == "model.yml"])
@@ -861,7 +913,7 @@ def _definition(model_id: str, owner: str, paths: list[Path], files: list[dict],
         if meta.get("stop"):
             from_weights["stop"] = meta["stop"]
         definition.update(usable(from_weights))  # the weights are outside input too
-    names = parameter_names()
+    names = parameter_names() + kept_names()
     definition.update(usable({k: v for k, v in yml.items() if k in names}))
     for key, value in yml.items():
         if key not in names and key not in RECORD_FIELDS and isinstance(key, str):
