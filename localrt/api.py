@@ -117,10 +117,13 @@ def cancel_pull(services: Services, request: Request):
 
 
 def import_model(services: Services, request: Request):
-    """Register a local GGUF file: no hub needed."""
+    """Register a local GGUF file: localrt's {"path", "id"?} or cortex's {"model", "modelPath"}."""
     body = request.body
-    model = services.models.import_file(body["path"], body.get("id"),
-                                        body.get("option", "symlink"))
+    cortex = "modelPath" in body  # the schema holds a body with model or modelPath to it
+    model = services.models.import_file(body["modelPath" if cortex else "path"],
+                                        body.get("model" if cortex else "id"),
+                                        body.get("option", "symlink"), body.get("name"),
+                                        cortex=cortex)
     return {"message": f"Model {model['id']} imported", "model": _with_status(services, model)}
 
 

@@ -673,83 +673,111 @@ class Models:
             raise DownloadFailed(f"Model {plan.local_id} was downloaded but not registered: "
                                  f"{exc.message}") from None
 
-    def import_file(self, path: str, model_id: str | None = None,
-                    option: str = "symlink") -> dict:
-        """Register a local GGUF file or ONNX model folder, linked or copied in."""
+    def import_file(self, path: str, model_id: str | None = None, option: str = "symlink",
+                    name: str | None = None, cortex: bool = False) -> dict:
+        """Register a local GGUF file or ONNX model folder, linked or copied in.
+
+        The path is checked first, then the id. With `cortex`, the request was
+        cortex's {"model", "modelPath"}: errors name those fields, and a path that
+        cannot be imported is worded as cortex words it ("Error importing model ...").
+        """
+        path_field, id_field = ("modelPath", "model") if cortex else ("path", "id")
+
+        def bad_path(reason: str) -> InvalidField:
+            if cortex:
+                return InvalidField(f"Error importing model path '{path}' with model_id "
+                                    f"'{model_id}': {reason}", param=path_field)
+            return InvalidField(f"Invalid field '{path_field}': {reason}", param=path_field)
+
         src = Path(path)
-        if not src.is_absolute():
-            raise InvalidField(f"Invalid field 'path': {path} is not an absolute path",
-                               param="path")
-        if src.is_dir():
-            if not (src / ONNX_CONFIG).is_file():
-                raise InvalidField(f"Invalid field 'path': {path} is a folder without "
-                                   f"{ONNX_CONFIG}, so not an ONNX model", param="path")
-        elif not src.is_file() or not os.access(src, os.R_OK):
-            raise InvalidField(f"Invalid field 'path': {path} is not a readable file",
-                               param="path")
-        elif not ggufinfo.is_gguf(src):
-            raise InvalidField(f"Invalid field 'path': {path} is not a GGUF file",
-                               param="path")
+        try:
+            _check_source(src, path)
+        except _BadSource as exc:
+            raise bad_path(str(exc)) from None
         if model_id is None:
             model_id = src.name[:-5] if src.name.lower().endswith(".gguf") else src.name
-        check_new_id(model_id, "id")
+        check_new_id(model_id, id_field)
         with self._lock:
             if self.registry.has(model_id) or model_id in self._importing:
-                raise Conflict(f"A model with id {model_id} already exists", param="id")
+                raise Conflict(f"A model with id {model_id} already exists", param=id_field)
             self._importing.add(model_id)
         try:
-            return self._import(src, model_id, option)
+            return self._import(src, model_id, option, name)
+        except _BadSource as exc:
+            raise bad_path(str(exc)) from None
         finally:
             with self._lock:
                 self._importing.discard(model_id)
 
-    def _import(self, src: Path, model_id: str, option: str) -> dict:
+    def _import(self, src: Path, model_id: str, option: str, name: str | None) -> dict:
         folder = self.registry.root / "imported" / _folder_name(model_id)
         shutil.rmtree(folder, ignore_errors=True)  # what a crashed import left
         private_dir(folder)
         target = folder / src.name
         try:
-            bring = self._import_folder if src.is_dir() else self._import_file
+            bring = _import_folder if src.is_dir() else _import_file
             files, paths = bring(src, target, model_id, option)
             source = {"type": "import", "path": str(src), "option": option}
             try:
                 definition = _definition(model_id, "local", paths, files, source,
                                          self.registry.usable)
             except ValueError as exc:
-                raise InvalidField(f"Invalid field 'path': {exc}", param="path") from None
+                raise _BadSource(str(exc)) from None
+            if name:
+                definition["name"] = name
             return self.registry.add(folder, definition)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
 
-    def _import_file(self, src: Path, target: Path, model_id: str,
-                     option: str) -> tuple[list, list]:
-        """A GGUF file, linked or copied; (files, paths)."""
-        if option == "copy":
-            check_disk_space(model_id, [Item(src.name, "", target, src.stat().st_size)])
-            sha256 = _copy(src, target)
-        else:
-            _link(src, target)
-            sha256 = None
-        return [{"path": src.name, "size": target.stat().st_size, "sha256": sha256}], [target]
 
-    def _import_folder(self, src: Path, target: Path, model_id: str,
-                       option: str) -> tuple[list, list]:
-        """An ONNX model folder, linked or copied file by file; (files, paths)."""
-        names = sorted(p.relative_to(src) for p in src.rglob("*") if p.is_file())
-        if option == "copy":
-            check_disk_space(model_id, [Item(str(n), "", target / n, (src / n).stat().st_size)
-                                        for n in names])
-            sums = {}
-            for n in names:
-                private_dir((target / n).parent)
-                sums[n] = _copy(src / n, target / n)
-        else:
-            _link(src, target)
-            sums = dict.fromkeys(names)
-        files = [{"path": f"{target.name}/{n}", "size": (target / n).stat().st_size,
-                  "sha256": sums[n]} for n in names]
-        return files, [target / n for n in names]
+class _BadSource(ValueError):
+    """Why a path cannot be imported; import_file words it for the request's shape."""
+
+
+def _check_source(src: Path, path: str) -> None:
+    """Raise _BadSource unless `src` is an absolute path to a readable GGUF file or an
+    ONNX model folder."""
+    if not src.is_absolute():
+        raise _BadSource(f"{path} is not an absolute path")
+    if src.is_dir():
+        if not (src / ONNX_CONFIG).is_file():
+            raise _BadSource(f"{path} is a folder without {ONNX_CONFIG}, so not an ONNX model")
+    elif not src.exists():
+        raise _BadSource(f"{path} is not a readable file: it does not exist")
+    elif not src.is_file() or not os.access(src, os.R_OK):
+        raise _BadSource(f"{path} is not a readable file")
+    elif not ggufinfo.is_gguf(src):
+        raise _BadSource(f"{path} is not a GGUF file: its header cannot be read")
+
+
+def _import_file(src: Path, target: Path, model_id: str, option: str) -> tuple[list, list]:
+    """A GGUF file, linked or copied; (files, paths)."""
+    if option == "copy":
+        check_disk_space(model_id, [Item(src.name, "", target, src.stat().st_size)])
+        sha256 = _copy(src, target)
+    else:
+        _link(src, target)
+        sha256 = None
+    return [{"path": src.name, "size": target.stat().st_size, "sha256": sha256}], [target]
+
+
+def _import_folder(src: Path, target: Path, model_id: str, option: str) -> tuple[list, list]:
+    """An ONNX model folder, linked or copied file by file; (files, paths)."""
+    names = sorted(p.relative_to(src) for p in src.rglob("*") if p.is_file())
+    if option == "copy":
+        check_disk_space(model_id, [Item(str(n), "", target / n, (src / n).stat().st_size)
+                                    for n in names])
+        sums = {}
+        for n in names:
+            private_dir((target / n).parent)
+            sums[n] = _copy(src / n, target / n)
+    else:
+        _link(src, target)
+        sums = dict.fromkeys(names)
+    files = [{"path": f"{target.name}/{n}", "size": (target / n).stat().st_size,
+              "sha256": sums[n]} for n in names]
+    return files, [target / n for n in names]
 
 
 def _link(src: Path, target: Path) -> None:
