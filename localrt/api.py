@@ -96,8 +96,10 @@ def pull_model(services: Services, request: Request):
 
 
 def pull_model_body(services: Services, request: Request):
-    """The newer cortex form of row 9, which can also choose a file: {"model", "file"?}."""
-    return services.models.pull(request.body["model"], request.body.get("file"))
+    """The newer cortex form of row 9: {"model", "file"?, "id"?, "name"?}."""
+    body = request.body
+    return services.models.pull(body["model"], body.get("file"), body.get("id"),
+                                body.get("name"))
 
 
 def model_variants(services: Services, request: Request):

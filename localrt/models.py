@@ -440,6 +440,7 @@ class _Plan:
     folder: Path
     items: list
     mmproj: str | None = None  # the projector's path in the folder, if one comes along
+    name: str | None = None    # the display name the pull asked for
 
 
 @dataclass(frozen=True)
@@ -474,9 +475,16 @@ class Models:
         self._lock = threading.Lock()  # guards _importing
         self._importing: set[str] = set()  # ids of imports under way
 
-    def pull(self, model_id: str, file: str | None = None) -> dict:
-        """Start downloading a model; or say it is already downloaded."""
+    def pull(self, model_id: str, file: str | None = None, as_id: str | None = None,
+             name: str | None = None) -> dict:
+        """Start downloading a model; or say it is already downloaded.
+
+        `as_id` and `name` (cortex's `id` and `name`) are the id to register it as,
+        instead of the one `model_id` gives, and its display name.
+        """
         ref = self._parse(model_id)
+        if as_id is not None:
+            check_new_id(as_id, "id")
         if file is not None:
             if ref.builtin or ref.file is not None or ref.pick is not None:
                 raise InvalidField("Invalid field 'file': a file can only be chosen for an "
@@ -484,14 +492,21 @@ class Models:
             ref = ModelRef(ref.repo, ref.revision, check_id(file, "file"), builtin=False)
         if ref.builtin and ref.revision is None:  # "pull", "status": never worth a hub call
             check_new_id(ref.repo.split("/")[1])
-        if ref.known_id is not None:  # known before asking the hub
+        if ref.known_id is not None and as_id is None:  # known before asking the hub
             check_new_id(ref.known_id)
             done = self._already(ref.known_id, _task_id(ref))
             if done:
                 return done
         hub = self._hub()
         plan = self._plan(ref, hub)
-        check_new_id(plan.local_id)  # the file name chosen on the hub is part of it
+        if as_id is None:
+            check_new_id(plan.local_id)  # the file name chosen on the hub is part of it
+        else:
+            plan.local_id = as_id
+            if self.registry.has(as_id) and self.registry.at(plan.folder) != as_id:
+                raise Conflict(f"A model with id {as_id} already exists; choose another id",
+                               param="id")
+        plan.name = name
         done = self._already(plan.local_id, plan.task_id)
         if done:
             return done
@@ -663,6 +678,8 @@ class Models:
                                      self.registry.usable)
             if plan.mmproj:
                 definition["mmproj"] = plan.mmproj
+            if plan.name:
+                definition["name"] = plan.name
             other = self.registry.at(plan.folder)
             if other not in (None, plan.local_id):
                 raise Conflict(f"its folder already holds the model {other}")
