@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
-from conftest import run_foreground_server, send
+from conftest import run_foreground_server, send, wait_pull
 from ggufgen import write_gguf
 from hubemu import HubEmulator
 
@@ -41,16 +40,6 @@ def cortex(url, method, path, body=None):
 
 def ids(url):
     return sorted(m["id"] for m in cortex(url, "GET", "/v1/models")[1]["data"])
-
-
-def wait_pull(url, task_id, timeout=30):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        task = {t["id"]: t for t in cortex(url, "GET", "/v1/models/pull")[1]["data"]}.get(task_id)
-        if task and task["status"] not in ("Pending", "Downloading"):
-            return task
-        time.sleep(0.05)
-    raise AssertionError(f"{task_id} still running")
 
 
 @pytest.fixture(scope="module")
