@@ -218,7 +218,10 @@ def set_default_engine(services: Services, request: Request):
 
 
 def events(services: Services, request: Request):
-    """Server-Sent Events: DownloadStarted, DownloadUpdated, DownloadSuccess, ..."""
+    """Server-Sent Events: DownloadStarted, DownloadUpdated, DownloadSuccess, ...
+
+    cortex sends the same events on a WebSocket at /events; here they are `data:`
+    lines of an SSE stream. No /events alias: a WebSocket client could not read it."""
     try:
         stream = services.events.listen()
     except TooManyListeners:
