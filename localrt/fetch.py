@@ -113,8 +113,8 @@ class Item:
     git_oid: str | None = None  # git blob sha1, for small files the hub has no sha256 for
     downloaded: int = 0
     # An item that is in place already (an engine installed before): its files, each
-    # (path, sha256 hex, size), are checked where they are (`check_in_place`), and
-    # nothing is fetched.
+    # (path, sha256 hex, size or None), are checked where they are (`check_in_place`),
+    # and nothing is fetched.
     files: tuple | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
@@ -497,7 +497,7 @@ def check_in_place(link: Link, task: Task, item: Item) -> None:
         except OSError as exc:
             raise DownloadFailed(f"{item.id}: cannot read {path}: "
                                  f"{exc.strerror or exc}") from None
-        if digest.hexdigest() != sha256 or read != size:
+        if digest.hexdigest() != sha256 or size not in (None, read):
             raise DownloadFailed(f"{item.id}: {path} has changed since it was installed "
                                  f"({read} bytes with sha256 {digest.hexdigest()}; "
                                  f"expected {size} bytes with sha256 {sha256})")
