@@ -14,8 +14,9 @@ Custom engines come from the `localrt.engines` entry-point group (localrt.plugin
 Installed variants are listed in `<dataFolderPath>/engines/engines.json`, which
 localrt.installs writes (`EngineState`) and changes: installs, uninstalls and the
 active variant (cortex's default, `Engines.default`). The shipped gguf-cpp build is
-installed while engines.json does not mark it uninstalled (`builtinDeactivated`). The machine is localrt.hardware; the check of gguf-cpp builds and
-its cache are localrt.probe. Which models are loaded, and when they compute, is
+installed while engines.json does not mark it uninstalled (`builtinDeactivated`).
+The machine is localrt.hardware; the check of gguf-cpp builds and its cache are
+localrt.probe. Which models are loaded, and when they compute, is
 localrt.scheduler's business. llama_cpp and onnxruntime_genai are imported only
 when a model loads.
 """

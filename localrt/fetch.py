@@ -4,11 +4,10 @@ A file is written to `<name>.part`, resumed with a Range request after a cancel,
 dropped connection or a kill, and renamed into place only once its size and
 checksum match (`install`); an item that is in place already (an engine installed
 before) is only checked there (`check_in_place`). `Item` and `Task` are what a
-download is made of. A
-`Link` is how a fetch reaches the network (localrt.opener, with the Config of the
-moment) and reports progress; a `Request` is one GET, its sockets, and what its
-failures mean. localrt.pieces fetches big files in pieces with these same parts;
-localrt.downloads runs the tasks.
+download is made of. A `Link` is how a fetch reaches the network (localrt.opener,
+with the Config of the moment) and reports progress; a `Request` is one GET, its
+sockets, and what its failures mean. localrt.pieces fetches big files in pieces
+with these same parts; localrt.downloads runs the tasks.
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ class Installs:
         self._downloads = downloads
         self._config = config
         self._index_url = index_url
-        self.index = Releases(engines.hardware, config, index_url)
+        self._releases = Releases(engines.hardware, config, index_url)
         self.root = engines.root
 
     def install(self, name: str, version: str | None = None,
@@ -123,10 +123,10 @@ class Installs:
         installed = {key(v): v for v in engines.installed(name)}
         if (chosen.name, version) in installed:  # the index is not needed
             return self._check(name, installed[chosen.name, version])
-        files = self.index.files(chosen.distribution)
+        files = self._releases.files(chosen.distribution)
         dist = wheels.choose(files, f"=={version}" if version else "", chosen.local)
         if dist is None:
-            raise self.index.no_wheel(chosen, version, files, builtin)
+            raise self._releases.no_wheel(chosen, version, files, builtin)
         ver = dist.version.public
         if (chosen.name, ver) in installed:
             return self._check(name, installed[chosen.name, ver])
@@ -210,11 +210,11 @@ class Installs:
 
     def releases(self, name: str) -> list[dict]:
         """cortex's releases of a built-in engine (localrt.releases)."""
-        return self.index.releases(self._builtin_spec(name))
+        return self._releases.releases(self._builtin_spec(name))
 
     def release(self, name: str, version: str) -> list[dict]:
         """cortex's variants of one release of a built-in engine (localrt.releases)."""
-        return self.index.release(self._builtin_spec(name), version)
+        return self._releases.release(self._builtin_spec(name), version)
 
     def _builtin_spec(self, name: str) -> EngineSpec:
         spec = CATALOG.get(name)

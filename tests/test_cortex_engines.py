@@ -17,7 +17,7 @@ from importlib import metadata
 
 import pytest
 from conftest import WHEELS, run_foreground_server, send
-from enginepkg import build_wheel
+from enginepkg import build_echo_engine_wheel, build_wheel
 from pkgindex import PackageIndex
 
 from localrt import settings as settings_mod
@@ -342,6 +342,20 @@ def test_the_shipped_gguf_build_uninstalls_and_installs_for_real(server):
     assert engines(url)["gguf-cpp"]["status"] == "Ready"
     assert send(url, "GET", "/v1/engines/gguf-cpp/default")[1]["version"] == \
         f"v{GGUF_VERSION}"
+
+
+def test_a_custom_engine_has_a_default_but_no_releases(server, tmp_path):
+    url = server.url
+    events = Events(url)
+    wheel = build_echo_engine_wheel(tmp_path / "dist")
+    since = events.mark()
+    status, reply = send(url, "POST", "/v1/engines/install", {"wheel": str(wheel)})
+    assert status == 200, reply
+    assert events.of_task(reply["task"]["id"], since)[-1]["type"] == "DownloadSuccess"
+    assert send(url, "GET", "/v1/engines/echo/default") == \
+        (200, {"engine": "echo", "variant": "linux-amd64", "version": "v1.0.0"})
+    status, body = send(url, "GET", "/v1/engines/echo/releases")
+    assert status == 400 and "custom engine" in body["message"]
 
 
 # --- what an installed variant's check reads ----------------------------------------------
