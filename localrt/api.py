@@ -197,7 +197,9 @@ def get_engine(services: Services, request: Request):
 
 
 def install_engine(services: Services, request: Request):
-    """Spec row 4: start installing; progress comes as Download* events of type Engine."""
+    """Spec row 4: start installing; progress comes as Download* events of type Engine.
+
+    A variant installed already is checked instead of fetched, with the same events."""
     body = request.body
     return services.installs.install(request.params["engine"], body.get("version"),
                                      body.get("variant"))
@@ -222,8 +224,26 @@ def set_default_engine(services: Services, request: Request):
                                          body["version"])
 
 
+def get_default_engine(services: Services, request: Request):
+    """The installed variant models of an engine load: {engine, variant, version}."""
+    return services.engines.default(request.params["engine"])
+
+
+def engine_releases(services: Services, request: Request):
+    """The versions of an engine the package index has, newest first (cortex's shape)."""
+    return services.installs.releases(request.params["engine"])
+
+
+def engine_release(services: Services, request: Request):
+    """The variants of one version ("latest": the newest) the package index has."""
+    return services.installs.release(request.params["engine"], request.params["version"])
+
+
 def events(services: Services, request: Request):
-    """Server-Sent Events: DownloadStarted, DownloadUpdated, DownloadSuccess, ..."""
+    """Server-Sent Events: DownloadStarted, DownloadUpdated, DownloadSuccess, ...
+
+    cortex sends the same events on a WebSocket at /events; here they are `data:`
+    lines of an SSE stream. No /events alias: a WebSocket client could not read it."""
     try:
         stream = services.events.listen()
     except TooManyListeners:
@@ -250,8 +270,12 @@ ROUTES = (
           "engine-install"),
     Route("DELETE", "/v1/engines/{engine}/install", uninstall_engine, "engine-install.json",
           "message"),
+    Route("GET", "/v1/engines/{engine}/default", get_default_engine, reply="engine-default"),
     Route("POST", "/v1/engines/{engine}/default", set_default_engine, "engine-default.json",
           "message"),
+    Route("GET", "/v1/engines/{engine}/releases", engine_releases, reply="engine-releases"),
+    Route("GET", "/v1/engines/{engine}/releases/{version}", engine_release,
+          reply="engine-release"),
     Route("GET", "/v1/models", list_models, reply="model-list"),
     Route("GET", "/v1/models/status", models_status, reply="models-status"),
     Route("POST", "/v1/models/start", start_model, "model-start.json", "model-started"),

@@ -4,7 +4,11 @@ A task is a list of files (localrt.fetch's Item and Task). Each file is fetched
 over one connection (localrt.fetch) or, when big, in pieces over several
 (localrt.pieces); either way it is written to `<name>.part`, resumed after a
 cancel, a dropped connection or a kill, and renamed into place only once its size
-and checksum match. Progress is published on the EventBus. Outbound HTTP, with
+and checksum match. An item already in place (`Item.files`) is only checked.
+Progress is published on the EventBus, as cortex's events: `{"type":
+"DownloadUpdated", "task": {"id", "type", "items": [{"id", "downloadUrl",
+"localPath", "checksum", "bytes", "downloadedBytes"}]}}`, with localrt's own fields
+(the task's status and error, each item's url) beside them. Outbound HTTP, with
 the proxy and TLS fields of Config, is localrt.opener.
 
 Callers take Item, Task, DownloadFailed, part_path and map_path (localrt.fetch's)
@@ -22,8 +26,8 @@ from typing import Callable, Mapping
 from localrt import security
 from localrt.errors import Conflict, InsufficientStorage, NotFound, UpstreamError
 from localrt.events import EventBus
-from localrt.fetch import (Cancelled, DownloadFailed, Item, Link, Task, complete, fetch_stream,
-                           map_path, part_path)
+from localrt.fetch import (Cancelled, DownloadFailed, Item, Link, Task, check_in_place,
+                           complete, fetch_stream, map_path, part_path)
 from localrt.fsutil import fsync_dir, human_size, private_dir
 from localrt.pieces import PIECES_FROM, NoRanges, fetch_pieces, forget_pieces
 
@@ -157,6 +161,9 @@ class Downloads:
 
     def _fetch(self, task: Task, item: Item) -> None:
         """Download one file to its part file, check it, and rename it into place."""
+        if item.files is not None:  # in place already: only checked
+            check_in_place(self._link, task, item)
+            return
         if complete(item, task.cancelled):
             item.downloaded = item.size
             return
@@ -181,6 +188,8 @@ def check_disk_space(what: str, items: list[Item]) -> None:
         return
     needed = 0
     for item in items:
+        if item.files is not None:  # in place already: nothing is written
+            continue
         have = 0
         for path in (item.local_path, part_path(item.local_path)):
             try:

@@ -13,8 +13,10 @@ Custom engines come from the `localrt.engines` entry-point group (localrt.plugin
 
 Installed variants are listed in `<dataFolderPath>/engines/engines.json`, which
 localrt.installs writes (`EngineState`) and changes: installs, uninstalls and the
-active variant. The machine is localrt.hardware; the check of gguf-cpp builds and
-its cache are localrt.probe. Which models are loaded, and when they compute, is
+active variant (cortex's default, `Engines.default`). The shipped gguf-cpp build is
+installed while engines.json does not mark it uninstalled (`builtinDeactivated`).
+The machine is localrt.hardware; the check of gguf-cpp builds and its cache are
+localrt.probe. Which models are loaded, and when they compute, is
 localrt.scheduler's business. llama_cpp and onnxruntime_genai are imported only
 when a model loads.
 """
@@ -240,6 +242,21 @@ class Engines:
             out.append(row)
         return out
 
+    def default(self, name: str) -> dict:
+        """cortex's default variant: the one models load, as {engine, variant, version}."""
+        self.require_known(name)
+        if name in CATALOG:
+            active = self.active(name)
+            found = active and (active["variant"], display_version(active["version"]))
+        else:
+            entry = self._custom_entry(name)
+            found = entry["variant"] and (entry["variant"], entry["version"])
+        if not found:
+            raise EngineNotInstalled(f"Engine {name} is not installed, so it has no default "
+                                     f"variant; install it with: localrt engines install "
+                                     f"{name}", param="engine")
+        return {"engine": name, "variant": found[0], "version": found[1]}
+
     def require_known(self, name: str) -> None:
         """Raise a 404 naming the known engines unless `name` is one."""
         if name not in self.names():
@@ -257,10 +274,11 @@ class Engines:
         return None
 
     def installed(self, name: str) -> list[dict]:
-        """Installed variants: the builtin one first (gguf-cpp), then the registry's."""
+        """Installed variants: the builtin one first (gguf-cpp), unless it was uninstalled,
+        then the registry's."""
         out = []
         spec = CATALOG.get(name)
-        if spec and spec.builtin:
+        if spec and spec.builtin and not self.state.entry(name).get("builtinDeactivated"):
             builtin = self.builtin(spec)
             if builtin:
                 out.append(builtin)
