@@ -8,7 +8,8 @@ calls sys.exit; it is the one place exceptions become exit codes. The package:
 - `parser`: the argparse tree; `flags`: the options made from the request schemas.
 - `commands`: the handlers, one module per command group, and the name tables.
 - `follow`: following a download or install task; `chat`: the `run` chat;
-  `output`: tables, values and progress bars.
+  `output`: tables, values and progress bars; `menu`: the numbered choices
+  `pull` asks for.
 
 Imports stay light: `localrt --help` must not load the server, jsonschema, tqdm or
 any engine, so the commands are imported only once the arguments are parsed. If
