@@ -11,6 +11,10 @@ calls sys.exit; it is the one place exceptions become exit codes. The package:
   `output`: tables, values and progress bars; `menu`: the numbered choices
   `pull` asks for.
 
+A command's result goes to stdout, and a success is one line in cortex.cpp's words
+(`Model ID downloaded successfully!`...) that a script can grep; news, questions,
+progress and errors go to stderr, so does the line saying the server was started.
+
 Imports stay light: `localrt --help` must not load the server, jsonschema, tqdm or
 any engine, so the commands are imported only once the arguments are parsed. If
 you add a command or option, also add it to man/localrt.1 (tests/test_man.py checks).

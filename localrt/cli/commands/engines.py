@@ -9,6 +9,9 @@ from localrt.cli.context import Context, ExitCode
 from localrt.cli.follow import follow, open_events, polled_events
 from localrt.cli.output import table
 
+# What an install's success says, in cortex's words, which its scripts look for.
+INSTALLED = "downloaded successfully!"
+
 
 def cmd_engines_list(ctx: Context) -> int:
     """Print every engine as a table."""
@@ -54,20 +57,22 @@ def cmd_engines_install(ctx: Context) -> int:
             reply = client.install_engine_wheel(target)
         else:
             reply = client.install_engine(target, args.version, args.variant)
-        if "task" not in reply:
-            ctx.out(reply["message"])
-            return ExitCode.OK
         # A wheel given by URL names its engine only once it has been downloaded.
-        name = reply.get("engine") or os.path.basename(target)
+        name = reply.get("engine") or (os.path.basename(target) if is_wheel else target)
+        if reply.get("note"):
+            ctx.err(reply["note"])
+        if "task" not in reply:  # nothing to download: the shipped build is on again
+            ctx.out(f"Engine {name} {INSTALLED}")
+            return ExitCode.OK
         return follow(ctx, client, stream or polled_events(client), reply["task"],
-                      f"Engine {name}", "installed", f"localrt engines install {args.engine}")
+                      f"Engine {name}", INSTALLED, f"localrt engines install {args.engine}")
 
 
 def cmd_engines_uninstall(ctx: Context) -> int:
     """Uninstall an engine variant (the active one unless told)."""
     args = ctx.args
-    reply = ctx.client().uninstall_engine(args.engine, args.version, args.variant)
-    ctx.out(reply["message"])
+    ctx.client().uninstall_engine(args.engine, args.version, args.variant)
+    ctx.out(f"Engine {args.engine} uninstalled successfully!")  # cortex's words
     return ExitCode.OK
 
 

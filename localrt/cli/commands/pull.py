@@ -33,7 +33,7 @@ def download(ctx: Context, client, stream, model_id: str,
             return ExitCode.OK, started
         model, pull_id, task = started
         code = follow(ctx, client, stream or polled_events(client), task,
-                      f"Model {model}", "downloaded", f"localrt pull {pull_id}")
+                      f"Model {model}", "downloaded successfully!", f"localrt pull {pull_id}")
         return code, model
 
 
