@@ -107,11 +107,11 @@ def test_pull_a_builtin_variant_then_list_it(thread_server, weights):
     assert code == 0, err
     lines = out.splitlines()
     assert [c.strip() for c in lines[1].strip("|").split("|")] == \
-        ["#", "ID", "Engine", "Size", "Status"]
+        ["(Index)", "ID", "Engine", "Version", "Size", "Status"]
     [row] = [line for line in lines if "tiny:q8" in line]
     size = weights.small.stat().st_size + len(MODEL_YML)
     assert [c.strip() for c in row.strip("|").split("|")] == \
-        ["1", "tiny:q8", "gguf-cpp", human_size(size), "downloaded"]
+        ["1", "tiny:q8", "gguf-cpp", "1", human_size(size), "downloaded"]
 
     code, out, _ = run("models", "pull", "tiny:q8")
     assert code == 0 and out == "Model tiny:q8 is already downloaded\n"

@@ -9,7 +9,7 @@ calls sys.exit; it is the one place exceptions become exit codes. The package:
 - `commands`: the handlers, one module per command group, and the name tables.
 - `follow`: following a download or install task; `chat`: the `run` chat;
   `output`: tables, values and progress bars; `menu`: the numbered choices
-  `pull` asks for.
+  `pull` and `engines install --menu` ask for.
 
 A command's result goes to stdout, and a success is one line in cortex.cpp's words
 (`Model ID downloaded successfully!`...) that a script can grep; news, questions,

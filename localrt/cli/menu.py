@@ -1,4 +1,6 @@
-"""Numbered menus on stderr, answered on stdin: a model's variant or file for `pull`."""
+"""Numbered menus on stderr, answered on stdin: a model's variant or file for `pull`,
+an engine's variant for `engines install --menu`.
+"""
 
 from __future__ import annotations
 

@@ -22,9 +22,11 @@ def cmd_models_list(ctx: Context) -> int:
     if not models:
         ctx.out("No models downloaded yet; `localrt pull ID` downloads one")
         return ExitCode.OK
-    rows = [(number, m["id"], m.get("engine", ""), human_size(m.get("size", 0)),
-             m.get("status", "")) for number, m in enumerate(models, 1)]
-    ctx.out(table(["#", "ID", "Engine", "Size", "Status"], rows))
+    # cortex's columns first, so that its scripts find them where they look.
+    rows = [(number, m["id"], m.get("engine", ""), m.get("version", ""),
+             human_size(m.get("size", 0)), m.get("status", ""))
+            for number, m in enumerate(models, 1)]
+    ctx.out(table(["(Index)", "ID", "Engine", "Version", "Size", "Status"], rows))
     return ExitCode.OK
 
 
@@ -56,7 +58,10 @@ def cmd_models_update(ctx: Context) -> int:
 
 
 def cmd_models_import(ctx: Context) -> int:
-    """Register a local GGUF file or ONNX folder, linked (the default) or copied."""
+    """Register a local GGUF file or ONNX folder, linked (the default) or copied.
+
+    `--path`/`--id` and cortex's `--model_path`/`--model_id` are the same options.
+    """
     # The server resolves nothing relative to the caller's directory: send an absolute path.
     path = os.path.abspath(os.path.expanduser(ctx.args.path))
     option = "copy" if ctx.args.copy else "symlink"
