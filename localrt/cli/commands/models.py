@@ -1,5 +1,7 @@
 """`localrt models list|get|remove|update|import|start|stop` and `localrt ps`.
 
+`models delete` and `models rm` are `models remove` (localrt.cli.parser.MODEL_ALIASES).
+
 `models pull` and `models run` are `pull` and `run` (localrt.cli.commands.pull, .run).
 """
 
@@ -20,9 +22,11 @@ def cmd_models_list(ctx: Context) -> int:
     if not models:
         ctx.out("No models downloaded yet; `localrt pull ID` downloads one")
         return ExitCode.OK
-    rows = [(number, m["id"], m.get("engine", ""), human_size(m.get("size", 0)),
-             m.get("status", "")) for number, m in enumerate(models, 1)]
-    ctx.out(table(["#", "ID", "Engine", "Size", "Status"], rows))
+    # cortex's columns first, so that its scripts find them where they look.
+    rows = [(number, m["id"], m.get("engine", ""), m.get("version", ""),
+             human_size(m.get("size", 0)), m.get("status", ""))
+            for number, m in enumerate(models, 1)]
+    ctx.out(table(["(Index)", "ID", "Engine", "Version", "Size", "Status"], rows))
     return ExitCode.OK
 
 
@@ -34,9 +38,9 @@ def cmd_models_get(ctx: Context) -> int:
 
 
 def cmd_models_remove(ctx: Context) -> int:
-    """Delete a model's files and definition."""
+    """Delete a model's files and definition (`models remove`, `rm` and `delete`)."""
     ctx.client().remove_model(ctx.args.model)
-    ctx.out(f"Model {ctx.args.model} removed")
+    ctx.out(f"Model {ctx.args.model} deleted successfully")
     return ExitCode.OK
 
 
@@ -54,12 +58,17 @@ def cmd_models_update(ctx: Context) -> int:
 
 
 def cmd_models_import(ctx: Context) -> int:
-    """Register a local GGUF file, linked (the default) or copied."""
+    """Register a local GGUF file or ONNX folder, linked (the default) or copied.
+
+    `--path`/`--id` and cortex's `--model_path`/`--model_id` are the same options.
+    """
     # The server resolves nothing relative to the caller's directory: send an absolute path.
     path = os.path.abspath(os.path.expanduser(ctx.args.path))
     option = "copy" if ctx.args.copy else "symlink"
     reply = ctx.client().import_model(path, ctx.args.id, option)
-    ctx.out(f"Model {reply['model']['id']} imported from {path}")
+    # cortex's words, which its scripts look for.
+    ctx.out(f"Successfully import model from '{path}' for modelID "
+            f"'{reply['model']['id']}'.")
     return ExitCode.OK
 
 
