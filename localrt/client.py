@@ -126,6 +126,12 @@ class Client:
         """GET /v1/engines/{engine}: its installed variants."""
         return self._request("GET", _engine_path(engine))
 
+    def engine_release(self, engine: str, version: str = "latest") -> list:
+        """GET /v1/engines/{engine}/releases/{version}: that release's variants for this
+        machine and Python, from the package index ("latest": each one's newest)."""
+        path = f"{_engine_path(engine)}/releases/{quote(version, safe='')}"
+        return self._request("GET", path)
+
     def install_engine(self, engine: str, version: str | None = None,
                        variant: str | None = None) -> dict:
         """POST /v1/engines/{engine}/install: start installing a variant."""

@@ -66,7 +66,7 @@ def test_engines_install_and_uninstall(thread_server):
     assert rows(out)[1] == ["1", "onnx-runtime", "v0.18.0", "linux-amd64", "Ready"]
     # Installing it again checks its files and succeeds (issue 15: was an error).
     code, out, err = run("engines", "install", "onnx-runtime")
-    assert code == ExitCode.OK and out.strip() == "Engine onnx-runtime installed", err
+    assert code == ExitCode.OK and out.strip() == "Engine onnx-runtime downloaded successfully!", err
     code, _, err = run("engines", "install", "onnx-runtime", "--variant", "windows-amd64")
     assert code == ExitCode.ERROR and "cannot run here" in err
     code, out, _ = run("engines", "uninstall", "onnx-runtime")

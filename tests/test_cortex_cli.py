@@ -172,12 +172,11 @@ def test_install_a_version_with_v_then_uninstall(thread_server, client):
     assert installed(client) == [("linux-amd64", "v0.17.0")]
 
 
-def test_menu_with_nothing_installed_installs_the_recommended_variant(thread_server,
-                                                                        client):
-    code, out, err = run("engines", "install", "onnx-runtime", "-m")
+def test_menu_lists_the_index_variants_before_anything_is_installed(thread_server, client):
+    code, out, err = run("engines", "install", "onnx-runtime", "-m", stdin="\n")
     assert code == ExitCode.OK, err
     assert out == "Engine onnx-runtime downloaded successfully!\n"
-    assert "No variant of onnx-runtime is installed yet" in err and "Choose" not in err
+    assert "  2. linux-amd64  v0.18.1, 1.0 KiB\n" in err and "installed" not in err
     assert installed(client) == [("linux-amd64", "v0.18.1")]
 
 
@@ -190,7 +189,8 @@ def test_menu_lists_the_variants_and_installs_the_one_chosen(thread_server, clie
     assert "Variants of onnx-runtime to install (the newest version):" in err
     menu = [line.split() for line in err.splitlines() if line.startswith("  ")]
     assert menu[0][:2] == ["1.", "recommended"] and "(default)" in menu[0]
-    assert menu[1] == ["2.", "linux-amd64", "installed:", "v0.17.0", "(Ready)"]
+    assert menu[1] == ["2.", "linux-amd64", "v0.18.1,", "1.0", "KiB;", "installed:",
+                       "v0.17.0", "(Ready)"]
     assert err.count("Choose a variant [1-2, Enter for recommended]: ") == 2
     assert "Please answer with a number from 1 to 2" in err
     assert "Selected linux-amd64" in err
@@ -198,8 +198,9 @@ def test_menu_lists_the_variants_and_installs_the_one_chosen(thread_server, clie
 
     # One row a variant; Enter takes the recommended one, whose newest build is there.
     code, out, err = run("engines", "install", "onnx-runtime", "-m", stdin=Terminal("\n"))
-    assert code == ExitCode.ERROR and out == "" and "already installed" in err
-    assert "  2. linux-amd64  installed: v0.17.0 (Installed), v0.18.1 (Ready)\n" in err
+    assert code == ExitCode.OK and out == "Engine onnx-runtime downloaded successfully!\n"
+    assert ("  2. linux-amd64  v0.18.1, 1.0 KiB; installed: v0.17.0 (Installed), "
+            "v0.18.1 (Ready)\n") in err
     assert "  3." not in err
     # Piped answers count too; no answer at all installs nothing.
     before = len(thread_server.calls)

@@ -9,6 +9,7 @@ from localrt.cli.context import CliError, Context, ExitCode
 from localrt.cli.follow import follow, open_events, polled_events
 from localrt.cli.menu import ask_number, list_choices
 from localrt.cli.output import table
+from localrt.fsutil import human_size
 
 # What an install's success says, in cortex's words, which its scripts look for.
 INSTALLED = "downloaded successfully!"
@@ -79,24 +80,28 @@ def cmd_engines_install(ctx: Context) -> int:
 
 def _choose_variant(ctx: Context, client, engine: str, version: str | None) -> str | None:
     """Ask which variant to install: the one recommended for this machine (None, the
-    default, which Enter takes) or one already installed, whose newest build (or
-    `version`) is then installed."""
-    # The server lists only the installed variants; which others it could install it
-    # alone knows, so the recommended one is offered without its name.
-    installed = client.get_engine(engine)
-    if not installed:
-        ctx.err(f"No variant of {engine} is installed yet; installing the one recommended "
-                f"for this machine")
+    default, which Enter takes), or one of the variants the package index has of
+    `version` (the newest when None) that this machine runs, marked when installed."""
+    offered = [r for r in client.engine_release(engine, version or "latest")
+               if r.get("compatible", True)]
+    installed = {}  # variant -> its installed versions
+    for v in client.get_engine(engine):
+        installed.setdefault(v["name"], []).append(f"{v['version']} ({v['status']})")
+    rows = [("recommended", "for this machine (default)")]
+    for r in offered:
+        size = f", {human_size(r['size'])}" if r.get("size") else ""
+        mark = f"; installed: {', '.join(installed[r['name']])}" \
+            if r["name"] in installed else ""
+        rows.append((r["name"], f"{r['version']}{size}{mark}"))
+    if len(rows) == 1:
+        ctx.err(f"The package index offers no variant of {engine} "
+                f"{version or ''} to choose from; installing the one recommended for "
+                f"this machine".replace("  ", " "))
         return None
-    builds = {}  # variant -> its installed versions, a row for each version
-    for v in installed:
-        builds.setdefault(v["name"], []).append(f"{v['version']} ({v['status']})")
-    names = ["recommended", *builds]
     which = f"version {version}" if version else "the newest version"
     ctx.err(f"Variants of {engine} to install ({which}):")
-    list_choices(ctx, [("recommended", "for this machine (default)")]
-                 + [(name, "installed: " + ", ".join(versions))
-                    for name, versions in builds.items()])
+    list_choices(ctx, rows)
+    names = [name for name, _ in rows]
     chosen = ask_number(ctx, "variant", names, names, default="recommended")
     ctx.err(f"Selected {chosen}")
     return None if chosen == "recommended" else chosen
