@@ -596,8 +596,8 @@ class CallParser:
                     raise Malformed("a block of calls is a JSON array")
                 self._pos, self._state = pos + 1, "items"
             elif state in ("open", "items"):
-                if state == "items" and c == "]":
-                    return self._end_block(pos + 1)
+                if state == "items" and c == "]":  # [] or [..., ]: no call, or bad JSON
+                    raise Malformed("expected a call")
                 self._call, self._pos, self._state = _Call(), pos, "call"
             elif state == "sep":
                 if c == ",":

@@ -308,3 +308,41 @@ def test_mistral_malformed_json_stays_content():
     # An array cut right after a whole call keeps the call.
     _, calls, _ = read_everywhere("mistral", MISTRAL_V03[:-1])
     assert calls[0][0] == "get_weather"
+
+
+def test_mistral_empty_or_trailing_comma_arrays_are_not_calls():
+    assert whole("mistral", "[TOOL_CALLS][]") == ("[TOOL_CALLS][]", [])
+    text = '[TOOL_CALLS][{"name": "f", "arguments": {}}, ]'
+    assert whole("mistral", text) == (text, [])
+
+
+# --- any text -------------------------------------------------------------------------
+
+FRAGMENTS = ['<tool_call>', '</tool_call>', '[TOOL_CALLS]', '<|python_tag|>', '{', '}', '[',
+             ']', '"', '\\', ':', ',', ' ', '\n', '"name"', '"arguments"', '"parameters"',
+             '"type"', '"f"', '1', 'true', 'null', 'x', '<tool', '{"name": ', '"\\u00e9"',
+             '-', '.5', '{"name": "f", "arguments": {"a": [1, "}"]}}']
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY))
+def test_any_text_reads_without_error(family):
+    """Random mixes of markers and JSON pieces: reading never raises; a reply without
+    calls is its text (whitespace aside); calls' arguments are JSON objects; and a
+    stream in which nothing broke says what the whole reply says."""
+    import random
+
+    rng = random.Random(family)
+    for _ in range(1500):
+        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(0, 30)))
+        content, calls = whole(family, text)
+        if not calls:
+            assert re.sub(r"\s", "", content) == re.sub(r"\s", "", text), text
+        for _, _, arguments in calls:
+            assert isinstance(json.loads(arguments), dict), text
+        parser = toolcalls.CallParser(FAMILY[family], 1 << 30)
+        size, events = rng.randint(1, 6), []
+        for i in range(0, len(text), size):
+            events += parser.feed(text[i:i + size])
+        events += parser.close()
+        if not parser.broken:
+            assert "".join(e[1] for e in events if e[0] == "text") == content, text
