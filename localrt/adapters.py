@@ -6,7 +6,8 @@ and may have the engine's own rules, which localrt.engines asks before anything 
   check_options(options) -> [(option, why)]   the start options it cannot take
                                               (schemas/model-start.json's names)
   check_request(params)                       raises InvalidField for a chat request it
-                                              cannot serve (params as generate() gets them)
+                                              cannot serve (its response_format, tools and
+                                              tool_choice)
 
 The model it loads has:
 
@@ -18,6 +19,8 @@ The model it loads has:
                                              a dict, or an iterator of pieces
   memory() -> {"ram", "vram"}                bytes, when the engine knows better than
                                              the RSS delta measured around the load
+  chat_template                              its Jinja chat template, when it has one
+                                             (localrt.toolcalls reads its call format)
   unload()
 
 A custom engine's model with only chat() is wrapped in `ChatOnlyModel`, so every
@@ -27,7 +30,10 @@ does no locking of its own: localrt.scheduler gives one request at a time a mode
 each token a turn in the compute lane. `params` come from localrt.chat: OpenAI's
 sampling fields (`response_format` as {"type": "json_object"} or {"type": "json_schema",
 "schema"}) plus `prompt` (the text of a model's prompt_template, used instead of the
-chat template when present) and `stop` (a list).
+chat template when present) and `stop` (a list). For tool calls (localrt.toolcalls):
+`tools` (OpenAI's list, given to the chat template as Hugging Face gives it), `grammar`
+(GBNF that constrains the reply instead of response_format) and `preserved_tokens`
+(special tokens printed as their text, as a call's syntax needs).
 llama_cpp and onnxruntime_genai are imported only when a model loads.
 """
 
@@ -40,6 +46,7 @@ import random
 from pathlib import Path
 from typing import Iterator
 
+from localrt import toolcalls
 from localrt.errors import InvalidField
 
 GGUF_ENGINE, ONNX_ENGINE = "gguf-cpp", "onnx-runtime"
@@ -250,8 +257,10 @@ class GgufEngine:
 
     @staticmethod
     def check_request(params: dict) -> None:
-        """A 400 for a JSON Schema that cannot become a grammar."""
+        """A 400 for a JSON Schema (a response format's or a forced tool's) that cannot
+        become a grammar."""
         json_grammar(params.get("response_format"))
+        toolcalls.check_schemas(params.get("tools"), params.get("tool_choice"))
 
 
 class LlamaModel(GeneratingModel):
@@ -267,6 +276,12 @@ class LlamaModel(GeneratingModel):
         self._caching = caching
         self._formatter = None  # the GGUF's chat template, compiled at the first chat
         self._pieces: dict[int, bytes] = {}  # token -> its bytes; the vocabulary is fixed
+        self._special_pieces: dict[int, bytes] = {}  # the same, special tokens printed
+
+    @property
+    def chat_template(self) -> str | None:
+        """The GGUF's Jinja chat template (tokenizer.chat_template), if it has one."""
+        return self.llm.metadata.get("tokenizer.chat_template")
 
     def generate(self, messages: list, params: dict) -> Generation:
         """Tokenize and check now; compute token by token as the Generation is read."""
@@ -274,11 +289,13 @@ class LlamaModel(GeneratingModel):
         if params.get("prompt") is not None:
             text, bos = params["prompt"], llm._model.add_bos_token()
         else:
-            text, bos = self._format(messages)
+            text, bos = self._format(messages, params.get("tools"))
         tokens = llm.tokenize(text.encode("utf-8"), add_bos=bos, special=True)
         room = _check_room(len(tokens), self.context)
         max_tokens = min(params.get("max_tokens") or room, room)
-        grammar = self._grammar(params.get("response_format"))
+        grammar = self._grammar(params.get("grammar") or json_grammar(
+            params.get("response_format")))
+        keep = self._preserved(params.get("preserved_tokens"))
         bias = self._bias(params.get("logit_bias"))
         sampling = {"temp": _number(params, "temperature"), "top_p": _number(params, "top_p"),
                     "top_k": int(_number(params, "top_k")), "min_p": _number(params, "min_p"),
@@ -296,7 +313,8 @@ class LlamaModel(GeneratingModel):
             tokens_in = llm.generate(tokens, grammar=grammar, logits_processor=bias, **sampling)
             try:
                 yield from token_loop(
-                    gen, tokens_in, decode=lambda t: decoder.decode(self._piece(t)),
+                    gen, tokens_in,
+                    decode=lambda t: decoder.decode(self._piece(t, t in keep)),
                     is_end=lambda t: llama_cpp.llama_vocab_is_eog(vocab, t),
                     final=lambda: decoder.decode(b"", final=True),
                     stops=params.get("stop"), max_tokens=max_tokens)
@@ -305,21 +323,32 @@ class LlamaModel(GeneratingModel):
 
         return Generation(len(tokens), run)
 
-    def _piece(self, token: int) -> bytes:
-        """A token's bytes (special tokens render as nothing, as in llama-cpp-python)."""
-        piece = self._pieces.get(token)
+    def _piece(self, token: int, special: bool = False) -> bytes:
+        """A token's bytes (special tokens render as nothing, as in llama-cpp-python,
+        unless `special`)."""
+        pieces = self._special_pieces if special else self._pieces
+        piece = pieces.get(token)
         if piece is None:
             import ctypes
 
             vocab, size = self.llm._model.vocab, 64
             while True:
                 buf = ctypes.create_string_buffer(size)
-                n = self._llama_cpp.llama_token_to_piece(vocab, token, buf, size, 0, False)
+                n = self._llama_cpp.llama_token_to_piece(vocab, token, buf, size, 0, special)
                 if n >= 0:
                     break
                 size = -n
-            piece = self._pieces[token] = buf.raw[:n]
+            piece = pieces[token] = buf.raw[:n]
         return piece
+
+    def _preserved(self, texts) -> frozenset:
+        """The ids of the special tokens spelled `texts`, to print as text."""
+        ids = set()
+        for text in texts or ():
+            tokens = self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+            if len(tokens) == 1:
+                ids.add(tokens[0])
+        return frozenset(ids)
 
     def memory(self) -> dict:
         """RAM and VRAM from llama.cpp: the weights (split by offloaded layers) and the context."""
@@ -336,8 +365,9 @@ class LlamaModel(GeneratingModel):
         vram = weights * offloaded // (layers + 1) + (context if offloaded else 0)
         return {"ram": weights + context - vram, "vram": vram}
 
-    def _format(self, messages: list) -> tuple[str, bool]:
-        """The prompt from the GGUF's chat template (llama-2's format if it has none)."""
+    def _format(self, messages: list, tools: list | None = None) -> tuple[str, bool]:
+        """The prompt from the GGUF's chat template (llama-2's format if it has none),
+        given `tools` as Hugging Face's apply_chat_template gives them."""
         from llama_cpp import llama_chat_format
 
         llm = self.llm
@@ -355,15 +385,14 @@ class LlamaModel(GeneratingModel):
             else:
                 self._formatter = llama_chat_format.format_llama2
         try:
-            out = self._formatter(messages=messages)
+            out = self._formatter(messages=messages, tools=tools)
         except Exception as exc:  # jinja2 errors, and the template's raise_exception()
             raise InvalidField(f"Invalid field 'messages': the model's chat template "
                                f"refused them: {exc}", param="messages") from None
         return out.prompt, not out.added_special
 
-    def _grammar(self, response_format: dict | None):
-        """A llama.cpp grammar that constrains the reply to JSON (or to a JSON Schema)."""
-        gbnf = json_grammar(response_format)
+    def _grammar(self, gbnf: str | None):
+        """The llama.cpp grammar of GBNF text (a JSON reply's, or a forced tool call's)."""
         if gbnf is None:
             return None
         from llama_cpp.llama_grammar import LlamaGrammar
@@ -462,12 +491,16 @@ class OnnxEngine:
 
     @staticmethod
     def check_request(params: dict) -> None:
-        """A 400 for a JSON response format: onnxruntime-genai cannot constrain one."""
+        """A 400 for a JSON response format or tools: onnxruntime-genai can neither
+        constrain a reply nor render tools into its chat template."""
         if (params.get("response_format") or {}).get("type") in ("json_object",
                                                                   "json_schema"):
             raise InvalidField("Invalid field 'response_format': onnx-runtime cannot "
                                "constrain replies to JSON; use a GGUF model",
                                param="response_format")
+        if params.get("tools"):
+            raise InvalidField("Invalid field 'tools': onnx-runtime models cannot call "
+                               "tools; use a GGUF model", param="tools")
 
 
 class OnnxModel(GeneratingModel):
