@@ -195,8 +195,9 @@ def setup(args: argparse.Namespace, shell: Shell, host: Host, err: TextIO) -> in
     if not python.exists():
         steps.append(([sys.executable, "-m", "venv", venv], {}))
     steps.append(([python, "-m", "pip", "install", "--upgrade", "pip"], {}))
+    flags = build_env(host.environ, host.arch, host.accepts)
     steps.append(([python, "-m", "pip", "install", "--no-cache-dir",
-                   ".[test]" if args.test else "."], build_env(host.environ, host.arch, host.accepts)))
+                   ".[test]" if args.test else "."], flags))
     if args.test:
         steps.append(([python, "-m", "pip", "download", "--only-binary=:all:",
                        "-d", WHEEL_DIR, *ENGINE_WHEELS], {}))
