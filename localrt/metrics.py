@@ -3,10 +3,10 @@
 `Metrics` owns every metric of one app. Some move as things happen: the app counts
 each request when its reply's body closes (`observe_request`), and chat times each
 completion on a `Clock`, which counts its tokens and times when it ends
-(`observe_completion`). The rest are read
-when a scrape comes (`render`): running models and their sequences from the
-scheduler's status rows, download totals from `Downloads.stats`, and this process's
-memory and open files from /proc. A scrape touches no engine.
+(`observe_completion`). The rest are read when a scrape comes (`render`): running
+models and their sequences from the scheduler's status rows, download totals from
+`Downloads.stats`, and this process's memory and open files from /proc. A scrape
+touches no engine.
 
 Written by hand rather than with prometheus_client: the text format is small, the
 project adds no runtime dependency for it, and the tests parse this text with
