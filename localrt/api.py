@@ -13,6 +13,7 @@ import threading
 from localrt import __version__
 from localrt.errors import Conflict, InvalidField, ServiceUnavailable
 from localrt.events import TooManyListeners
+from localrt.metrics import CONTENT_TYPE
 from localrt.models import check_id
 from localrt.routing import Reply, Request, Route
 from localrt.services import Services
@@ -21,6 +22,14 @@ from localrt.services import Services
 def healthz(services: Services, request: Request):
     """Liveness: answers without touching any engine."""
     return {"status": "ok", "version": __version__}
+
+
+def metrics(services: Services, request: Request):
+    """Prometheus metrics in the text exposition format 0.0.4; answers without touching
+    any engine."""
+    text = services.metrics.render().encode("utf-8")
+    return Reply([text], content_type=CONTENT_TYPE,
+                 headers=[("Content-Length", str(len(text))), ("Cache-Control", "no-store")])
 
 
 def openapi_document(services: Services, request: Request):
@@ -256,6 +265,7 @@ def events(services: Services, request: Request):
 # Fixed paths come before `{model_id:path}` ones: model ids hold "/" and ":".
 ROUTES = (
     Route("GET", "/healthz", healthz, reply="health"),
+    Route("GET", "/metrics", metrics),
     Route("GET", "/openapi.json", openapi_document, reply="openapi"),
     Route("GET", "/v1/configs", get_configs, reply="config"),
     Route("PATCH", "/v1/configs", patch_configs, "config-update.json", "config-updated"),

@@ -23,6 +23,7 @@ from typing import Iterator
 
 from localrt import toolcalls
 from localrt.errors import InvalidField, ServiceUnavailable
+from localrt.metrics import Clock
 from localrt.scheduler import Lease, ModelStopped, Scheduler
 
 log = logging.getLogger(__name__)
@@ -39,18 +40,22 @@ class Chats:
 
     At most `max_requests` chats are in progress (generating or queued) at once: each
     holds a server thread, and the rest of the API needs some. Past that, a 503.
+    Each completion is timed and counted in `metrics` (localrt.metrics.Metrics).
     """
 
-    def __init__(self, registry, engines, scheduler: Scheduler, max_requests: int = 16):
+    def __init__(self, registry, engines, scheduler: Scheduler, max_requests: int = 16,
+                 metrics=None):
         self._registry = registry
         self._engines = engines
         self._scheduler = scheduler
+        self._metrics = metrics
         self.max_requests = max_requests
         self._slots = threading.BoundedSemaphore(max_requests)
 
     def create(self, body: dict):
         """A chat.completion dict, or a Stream when body["stream"] is true."""
         model_id = body["model"]
+        clock = Clock(self._metrics, model_id)  # from the request's arrival
         record = self._registry.get(model_id)  # 404 before anything starts
         messages = [_message(i, m) for i, m in enumerate(body["messages"])]
         if body.get("n") not in (None, 1):
@@ -88,7 +93,7 @@ class Chats:
         except BaseException:
             lease.release()
             raise
-        completion = Completion(model_id, generation, lease, plan and plan.parser())
+        completion = Completion(model_id, generation, lease, plan and plan.parser(), clock)
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return Stream(completion, include_usage)
@@ -198,20 +203,22 @@ def render_template(template: str, messages: list) -> str:
 
 
 class Completion:
-    """One chat completion: its id, its generation, the lease it holds, and the parser
-    of its tool calls (None when the request offers none)."""
+    """One chat completion: its id, its generation, the lease it holds, the parser of
+    its tool calls (None when the request offers none), and the `Clock` it is timed on."""
 
-    def __init__(self, model_id: str, generation, lease: Lease, parser=None):
+    def __init__(self, model_id: str, generation, lease: Lease, parser=None,
+                 clock: Clock | None = None):
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model_id = model_id
         self.generation = generation
         self.parser = parser
         self._lease = lease
+        self._clock = clock or Clock(None, model_id)
 
     def pieces(self) -> Iterator[str]:
         """Text pieces as the scheduler computes them; ModelStopped if the model stops."""
-        return self._lease.steps(self.generation)
+        return self._clock.pieces(self._lease.steps(self.generation))
 
     def usage(self) -> dict:
         """OpenAI's usage object."""
@@ -245,11 +252,15 @@ class Completion:
                 "usage": self.usage()}
 
     def close(self) -> None:
-        """Stop generating (if still going) and give the model to the next request."""
+        """Stop generating (if still going), give the model to the next request, and
+        count the completion."""
         try:
             self.generation.close()
         finally:
-            self._lease.release()
+            try:
+                self._lease.release()
+            finally:
+                self._clock.end(self.generation.usage)
 
 
 class Stream:

@@ -9,7 +9,8 @@ Progress is published on the EventBus, as cortex's events: `{"type":
 "DownloadUpdated", "task": {"id", "type", "items": [{"id", "downloadUrl",
 "localPath", "checksum", "bytes", "downloadedBytes"}]}}`, with localrt's own fields
 (the task's status and error, each item's url) beside them. Outbound HTTP, with
-the proxy and TLS fields of Config, is localrt.opener.
+the proxy and TLS fields of Config, is localrt.opener. `stats()` gives GET /metrics
+the bytes received and the running tasks.
 
 Callers take Item, Task, DownloadFailed, part_path and map_path (localrt.fetch's)
 from here, with Downloads and check_disk_space.
@@ -48,12 +49,15 @@ class Downloads:
         self._config = config  # called per request, so Config changes apply at once
         self._events = events
         self._connections = connections  # downloadConnections, read per file
-        self._link = Link(config, self._publish)  # how the fetches reach the network
+        # how the fetches reach the network
+        self._link = Link(config, self._publish, self._received)
         # Guards _tasks (the dict, not the tasks' progress) and the end of each task
         # with its last event.
         self._lock = threading.Lock()
         self._tasks: dict[str, Task] = {}
         self._threads: list[threading.Thread] = []
+        self._count_lock = threading.Lock()  # guards _bytes
+        self._bytes = 0  # received over the network since the start, by every task
 
     def start(self, task: Task) -> Task:
         """Check for duplicates and disk space, then run `task` in a thread."""
@@ -83,6 +87,13 @@ class Downloads:
             tasks = list(self._tasks.values())
         tasks.sort(key=lambda t: not t.running)
         return [t.to_dict() for t in tasks]
+
+    def stats(self) -> dict:
+        """For GET /metrics: {"bytes": received since the start, "active": running tasks}."""
+        with self._lock:
+            active = sum(1 for t in self._tasks.values() if t.running)
+        with self._count_lock:
+            return {"bytes": self._bytes, "active": active}
 
     def cancel(self, task_id: str) -> dict:
         """Stop a running task; its part files stay, so a new pull resumes."""
@@ -155,6 +166,10 @@ class Downloads:
         with self._lock:
             task.status = status
             self._publish(event_type, task)
+
+    def _received(self, n: int) -> None:
+        with self._count_lock:
+            self._bytes += n
 
     def _publish(self, event_type: str, task: Task) -> None:
         self._events.publish(event_type, task=task.to_dict())

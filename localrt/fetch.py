@@ -194,11 +194,14 @@ def map_path(part: Path) -> Path:
 
 class Link:
     """What a fetch needs from the Downloads that runs it: the Config of the moment for
-    each request, and a way to say that a task's progress moved on."""
+    each request, a way to say that a task's progress moved on, and one to count the
+    bytes received."""
 
-    def __init__(self, config: Callable[[], Mapping], publish: Callable[[str, Task], None]):
+    def __init__(self, config: Callable[[], Mapping], publish: Callable[[str, Task], None],
+                 received: Callable[[int], None] = lambda n: None):
         self.config = config  # called per request, so Config changes apply at once
         self._publish = publish
+        self.received = received  # told each count of bytes that came over the network
 
     def progress(self, task: Task) -> None:
         """Publish a DownloadUpdated event for `task`."""
@@ -359,6 +362,7 @@ def _receive(link: Link, task: Task, item: Item, resp, fd: int, filled: queue.Qu
                                  f"{exc.strerror or exc}") from None
         filled.put(chunk)
         item.downloaded += len(chunk)
+        link.received(len(chunk))
         if item.downloaded - flushed >= WRITEBACK_EVERY:
             start_writeback(fd, flushed, item.downloaded - flushed)
             flushed = item.downloaded

@@ -17,6 +17,8 @@ from localrt import __version__, schemas
 _PARAM = re.compile(r"\{(\w+)(?::path)?\}")
 # Routes whose 200 reply is a stream of Server-Sent Events rather than JSON.
 EVENT_STREAMS = {("GET", "/v1/events"), ("POST", "/v1/chat/completions")}
+# Routes whose 200 reply is text, by its media type.
+TEXT_REPLIES = {("GET", "/metrics"): "text/plain; version=0.0.4"}
 
 
 def document(routes) -> dict:
@@ -72,6 +74,9 @@ def _success(route) -> dict:
         if route.reply:  # JSON unless the request asked for a stream
             content["application/json"] = body
         return {"description": "Server-Sent Events", "content": content}
+    text = TEXT_REPLIES.get((route.method, route.pattern))
+    if text:
+        return {"description": "OK", "content": {text: {"schema": {"type": "string"}}}}
     return {"description": "OK", "content": {"application/json": body}}
 
 

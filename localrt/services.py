@@ -13,7 +13,9 @@ nothing is assigned to it afterwards:
     models      pulls and imports, which add to the registry
     scheduler   what runs: loads through `engines`, reads the `registry`, and refuses
                 to delete a running model or uninstall an engine in use
-    chats       chat completions on the scheduler's models
+    metrics     what GET /metrics says: reads the scheduler's status and the downloads'
+                totals at scrape time; the app counts requests in it
+    chats       chat completions on the scheduler's models, each counted in `metrics`
 
 Handlers (localrt.api) get the `Services` and call these objects directly.
 """
@@ -29,6 +31,7 @@ from localrt.downloads import Downloads
 from localrt.engines import Engines
 from localrt.events import EventBus
 from localrt.installs import EngineState, Installs
+from localrt.metrics import Metrics
 from localrt.models import Models, Registry
 from localrt.scheduler import Scheduler
 from localrt.schemas import Validators
@@ -52,6 +55,7 @@ class Services:
     registry: Registry
     models: Models
     scheduler: Scheduler
+    metrics: Metrics
     chats: Chats
     shutdown: Callable[[], None] | None = None
 
@@ -81,7 +85,8 @@ def build_services(settings: Settings, *, shutdown: Callable[[], None] | None = 
     scheduler = Scheduler(registry, engines, max_models=settings["maxRunningModels"],
                           keep_alive=settings["keepAlive"] * 60,
                           lanes=settings["computeLanes"])
-    chats = Chats(registry, engines, scheduler)
+    metrics = Metrics(running=scheduler.status, downloads=downloads.stats)
+    chats = Chats(registry, engines, scheduler, metrics=metrics)
     return Services(settings=settings, validators=validators, config=config, events=events,
                     downloads=downloads, engines=engines, installs=installs, registry=registry, models=models,
-                    scheduler=scheduler, chats=chats, shutdown=shutdown)
+                    scheduler=scheduler, metrics=metrics, chats=chats, shutdown=shutdown)
