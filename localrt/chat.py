@@ -7,7 +7,8 @@ starts with an error: only a failure in the middle of generating ends up inside 
 
 This module keeps only OpenAI's shapes: the engine checks what it can serve
 (localrt.engines), and the scheduler gives the model and paces its tokens
-(`Lease.steps`, localrt.scheduler).
+(`Lease.steps`, localrt.scheduler). A remote model's request goes whole to
+localrt.remote, which forwards it to an upstream.
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ class Chats:
     holds a server thread, and the rest of the API needs some. Past that, a 503.
     """
 
-    def __init__(self, registry, engines, scheduler: Scheduler, max_requests: int = 16):
+    def __init__(self, registry, engines, scheduler: Scheduler, max_requests: int = 16,
+                 remotes=None):
         self._registry = registry
         self._engines = engines
         self._scheduler = scheduler
+        self._remotes = remotes  # localrt.remote.Remotes: forwards remote models' requests
         self.max_requests = max_requests
         self._slots = threading.BoundedSemaphore(max_requests)
 
@@ -49,6 +52,8 @@ class Chats:
         """A chat.completion dict, or a Stream when body["stream"] is true."""
         model_id = body["model"]
         record = self._registry.get(model_id)  # 404 before anything starts
+        if self._engines.forwards(record["engine"]):  # a remote model: an upstream answers
+            return self._remotes.chat(record, body, self._slots)
         messages = [_message(i, m) for i, m in enumerate(body["messages"])]
         if body.get("n") not in (None, 1):
             raise InvalidField("Invalid field 'n': only n=1 is supported", param="n")
