@@ -112,11 +112,11 @@ class RemoteEngine:
 
 def upstream_url(url: str, param: str) -> str:
     """An upstream's OpenAI base URL, checked: http(s)://host[:port]/path (/v1 for none)."""
-    parts = urlsplit(url.strip())
     try:
+        parts = urlsplit(url.strip())
         port = parts.port
-    except ValueError:
-        port = 0
+    except ValueError:  # a bracketed host that is no IPv6 address, a port past 65535
+        parts, port = urlsplit(""), 0
     if parts.scheme.lower() not in ("http", "https") or not parts.hostname or \
             "@" in parts.netloc or port == 0 or parts.query or parts.fragment:
         raise InvalidField(f"Invalid field '{param}': expected the server's OpenAI base URL, "
@@ -125,10 +125,23 @@ def upstream_url(url: str, param: str) -> str:
     return f"{parts.scheme.lower()}://{parts.netloc}{parts.path.rstrip('/') or '/v1'}"
 
 
+def _text(value, param: str):
+    """`value`, unless it is a string that is not UTF-8 text (JSON allows lone surrogates)."""
+    try:
+        if isinstance(value, str):
+            value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidField(f"Invalid field '{param}': it is not UTF-8 text (it holds a lone "
+                           f"surrogate)", param=param) from None
+    return value
+
+
 def parse_upstreams(items: list, param: str = "upstreams") -> list[dict]:
     """A request's upstreams (schemas/model-remote.json), URLs checked; keys kept."""
     out, seen = [], set()
     for i, item in enumerate(items):
+        for key, value in item.items():
+            _text(value, f"{param}[{i}].{key}")
         entry = {"url": upstream_url(item["url"], f"{param}[{i}].url")}
         entry.update((k, item[k]) for k in ("model", "api_key", "max_inflight")
                      if item.get(k) is not None)
@@ -644,7 +657,8 @@ class Remotes:
     def add(self, body: dict) -> dict:
         """Register a remote model (schemas/model-remote.json); its record, once its first
         probes are done (or FIRST_PROBE_WAIT has passed)."""
-        model_id = check_new_id(body["id"], "id")
+        model_id = check_new_id(_text(body["id"], "id"), "id")
+        _text(body.get("name"), "name")
         upstreams = parse_upstreams(body["upstreams"])
         if self._registry.has(model_id):
             raise Conflict(f"A model with id {model_id} already exists", param="id")
