@@ -454,8 +454,12 @@ class Exchange:
 
     def send(self, config: Mapping, body: dict, timeout: float) -> None:
         """POST the request, `model` rewritten; raises the mapped error, or _ConnectFailed."""
-        payload = json.dumps({**body, "model": self.upstream.upstream_model(self.model_id)},
-                             ensure_ascii=False).encode("utf-8")
+        try:
+            payload = json.dumps({**body, "model": self.upstream.upstream_model(self.model_id)},
+                                 ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:  # JSON allows lone surrogates; UTF-8 does not
+            raise InvalidField("Invalid request body: it holds text that is not UTF-8 (a lone "
+                               "surrogate)") from None
         opener = build_opener(config, self._sockets.append, redirects=False)
         self._started = time.monotonic()
         try:
