@@ -12,10 +12,11 @@ llama-cpp-python's server (`pip install 'llama-cpp-python[server]'`, the test ex
 The upstreams are llama-cpp-python's own server (`python -m llama_cpp.server
 --interrupt_requests False`, tests/upstreams.py), each replica pinned with taskset to
 one core and running the model on one thread. The model is bench_chat.py's synthetic
-llama (106 M parameters, Q8_0, random weights). Requests are greedy and ban every token
-but the ordinary word pieces through logit_bias, so each reply is exactly --max-tokens
-(K) tokens of valid text (a random model's byte tokens make that server hold text back
-and stall). localrt runs as `python -m localrt start --foreground --port 0` in its own
+llama (106 M parameters, Q8_0, random weights, a 32000-token vocabulary). Requests are
+greedy and ban the end-of-generation tokens through logit_bias, so each reply is exactly
+--max-tokens (K) tokens. (A bias of hundreds of tokens would measure jsonschema instead:
+localrt validates every request body, and a big logit_bias object takes it milliseconds.)
+localrt runs as `python -m localrt start --foreground --port 0` in its own
 process, with remote models on those replicas; the client is http.client with a new
 connection per request, timestamping lines and parsing them afterwards.
 
@@ -52,18 +53,16 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(Path(__file__).resolve().parent)]
 
 import benchlib  # noqa: E402  (this folder is on sys.path)
-from bench_chat import PROMPT, first_last_content, make_model, row  # noqa: E402
-from ggufgen import MIN_VOCAB_SIZE  # noqa: E402
+from bench_chat import PROMPT, eog_bias, first_last_content, make_model, row  # noqa: E402
 from upstreams import start_replica  # noqa: E402
 
 TTFT_TOKENS = 8
-# Only ordinary word pieces: no end token, no byte tokens (see the module docstring).
-TEXT_ONLY = {str(token): -100 for token in range(MIN_VOCAB_SIZE)}
+BIAS: dict = {}  # the model's end-of-generation tokens, banned (main sets it)
 
 
 def chat_body(model: str, k: int) -> dict:
     return {"model": model, "messages": [{"role": "user", "content": PROMPT}],
-            "max_tokens": k, "temperature": 0, "logit_bias": TEXT_ONLY, "stream": True}
+            "max_tokens": k, "temperature": 0, "logit_bias": BIAS, "stream": True}
 
 
 def stream(host_port: tuple[str, int], path: str, model: str, k: int) -> dict:
@@ -178,6 +177,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="localrt-bench-remote-") as tmp:
         root = Path(tmp)
         model = args.model.resolve() if args.model else make_model(root)
+        BIAS.update((str(t), v) for t, v in eog_bias(model)[0].items())
         replicas = []
         proc = None
         try:
