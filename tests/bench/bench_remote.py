@@ -31,7 +31,9 @@ Rows:
    replicas (cores 0 and 1), against the same on a remote model with one of them.
    Aggregate tok/s = all their tokens / (the last one's end - the first one's request),
    best of --scale-rounds (2). Target >= 1.8 x one replica. A replica serves one
-   request at a time, so with one replica the clients queue behind each other.
+   request at a time, so with one replica the clients queue behind each other. A
+   context row does the same straight to the replicas, clients split between them by
+   hand: what the machine itself allows (two replicas share its memory bandwidth).
 Other processes' share of the CPUs while it measured goes to stderr: on a shared
 machine the figures are noise, and the scale row needs both cores free.
 """
@@ -120,17 +122,19 @@ def overhead(port: int, replica, args) -> dict:
     return out
 
 
-def at_once(port: int, model: str, n: int, k: int) -> float:
-    """Aggregate tok/s of n K-token streams started together through localrt."""
+def at_once(ports: list, model: str, n: int, k: int) -> float:
+    """Aggregate tok/s of n K-token streams started together, client i on ports[i % len]:
+    localrt's port, or the replicas' own (the reference without localrt)."""
     results, errors = [], []
 
-    def client():
+    def client(port):
         try:
             results.append(stream(("127.0.0.1", port), "/v1/chat/completions", model, k))
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=client) for _ in range(n)]
+    threads = [threading.Thread(target=client, args=(ports[i % len(ports)],))
+               for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
@@ -190,12 +194,16 @@ def main() -> int:
             pids = [proc.pid, *(r.process.pid for r in replicas)]
             cpu_before, measured_from = cpu_snapshot(pids), time.perf_counter()
             samples = overhead(port, replicas[0], args)
-            one, pair = [], []
+            one, pair, direct_one, direct_pair = [], [], [], []
+            ports = [r.port for r in replicas]
             for i in range(args.scale_rounds):
-                one.append(at_once(port, "one", args.clients, args.max_tokens))
-                pair.append(at_once(port, "pair", args.clients, args.max_tokens))
+                one.append(at_once([port], "one", args.clients, args.max_tokens))
+                pair.append(at_once([port], "pair", args.clients, args.max_tokens))
+                direct_one.append(at_once(ports[:1], "direct", args.clients, args.max_tokens))
+                direct_pair.append(at_once(ports, "direct", args.clients, args.max_tokens))
                 print(f"scale round {i + 1}/{args.scale_rounds}: one replica "
-                      f"{one[-1]:.1f} tok/s, two {pair[-1]:.1f} tok/s", file=sys.stderr)
+                      f"{one[-1]:.1f} tok/s, two {pair[-1]:.1f} tok/s; without localrt "
+                      f"{direct_one[-1]:.1f} and {direct_pair[-1]:.1f}", file=sys.stderr)
             cpu_after, seconds = cpu_snapshot(pids), time.perf_counter() - measured_from
         finally:
             if proc is not None:
@@ -218,6 +226,8 @@ def main() -> int:
             ">= 0.98x direct", o_decode >= 0.98 * d_decode),
         row(f"{args.clients} clients, 2 replicas vs 1, aggregate tok/s", best_pair,
             best_one, "{:.1f}", ">= 1.8x 1 replica", best_pair >= 1.8 * best_one),
+        row("  the same without localrt (clients split by hand)", max(direct_pair),
+            max(direct_one), "{:.1f}", "(the machine's own)", None),
     ]
     print(f"samples: {len(ours['ttft'])} TTFTs and {len(ours['decode'])} K-token streams a "
           f"side; other processes used {busy:.0%} of the CPUs while it measured"
