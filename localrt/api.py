@@ -69,9 +69,11 @@ def list_models(services: Services, request: Request):
 
 
 def _with_status(services: Services, record: dict) -> dict:
-    """A model's record with its status: "running" or "downloaded"."""
+    """A model's record with its status: "running" or "downloaded"; a remote model's
+    with its upstreams' health (localrt.remote)."""
     running = services.scheduler.is_running(record["id"])
-    return {**record, "status": "running" if running else "downloaded"}
+    return services.remotes.annotate({**record, "status": "running" if running else
+                                      "downloaded"})
 
 
 def _path_model(request: Request) -> str:
@@ -94,9 +96,21 @@ def delete_model(services: Services, request: Request):
 
 
 def update_model(services: Services, request: Request):
-    """Spec row 14: stored parameters and model.yml fields (schemas/model-update.json)."""
-    model = services.registry.update(_path_model(request), request.body)
+    """Spec row 14: stored parameters and model.yml fields (schemas/model-update.json), and
+    a remote model's upstreams."""
+    model_id = _path_model(request)
+    if "upstreams" in request.body:
+        model = services.remotes.update(model_id, request.body)
+    else:
+        model = services.registry.update(model_id, request.body)
     return {"message": f"Model {model['id']} updated", "model": _with_status(services, model)}
+
+
+def add_remote_model(services: Services, request: Request):
+    """Register a remote model: one served by OpenAI-compatible servers (its upstreams)."""
+    model = _with_status(services, services.remotes.add(request.body))
+    return {"message": f"Model {model['id']} added: {model['upstreams_healthy']} of "
+                       f"{model['upstreams_total']} upstreams healthy", "model": model}
 
 
 def pull_model(services: Services, request: Request):
@@ -158,6 +172,8 @@ def start_model(services: Services, request: Request):
     """Spec row 7: load a model with its stored parameters and these start options."""
     model_id = _model_of(request)
     options = {k: v for k, v in request.body.items() if k != "model"}
+    if _remote(services, model_id):
+        return services.remotes.started(model_id, options)
     running, started = services.scheduler.start(model_id, options)
     message = f"Model {model_id} started successfully"
     if not started:
@@ -173,13 +189,22 @@ def start_model(services: Services, request: Request):
 def stop_model(services: Services, request: Request):
     """Spec row 8: unload a model and free its memory."""
     model_id = _model_of(request)
+    if _remote(services, model_id):
+        return services.remotes.stopped(model_id)
     services.scheduler.stop(model_id)
     return {"message": f"Model {model_id} stopped successfully", "model": model_id}
 
 
+def _remote(services: Services, model_id: str) -> bool:
+    """Whether a registered model is remote: nothing loads, its upstreams serve it."""
+    return services.registry.has(model_id) and \
+        services.remotes.serves(services.registry.get(model_id))
+
+
 def models_status(services: Services, request: Request):
-    """The running models (`localrt ps`), and the machine they run on."""
-    return {"object": "list", "data": services.scheduler.status(),
+    """The running models (`localrt ps`), the remote ones with their upstreams, and the
+    machine they run on."""
+    return {"object": "list", "data": services.scheduler.status() + services.remotes.status(),
             "hardware": services.engines.hardware.status()}
 
 
@@ -296,6 +321,7 @@ ROUTES = (
     Route("POST", "/v1/models/variants", model_variants, "model-variants.json",
           "model-variants"),
     Route("POST", "/v1/models/import", import_model, "model-import.json", "model-changed"),
+    Route("POST", "/v1/models/remote", add_remote_model, "model-remote.json", "model-changed"),
     Route("POST", "/v1/models/{model_id:path}/pull", pull_model, reply="pull"),
     Route("POST", "/v1/models/{model_id:path}/start", start_model, "model-start.json",
           "model-started"),

@@ -55,8 +55,8 @@ class App:
             reply = self._dispatch(environ, cors_on, allowed_origin)
         except HTTPError as err:
             # Messages can quote what upstream said; secrets never leave in them.
-            secrets = security.secrets_of(self.services.settings.snapshot())
-            reply = Reply(security.redact_data(err.body(), secrets), err.status, err.headers)
+            reply = Reply(security.redact_data(err.body(), self.services.secrets()),
+                          err.status, err.headers)
         except Exception:
             log.exception("unexpected error on %s %s", environ.get("REQUEST_METHOD"),
                           environ.get("PATH_INFO"))

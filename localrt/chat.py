@@ -9,7 +9,8 @@ This module keeps only OpenAI's shapes: the engine checks what it can serve
 (localrt.engines), the scheduler gives the model and paces its tokens
 (`Lease.steps`, localrt.scheduler), and localrt.toolcalls knows each model family's
 tool-call syntax: the grammar that forces a call and the parser whose events become
-message.tool_calls and delta.tool_calls here.
+message.tool_calls and delta.tool_calls here. A remote model's request goes whole to
+localrt.remote, which forwards it to an upstream.
 """
 
 from __future__ import annotations
@@ -44,11 +45,12 @@ class Chats:
     """
 
     def __init__(self, registry, engines, scheduler: Scheduler, max_requests: int = 16,
-                 metrics=None):
+                 metrics=None, remotes=None):
         self._registry = registry
         self._engines = engines
         self._scheduler = scheduler
         self._metrics = metrics
+        self._remotes = remotes  # localrt.remote.Remotes: forwards remote models' requests
         self.max_requests = max_requests
         self._slots = threading.BoundedSemaphore(max_requests)
 
@@ -57,6 +59,8 @@ class Chats:
         model_id = body["model"]
         clock = Clock(self._metrics, model_id)  # from the request's arrival
         record = self._registry.get(model_id)  # 404 before anything starts
+        if self._engines.forwards(record["engine"]):  # a remote model: an upstream answers
+            return self._remotes.chat(record, body, self._slots)
         messages = [_message(i, m) for i, m in enumerate(body["messages"])]
         if body.get("n") not in (None, 1):
             raise InvalidField("Invalid field 'n': only n=1 is supported", param="n")

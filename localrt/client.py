@@ -110,6 +110,11 @@ class Client:
         """PATCH /v1/models/{id} with only the given stored parameters."""
         return self._request("PATCH", _model_path(model_id), changes)
 
+    def add_remote_model(self, model_id: str, upstreams: list[dict]) -> dict:
+        """POST /v1/models/remote: a model served by OpenAI-compatible servers."""
+        return self._request("POST", "/v1/models/remote", {"id": model_id,
+                                                          "upstreams": upstreams})
+
     def import_model(self, path: str, model_id: str | None = None,
                      option: str = "symlink") -> dict:
         """POST /v1/models/import: register a local GGUF file (`path` is absolute)."""

@@ -173,6 +173,8 @@ class Installs:
 
         The API refuses it while the engine runs a model (Scheduler.engine_unused)."""
         self._engines.require_known(name)
+        if name in CATALOG:
+            _refuse_part_of_localrt(CATALOG[name])
         target = self._pick_installed(name, version, variant)
         dropped = False
         with self._state.edit() as state:
@@ -219,6 +221,7 @@ class Installs:
     def _builtin_spec(self, name: str) -> EngineSpec:
         spec = CATALOG.get(name)
         if spec is not None:
+            _refuse_part_of_localrt(spec)
             return spec
         self._engines.require_known(name)
         raise BadRequest(f"{name} is a custom engine; install it from its wheel "
@@ -381,6 +384,14 @@ class Installs:
             # A new build is probed now (by engines that probe), not at its first use.
             self._engines.problem(name, {"path": str(target), "version": version})
         log.info("engine %s %s (%s) installed in %s", name, version, variant, target)
+
+
+def _refuse_part_of_localrt(spec: EngineSpec) -> None:
+    """A 400 for installing or uninstalling an engine that is part of localrt (remote)."""
+    if spec.forwards:
+        raise BadRequest(f"Engine {spec.name} is part of localrt: there is nothing to "
+                         f"install or uninstall; `localrt models add-remote` adds a model "
+                         f"it serves", param="engine")
 
 
 def choose_variant(spec: EngineSpec, wanted: str | None, hw: Hardware) -> Variant:

@@ -21,7 +21,10 @@ models folder.
 Each downloaded or imported model has a folder under `<dataFolderPath>/models`
 holding its files and a definition file, `model.json` (schemas/model.json),
 written atomically and only once every file is complete and checked. Its `engine`
-is model.yml's, else the engine catalog's (localrt.engines) for the files.
+is model.yml's, else the engine catalog's (localrt.engines) for the files. A remote
+model (localrt.remote) has a definition with no files and its `upstreams`, under
+`<dataFolderPath>/models/remote/`; their api keys are secrets, which a record never
+shows (`api_key_set` says whether one is stored).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ MAX_ID_BYTES = 255
 # Ids that the fixed routes under /v1/models/ shadow (localrt.api.ROUTES): a model
 # registered under one could not be read, started or deleted. If you add such a
 # route, add its last path segment here.
-RESERVED_IDS = ("pull", "import", "start", "stop", "status", "variants")
+RESERVED_IDS = ("pull", "import", "start", "stop", "status", "variants", "remote")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")  # hub org, repo and branch names
 DEFAULT_QUANT = "Q4_K_M"  # what Ollama's hf.co/... and llama.cpp's -hf take by default
 # A quantization in a GGUF file name: Q4_K_M, q8_0, IQ4_XS, TQ1_0, F16, BF16, F32.
@@ -213,8 +216,10 @@ class ModelNotFound(NotFound):
 
 @functools.lru_cache(maxsize=None)  # the schema file does not change while localrt runs
 def parameter_names() -> tuple[str, ...]:
-    """The stored parameters a model can have: the properties of schemas/model-update.json."""
-    return tuple(k for k in schemas.load("model-update.json")["properties"] if k != "id")
+    """The stored parameters a model can have: the properties of schemas/model-update.json,
+    less the id and a remote model's upstreams (localrt.remote sets those)."""
+    return tuple(k for k in schemas.load("model-update.json")["properties"]
+                 if k not in ("id", "upstreams"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -252,6 +257,12 @@ class Registry:
         with self._lock:
             folder, d = self._find(model_id)
         return self._record(folder, d)
+
+    def definition(self, model_id: str) -> dict:
+        """A model's definition as stored, secrets included (a remote model's upstream
+        keys): for localrt.remote to use, never for a reply."""
+        with self._lock:
+            return json.loads(json.dumps(self._find(model_id)[1]))
 
     def has(self, model_id: str) -> bool:
         """Whether `model_id` is registered."""
@@ -387,6 +398,10 @@ class Registry:
                                   if k not in LIST_OMITS}
         record["size"] = sum(f["size"] for f in d["files"])
         record["path"] = str(folder)
+        if "upstreams" in d:  # an upstream's api_key is a secret: a record only says it is set
+            record["upstreams"] = [{**{k: v for k, v in u.items() if k != "api_key"},
+                                    "api_key_set": bool(u.get("api_key"))}
+                                   for u in d["upstreams"]]
         return record
 
 
@@ -727,7 +742,7 @@ class Models:
                 self._importing.discard(model_id)
 
     def _import(self, src: Path, model_id: str, option: str, name: str | None) -> dict:
-        folder = self.registry.root / "imported" / _folder_name(model_id)
+        folder = self.registry.root / "imported" / folder_name(model_id)
         shutil.rmtree(folder, ignore_errors=True)  # what a crashed import left
         private_dir(folder)
         target = folder / src.name
@@ -809,8 +824,8 @@ def _task_id(ref: ModelRef) -> str:
     return f"{ref.repo.replace('/', ':')}:{ref.file or ref.revision}"
 
 
-def _folder_name(model_id: str) -> str:
-    """A folder name for an imported model: the quoted id, or a digest when that is long."""
+def folder_name(model_id: str) -> str:
+    """A folder name for an imported or remote model: the quoted id, or a digest when that is long."""
     name = quote(model_id, safe="")
     if len(name) <= 120:
         return name

@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from localrt import __version__
-from localrt.cli.flags import config_options, model_update_options, port
+from localrt.cli.flags import config_options, model_update_options, port, positive_int
 
 # Other names `models` subcommands answer to.
 MODEL_ALIASES = {"rm": "remove", "delete": "remove"}
@@ -102,6 +102,21 @@ def build_parser(stdout=None, stderr=None) -> argparse.ArgumentParser:
                    "(default: the file name without .gguf)")
     p.add_argument("--copy", action="store_true", help="copy the file into the models "
                    "folder instead of linking to it")
+    p = models.add_parser("add-remote", help="add a model served by other servers",
+                          description="Register a remote model: its chats are forwarded "
+                          "to OpenAI-compatible servers (vLLM, llama-server, "
+                          "llama-cpp-python's server, another localrt), each request to the "
+                          "healthy one with the fewest requests in flight.")
+    p.add_argument("model", metavar="ID", help="the model id clients will ask for")
+    p.add_argument("--url", action="append", required=True, metavar="URL",
+                   help="an upstream's OpenAI base URL, such as http://gpu1:8000/v1; "
+                   "repeat it for each replica")
+    p.add_argument("--upstream-model", metavar="NAME", help="the model's name on the "
+                   "upstreams (default: the one model each lists)")
+    p.add_argument("--api-key-env", metavar="VAR", help="the environment variable that "
+                   "holds the upstreams' API key")
+    p.add_argument("--max-inflight", type=positive_int, metavar="N", help="requests "
+                   "forwarded to each upstream at once; more wait their turn")
     _add_pull_arguments(models.add_parser("pull", help=pull_help,
                                           description=pull_description))
     _add_start_arguments(models.add_parser(

@@ -1,4 +1,4 @@
-"""`localrt models list|get|remove|update|import|start|stop` and `localrt ps`.
+"""`localrt models list|get|remove|update|import|add-remote|start|stop` and `localrt ps`.
 
 `models delete` and `models rm` are `models remove` (localrt.cli.parser.MODEL_ALIASES).
 
@@ -72,6 +72,30 @@ def cmd_models_import(ctx: Context) -> int:
     return ExitCode.OK
 
 
+def cmd_models_add_remote(ctx: Context) -> int:
+    """Register a remote model: its upstreams are OpenAI-compatible servers.
+
+    The key is read from the environment variable --api-key-env names, so it never
+    shows in the shell's history or the process list.
+    """
+    args = ctx.args
+    upstream = {}
+    if args.upstream_model:
+        upstream["model"] = args.upstream_model
+    if args.max_inflight is not None:
+        upstream["max_inflight"] = args.max_inflight
+    if args.api_key_env:
+        key = os.environ.get(args.api_key_env)
+        if not key:
+            raise CliError(f"${args.api_key_env} is not set; it should hold the upstream's "
+                           f"API key", ExitCode.USAGE)
+        upstream["api_key"] = key
+    reply = ctx.client().add_remote_model(args.model, [{"url": url, **upstream}
+                                                       for url in args.url])
+    ctx.out(reply["message"])
+    return ExitCode.OK
+
+
 def cmd_models_start(ctx: Context) -> int:
     """Load a model, with its stored parameters and the options given."""
     reply = ctx.client().start_model(ctx.args.model, start_options(ctx))
@@ -100,6 +124,14 @@ def cmd_ps(ctx: Context) -> int:
         ctx.out(table(["Model", "Engine", "RAM", "VRAM", "Up time", "Context"], rows))
     else:
         ctx.out("No models are running; `localrt run ID` starts one and chats with it")
+    upstreams = [(m["id"], u["url"], u["health"],
+                  f"{u['inflight']}/{u['max_inflight'] or '-'}",
+                  "" if u.get("latency_ms") is None else f"{u['latency_ms']:.0f} ms",
+                  u.get("error", ""))
+                 for m in status["data"] for u in m.get("upstreams", ())]
+    if upstreams:
+        ctx.out(table(["Remote model", "Upstream", "Health", "In flight", "Latency", "Error"],
+                      upstreams))
     hw = status.get("hardware") or {}
     if hw:
         gpu = f"CUDA {hw['cuda']}" if hw.get("cuda") else "no GPU"
