@@ -15,8 +15,9 @@ step computes; `LlamaBatch` computes it with llama.cpp:
     it ends. A new sequence takes the free slot sharing the longest prefix with its
     prompt, as llama.cpp's server does (cache_prompt), and reads only the rest; it
     counts as `cached`. Only a slot whose cache the prompt continues for at least
-    half is chosen that way; otherwise the least recently used slot is, so other
-    conversations keep theirs. With caching off, every prompt is read whole.
+    half, or whose cache holds at least half the prompt, is chosen that way;
+    otherwise the least recently used slot is, so other conversations keep theirs.
+    With caching off, every prompt is read whole.
   * A sequence ends at an end-of-generation token or max_tokens. One that is left
     (`leave`: its reply is done, or its client hung up) frees its slot at the end of
     the step under way, or at once when none is.
@@ -37,7 +38,7 @@ from typing import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
-REUSE_AT_LEAST = 0.5  # the part of a slot's cache a prompt must continue to be put there
+REUSE_AT_LEAST = 0.5  # how much of a slot's cache, or of the prompt, must be shared
 PENALTY_LAST_N = 64  # tokens the repeat/frequency/presence penalties look back over
 
 
@@ -194,7 +195,11 @@ class Batcher:
         if not self.caching:
             return oldest, 0
         shared = {s.id: common_prefix(s.tokens, prompt) for s in free}
-        fits = [s for s in free if shared[s.id] >= REUSE_AT_LEAST * len(s.tokens)]
+        # A slot the prompt continues (most of its cache is reused), or one whose cache
+        # is most of the prompt (a long shared system prompt, a turn whose reply the
+        # template rewrote): else the least recently used, so conversations keep theirs.
+        fits = [s for s in free if shared[s.id] >= REUSE_AT_LEAST * len(s.tokens)
+                or shared[s.id] >= REUSE_AT_LEAST * len(prompt)]
         best = max(fits, key=lambda s: (shared[s.id], -s.used), default=oldest)
         return best, shared[best.id]
 

@@ -531,8 +531,11 @@ class Scheduler:
             except Exception:
                 log.exception("model %s: the engine could not say its memory", record["id"])
         # A model with slots serves that many requests at once, in steps (localrt.adapters).
-        slots = getattr(model, "slots", None) or 1
-        stepper = Stepper(self.lanes, model.step) if getattr(model, "slots", None) else None
+        slots, stepper = getattr(model, "slots", None), None
+        if isinstance(slots, int) and slots >= 1 and callable(getattr(model, "step", None)):
+            stepper = Stepper(self.lanes, model.step)
+        else:
+            slots = 1
         return Running(record["id"], engine, model, options, measured["ram"], measured["vram"],
                        kv=measured["kv"], slots=slots, stepper=stepper, turn=FairLock(slots))
 

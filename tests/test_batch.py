@@ -496,3 +496,17 @@ def test_a_sequence_left_during_a_step_frees_its_slot_after_it():
     batcher.join(second)
     batcher.step()
     assert second.slot.id == 0 and list(second.ready) == [100]
+
+
+def test_a_prompt_mostly_held_by_a_slot_takes_it_even_past_its_reply():
+    """A long shared start (a system prompt, or a turn whose earlier reply the template
+    rewrote) is reused though the slot caches much more after it."""
+    batcher = Batcher(2, 64, Engine())
+    long = Sequence(list(range(1, 21)), 2)
+    batcher.join(long)
+    batcher.step()
+    batcher.leave(long)  # slot 0 caches 20 tokens
+    short = Sequence(list(range(1, 9)) + [90, 91], 2)  # shares 8 of them
+    batcher.join(short)
+    batcher.step()
+    assert (short.slot.id, short.cached) == (0, 8)
