@@ -89,7 +89,8 @@ class Entry:
 class Batcher:
     """The slots of one batched model, and what each step computes.
 
-    `engine` has trim(slot, keep) (drop a slot's KV from position `keep` on),
+    `engine` has trim(slot, keep) (drop a slot's KV from position `keep` on; false
+    when it cannot, which never happens for keep 0),
     decode(entries) -> the sampled token of each entry with `sample`, in order,
     is_end(token) and release(sequence) (free what the engine made for it).
     `_lock` guards the slots, `_waiting`, `_active` and the sequences' state;
@@ -153,12 +154,10 @@ class Batcher:
         """One decode for every sequence that has something to compute."""
         with self._stepping:
             with self._lock:
-                trims = self._admit()
+                self._admit()
                 plan = self._plan()
                 self._in_flight = {e.seq for e in plan}
             try:
-                for slot, keep in trims:
-                    self._engine.trim(slot, keep)
                 sampled = self._engine.decode(plan) if plan else []
                 self.decodes += bool(plan)
             except Exception as exc:
@@ -173,9 +172,9 @@ class Batcher:
         """Hold this while the engine frees what steps use."""
         return self._stepping
 
-    def _admit(self) -> list[tuple[int, int]]:
-        """Waiting sequences into free slots, in arrival order; the KV each slot drops."""
-        trims = []
+    def _admit(self) -> None:
+        """Waiting sequences into free slots, in arrival order; each slot's KV is cut
+        to what its new sequence reuses."""
         while self._waiting:
             free = [s for s in self.slots if s.seq is None]
             if not free:
@@ -183,11 +182,12 @@ class Batcher:
             seq = self._waiting.popleft()
             slot, keep = self._choose(free, seq.prompt)
             keep = min(keep, len(seq.prompt) - 1)  # the last prompt token gives the logits
+            if not self._engine.trim(slot.id, keep):  # a model that cannot cut (recurrent)
+                keep = 0
+                self._engine.trim(slot.id, 0)
             slot.seq, slot.tokens = seq, slot.tokens[:keep]
             seq.slot, seq.cached, seq.read = slot, keep, keep
             self._active.append(seq)
-            trims.append((slot.id, keep))
-        return trims
 
     def _choose(self, free: list[Slot], prompt: list[int]) -> tuple[Slot, int]:
         """The slot for a prompt, and how many of its cached tokens the prompt reuses."""
@@ -349,9 +349,10 @@ class LlamaBatch:
             raise
         return chain
 
-    def trim(self, slot: int, keep: int) -> None:
-        """Drop a slot's KV from position `keep` on."""
-        self._ll.llama_memory_seq_rm(self._memory, slot, keep, -1)
+    def trim(self, slot: int, keep: int) -> bool:
+        """Drop a slot's KV from position `keep` on; false when the model's memory cannot
+        cut a sequence short (a recurrent one), which it always can from 0."""
+        return bool(self._ll.llama_memory_seq_rm(self._memory, slot, keep, -1))
 
     def decode(self, entries: list[Entry]) -> list[int]:
         """One llama_decode of every entry; the sampled token of each that samples."""

@@ -420,6 +420,7 @@ class Engine:
 
     def trim(self, slot, keep):
         self.trims.append((slot, keep))
+        return True
 
     def decode(self, entries: list[Entry]) -> list[int]:
         self.plans.append([(e.seq, len(e.tokens), e.reading) for e in entries])
@@ -510,3 +511,17 @@ def test_a_prompt_mostly_held_by_a_slot_takes_it_even_past_its_reply():
     batcher.join(short)
     batcher.step()
     assert (short.slot.id, short.cached) == (0, 8)
+
+
+def test_a_model_that_cannot_cut_its_cache_reads_prompts_whole():
+    """A recurrent model's memory cannot drop the end of a sequence: no cache reuse."""
+    engine = Engine()
+    engine.trim = lambda slot, keep: engine.trims.append((slot, keep)) or keep == 0
+    batcher = Batcher(1, 64, engine)
+    for _ in range(2):
+        seq = Sequence([1, 2, 3, 4], 2)
+        batcher.join(seq)
+        batcher.step()
+        batcher.leave(seq)
+    assert seq.cached == 0 and batcher.prompt_read == 8
+    assert engine.trims == [(0, 0), (0, 3), (0, 0)]
