@@ -141,6 +141,7 @@ class Raw:
         params.n_ctx, params.n_seq_max, params.kv_unified = PARALLEL * CTX_LEN, PARALLEL, False
         params.n_batch = params.n_ubatch = N_BATCH
         params.n_threads = params.n_threads_batch = threads
+        params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_DISABLED  # localrt's default
         self.ctx = ll.llama_init_from_model(self.model.model, params)
         self.batch = ll.llama_batch_init(N_BATCH, 0, 1)
         self.eog = eog
