@@ -92,7 +92,7 @@ class Events:
 
         self._result = validator(app)(environ, start_response)
         self._events = iter(self._result)
-        self.text, self.finish, self.done, self.error = "", None, False, None
+        self.text, self.finish, self.done, self.error, self.usage = "", None, False, None, None
 
     def next(self):
         """The next event's data (a dict, or "[DONE]"), noted in text/finish/error."""
@@ -102,6 +102,8 @@ class Events:
             self.done = True
             return data
         event = json.loads(data)
+        if event.get("usage"):
+            self.usage = event["usage"]
         if "error" in event:
             self.error = event["error"]
         elif event["choices"]:
@@ -230,6 +232,28 @@ def test_a_json_schema_request_and_a_free_one_share_a_batch(api, app, tiny):
     assert streams[0].finish == "stop"
     assert streams[1].text == expected and streams[1].finish == "length"
     assert counters(app)["decodes"] - before < 32 + len(streams[0].text)  # they overlapped
+
+
+def test_stop_strings_usage_and_seeds_hold_sequence_by_sequence(api, app, tiny):
+    free = body(messages=user(PROMPTS[1]), max_tokens=24)
+    full = alone(api, free)
+    stop = next(full[i:i + 2] for i in range(3, len(full) - 2)
+                if full[i:i + 2].strip() and "\ufffd" not in full[i:i + 2])
+    sampled = body(messages=user(PROMPTS[3]), max_tokens=16, temperature=1.0, top_k=0,
+                   top_p=1.0, min_p=0.0, seed=1234, stream_options={"include_usage": True})
+    restart(api)
+    streams = [Events(app, {**free, "stop": stop}), Events(app, body(
+        max_tokens=16, logit_bias=forced(1), stream_options={"include_usage": True})),
+        Events(app, sampled), Events(app, sampled)]
+    round_robin(streams)
+    cut, forced_t, first, second = streams
+    assert cut.text == full[:full.index(stop)] and cut.finish == "stop"
+    assert forced_t.text == "t" * 16 and forced_t.finish == "length"
+    assert forced_t.usage["completion_tokens"] == 16
+    assert first.text == second.text  # each has its own chain, seeded alike
+    assert first.usage == second.usage and first.usage["completion_tokens"] == 16
+    other = Events(app, {**sampled, "seed": 99}).finish_reading()
+    assert other.text != first.text
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q8_0", "F16"])
