@@ -523,7 +523,8 @@ class Scheduler:
             log.warning("model %s failed to load with %s: %s", record["id"], engine, exc)
             raise ModelLoadFailed(f"Model {record['id']} failed to load with {engine}: {exc} "
                                   f"(a damaged file, or not enough memory for ctx_len "
-                                  f"{options.get('ctx_len')})", param="model") from None
+                                  f"{options.get('ctx_len')} x n_parallel "
+                                  f"{options.get('n_parallel')})", param="model") from None
         measured = {"ram": max(_rss() - before, 0), "vram": 0, "kv": 0}
         if hasattr(model, "memory"):
             try:
