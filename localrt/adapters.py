@@ -6,7 +6,8 @@ and may have the engine's own rules, which localrt.engines asks before anything 
   check_options(options) -> [(option, why)]   the start options it cannot take
                                               (schemas/model-start.json's names)
   check_request(params)                       raises InvalidField for a chat request it
-                                              cannot serve (params as generate() gets them)
+                                              cannot serve (its response_format, tools and
+                                              tool_choice)
 
 The model it loads has:
 
@@ -19,6 +20,8 @@ The model it loads has:
   memory() -> {"ram", "vram"[, "kv"]}        bytes, when the engine knows better than
                                              the RSS delta measured around the load
                                              (kv: its KV cache, part of ram or vram)
+  chat_template                              its Jinja chat template, when it has one
+                                             (localrt.toolcalls reads its call format)
   unload()
   slots, step()                              only a model that batches: it serves
                                              `slots` generations at once, and each
@@ -34,9 +37,12 @@ batches (LlamaModel, with localrt.batching: n_parallel sequences in one context,
 the prompt cache); onnx-runtime serves one request at a time. `params` come from
 localrt.chat: OpenAI's sampling fields (`response_format` as {"type": "json_object"}
 or {"type": "json_schema", "schema"}) plus `prompt` (the text of a model's
-prompt_template, used instead of the chat template when present), `stop` (a list) and,
-for gguf-cpp, `grammar` (GBNF, which goes before response_format's). A generation's
-`usage` also counts `cached_tokens`: prompt tokens a batched model found in its cache.
+prompt_template, used instead of the chat template when present) and `stop` (a
+list). For tool calls (localrt.toolcalls): `tools` (OpenAI's list, given to the chat
+template as Hugging Face gives it), `grammar` (GBNF that constrains the reply instead
+of response_format) and `preserved_tokens` (special tokens printed as their text, as
+a call's syntax needs). A generation's `usage` also counts `cached_tokens`: prompt
+tokens a batched model found in its cache.
 llama_cpp and onnxruntime_genai are imported only when a model loads.
 """
 
@@ -50,6 +56,7 @@ import random
 from pathlib import Path
 from typing import Iterator
 
+from localrt import toolcalls
 from localrt.batching import Batcher, LlamaBatch, Sampling, Sequence
 from localrt.errors import InvalidField
 
@@ -266,8 +273,10 @@ class GgufEngine:
 
     @staticmethod
     def check_request(params: dict) -> None:
-        """A 400 for a JSON Schema that cannot become a grammar."""
+        """A 400 for a JSON Schema (a response format's or a forced tool's) that cannot
+        become a grammar."""
         json_grammar(params.get("response_format"))
+        toolcalls.check_schemas(params.get("tools"), params.get("tool_choice"))
 
 
 class LlamaModel(GeneratingModel):
@@ -303,6 +312,12 @@ class LlamaModel(GeneratingModel):
         self._metadata = self._model.metadata()
         self._formatter = None  # the GGUF's chat template, compiled at the first chat
         self._pieces: dict[int, bytes] = {}  # token -> its bytes; the vocabulary is fixed
+        self._special_pieces: dict[int, bytes] = {}  # the same, special tokens printed
+
+    @property
+    def chat_template(self) -> str | None:
+        """The GGUF's Jinja chat template (tokenizer.chat_template), if it has one."""
+        return self._metadata.get("tokenizer.chat_template")
 
     def generate(self, messages: list, params: dict) -> Generation:
         """Tokenize and check now; the tokens come as steps compute them."""
@@ -310,13 +325,14 @@ class LlamaModel(GeneratingModel):
         if params.get("prompt") is not None:
             text, bos = params["prompt"], model.add_bos_token()
         else:
-            text, bos = self._format(messages)
+            text, bos = self._format(messages, params.get("tools"))
         tokens = model.tokenize(text.encode("utf-8"), add_bos=bos, special=True)
         if not tokens:
             raise InvalidField("Invalid field 'messages': the prompt is empty",
                                param="messages")
         room = _check_room(len(tokens), self.context)
         max_tokens = min(params.get("max_tokens") or room, room)
+        keep = self._preserved(params.get("preserved_tokens"))
         seq = Sequence(tokens, max_tokens, self._sampler(params, tokens))
         batcher = self._batcher
 
@@ -326,7 +342,7 @@ class LlamaModel(GeneratingModel):
             try:
                 yield from token_loop(
                     gen, batcher.tokens(seq, lambda: gen.wait()),
-                    decode=lambda t: decoder.decode(self._piece(t)),
+                    decode=lambda t: decoder.decode(self._piece(t, t in keep)),
                     is_end=self._batch.is_end, final=lambda: decoder.decode(b"", final=True),
                     stops=params.get("stop"), max_tokens=max_tokens)
             finally:
@@ -358,9 +374,10 @@ class LlamaModel(GeneratingModel):
                 raise InvalidField(f"Invalid field 'logit_bias': token {key} is not in the "
                                    f"model's vocabulary of {n_vocab}", param="logit_bias")
             bias.append((token, float(value)))
-        # A grammar of the caller's own (GBNF) goes before response_format's.
+        # A grammar of the caller's own (GBNF: a forced tool call's) goes before
+        # response_format's.
         grammar, source = params.get("grammar"), "grammar"
-        if grammar is None:
+        if not grammar:
             grammar, source = json_grammar(params.get("response_format")), "response_format"
         sampling = Sampling(
             temperature=_number(params, "temperature"), top_k=int(_number(params, "top_k")),
@@ -374,21 +391,32 @@ class LlamaModel(GeneratingModel):
         except ValueError as exc:
             raise InvalidField(f"Invalid field '{source}': {exc}", param=source) from None
 
-    def _piece(self, token: int) -> bytes:
-        """A token's bytes (special tokens render as nothing, as in llama-cpp-python)."""
-        piece = self._pieces.get(token)
+    def _piece(self, token: int, special: bool = False) -> bytes:
+        """A token's bytes (special tokens render as nothing, as in llama-cpp-python,
+        unless `special`)."""
+        pieces = self._special_pieces if special else self._pieces
+        piece = pieces.get(token)
         if piece is None:
             import ctypes
 
             vocab, size = self._model.vocab, 64
             while True:
                 buf = ctypes.create_string_buffer(size)
-                n = self._llama_cpp.llama_token_to_piece(vocab, token, buf, size, 0, False)
+                n = self._llama_cpp.llama_token_to_piece(vocab, token, buf, size, 0, special)
                 if n >= 0:
                     break
                 size = -n
-            piece = self._pieces[token] = buf.raw[:n]
+            piece = pieces[token] = buf.raw[:n]
         return piece
+
+    def _preserved(self, texts) -> frozenset:
+        """The ids of the special tokens spelled `texts`, to print as text."""
+        ids = set()
+        for text in texts or ():
+            tokens = self._model.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+            if len(tokens) == 1:
+                ids.add(tokens[0])
+        return frozenset(ids)
 
     def memory(self) -> dict:
         """RAM and VRAM from llama.cpp: the weights (split by offloaded layers) and the
@@ -419,8 +447,9 @@ class LlamaModel(GeneratingModel):
         return int(llama_cpp.llama_model_n_layer(model) * cells * width
                    * CACHE_TYPE_BYTES[self._cache_type])
 
-    def _format(self, messages: list) -> tuple[str, bool]:
-        """The prompt from the GGUF's chat template (llama-2's format if it has none)."""
+    def _format(self, messages: list, tools: list | None = None) -> tuple[str, bool]:
+        """The prompt from the GGUF's chat template (llama-2's format if it has none),
+        given `tools` as Hugging Face's apply_chat_template gives them."""
         from llama_cpp import llama_chat_format
 
         if self._formatter is None:
@@ -437,7 +466,7 @@ class LlamaModel(GeneratingModel):
             else:
                 self._formatter = llama_chat_format.format_llama2
         try:
-            out = self._formatter(messages=messages)
+            out = self._formatter(messages=messages, tools=tools)
         except Exception as exc:  # jinja2 errors, and the template's raise_exception()
             raise InvalidField(f"Invalid field 'messages': the model's chat template "
                                f"refused them: {exc}", param="messages") from None
@@ -547,12 +576,16 @@ class OnnxEngine:
 
     @staticmethod
     def check_request(params: dict) -> None:
-        """A 400 for a JSON response format: onnxruntime-genai cannot constrain one."""
+        """A 400 for a JSON response format or tools: onnxruntime-genai can neither
+        constrain a reply nor render tools into its chat template."""
         if (params.get("response_format") or {}).get("type") in ("json_object",
                                                                   "json_schema"):
             raise InvalidField("Invalid field 'response_format': onnx-runtime cannot "
                                "constrain replies to JSON; use a GGUF model",
                                param="response_format")
+        if params.get("tools"):
+            raise InvalidField("Invalid field 'tools': onnx-runtime models cannot call "
+                               "tools; use a GGUF model", param="tools")
 
 
 class OnnxModel(GeneratingModel):

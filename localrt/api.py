@@ -13,6 +13,7 @@ import threading
 from localrt import __version__
 from localrt.errors import Conflict, InvalidField, ServiceUnavailable
 from localrt.events import TooManyListeners
+from localrt.metrics import CONTENT_TYPE
 from localrt.models import check_id
 from localrt.routing import Reply, Request, Route
 from localrt.services import Services
@@ -21,6 +22,14 @@ from localrt.services import Services
 def healthz(services: Services, request: Request):
     """Liveness: answers without touching any engine."""
     return {"status": "ok", "version": __version__}
+
+
+def metrics(services: Services, request: Request):
+    """Prometheus metrics in the text exposition format 0.0.4; answers without touching
+    any engine."""
+    text = services.metrics.render().encode("utf-8")
+    return Reply([text], content_type=CONTENT_TYPE,
+                 headers=[("Content-Length", str(len(text))), ("Cache-Control", "no-store")])
 
 
 def openapi_document(services: Services, request: Request):
@@ -60,9 +69,11 @@ def list_models(services: Services, request: Request):
 
 
 def _with_status(services: Services, record: dict) -> dict:
-    """A model's record with its status: "running" or "downloaded"."""
+    """A model's record with its status: "running" or "downloaded"; a remote model's
+    with its upstreams' health (localrt.remote)."""
     running = services.scheduler.is_running(record["id"])
-    return {**record, "status": "running" if running else "downloaded"}
+    return services.remotes.annotate({**record, "status": "running" if running else
+                                      "downloaded"})
 
 
 def _path_model(request: Request) -> str:
@@ -85,9 +96,21 @@ def delete_model(services: Services, request: Request):
 
 
 def update_model(services: Services, request: Request):
-    """Spec row 14: the stored parameters (schemas/model-update.json)."""
-    model = services.registry.update(_path_model(request), request.body)
+    """Spec row 14: stored parameters and model.yml fields (schemas/model-update.json), and
+    a remote model's upstreams."""
+    model_id = _path_model(request)
+    if "upstreams" in request.body:
+        model = services.remotes.update(model_id, request.body)
+    else:
+        model = services.registry.update(model_id, request.body)
     return {"message": f"Model {model['id']} updated", "model": _with_status(services, model)}
+
+
+def add_remote_model(services: Services, request: Request):
+    """Register a remote model: one served by OpenAI-compatible servers (its upstreams)."""
+    model = _with_status(services, services.remotes.add(request.body))
+    return {"message": f"Model {model['id']} added: {model['upstreams_healthy']} of "
+                       f"{model['upstreams_total']} upstreams healthy", "model": model}
 
 
 def pull_model(services: Services, request: Request):
@@ -96,8 +119,10 @@ def pull_model(services: Services, request: Request):
 
 
 def pull_model_body(services: Services, request: Request):
-    """The newer cortex form of row 9, which can also choose a file: {"model", "file"?}."""
-    return services.models.pull(request.body["model"], request.body.get("file"))
+    """The newer cortex form of row 9: {"model", "file"?, "id"?, "name"?}."""
+    body = request.body
+    return services.models.pull(body["model"], body.get("file"), body.get("id"),
+                                body.get("name"))
 
 
 def model_variants(services: Services, request: Request):
@@ -117,10 +142,13 @@ def cancel_pull(services: Services, request: Request):
 
 
 def import_model(services: Services, request: Request):
-    """Register a local GGUF file: no hub needed."""
+    """Register a local GGUF file: localrt's {"path", "id"?} or cortex's {"model", "modelPath"}."""
     body = request.body
-    model = services.models.import_file(body["path"], body.get("id"),
-                                        body.get("option", "symlink"))
+    cortex = "modelPath" in body  # the schema holds a body with model or modelPath to it
+    model = services.models.import_file(body["modelPath" if cortex else "path"],
+                                        body.get("model" if cortex else "id"),
+                                        body.get("option", "symlink"), body.get("name"),
+                                        cortex=cortex)
     return {"message": f"Model {model['id']} imported", "model": _with_status(services, model)}
 
 
@@ -144,6 +172,8 @@ def start_model(services: Services, request: Request):
     """Spec row 7: load a model with its stored parameters and these start options."""
     model_id = _model_of(request)
     options = {k: v for k, v in request.body.items() if k != "model"}
+    if _remote(services, model_id):
+        return services.remotes.started(model_id, options)
     running, started = services.scheduler.start(model_id, options)
     message = f"Model {model_id} started successfully"
     if not started:
@@ -159,13 +189,22 @@ def start_model(services: Services, request: Request):
 def stop_model(services: Services, request: Request):
     """Spec row 8: unload a model and free its memory."""
     model_id = _model_of(request)
+    if _remote(services, model_id):
+        return services.remotes.stopped(model_id)
     services.scheduler.stop(model_id)
     return {"message": f"Model {model_id} stopped successfully", "model": model_id}
 
 
+def _remote(services: Services, model_id: str) -> bool:
+    """Whether a registered model is remote: nothing loads, its upstreams serve it."""
+    return services.registry.has(model_id) and \
+        services.remotes.serves(services.registry.get(model_id))
+
+
 def models_status(services: Services, request: Request):
-    """The running models (`localrt ps`), and the machine they run on."""
-    return {"object": "list", "data": services.scheduler.status(),
+    """The running models (`localrt ps`), the remote ones with their upstreams, and the
+    machine they run on."""
+    return {"object": "list", "data": services.scheduler.status() + services.remotes.status(),
             "hardware": services.engines.hardware.status()}
 
 
@@ -192,7 +231,9 @@ def get_engine(services: Services, request: Request):
 
 
 def install_engine(services: Services, request: Request):
-    """Spec row 4: start installing; progress comes as Download* events of type Engine."""
+    """Spec row 4: start installing; progress comes as Download* events of type Engine.
+
+    A variant installed already is checked instead of fetched, with the same events."""
     body = request.body
     return services.installs.install(request.params["engine"], body.get("version"),
                                      body.get("variant"))
@@ -217,8 +258,26 @@ def set_default_engine(services: Services, request: Request):
                                          body["version"])
 
 
+def get_default_engine(services: Services, request: Request):
+    """The installed variant models of an engine load: {engine, variant, version}."""
+    return services.engines.default(request.params["engine"])
+
+
+def engine_releases(services: Services, request: Request):
+    """The versions of an engine the package index has, newest first (cortex's shape)."""
+    return services.installs.releases(request.params["engine"])
+
+
+def engine_release(services: Services, request: Request):
+    """The variants of one version ("latest": the newest) the package index has."""
+    return services.installs.release(request.params["engine"], request.params["version"])
+
+
 def events(services: Services, request: Request):
-    """Server-Sent Events: DownloadStarted, DownloadUpdated, DownloadSuccess, ..."""
+    """Server-Sent Events: DownloadStarted, DownloadUpdated, DownloadSuccess, ...
+
+    cortex sends the same events on a WebSocket at /events; here they are `data:`
+    lines of an SSE stream. No /events alias: a WebSocket client could not read it."""
     try:
         stream = services.events.listen()
     except TooManyListeners:
@@ -231,6 +290,7 @@ def events(services: Services, request: Request):
 # Fixed paths come before `{model_id:path}` ones: model ids hold "/" and ":".
 ROUTES = (
     Route("GET", "/healthz", healthz, reply="health"),
+    Route("GET", "/metrics", metrics),
     Route("GET", "/openapi.json", openapi_document, reply="openapi"),
     Route("GET", "/v1/configs", get_configs, reply="config"),
     Route("PATCH", "/v1/configs", patch_configs, "config-update.json", "config-updated"),
@@ -245,8 +305,12 @@ ROUTES = (
           "engine-install"),
     Route("DELETE", "/v1/engines/{engine}/install", uninstall_engine, "engine-install.json",
           "message"),
+    Route("GET", "/v1/engines/{engine}/default", get_default_engine, reply="engine-default"),
     Route("POST", "/v1/engines/{engine}/default", set_default_engine, "engine-default.json",
           "message"),
+    Route("GET", "/v1/engines/{engine}/releases", engine_releases, reply="engine-releases"),
+    Route("GET", "/v1/engines/{engine}/releases/{version}", engine_release,
+          reply="engine-release"),
     Route("GET", "/v1/models", list_models, reply="model-list"),
     Route("GET", "/v1/models/status", models_status, reply="models-status"),
     Route("POST", "/v1/models/start", start_model, "model-start.json", "model-started"),
@@ -257,6 +321,7 @@ ROUTES = (
     Route("POST", "/v1/models/variants", model_variants, "model-variants.json",
           "model-variants"),
     Route("POST", "/v1/models/import", import_model, "model-import.json", "model-changed"),
+    Route("POST", "/v1/models/remote", add_remote_model, "model-remote.json", "model-changed"),
     Route("POST", "/v1/models/{model_id:path}/pull", pull_model, reply="pull"),
     Route("POST", "/v1/models/{model_id:path}/start", start_model, "model-start.json",
           "model-started"),

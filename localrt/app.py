@@ -1,4 +1,5 @@
-"""The WSGI application: request parsing, validation, CORS, and the one error boundary.
+"""The WSGI application: request parsing, validation, CORS, the one error boundary, and
+the count of every request (localrt.metrics) once its reply's body is closed.
 
 `create_app(settings)` builds it; nothing here is module-level state, so two
 apps can live in one process. Routes and handlers are in `localrt.api`, the domain
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from http import HTTPStatus
 from typing import Iterable
 from urllib.parse import parse_qsl
@@ -16,6 +18,7 @@ from urllib.parse import parse_qsl
 from localrt import security
 from localrt.errors import (BadRequest, Forbidden, HTTPError, InternalError, InvalidJSON,
                             PayloadTooLarge, Unauthorized, UnsupportedMediaType)
+from localrt.openapi import document_path
 from localrt.routing import Reply, Request, Router
 from localrt.services import build_services
 from localrt.settings import Settings
@@ -36,11 +39,14 @@ class App:
         if routes is None:
             from localrt.api import ROUTES as routes
         self.router = Router(routes)
+        # Each route's label in the request metrics: its path as the OpenAPI document writes it.
+        self._route_labels = {r.pattern: document_path(r.pattern) for r in self.router.routes}
         self.services = build_services(settings, shutdown=shutdown, hardware=hardware,
                                        run_probe=run_probe)
         self.validators = self.services.validators
 
     def __call__(self, environ, start_response):
+        arrived = time.monotonic()
         origin = environ.get("HTTP_ORIGIN")
         cors_on = self.services.config.cors_enabled()
         allowed_origin = origin if cors_on and origin and \
@@ -49,8 +55,8 @@ class App:
             reply = self._dispatch(environ, cors_on, allowed_origin)
         except HTTPError as err:
             # Messages can quote what upstream said; secrets never leave in them.
-            secrets = security.secrets_of(self.services.settings.snapshot())
-            reply = Reply(security.redact_data(err.body(), secrets), err.status, err.headers)
+            reply = Reply(security.redact_data(err.body(), self.services.secrets()),
+                          err.status, err.headers)
         except Exception:
             log.exception("unexpected error on %s %s", environ.get("REQUEST_METHOD"),
                           environ.get("PATH_INFO"))
@@ -73,7 +79,13 @@ class App:
         start_response(_STATUS_LINES[reply.status], headers)
         if environ.get("REQUEST_METHOD") == "HEAD":
             chunks = []
-        return _Body(chunks, reply.after) if reply.after else chunks
+
+        def count():  # once the body is sent: a stream is counted when it ends
+            method = environ.get("REQUEST_METHOD", "").upper()
+            self.services.metrics.observe_request(method, self._route_of(method, environ),
+                                                  reply.status, time.monotonic() - arrived)
+
+        return _Body(chunks, reply.after, count)
 
     def _dispatch(self, environ, cors_on: bool, allowed_origin: str | None) -> Reply:
         method = environ["REQUEST_METHOD"].upper()
@@ -137,6 +149,14 @@ class App:
                         ("Access-Control-Max-Age", PREFLIGHT_MAX_AGE)]
         return Reply(None, 204, headers)
 
+    def _route_of(self, method: str, environ) -> str | None:
+        """The label of the route a request was for; None when no route has its path."""
+        try:
+            pattern = self.router.pattern(method, _path(environ))
+        except BadRequest:
+            return None
+        return self._route_labels.get(pattern)
+
     def close(self) -> None:
         """End event streams, stop download tasks (their part files stay), unload models."""
         self.services.close()
@@ -148,10 +168,11 @@ def create_app(settings: Settings, **kwargs) -> App:
 
 
 class _Body:
-    """A response body that runs a callback when the server closes it."""
+    """A response body that, when the server closes it, runs the reply's `after`, then
+    counts the request."""
 
-    def __init__(self, chunks, after):
-        self._chunks, self._after = chunks, after
+    def __init__(self, chunks, after, count):
+        self._chunks, self._after, self._count = chunks, after, count
 
     def __iter__(self):
         return iter(self._chunks)
@@ -161,7 +182,11 @@ class _Body:
             if hasattr(self._chunks, "close"):
                 self._chunks.close()
         finally:
-            self._after()
+            try:
+                if self._after is not None:
+                    self._after()
+            finally:
+                self._count()
 
 
 _STATUS_LINES = {s.value: f"{s.value} {s.phrase}" for s in HTTPStatus}

@@ -6,8 +6,11 @@ check that can fail happens before either is returned, so a streamed reply never
 starts with an error: only a failure in the middle of generating ends up inside it.
 
 This module keeps only OpenAI's shapes: the engine checks what it can serve
-(localrt.engines), and the scheduler gives the model and paces its tokens
-(`Lease.steps`, localrt.scheduler).
+(localrt.engines), the scheduler gives the model and paces its tokens
+(`Lease.steps`, localrt.scheduler), and localrt.toolcalls knows each model family's
+tool-call syntax: the grammar that forces a call and the parser whose events become
+message.tool_calls and delta.tool_calls here. A remote model's request goes whole to
+localrt.remote, which forwards it to an upstream.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import time
 import uuid
 from typing import Iterator
 
+from localrt import toolcalls
 from localrt.errors import InvalidField, ServiceUnavailable
+from localrt.metrics import Clock
 from localrt.scheduler import Lease, ModelStopped, Scheduler
 
 log = logging.getLogger(__name__)
@@ -36,19 +41,26 @@ class Chats:
 
     At most `max_requests` chats are in progress (generating or queued) at once: each
     holds a server thread, and the rest of the API needs some. Past that, a 503.
+    Each completion is timed and counted in `metrics` (localrt.metrics.Metrics).
     """
 
-    def __init__(self, registry, engines, scheduler: Scheduler, max_requests: int = 16):
+    def __init__(self, registry, engines, scheduler: Scheduler, max_requests: int = 16,
+                 metrics=None, remotes=None):
         self._registry = registry
         self._engines = engines
         self._scheduler = scheduler
+        self._metrics = metrics
+        self._remotes = remotes  # localrt.remote.Remotes: forwards remote models' requests
         self.max_requests = max_requests
         self._slots = threading.BoundedSemaphore(max_requests)
 
     def create(self, body: dict):
         """A chat.completion dict, or a Stream when body["stream"] is true."""
         model_id = body["model"]
+        clock = Clock(self._metrics, model_id)  # from the request's arrival
         record = self._registry.get(model_id)  # 404 before anything starts
+        if self._engines.forwards(record["engine"]):  # a remote model: an upstream answers
+            return self._remotes.chat(record, body, self._slots)
         messages = [_message(i, m) for i, m in enumerate(body["messages"])]
         if body.get("n") not in (None, 1):
             raise InvalidField("Invalid field 'n': only n=1 is supported", param="n")
@@ -56,8 +68,11 @@ class Chats:
             raise InvalidField("Invalid field 'logprobs': log probabilities are not "
                                "supported", param="logprobs")
         response_format = _response_format(body.get("response_format"))
+        tools = toolcalls.ToolRequest.read(body)
         # What the engine cannot serve (a schema it cannot follow): a 400 before waiting.
-        self._engines.check_request(record["engine"], {"response_format": response_format})
+        self._engines.check_request(record["engine"], {
+            "response_format": response_format, "tools": tools and tools.tools,
+            "tool_choice": body.get("tool_choice")})
         if not self._slots.acquire(blocking=False):
             raise ServiceUnavailable(f"Too many chat requests in progress (at most "
                                      f"{self.max_requests}); retry shortly",
@@ -71,14 +86,18 @@ class Chats:
         try:
             params = _params(body, record, lease.options)
             params["response_format"] = response_format
+            plan = tools and tools.plan(getattr(lease.model, "chat_template", None))
+            if plan:
+                params.update(plan.params())
             template = lease.options.get("prompt_template")
-            if template:
+            # A prompt_template cannot show tools: calls need the model's own template.
+            if template and not (plan and plan.parses):
                 params["prompt"] = render_template(template, messages)
             generation = lease.model.generate(messages, params)
         except BaseException:
             lease.release()
             raise
-        completion = Completion(model_id, generation, lease)
+        completion = Completion(model_id, generation, lease, plan and plan.parser(), clock)
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return Stream(completion, include_usage)
@@ -89,7 +108,9 @@ class Chats:
 
 
 def _message(index: int, message: dict) -> dict:
-    """An OpenAI message with its content as one string (text parts joined)."""
+    """An OpenAI message as chat templates take it: its content as one string (text
+    parts joined), an assistant's tool_calls with their arguments as objects, a tool
+    reply's tool_call_id."""
     content = message.get("content")
     if isinstance(content, list):
         texts = []
@@ -103,7 +124,27 @@ def _message(index: int, message: dict) -> dict:
     # Chat templates know system, user and assistant; OpenAI's newer "developer"
     # messages are system messages to them.
     role = "system" if message["role"] == "developer" else message["role"]
-    return {"role": role, "content": content or ""}
+    out = {"role": role, "content": content or ""}
+    if role == "assistant" and message.get("tool_calls"):
+        out["tool_calls"] = [_call_of(call) for call in message["tool_calls"]]
+    elif role == "tool":
+        out["tool_call_id"] = message["tool_call_id"]
+        if message.get("name"):
+            out["name"] = message["name"]
+    return out
+
+
+def _call_of(call: dict) -> dict:
+    """A tool call of the history, its arguments an object as chat templates write them
+    (Hugging Face's convention; the JSON text when it is not an object)."""
+    arguments = call["function"].get("arguments")
+    try:
+        parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        parsed = arguments
+    return {"id": call.get("id", ""), "type": "function",
+            "function": {"name": call["function"]["name"],
+                         "arguments": parsed if isinstance(parsed, dict) else arguments}}
 
 
 def _params(body: dict, record: dict, options: dict) -> dict:
@@ -166,18 +207,22 @@ def render_template(template: str, messages: list) -> str:
 
 
 class Completion:
-    """One chat completion: its id, its generation, and the lease it holds."""
+    """One chat completion: its id, its generation, the lease it holds, the parser of
+    its tool calls (None when the request offers none), and the `Clock` it is timed on."""
 
-    def __init__(self, model_id: str, generation, lease: Lease):
+    def __init__(self, model_id: str, generation, lease: Lease, parser=None,
+                 clock: Clock | None = None):
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model_id = model_id
         self.generation = generation
+        self.parser = parser
         self._lease = lease
+        self._clock = clock or Clock(None, model_id)
 
     def pieces(self) -> Iterator[str]:
         """Text pieces as the scheduler computes them; ModelStopped if the model stops."""
-        return self._lease.steps(self.generation)
+        return self._clock.pieces(self._lease.steps(self.generation))
 
     def usage(self) -> dict:
         """OpenAI's usage object."""
@@ -186,22 +231,40 @@ class Completion:
                 "completion_tokens": u["completion_tokens"],
                 "total_tokens": u["prompt_tokens"] + u["completion_tokens"]}
 
+    def finish_reason(self, called: bool) -> str:
+        """OpenAI's finish_reason; "tool_calls" when the reply ended with calls."""
+        reason = self.generation.finish_reason or "stop"
+        return "tool_calls" if called and reason == "stop" else reason
+
     def complete(self) -> dict:
         """The whole reply as a chat.completion."""
         content = "".join(self.pieces())
+        message = {"role": "assistant", "content": content}
+        calls = []
+        if self.parser is not None:
+            content, calls = toolcalls.read_reply(self.parser, content)
+            message["content"] = content if content or not calls else None
+        if calls:
+            message["tool_calls"] = [
+                {"id": call_id, "type": "function",
+                 "function": {"name": name, "arguments": arguments}}
+                for call_id, name, arguments in calls]
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.model_id,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                             "logprobs": None,
-                             "finish_reason": self.generation.finish_reason or "stop"}],
+                "choices": [{"index": 0, "message": message, "logprobs": None,
+                             "finish_reason": self.finish_reason(bool(calls))}],
                 "usage": self.usage()}
 
     def close(self) -> None:
-        """Stop generating (if still going) and give the model to the next request."""
+        """Stop generating (if still going), give the model to the next request, and
+        count the completion."""
         try:
             self.generation.close()
         finally:
-            self._lease.release()
+            try:
+                self._lease.release()
+            finally:
+                self._clock.end(self.generation.usage)
 
 
 class Stream:
@@ -214,11 +277,16 @@ class Stream:
         self._include_usage = include_usage
 
     def __iter__(self) -> Iterator[bytes]:
-        completion = self._completion
+        completion, parser = self._completion, self._completion.parser
         yield self._event({"role": "assistant", "content": ""})
         try:
             for piece in completion.pieces():
-                yield self._event({"content": piece})
+                if parser is None:
+                    yield self._event({"content": piece})
+                else:
+                    yield from self._deltas(parser.feed(piece))
+            if parser is not None:
+                yield from self._deltas(parser.close())
         except Exception as exc:
             if isinstance(exc, ModelStopped):
                 error = exc.body()["error"]
@@ -229,7 +297,7 @@ class Stream:
             yield _sse({"error": error})
             yield b"data: [DONE]\n\n"
             return
-        yield self._event({}, completion.generation.finish_reason or "stop")
+        yield self._event({}, completion.finish_reason(bool(parser and parser.calls)))
         if self._include_usage:
             yield _sse(self._chunk([], usage=completion.usage()))
         yield b"data: [DONE]\n\n"
@@ -237,6 +305,21 @@ class Stream:
     def close(self) -> None:
         """Called by the server when the reply ends or the client goes away."""
         self._completion.close()
+
+    def _deltas(self, events: list) -> Iterator[bytes]:
+        """The events of a tool-call parser as deltas: content, a call's id and name
+        (with empty arguments, as OpenAI sends them), then its arguments in pieces."""
+        for event in events:
+            if event[0] == "text":
+                delta = {"content": event[1]}
+            elif event[0] == "call":
+                delta = {"tool_calls": [{"index": event[1], "id": event[2],
+                                         "type": "function",
+                                         "function": {"name": event[3], "arguments": ""}}]}
+            else:
+                delta = {"tool_calls": [{"index": event[1],
+                                         "function": {"arguments": event[2]}}]}
+            yield self._event(delta)
 
     def _event(self, delta: dict, finish_reason: str | None = None) -> bytes:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}

@@ -110,6 +110,11 @@ class Client:
         """PATCH /v1/models/{id} with only the given stored parameters."""
         return self._request("PATCH", _model_path(model_id), changes)
 
+    def add_remote_model(self, model_id: str, upstreams: list[dict]) -> dict:
+        """POST /v1/models/remote: a model served by OpenAI-compatible servers."""
+        return self._request("POST", "/v1/models/remote", {"id": model_id,
+                                                          "upstreams": upstreams})
+
     def import_model(self, path: str, model_id: str | None = None,
                      option: str = "symlink") -> dict:
         """POST /v1/models/import: register a local GGUF file (`path` is absolute)."""
@@ -125,6 +130,12 @@ class Client:
     def get_engine(self, engine: str) -> list:
         """GET /v1/engines/{engine}: its installed variants."""
         return self._request("GET", _engine_path(engine))
+
+    def engine_release(self, engine: str, version: str = "latest") -> list:
+        """GET /v1/engines/{engine}/releases/{version}: that release's variants for this
+        machine and Python, from the package index ("latest": each one's newest)."""
+        path = f"{_engine_path(engine)}/releases/{quote(version, safe='')}"
+        return self._request("GET", path)
 
     def install_engine(self, engine: str, version: str | None = None,
                        variant: str | None = None) -> dict:

@@ -4,8 +4,13 @@ A task is a list of files (localrt.fetch's Item and Task). Each file is fetched
 over one connection (localrt.fetch) or, when big, in pieces over several
 (localrt.pieces); either way it is written to `<name>.part`, resumed after a
 cancel, a dropped connection or a kill, and renamed into place only once its size
-and checksum match. Progress is published on the EventBus. Outbound HTTP, with
-the proxy and TLS fields of Config, is localrt.opener.
+and checksum match. An item already in place (`Item.files`) is only checked.
+Progress is published on the EventBus, as cortex's events: `{"type":
+"DownloadUpdated", "task": {"id", "type", "items": [{"id", "downloadUrl",
+"localPath", "checksum", "bytes", "downloadedBytes"}]}}`, with localrt's own fields
+(the task's status and error, each item's url) beside them. Outbound HTTP, with
+the proxy and TLS fields of Config, is localrt.opener. `stats()` gives GET /metrics
+the bytes received and the running tasks.
 
 Callers take Item, Task, DownloadFailed, part_path and map_path (localrt.fetch's)
 from here, with Downloads and check_disk_space.
@@ -22,8 +27,8 @@ from typing import Callable, Mapping
 from localrt import security
 from localrt.errors import Conflict, InsufficientStorage, NotFound, UpstreamError
 from localrt.events import EventBus
-from localrt.fetch import (Cancelled, DownloadFailed, Item, Link, Task, complete, fetch_stream,
-                           map_path, part_path)
+from localrt.fetch import (Cancelled, DownloadFailed, Item, Link, Task, check_in_place,
+                           complete, fetch_stream, map_path, part_path)
 from localrt.fsutil import fsync_dir, human_size, private_dir
 from localrt.pieces import PIECES_FROM, NoRanges, fetch_pieces, forget_pieces
 
@@ -44,12 +49,15 @@ class Downloads:
         self._config = config  # called per request, so Config changes apply at once
         self._events = events
         self._connections = connections  # downloadConnections, read per file
-        self._link = Link(config, self._publish)  # how the fetches reach the network
+        # how the fetches reach the network
+        self._link = Link(config, self._publish, self._received)
         # Guards _tasks (the dict, not the tasks' progress) and the end of each task
         # with its last event.
         self._lock = threading.Lock()
         self._tasks: dict[str, Task] = {}
         self._threads: list[threading.Thread] = []
+        self._count_lock = threading.Lock()  # guards _bytes
+        self._bytes = 0  # received over the network since the start, by every task
 
     def start(self, task: Task) -> Task:
         """Check for duplicates and disk space, then run `task` in a thread."""
@@ -79,6 +87,13 @@ class Downloads:
             tasks = list(self._tasks.values())
         tasks.sort(key=lambda t: not t.running)
         return [t.to_dict() for t in tasks]
+
+    def stats(self) -> dict:
+        """For GET /metrics: {"bytes": received since the start, "active": running tasks}."""
+        with self._lock:
+            active = sum(1 for t in self._tasks.values() if t.running)
+        with self._count_lock:
+            return {"bytes": self._bytes, "active": active}
 
     def cancel(self, task_id: str) -> dict:
         """Stop a running task; its part files stay, so a new pull resumes."""
@@ -152,11 +167,18 @@ class Downloads:
             task.status = status
             self._publish(event_type, task)
 
+    def _received(self, n: int) -> None:
+        with self._count_lock:
+            self._bytes += n
+
     def _publish(self, event_type: str, task: Task) -> None:
         self._events.publish(event_type, task=task.to_dict())
 
     def _fetch(self, task: Task, item: Item) -> None:
         """Download one file to its part file, check it, and rename it into place."""
+        if item.files is not None:  # in place already: only checked
+            check_in_place(self._link, task, item)
+            return
         if complete(item, task.cancelled):
             item.downloaded = item.size
             return
@@ -181,6 +203,8 @@ def check_disk_space(what: str, items: list[Item]) -> None:
         return
     needed = 0
     for item in items:
+        if item.files is not None:  # in place already: nothing is written
+            continue
         have = 0
         for path in (item.local_path, part_path(item.local_path)):
             try:

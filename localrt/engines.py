@@ -9,12 +9,17 @@ but the catalog and the adapters compares engine names.
   gguf-cpp      llama.cpp through llama-cpp-python, a base dependency ("builtin"),
                 so it is Ready on a fresh install once its probe passes.
   onnx-runtime  onnxruntime-genai, installed on request from the package index.
+  remote        part of localrt: a remote model has no files, and its chats are
+                forwarded to OpenAI-compatible servers (localrt.remote); nothing to
+                install (`EngineSpec.forwards`).
 Custom engines come from the `localrt.engines` entry-point group (localrt.plugins).
 
 Installed variants are listed in `<dataFolderPath>/engines/engines.json`, which
 localrt.installs writes (`EngineState`) and changes: installs, uninstalls and the
-active variant. The machine is localrt.hardware; the check of gguf-cpp builds and
-its cache are localrt.probe. Which models are loaded, and when they compute, is
+active variant (cortex's default, `Engines.default`). The shipped gguf-cpp build is
+installed while engines.json does not mark it uninstalled (`builtinDeactivated`).
+The machine is localrt.hardware; the check of gguf-cpp builds and its cache are
+localrt.probe. Which models are loaded, and when they compute, is
 localrt.scheduler's business. llama_cpp and onnxruntime_genai are imported only
 when a model loads.
 """
@@ -31,7 +36,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable, Iterable
 
-from localrt import plugins
+from localrt import __version__, plugins
 from localrt.adapters import generating
 from localrt.errors import Conflict, HTTPError, NotFound
 from localrt.hardware import CPU_LEVELS, Hardware, detect_hardware
@@ -80,6 +85,8 @@ class EngineSpec:
     min_python: tuple[int, int] = (3, 9)
     builtin: str | None = None                   # distribution shipped with localrt
     probed: bool = False                         # its builds run localrt.probe first
+    forwards: bool = False                       # its models are served elsewhere: part of
+                                                 # localrt, it loads nothing (remote)
 
     def adapter(self):
         """A new adapter object, its module imported now."""
@@ -103,6 +110,8 @@ def _onnx_variants(hw: Hardware) -> list[Variant]:
             Variant(f"{hw.platform}-cuda-12", "onnxruntime-genai-cuda", None, "cuda-12")]
 
 
+REMOTE_ENGINE = "remote"  # the engine of remote models (localrt.remote writes it)
+
 # In order of preference: a model with files of two engines is the first one's.
 CATALOG = {spec.name: spec for spec in (
     EngineSpec("gguf-cpp", "GGUF", "llama.cpp through llama-cpp-python; runs GGUF models",
@@ -116,13 +125,19 @@ CATALOG = {spec.name: spec for spec in (
                # onnxruntime-genai publishes wheels for these platforms, CPython 3.10+.
                platforms=("linux-amd64", "linux-arm64", "windows-amd64", "mac-arm64"),
                min_python=(3, 10)),
+    EngineSpec(REMOTE_ENGINE, "OpenAI API", "forwards chats to OpenAI-compatible servers "
+               "(vLLM, llama-server, another localrt); ships with localrt",
+               "localrt.remote:RemoteEngine", (), "localrt.remote", lambda hw: [],
+               builtin="localrt", forwards=True),
 )}
 
 
 def engine_alias(name: str) -> str | None:
     """The built-in engine a model.yml `engine` names, in any case (None: none)."""
     wanted = name.lower()
-    return next((s.name for s in CATALOG.values() if wanted in (s.name, *s.aliases)), None)
+    # A remote model is registered by POST /v1/models/remote only, never by a model.yml.
+    return next((s.name for s in CATALOG.values()
+                 if wanted in (s.name, *s.aliases) and not s.forwards), None)
 
 
 def engine_for_files(paths: Iterable[str], folder: bool = False) -> str | None:
@@ -240,6 +255,21 @@ class Engines:
             out.append(row)
         return out
 
+    def default(self, name: str) -> dict:
+        """cortex's default variant: the one models load, as {engine, variant, version}."""
+        self.require_known(name)
+        if name in CATALOG:
+            active = self.active(name)
+            found = active and (active["variant"], display_version(active["version"]))
+        else:
+            entry = self._custom_entry(name)
+            found = entry["variant"] and (entry["variant"], entry["version"])
+        if not found:
+            raise EngineNotInstalled(f"Engine {name} is not installed, so it has no default "
+                                     f"variant; install it with: localrt engines install "
+                                     f"{name}", param="engine")
+        return {"engine": name, "variant": found[0], "version": found[1]}
+
     def require_known(self, name: str) -> None:
         """Raise a 404 naming the known engines unless `name` is one."""
         if name not in self.names():
@@ -257,10 +287,11 @@ class Engines:
         return None
 
     def installed(self, name: str) -> list[dict]:
-        """Installed variants: the builtin one first (gguf-cpp), then the registry's."""
+        """Installed variants: the builtin one first (gguf-cpp), unless it was uninstalled,
+        then the registry's."""
         out = []
         spec = CATALOG.get(name)
-        if spec and spec.builtin:
+        if spec and spec.builtin and not self.state.entry(name).get("builtinDeactivated"):
             builtin = self.builtin(spec)
             if builtin:
                 out.append(builtin)
@@ -270,6 +301,9 @@ class Engines:
 
     def builtin(self, spec: EngineSpec) -> dict | None:
         """The variant that ships with localrt, or None if its package is missing."""
+        if spec.forwards:  # localrt itself: nothing to find or probe
+            return {"variant": self.hardware.platform, "version": __version__,
+                    "builtin": True, "path": None, "distribution": spec.builtin}
         found = importlib.util.find_spec(spec.module)
         if found is None or not found.submodule_search_locations:
             return None
@@ -309,6 +343,12 @@ class Engines:
         with self._lock:
             imported = self._imported.get(name)
         return imported is not None and imported != str(variant.get("path"))
+
+    def forwards(self, name: str) -> bool:
+        """Whether models of this engine are served elsewhere (remote ones): their chats
+        go to localrt.remote, never to a loaded model."""
+        spec = CATALOG.get(name)
+        return spec is not None and spec.forwards
 
     def loaded(self, name: str) -> bool:
         """Whether this process has imported the engine already."""

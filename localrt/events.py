@@ -1,4 +1,4 @@
-"""Events: what download tasks (and, later, engines and models) announce.
+"""Events: what download tasks (model pulls, engine installs) announce, in cortex's shape.
 
 `EventBus` fans each event out to every open `GET /v1/events` stream. A slow
 listener never slows a download: its queue is bounded, and when it overflows

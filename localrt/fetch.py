@@ -2,11 +2,12 @@
 
 A file is written to `<name>.part`, resumed with a Range request after a cancel, a
 dropped connection or a kill, and renamed into place only once its size and
-checksum match (`install`). `Item` and `Task` are what a download is made of. A
-`Link` is how a fetch reaches the network (localrt.opener, with the Config of the
-moment) and reports progress; a `Request` is one GET, its sockets, and what its
-failures mean. localrt.pieces fetches big files in pieces with these same parts;
-localrt.downloads runs the tasks.
+checksum match (`install`); an item that is in place already (an engine installed
+before) is only checked there (`check_in_place`). `Item` and `Task` are what a
+download is made of. A `Link` is how a fetch reaches the network (localrt.opener,
+with the Config of the moment) and reports progress; a `Request` is one GET, its
+sockets, and what its failures mean. localrt.pieces fetches big files in pieces
+with these same parts; localrt.downloads runs the tasks.
 """
 
 from __future__ import annotations
@@ -110,10 +111,15 @@ class Item:
     sha256: str | None = None   # the hub's lfs.oid
     git_oid: str | None = None  # git blob sha1, for small files the hub has no sha256 for
     downloaded: int = 0
+    # An item that is in place already (an engine installed before): its files, each
+    # (path, sha256 hex, size or None), are checked where they are (`check_in_place`),
+    # and nothing is fetched.
+    files: tuple | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
-        """The item as the API shows it."""
-        return {"id": self.id, "url": security.url_without_credentials(self.url),
+        """The item as the API shows it: cortex's fields, and `url` as localrt had it."""
+        url = security.url_without_credentials(self.url)
+        return {"id": self.id, "url": url, "downloadUrl": url,
                 "localPath": str(self.local_path),
                 "bytes": self.size, "downloadedBytes": self.downloaded,
                 "checksum": self.sha256}
@@ -188,11 +194,14 @@ def map_path(part: Path) -> Path:
 
 class Link:
     """What a fetch needs from the Downloads that runs it: the Config of the moment for
-    each request, and a way to say that a task's progress moved on."""
+    each request, a way to say that a task's progress moved on, and one to count the
+    bytes received."""
 
-    def __init__(self, config: Callable[[], Mapping], publish: Callable[[str, Task], None]):
+    def __init__(self, config: Callable[[], Mapping], publish: Callable[[str, Task], None],
+                 received: Callable[[int], None] = lambda n: None):
         self.config = config  # called per request, so Config changes apply at once
         self._publish = publish
+        self.received = received  # told each count of bytes that came over the network
 
     def progress(self, task: Task) -> None:
         """Publish a DownloadUpdated event for `task`."""
@@ -353,6 +362,7 @@ def _receive(link: Link, task: Task, item: Item, resp, fd: int, filled: queue.Qu
                                  f"{exc.strerror or exc}") from None
         filled.put(chunk)
         item.downloaded += len(chunk)
+        link.received(len(chunk))
         if item.downloaded - flushed >= WRITEBACK_EVERY:
             start_writeback(fd, flushed, item.downloaded - flushed)
             flushed = item.downloaded
@@ -465,6 +475,36 @@ def complete(item: Item, cancelled: threading.Event | None = None) -> bool:
     with open(item.local_path, "rb") as f:
         hasher.catch_up(f, cancelled)
     return hasher.matches()
+
+
+def check_in_place(link: Link, task: Task, item: Item) -> None:
+    """Hash each file of an item in place (`item.files`) against its sha256 and size,
+    counting the bytes read as downloaded; DownloadFailed names the first that differs."""
+    item.downloaded = 0
+    next_update = time.monotonic() + UPDATE_INTERVAL
+    for path, sha256, size in item.files:
+        digest, read = hashlib.sha256(), 0
+        try:
+            with open(path, "rb") as f:
+                while chunk := f.read(CHUNK):
+                    if task.cancelled.is_set():
+                        raise Cancelled()
+                    digest.update(chunk)
+                    read += len(chunk)
+                    item.downloaded += len(chunk)
+                    if time.monotonic() >= next_update:
+                        next_update = time.monotonic() + UPDATE_INTERVAL
+                        link.progress(task)
+        except FileNotFoundError:
+            raise DownloadFailed(f"{item.id}: {path} is missing") from None
+        except OSError as exc:
+            raise DownloadFailed(f"{item.id}: cannot read {path}: "
+                                 f"{exc.strerror or exc}") from None
+        if digest.hexdigest() != sha256 or size not in (None, read):
+            raise DownloadFailed(f"{item.id}: {path} has changed since it was installed "
+                                 f"({read} bytes with sha256 {digest.hexdigest()}; "
+                                 f"expected {size} bytes with sha256 {sha256})")
+    item.downloaded = item.size
 
 
 def content_range(resp) -> tuple[int, int] | None:

@@ -2,11 +2,19 @@
 
 An install replies at once and runs as a download task of type Engine (localrt.downloads):
 the engine's wheel for this Python and the requirements this environment lacks, from
-the package index (localrt.wheels). Once every wheel is checked they are unpacked
-beside `<dataFolderPath>/engines/<engine>/<variant>/<version>/`, renamed into it, and
-only then listed in engines.json, written atomically: a folder not in the file does
-not count, so a cancelled or killed install leaves nothing half installed. Nothing is
-ever pip-installed. The shipped gguf-cpp build is deactivated, never deleted.
+the package index (localrt.wheels; what the index has is localrt.releases). Once
+every wheel is checked they are unpacked beside
+`<dataFolderPath>/engines/<engine>/<variant>/<version>/`, renamed into it, and only
+then listed in engines.json, written atomically: a folder not in the file does not
+count, so a cancelled or killed install leaves nothing half installed. Nothing is
+ever pip-installed.
+
+Installing a variant that is installed already fetches nothing: its task checks
+each installed file against the RECORD of its wheel, with the events of any install,
+and makes it the active variant. The build of gguf-cpp that ships with localrt is
+such a variant: uninstalling it only deactivates it (it leaves the installed list,
+its files stay), and installing it again checks llama-cpp-python's files against
+pip's RECORD and turns it back on.
 
 `EngineState` owns engines.json; `Installs` changes it, and localrt.engines reads it.
 """
@@ -22,6 +30,7 @@ import threading
 import time
 import zipfile
 from contextlib import contextmanager
+from importlib import metadata
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 from urllib.parse import unquote, urlsplit
@@ -29,10 +38,11 @@ from urllib.parse import unquote, urlsplit
 from localrt import plugins, wheels
 from localrt.downloads import DownloadFailed, Downloads, Item, Task
 from localrt.engines import (CATALOG, EngineNotInstalled, EngineSpec, Engines, Variant,
-                             builtin_on, display_version, key)
+                             display_version, key)
 from localrt.errors import BadRequest, Conflict, HTTPError
 from localrt.fsutil import fsync_dir, private_dir, read_json, write_json
 from localrt.hardware import Hardware, recommended, runnable
+from localrt.releases import LATEST, Releases, bare_version, wanted_version
 
 log = logging.getLogger(__name__)
 
@@ -89,33 +99,37 @@ class Installs:
         self._downloads = downloads
         self._config = config
         self._index_url = index_url
+        self._releases = Releases(engines.hardware, config, index_url)
         self.root = engines.root
 
     def install(self, name: str, version: str | None = None,
                 variant: str | None = None) -> dict:
-        """Start installing a variant of a built-in engine as a download task."""
+        """Start installing a variant of a built-in engine as a download task.
+
+        `version` None or "latest" is the newest the index has. A variant installed
+        already is not fetched again: its task checks its files (`_check`).
+        """
         engines, hw = self._engines, self._engines.hardware
         spec = self._builtin_spec(name)
         reason = engines.platform_reason(spec)
         if reason:
             raise BadRequest(f"Cannot install {name}: {reason}", param="engine")
-        chosen = choose_variant(spec, variant, hw)
+        version = wanted_version(version)
         builtin = engines.builtin(spec) if spec.builtin else None
-        if builtin and version is None and variant in (None, builtin["variant"]):
-            return self._reactivate_builtin(name, builtin)
-        index = self._index_url()
-        dist = wheels.choose(wheels.project_files(self._config(), index, chosen.distribution),
-                             f"=={_bare_version(version)}" if version else "", chosen.local)
+        if builtin and version in (None, builtin["version"]) and \
+                variant in (None, builtin["variant"]):
+            return self._check(name, builtin)
+        chosen = choose_variant(spec, variant, hw)
+        installed = {key(v): v for v in engines.installed(name)}
+        if (chosen.name, version) in installed:  # the index is not needed
+            return self._check(name, installed[chosen.name, version])
+        files = self._releases.files(chosen.distribution)
+        dist = wheels.choose(files, f"=={version}" if version else "", chosen.local)
         if dist is None:
-            wanted = f"{chosen.distribution} {version}" if version else chosen.distribution
-            raise BadRequest(f"The package index {index} has no {wanted} wheel for variant "
-                             f"{chosen.name} that this Python runs "
-                             f"({wheels.supported_tags()[0]})",
-                             param="version" if version else "variant")
+            raise self._releases.no_wheel(chosen, version, files, builtin)
         ver = dist.version.public
-        if any(key(v) == (chosen.name, ver) for v in engines.installed(name)):
-            raise Conflict(f"Engine {name} {display_version(ver)} ({chosen.name}) is "
-                           f"already installed", param="engine")
+        if (chosen.name, ver) in installed:
+            return self._check(name, installed[chosen.name, ver])
         task = self._install_task(name, chosen.name, ver, [self._item(dist)])
         self._downloads.start(task)
         reply = {"message": f"Engine {name} starts installing", "engine": name,
@@ -159,6 +173,8 @@ class Installs:
 
         The API refuses it while the engine runs a model (Scheduler.engine_unused)."""
         self._engines.require_known(name)
+        if name in CATALOG:
+            _refuse_part_of_localrt(CATALOG[name])
         target = self._pick_installed(name, version, variant)
         dropped = False
         with self._state.edit() as state:
@@ -187,50 +203,107 @@ class Installs:
         """Make an installed variant the one models of this engine load."""
         self._engines.require_known(name)
         target = self._pick_installed(name, version, variant)
-        with self._state.edit() as state:
-            entry = state["engines"].setdefault(name, {})
-            if target.get("builtin"):
-                entry["active"], entry["builtinDeactivated"] = None, False
-            else:
-                entry["active"] = {"variant": target["variant"], "version": target["version"]}
+        self._activate(name, target)
         message = (f"Engine {name} now uses {target['variant']} "
                    f"{display_version(target['version'])}")
         if self._engines.needs_restart(name, target):
             message += "; it is already loaded, so restart the server to use it"
         return {"message": message}
 
+    def releases(self, name: str) -> list[dict]:
+        """cortex's releases of a built-in engine (localrt.releases)."""
+        return self._releases.releases(self._builtin_spec(name))
+
+    def release(self, name: str, version: str) -> list[dict]:
+        """cortex's variants of one release of a built-in engine (localrt.releases)."""
+        return self._releases.release(self._builtin_spec(name), version)
+
     def _builtin_spec(self, name: str) -> EngineSpec:
         spec = CATALOG.get(name)
         if spec is not None:
+            _refuse_part_of_localrt(spec)
             return spec
         self._engines.require_known(name)
         raise BadRequest(f"{name} is a custom engine; install it from its wheel "
                          f"(localrt engines install PATH_OR_URL.whl)", param="engine")
 
     def _pick_installed(self, name: str, version: str | None, variant: str | None) -> dict:
+        """The installed variant a body names (an uninstall's, a default's): the active one
+        for none, else the last installed that matches; "latest" is any version."""
         installed = self._engines.installed(name)
+        version = None if version == LATEST else version
         if version is None and variant is None:
             active = self._engines.active(name, installed)
             if active is not None:
                 return active
         matches = [v for v in installed
                    if (variant is None or v["variant"] == variant)
-                   and (version is None or v["version"] == _bare_version(version))]
+                   and (version is None or v["version"] == bare_version(version))]
         if not matches:
             what = " ".join(filter(None, [variant, version and display_version(version)]))
             raise EngineNotInstalled(f"Engine {name} {what} is not installed".replace("  ", " "),
                                      param="variant" if variant else "engine")
         return matches[-1]
 
-    def _reactivate_builtin(self, name: str, builtin: dict) -> dict:
+    def _activate(self, name: str, target: dict) -> None:
+        """Make an installed variant (the builtin one too) the one models load."""
         with self._state.edit() as state:
             entry = state["engines"].setdefault(name, {})
-            if builtin_on(entry):  # raised inside the edit: nothing is written
-                raise Conflict(f"Engine {name} {display_version(builtin['version'])} "
-                               f"({builtin['variant']}) is already installed", param="engine")
-            entry.update(active=None, builtinDeactivated=False)
-        return {"message": f"Engine {name} starts installing",
-                "note": "the build that ships with localrt is active again"}
+            if target.get("builtin"):
+                entry["active"], entry["builtinDeactivated"] = None, False
+            else:
+                entry["active"] = {"variant": target["variant"], "version": target["version"]}
+
+    def _check(self, name: str, target: dict) -> dict:
+        """Install what is installed: a task checks its files against the RECORD of each
+        of its wheels (the builtin one: of its package), then makes it the active one.
+
+        Nothing is downloaded; the task's events are an install's, so a client waiting
+        for DownloadSuccess goes on. A file that differs fails the task and names it.
+        """
+        what = f"{name} {display_version(target['version'])} ({target['variant']})"
+        builtin = target.get("builtin")
+        items = []
+        for wheel, dist_info in self._dist_infos(target):
+            try:
+                files = tuple(wheels.recorded_files(dist_info))
+            except (OSError, ValueError) as exc:
+                mend = (f"reinstall {target['distribution']} in localrt's environment"
+                        if builtin else "uninstall it and install it again")
+                raise Conflict(f"Engine {what} is damaged: {dist_info}/RECORD cannot be "
+                               f"read ({getattr(exc, 'strerror', None) or exc}); {mend}",
+                               param="engine") from None
+            items.append(Item(wheel, dist_info.as_uri(), dist_info,
+                              sum(size or 0 for _, _, size in files), files=files))
+        task = Task(f"{name}:{target['variant']}:{target['version']}", "Engine", items,
+                    on_success=lambda task: self._activate(name, target))
+        self._downloads.start(task)
+        reply = {"message": f"Engine {what} is already installed; checking its files",
+                 "engine": name, "task": task.to_dict()}
+        if builtin and self._state.entry(name).get("builtinDeactivated"):
+            reply.update(message=f"Engine {name} starts installing",
+                         note="the build that ships with localrt: its files are checked "
+                              "against their RECORD, then it is active again")
+        elif self._engines.needs_restart(name, target):
+            reply["note"] = (f"{name} is already loaded in this server from another "
+                             f"variant; restart the server to use this one")
+        return reply
+
+    def _dist_infos(self, target: dict) -> list[tuple[str, Path]]:
+        """(name, .dist-info folder) of each distribution an installed variant is made of."""
+        if target.get("builtin"):
+            dist = metadata.distribution(target["distribution"])
+            record = next((f for f in dist.files or () if f.name == "RECORD"
+                           and f.parent.suffix == ".dist-info"), None)
+            if record is None:
+                raise Conflict(f"{target['distribution']} in localrt's environment has "
+                               f"no RECORD to check it against; reinstall it there",
+                               param="engine")
+            folder = Path(dist.locate_file(record)).parent
+            return [(folder.name, folder)]
+        folder = Path(target["path"])
+        return [(wheel, folder / ("-".join(wheel.split("-")[:2]) + ".dist-info"))
+                for wheel in target.get("wheels", [])]
 
     def _item(self, dist: wheels.Dist) -> Item:
         if not dist.sha256:
@@ -313,6 +386,14 @@ class Installs:
         log.info("engine %s %s (%s) installed in %s", name, version, variant, target)
 
 
+def _refuse_part_of_localrt(spec: EngineSpec) -> None:
+    """A 400 for installing or uninstalling an engine that is part of localrt (remote)."""
+    if spec.forwards:
+        raise BadRequest(f"Engine {spec.name} is part of localrt: there is nothing to "
+                         f"install or uninstall; `localrt models add-remote` adds a model "
+                         f"it serves", param="engine")
+
+
 def choose_variant(spec: EngineSpec, wanted: str | None, hw: Hardware) -> Variant:
     """The variant of `spec` to install: `wanted`, else the recommended one; 400 if none."""
     options = spec.variants(hw)
@@ -330,7 +411,8 @@ def choose_variant(spec: EngineSpec, wanted: str | None, hw: Hardware) -> Varian
             return option
     if not SAFE_NAME.match(wanted) or not wanted.startswith(hw.platform):
         raise BadRequest(f"Variant {wanted!r} cannot run here: it is not built for "
-                         f"this machine ({hw.platform})", param="variant")
+                         f"this machine ({hw.platform}); variants for this machine: "
+                         f"{', '.join(o.name for o in options)}", param="variant")
     raise BadRequest(f"Unknown variant {wanted!r} of {spec.name}; variants for this "
                      f"machine: {', '.join(o.name for o in options)}", param="variant")
 
@@ -356,7 +438,3 @@ def wheel_engine(wheel: Path) -> tuple[str, str]:
         raise BadRequest(f"{wheel.name} is built for {', '.join(sorted(tags))}, not for "
                          f"this Python", param="wheel")
     return name, str(meta["Version"])
-
-
-def _bare_version(version: str) -> str:
-    return version[1:] if version.startswith("v") else version

@@ -21,7 +21,10 @@ models folder.
 Each downloaded or imported model has a folder under `<dataFolderPath>/models`
 holding its files and a definition file, `model.json` (schemas/model.json),
 written atomically and only once every file is complete and checked. Its `engine`
-is model.yml's, else the engine catalog's (localrt.engines) for the files.
+is model.yml's, else the engine catalog's (localrt.engines) for the files. A remote
+model (localrt.remote) has a definition with no files and its `upstreams`, under
+`<dataFolderPath>/models/remote/`; their api keys are secrets, which a record never
+shows (`api_key_set` says whether one is stored).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ MAX_ID_BYTES = 255
 # Ids that the fixed routes under /v1/models/ shadow (localrt.api.ROUTES): a model
 # registered under one could not be read, started or deleted. If you add such a
 # route, add its last path segment here.
-RESERVED_IDS = ("pull", "import", "start", "stop", "status", "variants")
+RESERVED_IDS = ("pull", "import", "start", "stop", "status", "variants", "remote")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")  # hub org, repo and branch names
 DEFAULT_QUANT = "Q4_K_M"  # what Ollama's hf.co/... and llama.cpp's -hf take by default
 # A quantization in a GGUF file name: Q4_K_M, q8_0, IQ4_XS, TQ1_0, F16, BF16, F32.
@@ -199,6 +202,12 @@ ONNX_CONFIG = "genai_config.json"  # what makes a folder an ONNX model (onnxrunt
 DEFAULT_CTX_LEN = 4096  # a default ctx_len never above this, whatever the model was trained on
 SKIPPED_FILES = (".gitattributes",)  # repo files a pull leaves on the hub
 LIST_OMITS = ("chat_template",)  # metadata too big for every row of GET /v1/models
+DEFAULT_VERSION = "1"  # a record's version when model.yml gave none, as cortex's model.yml has
+# What only a pull or an import sets: a PATCH may repeat the value a model has, and
+# any other is a 409 saying what changes it.
+FIXED_FIELDS = {"files": "a pull or an import", "engine": "a pull, an import or an engine install",
+                "created": "a pull or an import", "owned_by": "a pull or an import",
+                "size": "a pull or an import"}
 
 
 class ModelNotFound(NotFound):
@@ -207,15 +216,28 @@ class ModelNotFound(NotFound):
 
 @functools.lru_cache(maxsize=None)  # the schema file does not change while localrt runs
 def parameter_names() -> tuple[str, ...]:
-    """The stored parameters a model can have: the properties of schemas/model-update.json."""
-    return tuple(k for k in schemas.load("model-update.json")["properties"] if k != "id")
+    """The stored parameters a model can have: the properties of schemas/model-update.json,
+    less the id and a remote model's upstreams (localrt.remote sets those)."""
+    return tuple(k for k in schemas.load("model-update.json")["properties"]
+                 if k not in ("id", "upstreams"))
+
+
+@functools.lru_cache(maxsize=None)
+def kept_names() -> tuple[str, ...]:
+    """cortex's model.yml fields a definition keeps, typed, without localrt using them:
+    the properties of schemas/model-yml.json, less those only localrt sets."""
+    return tuple(k for k in schemas.load("model-yml.json")["properties"]
+                 if k not in RECORD_FIELDS)
 
 
 class Registry:
     """The downloaded models, one definition file each, indexed in memory.
 
     The index is built from the definition files on first use; after that the
-    server is their only writer, so reads never touch the disk.
+    server is their only writer, so reads never touch the disk. A definition holds
+    localrt's parameters (schemas/model-update.json) and cortex's model.yml fields
+    that localrt keeps without using them (schemas/model-yml.json); a record adds
+    what cortex's clients read: `model` (the id again) and `version`.
     """
 
     def __init__(self, root: Path, validators: schemas.Validators):
@@ -236,6 +258,12 @@ class Registry:
             folder, d = self._find(model_id)
         return self._record(folder, d)
 
+    def definition(self, model_id: str) -> dict:
+        """A model's definition as stored, secrets included (a remote model's upstream
+        keys): for localrt.remote to use, never for a reply."""
+        with self._lock:
+            return json.loads(json.dumps(self._find(model_id)[1]))
+
     def has(self, model_id: str) -> bool:
         """Whether `model_id` is registered."""
         with self._lock:
@@ -253,12 +281,25 @@ class Registry:
         return self._record(folder, definition)
 
     def update(self, model_id: str, changes: dict) -> dict:
-        """Change stored parameters; the id itself cannot change."""
-        if "id" in changes and changes["id"] != model_id:
-            raise InvalidField("Invalid field 'id': a model's id cannot change", param="id")
+        """Change stored parameters and kept model.yml fields (schemas/model-update.json).
+
+        The id (`id`, or cortex's `model`) cannot change: another is a 400. FIXED_FIELDS
+        change only through a pull or an import: another value is a 409.
+        """
+        for key in ("id", "model"):
+            if key in changes and changes[key] != model_id:
+                raise InvalidField(f"Invalid field '{key}': a model's id cannot change; "
+                                   f"{changes[key]!r} is not {model_id!r}", param=key)
         with self._lock:
             folder, d = self._find(model_id)
-            updated = {**d, **{k: v for k, v in changes.items() if k != "id"}}
+            record = self._record(folder, d)
+            for key, by in FIXED_FIELDS.items():
+                if key in changes and not _same(key, changes[key], record):
+                    raise Conflict(f"Model {model_id}'s {key} changes only through {by}, "
+                                   f"never an update; it is {_shown(record[key])}",
+                                   param=key)
+            dropped = ("id", "model", "object", *FIXED_FIELDS)
+            updated = {**d, **{k: v for k, v in changes.items() if k not in dropped}}
             self._write(folder, updated)
         return self._record(folder, updated)
 
@@ -349,13 +390,18 @@ class Registry:
 
     def _record(self, folder: Path, d: dict, brief: bool = False) -> dict:
         record = {"id": d["id"], "object": "model", "created": d["created"],
-                  "owned_by": d["owned_by"]}
+                  "owned_by": d["owned_by"], "model": d["id"]}  # cortex's name for the id
         record.update((k, v) for k, v in d.items() if k not in record)
+        record.setdefault("version", DEFAULT_VERSION)
         if brief and "metadata" in d:
             record["metadata"] = {k: v for k, v in d["metadata"].items()
                                   if k not in LIST_OMITS}
         record["size"] = sum(f["size"] for f in d["files"])
         record["path"] = str(folder)
+        if "upstreams" in d:  # an upstream's api_key is a secret: a record only says it is set
+            record["upstreams"] = [{**{k: v for k, v in u.items() if k != "api_key"},
+                                    "api_key_set": bool(u.get("api_key"))}
+                                   for u in d["upstreams"]]
         return record
 
 
@@ -370,6 +416,25 @@ def _incomplete(folder: Path, files: Iterable[dict]) -> str | None:
         if size != f["size"]:
             return f"{path} has {size} bytes, not {f['size']}"
     return None
+
+
+def _same(key: str, given, record: dict) -> bool:
+    """Whether a PATCH's value of a FIXED_FIELDS field is the one the model has: files as
+    localrt records them or as their paths (cortex's shape), cortex's engine names too."""
+    if key == "files":
+        paths = [f["path"] for f in record["files"]]
+        return given in (record["files"], paths,
+                         [str(Path(record["path"]) / p) for p in paths])
+    if key == "engine" and isinstance(given, str):
+        given = engine_alias(given) or given
+    return given == record[key]
+
+
+def _shown(value) -> str:
+    """A record's value for a message: files by their paths."""
+    if isinstance(value, list):
+        return ", ".join(str(v.get("path", v) if isinstance(v, dict) else v) for v in value)
+    return repr(value)
 
 
 def _inside(folder: Path, root: Path) -> bool:
@@ -390,6 +455,7 @@ class _Plan:
     folder: Path
     items: list
     mmproj: str | None = None  # the projector's path in the folder, if one comes along
+    name: str | None = None    # the display name the pull asked for
 
 
 @dataclass(frozen=True)
@@ -424,9 +490,16 @@ class Models:
         self._lock = threading.Lock()  # guards _importing
         self._importing: set[str] = set()  # ids of imports under way
 
-    def pull(self, model_id: str, file: str | None = None) -> dict:
-        """Start downloading a model; or say it is already downloaded."""
+    def pull(self, model_id: str, file: str | None = None, as_id: str | None = None,
+             name: str | None = None) -> dict:
+        """Start downloading a model; or say it is already downloaded.
+
+        `as_id` and `name` (cortex's `id` and `name`) are the id to register it as,
+        instead of the one `model_id` gives, and its display name.
+        """
         ref = self._parse(model_id)
+        if as_id is not None:
+            check_new_id(as_id, "id")
         if file is not None:
             if ref.builtin or ref.file is not None or ref.pick is not None:
                 raise InvalidField("Invalid field 'file': a file can only be chosen for an "
@@ -434,14 +507,21 @@ class Models:
             ref = ModelRef(ref.repo, ref.revision, check_id(file, "file"), builtin=False)
         if ref.builtin and ref.revision is None:  # "pull", "status": never worth a hub call
             check_new_id(ref.repo.split("/")[1])
-        if ref.known_id is not None:  # known before asking the hub
+        if ref.known_id is not None and as_id is None:  # known before asking the hub
             check_new_id(ref.known_id)
             done = self._already(ref.known_id, _task_id(ref))
             if done:
                 return done
         hub = self._hub()
         plan = self._plan(ref, hub)
-        check_new_id(plan.local_id)  # the file name chosen on the hub is part of it
+        if as_id is None:
+            check_new_id(plan.local_id)  # the file name chosen on the hub is part of it
+        else:
+            plan.local_id = as_id
+            if self.registry.has(as_id) and self.registry.at(plan.folder) != as_id:
+                raise Conflict(f"A model with id {as_id} already exists; choose another id",
+                               param="id")
+        plan.name = name
         done = self._already(plan.local_id, plan.task_id)
         if done:
             return done
@@ -613,6 +693,8 @@ class Models:
                                      self.registry.usable)
             if plan.mmproj:
                 definition["mmproj"] = plan.mmproj
+            if plan.name:
+                definition["name"] = plan.name
             other = self.registry.at(plan.folder)
             if other not in (None, plan.local_id):
                 raise Conflict(f"its folder already holds the model {other}")
@@ -623,83 +705,111 @@ class Models:
             raise DownloadFailed(f"Model {plan.local_id} was downloaded but not registered: "
                                  f"{exc.message}") from None
 
-    def import_file(self, path: str, model_id: str | None = None,
-                    option: str = "symlink") -> dict:
-        """Register a local GGUF file or ONNX model folder, linked or copied in."""
+    def import_file(self, path: str, model_id: str | None = None, option: str = "symlink",
+                    name: str | None = None, cortex: bool = False) -> dict:
+        """Register a local GGUF file or ONNX model folder, linked or copied in.
+
+        The path is checked first, then the id. With `cortex`, the request was
+        cortex's {"model", "modelPath"}: errors name those fields, and a path that
+        cannot be imported is worded as cortex words it ("Error importing model ...").
+        """
+        path_field, id_field = ("modelPath", "model") if cortex else ("path", "id")
+
+        def bad_path(reason: str) -> InvalidField:
+            if cortex:
+                return InvalidField(f"Error importing model path '{path}' with model_id "
+                                    f"'{model_id}': {reason}", param=path_field)
+            return InvalidField(f"Invalid field '{path_field}': {reason}", param=path_field)
+
         src = Path(path)
-        if not src.is_absolute():
-            raise InvalidField(f"Invalid field 'path': {path} is not an absolute path",
-                               param="path")
-        if src.is_dir():
-            if not (src / ONNX_CONFIG).is_file():
-                raise InvalidField(f"Invalid field 'path': {path} is a folder without "
-                                   f"{ONNX_CONFIG}, so not an ONNX model", param="path")
-        elif not src.is_file() or not os.access(src, os.R_OK):
-            raise InvalidField(f"Invalid field 'path': {path} is not a readable file",
-                               param="path")
-        elif not ggufinfo.is_gguf(src):
-            raise InvalidField(f"Invalid field 'path': {path} is not a GGUF file",
-                               param="path")
+        try:
+            _check_source(src, path)
+        except _BadSource as exc:
+            raise bad_path(str(exc)) from None
         if model_id is None:
             model_id = src.name[:-5] if src.name.lower().endswith(".gguf") else src.name
-        check_new_id(model_id, "id")
+        check_new_id(model_id, id_field)
         with self._lock:
             if self.registry.has(model_id) or model_id in self._importing:
-                raise Conflict(f"A model with id {model_id} already exists", param="id")
+                raise Conflict(f"A model with id {model_id} already exists", param=id_field)
             self._importing.add(model_id)
         try:
-            return self._import(src, model_id, option)
+            return self._import(src, model_id, option, name)
+        except _BadSource as exc:
+            raise bad_path(str(exc)) from None
         finally:
             with self._lock:
                 self._importing.discard(model_id)
 
-    def _import(self, src: Path, model_id: str, option: str) -> dict:
-        folder = self.registry.root / "imported" / _folder_name(model_id)
+    def _import(self, src: Path, model_id: str, option: str, name: str | None) -> dict:
+        folder = self.registry.root / "imported" / folder_name(model_id)
         shutil.rmtree(folder, ignore_errors=True)  # what a crashed import left
         private_dir(folder)
         target = folder / src.name
         try:
-            bring = self._import_folder if src.is_dir() else self._import_file
+            bring = _import_folder if src.is_dir() else _import_file
             files, paths = bring(src, target, model_id, option)
             source = {"type": "import", "path": str(src), "option": option}
             try:
                 definition = _definition(model_id, "local", paths, files, source,
                                          self.registry.usable)
             except ValueError as exc:
-                raise InvalidField(f"Invalid field 'path': {exc}", param="path") from None
+                raise _BadSource(str(exc)) from None
+            if name:
+                definition["name"] = name
             return self.registry.add(folder, definition)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
 
-    def _import_file(self, src: Path, target: Path, model_id: str,
-                     option: str) -> tuple[list, list]:
-        """A GGUF file, linked or copied; (files, paths)."""
-        if option == "copy":
-            check_disk_space(model_id, [Item(src.name, "", target, src.stat().st_size)])
-            sha256 = _copy(src, target)
-        else:
-            _link(src, target)
-            sha256 = None
-        return [{"path": src.name, "size": target.stat().st_size, "sha256": sha256}], [target]
 
-    def _import_folder(self, src: Path, target: Path, model_id: str,
-                       option: str) -> tuple[list, list]:
-        """An ONNX model folder, linked or copied file by file; (files, paths)."""
-        names = sorted(p.relative_to(src) for p in src.rglob("*") if p.is_file())
-        if option == "copy":
-            check_disk_space(model_id, [Item(str(n), "", target / n, (src / n).stat().st_size)
-                                        for n in names])
-            sums = {}
-            for n in names:
-                private_dir((target / n).parent)
-                sums[n] = _copy(src / n, target / n)
-        else:
-            _link(src, target)
-            sums = dict.fromkeys(names)
-        files = [{"path": f"{target.name}/{n}", "size": (target / n).stat().st_size,
-                  "sha256": sums[n]} for n in names]
-        return files, [target / n for n in names]
+class _BadSource(ValueError):
+    """Why a path cannot be imported; import_file words it for the request's shape."""
+
+
+def _check_source(src: Path, path: str) -> None:
+    """Raise _BadSource unless `src` is an absolute path to a readable GGUF file or an
+    ONNX model folder."""
+    if not src.is_absolute():
+        raise _BadSource(f"{path} is not an absolute path")
+    if src.is_dir():
+        if not (src / ONNX_CONFIG).is_file():
+            raise _BadSource(f"{path} is a folder without {ONNX_CONFIG}, so not an ONNX model")
+    elif not src.exists():
+        raise _BadSource(f"{path} is not a readable file: it does not exist")
+    elif not src.is_file() or not os.access(src, os.R_OK):
+        raise _BadSource(f"{path} is not a readable file")
+    elif not ggufinfo.is_gguf(src):
+        raise _BadSource(f"{path} is not a GGUF file: its header cannot be read")
+
+
+def _import_file(src: Path, target: Path, model_id: str, option: str) -> tuple[list, list]:
+    """A GGUF file, linked or copied; (files, paths)."""
+    if option == "copy":
+        check_disk_space(model_id, [Item(src.name, "", target, src.stat().st_size)])
+        sha256 = _copy(src, target)
+    else:
+        _link(src, target)
+        sha256 = None
+    return [{"path": src.name, "size": target.stat().st_size, "sha256": sha256}], [target]
+
+
+def _import_folder(src: Path, target: Path, model_id: str, option: str) -> tuple[list, list]:
+    """An ONNX model folder, linked or copied file by file; (files, paths)."""
+    names = sorted(p.relative_to(src) for p in src.rglob("*") if p.is_file())
+    if option == "copy":
+        check_disk_space(model_id, [Item(str(n), "", target / n, (src / n).stat().st_size)
+                                    for n in names])
+        sums = {}
+        for n in names:
+            private_dir((target / n).parent)
+            sums[n] = _copy(src / n, target / n)
+    else:
+        _link(src, target)
+        sums = dict.fromkeys(names)
+    files = [{"path": f"{target.name}/{n}", "size": (target / n).stat().st_size,
+              "sha256": sums[n]} for n in names]
+    return files, [target / n for n in names]
 
 
 def _link(src: Path, target: Path) -> None:
@@ -714,8 +824,8 @@ def _task_id(ref: ModelRef) -> str:
     return f"{ref.repo.replace('/', ':')}:{ref.file or ref.revision}"
 
 
-def _folder_name(model_id: str) -> str:
-    """A folder name for an imported model: the quoted id, or a digest when that is long."""
+def folder_name(model_id: str) -> str:
+    """A folder name for an imported or remote model: the quoted id, or a digest when that is long."""
     name = quote(model_id, safe="")
     if len(name) <= 120:
         return name
@@ -824,18 +934,19 @@ def weights_path(record: dict) -> Path | None:
     return Path(record["path"]) / found if found is not None else None
 
 
-# Record fields that model.yml cannot set: localrt's own, and those it derives.
+# Record fields that model.yml cannot set: localrt's own, and those it derives
+# (`model` is the id, as cortex calls it).
 RECORD_FIELDS = ("id", "object", "created", "owned_by", "files", "source", "metadata",
-                 "path", "size", "status", "engine", "mmproj")
+                 "path", "size", "status", "engine", "mmproj", "model")
 
 
 def _definition(model_id: str, owner: str, paths: list[Path], files: list[dict],
                 source: dict, usable: Callable[[dict], dict]) -> dict:
     """A model definition: files and source, plus defaults from model.yml and the weights.
 
-    model.yml's parameters (n_parallel among them) are checked like any stored
-    parameter; its other fields (cortex's version, model...) are kept as they are, so
-    they show.
+    model.yml's parameters (n_parallel among them), and the cortex fields localrt keeps
+    (kept_names: version, mirostat...), are checked like any stored parameter; its
+    other fields are kept as they are, so they show.
     Raises ValueError when the weights cannot be read.
     """
     yml = _read_model_yml([p for p in paths if p.name == "model.yml"])
@@ -862,7 +973,7 @@ def _definition(model_id: str, owner: str, paths: list[Path], files: list[dict],
         if meta.get("stop"):
             from_weights["stop"] = meta["stop"]
         definition.update(usable(from_weights))  # the weights are outside input too
-    names = parameter_names()
+    names = parameter_names() + kept_names()
     definition.update(usable({k: v for k, v in yml.items() if k in names}))
     for key, value in yml.items():
         if key not in names and key not in RECORD_FIELDS and isinstance(key, str):

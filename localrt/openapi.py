@@ -17,6 +17,8 @@ from localrt import __version__, schemas
 _PARAM = re.compile(r"\{(\w+)(?::path)?\}")
 # Routes whose 200 reply is a stream of Server-Sent Events rather than JSON.
 EVENT_STREAMS = {("GET", "/v1/events"), ("POST", "/v1/chat/completions")}
+# Routes whose 200 reply is text, by its media type.
+TEXT_REPLIES = {("GET", "/metrics"): "text/plain; version=0.0.4"}
 
 
 def document(routes) -> dict:
@@ -39,7 +41,7 @@ def document(routes) -> dict:
         if route.schema:
             # A body may be left out when the schema requires nothing of it (it reads as {}).
             operation["requestBody"] = {
-                "required": bool(schemas.load(route.schema).get("required")),
+                "required": _needs_body(schemas.load(route.schema)),
                 "content": {"application/json": {"schema": _ref(route.schema)}}}
         paths.setdefault(path, {})[route.method.lower()] = operation
     components = {_component(name): _local(schemas.load(name), name)
@@ -57,6 +59,13 @@ def document_path(pattern: str) -> str:
     return _PARAM.sub(r"{\1}", pattern)
 
 
+def _needs_body(schema: dict) -> bool:
+    """Whether a schema requires a field: itself, or each branch of its if/then/else."""
+    if schema.get("required"):
+        return True
+    return "if" in schema and all(_needs_body(schema.get(k, {})) for k in ("then", "else"))
+
+
 def _success(route) -> dict:
     body = {"schema": _ref("replies.json", f"/$defs/{route.reply}")} if route.reply else \
         {"schema": {}}
@@ -65,6 +74,9 @@ def _success(route) -> dict:
         if route.reply:  # JSON unless the request asked for a stream
             content["application/json"] = body
         return {"description": "Server-Sent Events", "content": content}
+    text = TEXT_REPLIES.get((route.method, route.pattern))
+    if text:
+        return {"description": "OK", "content": {text: {"schema": {"type": "string"}}}}
     return {"description": "OK", "content": {"application/json": body}}
 
 

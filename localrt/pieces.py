@@ -167,10 +167,10 @@ def _get_range(link: Link, pieces: _Pieces, i: int, buf: memoryview) -> None:
         if content_range(resp) != (offset, end - 1):
             raise Retry(f"{origin(resp.url)} sent other bytes than those asked for")
         pieces.url = resp.url  # the CDN's signed URL: the next pieces skip the hub
-        _receive_piece(pieces, i, resp, offset, end, buf)
+        _receive_piece(link, pieces, i, resp, offset, end, buf)
 
 
-def _receive_piece(pieces: _Pieces, i: int, resp, offset: int, end: int,
+def _receive_piece(link: Link, pieces: _Pieces, i: int, resp, offset: int, end: int,
                    buf: memoryview) -> None:
     """Write the bytes of `resp` at `offset` on, in place, until piece i ends at `end`."""
     item = pieces.item
@@ -187,6 +187,7 @@ def _receive_piece(pieces: _Pieces, i: int, resp, offset: int, end: int,
                                  f"{exc.strerror or exc}") from None
         offset += received
         pieces.advance(i, received)
+        link.received(received)
         if pieces.stopped():
             raise Cancelled()
 

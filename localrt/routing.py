@@ -91,6 +91,19 @@ class Router:
                                    f"allowed: {', '.join(allowed)}", allowed)
         raise NotFound(f"No such endpoint: {path}")
 
+    def pattern(self, method: str, path: str) -> str | None:
+        """The pattern of the route `match` takes, else of the first route on `path` (a
+        405, an OPTIONS); None when no route has the path."""
+        if method == "HEAD":
+            method = "GET"
+        found = None
+        for route in self.routes:
+            if route.regex.match(path):
+                if route.method == method:
+                    return route.pattern
+                found = found or route.pattern
+        return found
+
     def allowed_methods(self, path: str) -> list[str]:
         """Every method some route accepts on `path` (GET brings HEAD), or [] if none."""
         methods = []

@@ -53,9 +53,12 @@ class Validators:
     def validate(self, name: str, instance) -> None:
         """Raise InvalidField naming the first offending field, if `instance` fails `name`."""
         validator = self._validator(name)
-        from jsonschema.exceptions import best_match
+        from jsonschema.exceptions import best_match, relevance
 
-        error = best_match(validator.iter_errors(instance))
+        # A field with a wrong value in an allOf'd schema is also "unevaluated": name
+        # the field's own error, and an unknown field only when nothing else is wrong.
+        error = best_match(validator.iter_errors(instance),
+                           key=lambda e: (e.validator != "unevaluatedProperties", relevance(e)))
         if error is not None:
             raise _describe(error)
 
@@ -97,12 +100,22 @@ def _field(path) -> str:
     return out
 
 
+def _properties(schema: dict) -> set:
+    """The property names a schema declares, with those of the files its allOf names."""
+    names = set(schema.get("properties", {}))
+    for part in schema.get("allOf", []):
+        ref = part.get("$ref", "")
+        names |= _properties(load(ref) if ref.endswith(".json") else part)
+    return names
+
+
 def _describe(error) -> InvalidField:
     """Turn a jsonschema error into a message that names the field."""
     path = list(error.absolute_path)
     schema = error.schema if isinstance(error.schema, dict) else {}
-    if error.validator == "additionalProperties" and isinstance(error.instance, dict):
-        known = schema.get("properties", {})
+    if error.validator in ("additionalProperties", "unevaluatedProperties") and \
+            isinstance(error.instance, dict):
+        known = _properties(schema)
         extra = sorted(k for k in error.instance if k not in known)
         field = _field(path + extra[:1])
         return InvalidField(f"Unknown field '{field}'", param=field)

@@ -21,6 +21,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterable
 
 from localrt import security
 from localrt.fsutil import atomic_write, private_dir
@@ -140,8 +141,10 @@ def check_port_free(host: str, port: int) -> None:
             raise
 
 
-def setup_logging(settings: Settings, console: bool) -> None:
-    """Log to a rotating file under logFolderPath, and to stderr when `console`."""
+def setup_logging(settings: Settings, console: bool,
+                  more_secrets: Callable[[], Iterable[str]] = tuple) -> None:
+    """Log to a rotating file under logFolderPath, and to stderr when `console`;
+    `more_secrets()` (the remote models' upstream keys) are redacted too."""
     log_dir = settings.log_dir
     private_dir(log_dir)
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -151,7 +154,8 @@ def setup_logging(settings: Settings, console: bool) -> None:
         handlers.append(logging.StreamHandler(sys.stderr))
     root = logging.getLogger()
     # The hub token, the proxy password and the API keys never reach a log line.
-    redacting = security.RedactingFilter(lambda: security.secrets_of(settings.snapshot()))
+    redacting = security.RedactingFilter(
+        lambda: [*security.secrets_of(settings.snapshot()), *more_secrets()])
     for handler in handlers:
         handler.addFilter(redacting)
         handler.setFormatter(fmt)
@@ -184,7 +188,8 @@ def serve(settings: Settings, host: str | None = None, port: int | None = None,
     host = settings["apiServerHost"] if host is None else host
     port = settings["apiServerPort"] if port is None else port
     check_exposure(settings, host)
-    setup_logging(settings, console)
+    app = None  # its remote models' upstream keys are secrets once it exists
+    setup_logging(settings, console, lambda: app.services.remotes.secrets() if app else ())
     private_dir(settings.data_dir)
 
     def request_stop():

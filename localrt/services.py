@@ -13,7 +13,11 @@ nothing is assigned to it afterwards:
     models      pulls and imports, which add to the registry
     scheduler   what runs: loads through `engines`, reads the `registry`, and refuses
                 to delete a running model or uninstall an engine in use
-    chats       chat completions on the scheduler's models
+    metrics     what GET /metrics says: reads the scheduler's status and the downloads'
+                totals at scrape time; the app counts requests in it
+    remotes     remote models: their upstreams' health, and forwarding their chats
+    chats       chat completions on the scheduler's models, each counted in `metrics`,
+                or through `remotes`
 
 Handlers (localrt.api) get the `Services` and call these objects directly.
 """
@@ -23,13 +27,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from localrt import security
 from localrt.chat import Chats
 from localrt.config import Config
 from localrt.downloads import Downloads
 from localrt.engines import Engines
 from localrt.events import EventBus
 from localrt.installs import EngineState, Installs
+from localrt.metrics import Metrics
 from localrt.models import Models, Registry
+from localrt.remote import Remotes
 from localrt.scheduler import Scheduler
 from localrt.schemas import Validators
 from localrt.settings import Settings
@@ -52,6 +59,8 @@ class Services:
     registry: Registry
     models: Models
     scheduler: Scheduler
+    metrics: Metrics
+    remotes: Remotes
     chats: Chats
     shutdown: Callable[[], None] | None = None
 
@@ -59,7 +68,13 @@ class Services:
         """End event streams, stop download tasks (their part files stay), unload models."""
         self.events.close()
         self.downloads.close()
+        self.remotes.close()
         self.scheduler.close()
+
+    def secrets(self) -> list[str]:
+        """What never leaves in a reply or a log line: the settings' secrets (hub token,
+        proxy password, API keys) and the remote models' upstream keys."""
+        return [*security.secrets_of(self.settings.snapshot()), *self.remotes.secrets()]
 
 
 def build_services(settings: Settings, *, shutdown: Callable[[], None] | None = None,
@@ -81,7 +96,11 @@ def build_services(settings: Settings, *, shutdown: Callable[[], None] | None = 
     scheduler = Scheduler(registry, engines, max_models=settings["maxRunningModels"],
                           keep_alive=settings["keepAlive"] * 60,
                           lanes=settings["computeLanes"])
-    chats = Chats(registry, engines, scheduler)
+    metrics = Metrics(running=scheduler.status, downloads=downloads.stats)
+    remotes = Remotes(registry, engines, config.get, lambda: settings["upstreamTimeout"],
+                      lambda: security.secrets_of(settings.snapshot()))
+    chats = Chats(registry, engines, scheduler, metrics=metrics, remotes=remotes)
     return Services(settings=settings, validators=validators, config=config, events=events,
-                    downloads=downloads, engines=engines, installs=installs, registry=registry, models=models,
-                    scheduler=scheduler, chats=chats, shutdown=shutdown)
+                    downloads=downloads, engines=engines, installs=installs,
+                    registry=registry, models=models, scheduler=scheduler,
+                    metrics=metrics, remotes=remotes, chats=chats, shutdown=shutdown)

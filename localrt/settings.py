@@ -94,6 +94,13 @@ def _api_keys(value: Any) -> list:
     return list(keys)
 
 
+def _seconds(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
+            or value == float("inf"):
+        raise ValueError(f"expected a number of seconds above 0, got {value!r}")
+    return value
+
+
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
 
 
@@ -163,6 +170,10 @@ KEYS: tuple[Key, ...] = (
     Key("downloadConnections", _positive_int, 8,
         "connections that fetch one file of 64 MiB or more at once; 1 fetches every file "
         "in one stream"),
+    # 300: what a long reply of a big model may take before its first byte, behind a queue.
+    Key("upstreamTimeout", _seconds, 300,
+        "seconds a remote model's upstream has to send the first byte of a reply (and each "
+        "next one); past that, a 504"),
     Key("apiKeys", _api_keys, [],
         "bearer keys that clients must send; required to bind other than loopback",
         env="LOCALRT_API_KEY", secret=True),

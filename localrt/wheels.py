@@ -6,14 +6,19 @@ header and the reply's Content-Type says which came back. Requests go through
 marker logic is `packaging`'s (PEP 440 and PEP 508 are easy to get subtly wrong).
 
 Wheels are never pip-installed: `unpack` extracts one into an engine folder, which
-the engine manager puts on sys.path when the engine's first model starts.
+the engine manager puts on sys.path when the engine's first model starts. The
+RECORD each wheel carries stays there, so `recorded_files` can say later what an
+installed distribution's files must be (the same for one pip installed).
 """
 
 from __future__ import annotations
 
+import base64
+import csv
 import email.parser
 import html.parser
 import json
+import os
 import re
 import stat
 import sys
@@ -43,6 +48,10 @@ class PackageIndexError(UpstreamError):
     """The package index could not be read, or does not have the project."""
 
 
+class NoSuchProject(PackageIndexError):
+    """The package index answered 404 for the project: it has no file of it."""
+
+
 @dataclass(frozen=True)
 class Dist:
     """One wheel listed by the index."""
@@ -54,11 +63,17 @@ class Dist:
     version: Version
     tags: frozenset
     requires_python: str | None = None
+    upload_time: str | None = None  # ISO 8601, where the index gives it (PEP 700)
+
+
+def project_url(index_url: str, project: str) -> str:
+    """The page of `project` in the index (PEP 503's normalized name)."""
+    return urljoin(index_url.rstrip("/") + "/", canonicalize_name(project) + "/")
 
 
 def project_files(config: Mapping, index_url: str, project: str) -> list[Dist]:
     """Every wheel the index lists for `project` (sdists and unparsable names skipped)."""
-    url = urljoin(index_url.rstrip("/") + "/", canonicalize_name(project) + "/")
+    url = project_url(index_url, project)
     try:
         with open_url(config, url, headers={"Accept": ACCEPT}, timeout=30.0) as resp:
             body = resp.read(MAX_PAGE + 1)
@@ -67,22 +82,22 @@ def project_files(config: Mapping, index_url: str, project: str) -> list[Dist]:
     except OSError as exc:  # HTTPError included
         code = getattr(exc, "code", None)
         if code == 404:
-            raise PackageIndexError(f"The package index {index_url} has no project "
-                                    f"{project!r}") from None
+            raise NoSuchProject(f"The package index {index_url} has no project "
+                                f"{project!r}") from None
         raise PackageIndexError(f"Cannot read {url}: {getattr(exc, 'reason', exc)}") from None
     if len(body) > MAX_PAGE:
         raise PackageIndexError(f"{url} is larger than {MAX_PAGE} bytes")
     try:
         if kind == JSON_TYPE:
             links = [(f.get("url"), f.get("filename"), (f.get("hashes") or {}).get("sha256"),
-                      f.get("size"), f.get("requires-python"))
+                      f.get("size"), f.get("requires-python"), f.get("upload-time"))
                      for f in json.loads(body)["files"] if not f.get("yanked")]
         else:
             links = _HTMLLinks.parse(body.decode("utf-8", "replace"))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise PackageIndexError(f"{url} is not a package index page ({exc})") from None
     dists = []
-    for href, filename, sha256, size, requires_python in links:
+    for href, filename, sha256, size, requires_python, uploaded in links:
         if not isinstance(href, str) or not isinstance(filename, str):
             continue
         href, fragment = urldefrag(urljoin(final_url, href))
@@ -94,12 +109,13 @@ def project_files(config: Mapping, index_url: str, project: str) -> list[Dist]:
             continue  # an sdist, or a name that is not a wheel's
         dists.append(Dist(filename, href, sha256 if isinstance(sha256, str) else None,
                           size if isinstance(size, int) else None, version,
-                          frozenset(str(t) for t in tags), requires_python))
+                          frozenset(str(t) for t in tags), requires_python,
+                          uploaded if isinstance(uploaded, str) else None))
     return dists
 
 
 class _HTMLLinks(html.parser.HTMLParser):
-    """The <a> elements of a PEP 503 page: (href, text, None, None, requires-python)."""
+    """The <a> elements of a PEP 503 page: (href, text, None, None, requires-python, None)."""
 
     def __init__(self):
         super().__init__()
@@ -128,7 +144,7 @@ class _HTMLLinks(html.parser.HTMLParser):
         if tag == "a" and self._open is not None:
             link, self._open = self._open, None
             self.links.append((link["href"], link["text"].strip(), None, None,
-                               link["requires"]))
+                               link["requires"], None))
 
 
 def wheel_tags(filename: str) -> frozenset:
@@ -170,7 +186,8 @@ def choose(dists: Iterable[Dist], specifier: str = "", local: str | None = None,
         if dist.version.local != local:
             continue
         public = Version(dist.version.public)
-        if not spec.contains(public, prereleases=bool(specifier) or None):
+        # No specifier: no pre-releases (packaging 26 lets them in with None).
+        if not spec.contains(public, prereleases=bool(specifier)):
             continue
         if dist.requires_python and not _python_ok(dist.requires_python, python):
             continue
@@ -247,20 +264,14 @@ def _installed_version(name: str) -> str | None:
 def unpack(wheel: Path, target: Path) -> list[str]:
     """Extract a wheel's files into `target` (its site-packages); return the paths.
 
-    `.data/purelib` and `.data/platlib` land in `target` as pip would put them;
-    `.data/scripts`, headers and data are not needed by an engine and are skipped.
-    Paths that would leave `target` are refused. Unix modes are kept, so shared
+    Each lands where `site_name` says, as pip would put it; paths that would leave
+    `target` are refused. Unix modes are kept, so shared
     libraries stay executable.
     """
     written = []
     with zipfile.ZipFile(wheel) as zf:
         for info in zf.infolist():
-            name = info.filename
-            data_dir = re.match(r"[^/]+\.data/(purelib|platlib|[^/]+)/", name)
-            if data_dir:
-                if data_dir.group(1) not in ("purelib", "platlib"):
-                    continue
-                name = name[data_dir.end():]
+            name = site_name(info.filename)
             if info.is_dir() or not name:
                 continue
             dest = (target / name).resolve()
@@ -275,3 +286,44 @@ def unpack(wheel: Path, target: Path) -> list[str]:
                 dest.chmod(mode | stat.S_IRUSR | stat.S_IWUSR)
             written.append(name)
     return written
+
+
+def site_name(name: str) -> str | None:
+    """Where a wheel's file lands in its site-packages folder (None: it is not unpacked).
+
+    `.data/purelib` and `.data/platlib` land at the top, as pip puts them; the other
+    `.data` parts (scripts, headers, data) are not needed by an engine.
+    """
+    data_dir = re.match(r"[^/]+\.data/(purelib|platlib|[^/]+)/", name)
+    if data_dir is None:
+        return name
+    return name[data_dir.end():] if data_dir.group(1) in ("purelib", "platlib") else None
+
+
+def recorded_files(dist_info: Path) -> list[tuple[Path, str, int | None]]:
+    """(path, sha256 hex, size or None) of each file a distribution's RECORD hashes.
+
+    `dist_info` is its `.dist-info` folder in a site-packages folder: an engine folder
+    that `unpack` filled, or localrt's own environment that pip filled. Files RECORD
+    lists outside that folder (pip's scripts, `../../bin/...`) and unhashed ones (the
+    RECORD itself, compiled .pyc files) are left out. Raises OSError if there is no
+    RECORD, ValueError if it cannot be read.
+    """
+    root = os.path.normpath(dist_info.parent)
+    text = (dist_info / "RECORD").read_text("utf-8")
+    out = []
+    for row in csv.reader(text.splitlines()):
+        if len(row) != 3 or not row[1].startswith("sha256="):
+            continue
+        name = site_name(row[0])
+        path = os.path.normpath(os.path.join(root, name)) if name else None
+        if path is None or not path.startswith(root + os.sep):
+            continue
+        encoded = row[1][len("sha256="):]
+        try:
+            digest = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).hex()
+            size = int(row[2]) if row[2] else None
+        except ValueError:
+            raise ValueError(f"{dist_info.name}/RECORD: unreadable row {row!r}") from None
+        out.append((Path(path), digest, size))
+    return out

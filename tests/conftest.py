@@ -327,9 +327,10 @@ WHEELS = REPO / "tests" / ".engine-wheels"
 
 @pytest.fixture(scope="session")
 def index_dir(tmp_path_factory):
-    """The real onnxruntime-genai wheels (from .ci/run's pip download) and the echo wheel."""
+    """The real onnxruntime-genai wheels (the bootstrap's pip download) and the echo wheel."""
     if not list(WHEELS.glob("onnxruntime_genai-*.whl")):
-        pytest.fail(f"{WHEELS} has no onnxruntime-genai wheel; run: python -m pip download "
+        pytest.fail(f"{WHEELS} has no onnxruntime-genai wheel; run: python3 -m "
+                    f"localrt.bootstrap --test, or python -m pip download "
                     f"--only-binary=:all: -d {WHEELS} onnxruntime-genai==0.18.0")
     root = tmp_path_factory.mktemp("index")
     for wheel in WHEELS.glob("*.whl"):

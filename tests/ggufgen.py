@@ -70,18 +70,25 @@ def _normal_pieces(count: int) -> list:
     return pieces[:count]
 
 
-def _vocab(vocab_size: int):
-    """Tokens, scores and token types for a SentencePiece ("llama") tokenizer."""
-    if vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(f"vocab_size must be at least {MIN_VOCAB_SIZE}")
-    normal = _normal_pieces(vocab_size - MIN_VOCAB_SIZE)
-    tokens = _SPECIAL + _BYTES + _CHATML + normal
+def _vocab(vocab_size: int, added=()):
+    """Tokens, scores and token types for a SentencePiece ("llama") tokenizer.
+
+    `added` are (text, gguf.TokenType) pairs placed after the ChatML tokens, as a real
+    model's added tokens are: CONTROL ones (e.g. "[TOOL_CALLS]") or USER_DEFINED ones
+    (e.g. Qwen's "<tool_call>").
+    """
+    added = list(added)
+    if vocab_size < MIN_VOCAB_SIZE + len(added):
+        raise ValueError(f"vocab_size must be at least {MIN_VOCAB_SIZE + len(added)}")
+    normal = _normal_pieces(vocab_size - MIN_VOCAB_SIZE - len(added))
+    tokens = _SPECIAL + _BYTES + _CHATML + [text for text, _ in added] + normal
     types = ([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
              + [gguf.TokenType.BYTE] * len(_BYTES)
              + [gguf.TokenType.CONTROL] * len(_CHATML)
+             + [kind for _, kind in added]
              + [gguf.TokenType.NORMAL] * len(normal))
     # SPM merges pieces by score: longer pieces get higher (less negative) scores.
-    scores = [0.0] * (len(_SPECIAL) + len(_BYTES) + len(_CHATML))
+    scores = [0.0] * (len(_SPECIAL) + len(_BYTES) + len(_CHATML) + len(added))
     scores += [-1000.0 + 10.0 * len(p) - i * 1e-3 for i, p in enumerate(normal)]
     return tokens, [float(s) for s in scores], [int(t) for t in types]
 
@@ -101,6 +108,7 @@ def write_gguf(
     file_type: str = "F32",
     seed: int = 0,
     split_max_tensors: int = 0,
+    added_tokens=(),
 ) -> Path:
     """Write a tiny random-weight llama model to `path` and return it as a Path.
 
@@ -121,7 +129,7 @@ def write_gguf(
         raise ValueError("n_embd must divide by n_head, and n_head by n_head_kv")
     head_dim = n_embd // n_head
     n_embd_kv = head_dim * n_head_kv
-    tokens, scores, types = _vocab(vocab_size)
+    tokens, scores, types = _vocab(vocab_size, added_tokens)
 
     arch = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA]  # "llama"
     writer = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)

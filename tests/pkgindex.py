@@ -10,8 +10,9 @@ It serves the distribution files found in a directory (scanned on every listing,
 files added while it runs show up), on 127.0.0.1 with a port chosen by the OS:
 
 * ``GET /simple/`` lists projects; ``GET /simple/<project>/`` lists a project's files.
-  Both answer PEP 503 HTML, or PEP 691 JSON (api-version 1.1, PEP 700's ``versions``
-  and ``size``) when the Accept header prefers ``application/vnd.pypi.simple.v1+json``.
+  Both answer PEP 503 HTML, or PEP 691 JSON (api-version 1.1, PEP 700's ``versions``,
+  ``size`` and ``upload-time``, the file's mtime) when the Accept header prefers
+  ``application/vnd.pypi.simple.v1+json``.
   A project URL that is not normalized (``/simple/Foo_Bar/`` or without the slash)
   answers 301 to the normalized one, as PyPI does.
 * ``GET``/``HEAD /files/<filename>`` downloads a file, with ``Range: bytes=...``
@@ -35,6 +36,7 @@ import threading
 import time
 import zipfile
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from email.parser import HeaderParser
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -87,6 +89,7 @@ class Distribution:
     size: int
     sha256: str
     requires_python: Optional[str]
+    upload_time: str = ""    # the file's mtime, as PEP 700's upload-time gives it
 
 
 # (sha256, Requires-Python) of files, keyed by (path, size, mtime), so each file is read
@@ -138,8 +141,9 @@ def _distribution(path: Path) -> Optional[Distribution]:
         cached = (digest.hexdigest(), requires)
         with _scan_lock:
             _scan_cache[key] = cached
+    uploaded = datetime.fromtimestamp(st.st_mtime, timezone.utc)
     return Distribution(name, path, normalize(match["name"]), match["version"],
-                        st.st_size, *cached)
+                        st.st_size, *cached, uploaded.strftime("%Y-%m-%dT%H:%M:%S.%fZ"))
 
 
 def _version_key(version: str):
@@ -301,7 +305,8 @@ class _Handler(LoopbackHandler):
                           "url": f"{index.root_url}/files/{quote(d.filename)}",
                           "hashes": {"sha256": sha256},
                           "requires-python": d.requires_python,
-                          "size": d.size})
+                          "size": d.size,
+                          "upload-time": d.upload_time})
             requires = ("" if d.requires_python is None else
                         f' data-requires-python="{html.escape(d.requires_python)}"')
             links.append(f'<a href="../../files/{quote(d.filename)}#sha256={sha256}"'

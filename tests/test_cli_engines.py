@@ -60,16 +60,17 @@ def test_engines_list_and_get_print_tables(thread_server):
 def test_engines_install_and_uninstall(thread_server):
     code, out, err = run("engines", "install", "onnx-runtime")
     assert code == ExitCode.OK, err
-    assert out.strip() == "Engine onnx-runtime installed"
+    assert out.strip() == "Engine onnx-runtime downloaded successfully!"
     assert "onnx-runtime" in err  # the progress line
     code, out, _ = run("engines", "get", "onnx-runtime")
     assert rows(out)[1] == ["1", "onnx-runtime", "v0.18.0", "linux-amd64", "Ready"]
-    code, _, err = run("engines", "install", "onnx-runtime")
-    assert code == ExitCode.ERROR and "already installed" in err
+    # Installing it again checks its files and succeeds (issue 15: was an error).
+    code, out, err = run("engines", "install", "onnx-runtime")
+    assert code == ExitCode.OK and out.strip() == "Engine onnx-runtime downloaded successfully!", err
     code, _, err = run("engines", "install", "onnx-runtime", "--variant", "windows-amd64")
     assert code == ExitCode.ERROR and "cannot run here" in err
     code, out, _ = run("engines", "uninstall", "onnx-runtime")
-    assert (code, out.strip()) == (ExitCode.OK, "Engine onnx-runtime uninstalled successfully")
+    assert (code, out.strip()) == (ExitCode.OK, "Engine onnx-runtime uninstalled successfully!")
 
 
 def test_engines_install_a_custom_wheel_by_relative_path(thread_server, tmp_path,
@@ -78,7 +79,7 @@ def test_engines_install_a_custom_wheel_by_relative_path(thread_server, tmp_path
     monkeypatch.chdir(tmp_path)
     code, out, err = run("engines", "install", f"dist/{wheel.name}")
     assert code == ExitCode.OK, err
-    assert out.strip() == "Engine echo installed"
+    assert out.strip() == "Engine echo downloaded successfully!"
     code, out, _ = run("engines", "list")
     assert any(row[1:3] == ["echo", "ECHO"] for row in rows(out))
     import sys

@@ -97,7 +97,7 @@ def interrupt_on_first_progress(monkeypatch):
 def test_pull_a_builtin_variant_then_list_it(thread_server, weights):
     code, out, err = run("pull", "tiny:q8")
     assert code == ExitCode.OK, err
-    assert out == "Model tiny:q8 downloaded\n"
+    assert out == "Model tiny:q8 downloaded successfully!\n"
     assert "100%" in err and err.count("\n") == 1  # not a terminal: one progress line
     # The stream is open before the pull starts, so no event can be missed.
     calls = [c for c in thread_server.calls if c[1] in ("/v1/events", "/v1/models/pull")]
@@ -107,11 +107,11 @@ def test_pull_a_builtin_variant_then_list_it(thread_server, weights):
     assert code == 0, err
     lines = out.splitlines()
     assert [c.strip() for c in lines[1].strip("|").split("|")] == \
-        ["#", "ID", "Engine", "Size", "Status"]
+        ["(Index)", "ID", "Engine", "Version", "Size", "Status"]
     [row] = [line for line in lines if "tiny:q8" in line]
     size = weights.small.stat().st_size + len(MODEL_YML)
     assert [c.strip() for c in row.strip("|").split("|")] == \
-        ["1", "tiny:q8", "gguf-cpp", human_size(size), "downloaded"]
+        ["1", "tiny:q8", "gguf-cpp", "1", human_size(size), "downloaded"]
 
     code, out, _ = run("models", "pull", "tiny:q8")
     assert code == 0 and out == "Model tiny:q8 is already downloaded\n"
@@ -123,7 +123,7 @@ def test_pull_polls_when_every_event_stream_slot_is_taken(thread_server, client)
         assert run("pull", "tiny:q8")[0] == 0
     code, out, err = run("pull", "org/single")
     assert code == 0, err
-    assert out == "Model org:single:only.gguf downloaded\n"
+    assert out == "Model org:single:only.gguf downloaded successfully!\n"
     assert ("GET", "/v1/models/pull") in thread_server.calls  # it polled
 
 
@@ -140,7 +140,7 @@ def test_a_terminal_is_asked_which_file(thread_server, client):
     screen = Terminal()
     code, out, err = run("pull", "org/multi", stdin=answers, stderr=screen)
     assert code == 0, err
-    assert out == "Model org:multi:b.Q8_0.gguf downloaded\n"
+    assert out == "Model org:multi:b.Q8_0.gguf downloaded successfully!\n"
     assert "1. a.Q4_0.gguf" in err and "2. b.Q8_0.gguf" in err
     assert err.count("Choose a file [1-2]: ") == 3
     assert err.count("Please answer with a number from 1 to 2") == 2
@@ -157,7 +157,7 @@ def test_end_of_input_chooses_nothing(thread_server, client):
 def test_file_option(thread_server, client):
     code, out, err = run("pull", "org/multi", "--file", "a.Q4_0.gguf")
     assert code == 0, err
-    assert out == "Model org:multi:a.Q4_0.gguf downloaded\n"
+    assert out == "Model org:multi:a.Q4_0.gguf downloaded successfully!\n"
     assert [m["id"] for m in client.list_models()] == ["org:multi:a.Q4_0.gguf"]
 
 
@@ -207,7 +207,7 @@ def test_ctrl_c_answered_n_leaves_it_running_and_a_new_pull_follows_it(
 
     code, out, err = run("pull", "org/single")  # the 409 is followed, not reported
     assert code == 0, err
-    assert "already downloading" in err and out.endswith(" downloaded\n")
+    assert "already downloading" in err and out.endswith(" downloaded successfully!\n")
     assert [m["id"] for m in client.list_models()] == ["org:single:only.gguf"]
 
 
@@ -235,9 +235,11 @@ def test_import_get_update_remove(thread_server, client, weights, tmp_path, monk
     model = "team/mine:v1%"  # "/", ":" and "%" must survive the URL path
     code, out, err = run("models", "import", "--path", "w/my.gguf", "--id", model)
     assert code == 0, err
-    assert out.startswith(f"Model {model} imported")
+    path = tmp_path / "w" / "my.gguf"
+    assert out == f"Successfully import model from '{path}' for modelID '{model}'.\n"
     code, out, err = run("models", "import", "--path", "w/my.gguf", "--copy")
-    assert code == 0 and out.startswith("Model my imported"), err
+    assert code == 0, err
+    assert out == f"Successfully import model from '{path}' for modelID 'my'.\n"
 
     code, out, err = run("models", "get", model)
     assert code == 0, err
@@ -264,7 +266,7 @@ def test_import_get_update_remove(thread_server, client, weights, tmp_path, monk
     assert code == 0 and model in out and " my " in out
 
     code, out, err = run("models", "rm", model)
-    assert code == 0 and out == f"Model {model} removed\n", err
+    assert code == 0 and out == f"Model {model} deleted successfully\n", err
     code, out, err = run("models", "get", model)
     assert code == ExitCode.ERROR and "not found" in err
     assert (tmp_path / "w" / "my.gguf").exists()  # an imported file is never deleted
@@ -327,7 +329,7 @@ def test_a_terminal_sees_the_variants_and_enter_takes_the_default(thread_server,
                                                                   cortexso, weights):
     code, out, err = run("pull", "llama", stdin=Terminal("\n"), stderr=Terminal())
     assert code == 0, err
-    assert out == "Model llama:1b downloaded\n"
+    assert out == "Model llama:1b downloaded successfully!\n"
     assert "llama has 2 variants:" in err
     lines = [line for line in err.splitlines() if line.startswith("  ")]
     assert lines[0].split()[:2] == ["1.", "1b"] and lines[0].endswith("(default)")
@@ -342,7 +344,7 @@ def test_a_terminal_sees_the_variants_and_enter_takes_the_default(thread_server,
 def test_a_terminal_can_choose_another_variant(thread_server, client, cortexso):
     code, out, err = run("pull", "llama", stdin=Terminal("8b\n"), stderr=Terminal())
     assert code == 0, err
-    assert out == "Model llama:8b downloaded\n"
+    assert out == "Model llama:8b downloaded successfully!\n"
     assert client.get_model("llama:8b")["name"] == "Tiny Q8"
 
 
@@ -350,4 +352,4 @@ def test_without_a_terminal_the_default_is_taken_without_asking(thread_server, c
                                                                 cortexso):
     code, out, err = run("pull", "llama")
     assert code == 0, err
-    assert out == "Model llama:1b downloaded\n" and "Choose" not in err
+    assert out == "Model llama:1b downloaded successfully!\n" and "Choose" not in err

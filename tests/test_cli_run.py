@@ -288,7 +288,7 @@ def test_run_pulls_a_model_that_is_not_local(settings, thread_server, quantized)
     assert code == ExitCode.OK, err
     assert "Model org/single is not downloaded yet; pulling it" in err
     assert "100%" in err  # the download's progress
-    assert out.startswith("Model org:single:only.gguf downloaded\n") and out.endswith("\n")
+    assert out.startswith("Model org:single:only.gguf downloaded successfully!\n") and out.endswith("\n")
     assert "Model org:single:only.gguf started successfully" in err
     assert err.count(PROMPT) == 2  # one message, then the end of input
     assert thread_server.calls.count(("POST", "/v1/chat/completions")) == 1

@@ -5,8 +5,9 @@ real localrt server. The browser, not this test, decides whether the page may re
 the answer: it must when the origin is allowed, and must block it when the origin
 is not allowed or when cors is off.
 
-`.ci/run` installs Debian's `chromium` and `chromium-driver`; without them the tests
-are skipped, except under CI (CI=true), where a missing browser is a failure.
+`python3 -m localrt.bootstrap --test` (so `.ci/run`) installs Debian's `chromium` and
+`chromium-driver`; without them the tests are skipped, except under CI (CI=true),
+where a missing browser is a failure.
 """
 
 from __future__ import annotations

@@ -74,7 +74,10 @@ def test_kill_9_during_patches_leaves_old_or_new_state(home, servers):
                    for _ in range(2)]
         for w in workers:
             w.start()
-        time.sleep(rng.uniform(0.2, 0.6))
+        deadline = time.monotonic() + 30  # a busy machine may take a while to get going
+        while len(sent) <= 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.4))
         srv.stop(sig=signal.SIGKILL, timeout=10)
         stop.set()
         for w in workers:

@@ -346,9 +346,10 @@ def test_install_onnx_runtime_and_generate(api, app, index, settings, tmp_path,
     rows = api("GET", "/engines/onnx-runtime").json
     assert rows == [{"engine": "onnx-runtime", "name": "linux-amd64", "version": "v0.18.0",
                      "status": "Ready"}]
-    # Installing it again is a conflict.
+    # Installing it again checks its files instead of fetching them (issue 15: was a 409).
     r = api("POST", "/v1/engines/onnx-runtime/install", {"variant": "linux-amd64"})
-    assert r.status == 409 and "already installed" in r.json["error"]["message"]
+    assert r.status == 200 and "already installed" in r.json["message"]
+    assert wait_install(api, r.json["task"]["id"])["status"] == "Success"
 
     model_dir = write_onnx_model(tmp_path / "onnx-model")
     model = app.services.engines.open("onnx-runtime", str(model_dir), {})
@@ -482,8 +483,10 @@ def test_a_killed_unpack_does_not_count_as_installed(app, api, settings):
 
 
 def test_the_builtin_gguf_cpp_is_deactivated_not_deleted(api):
+    # Installing what is installed checks its files (issue 15: was a 409).
     r = api("POST", "/v1/engines/gguf-cpp/install")
-    assert r.status == 409 and "already installed" in r.json["error"]["message"]
+    assert r.status == 200 and "already installed" in r.json["message"]
+    assert wait_install(api, r.json["task"]["id"])["status"] == "Success"
     r = api("DELETE", "/v1/engines/gguf-cpp/install")
     assert r.json == {"message": "Engine gguf-cpp uninstalled successfully"}
     gguf = engine(api, "gguf-cpp")
@@ -492,6 +495,7 @@ def test_the_builtin_gguf_cpp_is_deactivated_not_deleted(api):
     assert Path(llama_cpp.__file__).exists()
     r = api("POST", "/v1/engines/gguf-cpp/install")
     assert r.status == 200 and r.json["message"] == "Engine gguf-cpp starts installing"
+    wait_install(api, r.json["task"]["id"])  # issue 15: a real install, with a task
     assert engine(api, "gguf-cpp")["status"] == "Ready"
 
 

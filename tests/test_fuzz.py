@@ -73,8 +73,12 @@ OPERATIONS = sorted({(r.method, document_path(r.pattern))
 # (any string is a valid path parameter).
 BREAKABLE = {(r.method, document_path(r.pattern))
              for r in ROUTES if r.schema}
+# A valid POST /v1/models/remote registers upstreams that localrt then probes: random
+# host names would be looked up in DNS. Its invalid bodies are fuzzed; valid ones are
+# tests/test_remote.py's, on loopback.
+ONLY_NEGATIVE = {("POST", "/v1/models/remote")}
 CASES = [(m, p, mode) for m, p in OPERATIONS for mode in ("positive", "negative")
-         if mode == "positive" or (m, p) in BREAKABLE]
+         if (mode == "positive" and (m, p) not in ONLY_NEGATIVE) or (m, p) in BREAKABLE]
 
 
 def error_json_on_4xx(ctx, response, case):

@@ -60,10 +60,10 @@ def test_every_reference_resolves(app):
 
 
 def test_every_json_route_documents_its_reply(app):
-    """A 200 reply schema for every route but the two whose replies are not JSON."""
+    """A 200 reply schema for every route but those whose replies are not JSON."""
     doc = call(app, "GET", "/openapi.json").json
     for route in ROUTES:
-        if route.pattern in ("/v1/events",):
+        if route.pattern in ("/v1/events", "/metrics"):
             continue
         assert route.reply, f"{route.method} {route.pattern} names no reply schema"
         path = document_path(route.pattern)

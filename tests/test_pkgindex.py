@@ -22,6 +22,7 @@ import time
 import urllib.error
 import urllib.request
 import zipfile
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,14 @@ def test_json_project_page(index, dist_dir):
     status, headers, body = fetch(index.url, {"Accept": f"text/html;q=0.2, {JSON_TYPE}"})
     assert headers["Content-Type"] == JSON_TYPE
     assert json.loads(body)["projects"] == [{"name": "bigpkg"}, {"name": PROJECT}]
+
+
+def test_json_files_give_their_upload_time(index, dist_dir):
+    """PEP 700's upload-time: the file's modification time, in UTC."""
+    _, _, body = fetch(index.url + PROJECT + "/", {"Accept": JSON_TYPE})
+    wheel = {f["filename"]: f for f in json.loads(body)["files"]}[WHEEL]
+    mtime = datetime.fromtimestamp((dist_dir / WHEEL).stat().st_mtime, timezone.utc)
+    assert wheel["upload-time"] == mtime.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 @pytest.mark.parametrize("accept", [None, "text/html", f"{JSON_TYPE};q=0.5, text/html",

@@ -8,7 +8,12 @@ calls sys.exit; it is the one place exceptions become exit codes. The package:
 - `parser`: the argparse tree; `flags`: the options made from the request schemas.
 - `commands`: the handlers, one module per command group, and the name tables.
 - `follow`: following a download or install task; `chat`: the `run` chat;
-  `output`: tables, values and progress bars.
+  `output`: tables, values and progress bars; `menu`: the numbered choices
+  `pull` and `engines install --menu` ask for.
+
+A command's result goes to stdout, and a success is one line in cortex.cpp's words
+(`Model ID downloaded successfully!`...) that a script can grep; news, questions,
+progress and errors go to stderr, so does the line saying the server was started.
 
 Imports stay light: `localrt --help` must not load the server, jsonschema, tqdm or
 any engine, so the commands are imported only once the arguments are parsed. If

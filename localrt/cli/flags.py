@@ -33,12 +33,23 @@ def port(value: str) -> int:
     return number
 
 
+def positive_int(value: str) -> int:
+    """A count flag value, 1 or more."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of 1 or more, got {value!r}")
+    return number
+
+
 def comma_list(value: str) -> list:
     """A comma-separated flag value as a list, blanks dropped ('' is the empty list)."""
     return [part.strip() for part in value.split(",") if part.strip()]
 
 
-def model_update_options(schema: str = "model-update.json", skip=("id",)):
+def model_update_options(schema: str = "model-update.json", skip=("id", "upstreams")):
     """(flag, argparse keywords) for each property of a schema: stored model parameters.
 
     The schema is the one list of parameters: a property added there becomes a
@@ -48,7 +59,9 @@ def model_update_options(schema: str = "model-update.json", skip=("id",)):
     from localrt import schemas  # plain JSON reading; jsonschema stays unloaded
 
     for name, spec in schemas.load(schema)["properties"].items():
-        if name in skip:  # ids cannot change; start's model id is an argument
+        # Ids cannot change; start's model id is an argument; a remote model's upstreams
+        # are objects, which `models add-remote` sets.
+        if name in skip:
             continue
         if "$ref" in spec:  # "model-update.json#/properties/ctx_len"
             target, _, pointer = spec["$ref"].partition("#/properties/")

@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from localrt import __version__
-from localrt.cli.flags import config_options, model_update_options, port
+from localrt.cli.flags import config_options, model_update_options, port, positive_int
 
 # Other names `models` subcommands answer to.
 MODEL_ALIASES = {"rm": "remove", "delete": "remove"}
@@ -95,12 +95,28 @@ def build_parser(stdout=None, stderr=None) -> argparse.ArgumentParser:
                           description="Register a local GGUF file, or an ONNX model folder "
                           "(one holding genai_config.json), as a model, without the hub. "
                           "It is linked, or copied with --copy.")
-    p.add_argument("--path", required=True, metavar="PATH", help="the GGUF file or ONNX "
-                   "model folder")
-    p.add_argument("--id", metavar="ID", help="the model's id (default: the file name "
-                   "without .gguf)")
+    # --model_path and --model_id are cortex's spellings of the same options.
+    p.add_argument("--path", "--model_path", dest="path", required=True, metavar="PATH",
+                   help="the GGUF file or ONNX model folder")
+    p.add_argument("--id", "--model_id", dest="id", metavar="ID", help="the model's id "
+                   "(default: the file name without .gguf)")
     p.add_argument("--copy", action="store_true", help="copy the file into the models "
                    "folder instead of linking to it")
+    p = models.add_parser("add-remote", help="add a model served by other servers",
+                          description="Register a remote model: its chats are forwarded "
+                          "to OpenAI-compatible servers (vLLM, llama-server, "
+                          "llama-cpp-python's server, another localrt), each request to the "
+                          "healthy one with the fewest requests in flight.")
+    p.add_argument("model", metavar="ID", help="the model id clients will ask for")
+    p.add_argument("--url", action="append", required=True, metavar="URL",
+                   help="an upstream's OpenAI base URL, such as http://gpu1:8000/v1; "
+                   "repeat it for each replica")
+    p.add_argument("--upstream-model", metavar="NAME", help="the model's name on the "
+                   "upstreams (default: the one model each lists)")
+    p.add_argument("--api-key-env", metavar="VAR", help="the environment variable that "
+                   "holds the upstreams' API key")
+    p.add_argument("--max-inflight", type=positive_int, metavar="N", help="requests "
+                   "forwarded to each upstream at once; more wait their turn")
     _add_pull_arguments(models.add_parser("pull", help=pull_help,
                                           description=pull_description))
     _add_start_arguments(models.add_parser(
@@ -128,7 +144,10 @@ def build_parser(stdout=None, stderr=None) -> argparse.ArgumentParser:
     p.add_argument("engine", metavar="ENGINE", help="the engine's name, or the path or "
                    "URL of a custom engine's .whl file")
     _add_variant_arguments(p, "install (default: the newest)",
-                           "install (default: the one recommended for this machine)")
+                           "install (default: the one recommended for this machine)",
+                           short=True)
+    p.add_argument("-m", "--menu", action="store_true", help="list the variants and "
+                   "install the one chosen")
     p = engines.add_parser("uninstall", help="uninstall an engine variant",
                            description="Uninstall an engine variant, the active one unless "
                            "told. The gguf-cpp build that ships with localrt is deactivated, "
@@ -146,8 +165,10 @@ def build_parser(stdout=None, stderr=None) -> argparse.ArgumentParser:
 
 
 def _add_variant_arguments(p: argparse.ArgumentParser, version_help: str,
-                           variant_help: str) -> None:
-    p.add_argument("--version", metavar="VERSION", help=f"the version to {version_help}")
+                           variant_help: str, short: bool = False) -> None:
+    """--version and --variant; `short` adds -v, cortex's name for --version."""
+    p.add_argument(*(["-v"] if short else []), "--version", metavar="VERSION",
+                   help=f"the version to {version_help}")
     p.add_argument("--variant", metavar="VARIANT", help=f"the variant to {variant_help}, "
                    f"such as linux-amd64-avx2")
 

@@ -12,7 +12,8 @@ from localrt.cli.commands.config import cmd_config
 from localrt.cli.commands.engines import (cmd_engines_get, cmd_engines_install,
                                           cmd_engines_list, cmd_engines_uninstall,
                                           cmd_engines_use)
-from localrt.cli.commands.models import (cmd_models_get, cmd_models_import, cmd_models_list,
+from localrt.cli.commands.models import (cmd_models_add_remote, cmd_models_get,
+                                         cmd_models_import, cmd_models_list,
                                          cmd_models_remove, cmd_models_start, cmd_models_stop,
                                          cmd_models_update, cmd_ps)
 from localrt.cli.commands.pull import cmd_pull
@@ -40,4 +41,5 @@ ENGINE_COMMANDS = {"list": cmd_engines_list, "get": cmd_engines_get,
                    "use": cmd_engines_use}
 MODEL_COMMANDS = {"list": cmd_models_list, "get": cmd_models_get, "remove": cmd_models_remove,
                   "update": cmd_models_update, "import": cmd_models_import, "pull": cmd_pull,
-                  "start": cmd_models_start, "stop": cmd_models_stop, "run": cmd_run}
+                  "start": cmd_models_start, "stop": cmd_models_stop, "run": cmd_run,
+                  "add-remote": cmd_models_add_remote}

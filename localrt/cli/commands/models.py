@@ -1,4 +1,6 @@
-"""`localrt models list|get|remove|update|import|start|stop` and `localrt ps`.
+"""`localrt models list|get|remove|update|import|add-remote|start|stop` and `localrt ps`.
+
+`models delete` and `models rm` are `models remove` (localrt.cli.parser.MODEL_ALIASES).
 
 `models pull` and `models run` are `pull` and `run` (localrt.cli.commands.pull, .run).
 """
@@ -20,9 +22,11 @@ def cmd_models_list(ctx: Context) -> int:
     if not models:
         ctx.out("No models downloaded yet; `localrt pull ID` downloads one")
         return ExitCode.OK
-    rows = [(number, m["id"], m.get("engine", ""), human_size(m.get("size", 0)),
-             m.get("status", "")) for number, m in enumerate(models, 1)]
-    ctx.out(table(["#", "ID", "Engine", "Size", "Status"], rows))
+    # cortex's columns first, so that its scripts find them where they look.
+    rows = [(number, m["id"], m.get("engine", ""), m.get("version", ""),
+             human_size(m.get("size", 0)), m.get("status", ""))
+            for number, m in enumerate(models, 1)]
+    ctx.out(table(["(Index)", "ID", "Engine", "Version", "Size", "Status"], rows))
     return ExitCode.OK
 
 
@@ -34,9 +38,9 @@ def cmd_models_get(ctx: Context) -> int:
 
 
 def cmd_models_remove(ctx: Context) -> int:
-    """Delete a model's files and definition."""
+    """Delete a model's files and definition (`models remove`, `rm` and `delete`)."""
     ctx.client().remove_model(ctx.args.model)
-    ctx.out(f"Model {ctx.args.model} removed")
+    ctx.out(f"Model {ctx.args.model} deleted successfully")
     return ExitCode.OK
 
 
@@ -54,12 +58,41 @@ def cmd_models_update(ctx: Context) -> int:
 
 
 def cmd_models_import(ctx: Context) -> int:
-    """Register a local GGUF file, linked (the default) or copied."""
+    """Register a local GGUF file or ONNX folder, linked (the default) or copied.
+
+    `--path`/`--id` and cortex's `--model_path`/`--model_id` are the same options.
+    """
     # The server resolves nothing relative to the caller's directory: send an absolute path.
     path = os.path.abspath(os.path.expanduser(ctx.args.path))
     option = "copy" if ctx.args.copy else "symlink"
     reply = ctx.client().import_model(path, ctx.args.id, option)
-    ctx.out(f"Model {reply['model']['id']} imported from {path}")
+    # cortex's words, which its scripts look for.
+    ctx.out(f"Successfully import model from '{path}' for modelID "
+            f"'{reply['model']['id']}'.")
+    return ExitCode.OK
+
+
+def cmd_models_add_remote(ctx: Context) -> int:
+    """Register a remote model: its upstreams are OpenAI-compatible servers.
+
+    The key is read from the environment variable --api-key-env names, so it never
+    shows in the shell's history or the process list.
+    """
+    args = ctx.args
+    upstream = {}
+    if args.upstream_model:
+        upstream["model"] = args.upstream_model
+    if args.max_inflight is not None:
+        upstream["max_inflight"] = args.max_inflight
+    if args.api_key_env:
+        key = os.environ.get(args.api_key_env)
+        if not key:
+            raise CliError(f"${args.api_key_env} is not set; it should hold the upstream's "
+                           f"API key", ExitCode.USAGE)
+        upstream["api_key"] = key
+    reply = ctx.client().add_remote_model(args.model, [{"url": url, **upstream}
+                                                       for url in args.url])
+    ctx.out(reply["message"])
     return ExitCode.OK
 
 
@@ -95,6 +128,14 @@ def cmd_ps(ctx: Context) -> int:
                         f"tokens of KV cache, {human_size(m['kvCache'])}")
     else:
         ctx.out("No models are running; `localrt run ID` starts one and chats with it")
+    upstreams = [(m["id"], u["url"], u["health"],
+                  f"{u['inflight']}/{u['max_inflight'] or '-'}",
+                  "" if u.get("latency_ms") is None else f"{u['latency_ms']:.0f} ms",
+                  u.get("error", ""))
+                 for m in status["data"] for u in m.get("upstreams", ())]
+    if upstreams:
+        ctx.out(table(["Remote model", "Upstream", "Health", "In flight", "Latency", "Error"],
+                      upstreams))
     hw = status.get("hardware") or {}
     if hw:
         gpu = f"CUDA {hw['cuda']}" if hw.get("cuda") else "no GPU"

@@ -9,6 +9,7 @@ import contextlib
 
 from localrt.cli.context import CliError, Context, ExitCode
 from localrt.cli.follow import follow, open_events, polled_events
+from localrt.cli.menu import ask_number, list_choices
 from localrt.client import ApiError
 from localrt.fsutil import human_size
 
@@ -32,7 +33,7 @@ def download(ctx: Context, client, stream, model_id: str,
             return ExitCode.OK, started
         model, pull_id, task = started
         code = follow(ctx, client, stream or polled_events(client), task,
-                      f"Model {model}", "downloaded", f"localrt pull {pull_id}")
+                      f"Model {model}", "downloaded successfully!", f"localrt pull {pull_id}")
         return code, model
 
 
@@ -82,34 +83,14 @@ def _ask_variant(ctx: Context, client, model_id: str) -> str:
     ctx.err(f"{model_id} has {len(rows)} {noun}s:")
     _list_choices(ctx, [(row["name"], row["size"], row.get("quantization"),
                          "(default)" if row["default"] else "") for row in rows])
-    return _ask_number(ctx, noun, [row["id"] for row in rows], [row["name"] for row in rows],
-                       default)
+    return ask_number(ctx, noun, [row["id"] for row in rows], [row["name"] for row in rows],
+                      default)
 
 
 def _list_choices(ctx: Context, rows) -> None:
     """Numbered lines of (name, size or None, quantization or None, note), aligned."""
-    width = max(len(name) for name, *_ in rows)
-    for number, (name, size, quant, note) in enumerate(rows, 1):
-        size = human_size(size) if size is not None else ""
-        ctx.err(f"  {number}. {name:<{width}}  {size:>10}  {quant or '':<8} {note}".rstrip())
-
-
-def _ask_number(ctx: Context, noun: str, ids: list, names: list,
-                default: str | None = None) -> str:
-    """Read a choice by number or name (Enter: the default, if any); its id."""
-    hint = f", Enter for {names[ids.index(default)]}" if default in ids else ""
-    while True:
-        answer = ctx.ask(f"Choose a {noun} [1-{len(ids)}{hint}]: ")
-        if answer is None:
-            raise CliError(f"No {noun} chosen")
-        answer = answer.strip()
-        if not answer and default in ids:
-            return default
-        if answer in names:
-            return ids[names.index(answer)]
-        if answer.isdigit() and 1 <= int(answer) <= len(ids):
-            return ids[int(answer) - 1]
-        ctx.err(f"Please answer with a number from 1 to {len(ids)}")
+    list_choices(ctx, [(name, human_size(size) if size is not None else "", quant or "",
+                        note) for name, size, quant, note in rows], right=(1,))
 
 
 def _choose_file(ctx: Context, model_id: str, choices: list) -> str:
@@ -124,4 +105,4 @@ def _choose_file(ctx: Context, model_id: str, choices: list) -> str:
     ctx.err(f"{model_id} holds {len(files)} GGUF models:")
     _list_choices(ctx, [(c["file"], c.get("size"), c.get("quantization"), "")
                         for c in choices])
-    return _ask_number(ctx, "file", files, files)
+    return ask_number(ctx, "file", files, files)

@@ -1,0 +1,251 @@
+"""Set localrt up from a checkout, before anything is installed: the README's two commands.
+
+    python3 -m localrt.bootstrap           # install localrt into .venv, start the server
+    python3 -m localrt.bootstrap --test    # install localrt[test] into .venv, run the suite
+
+Each one installs the Debian or Ubuntu packages that are missing (through sudo when
+not root), creates the virtual environment ``.venv`` in the checkout (or reuses it),
+installs the checkout into it with pip, and then runs ``localrt start`` or
+``python -m pytest``. Arguments after ``--`` go to that last command. ``--dry-run``
+prints the commands without running them. ``.ci/run`` is ``--test`` on a clean clone.
+
+This module runs with the system's python3 before any dependency exists, so it uses
+the standard library only and stays Python 3.9 compatible. Nothing in the package
+imports it.
+
+llama-cpp-python (the gguf-cpp engine) compiles from source for this CPU. GCC 12
+miscompiles ggml's AMX kernels (SIGILL on the first quantized model), so on x86-64
+the build leaves AMX out whenever the compiler knows the AMX flags (`build_env`), and
+pip runs with ``--no-cache-dir`` so that it never reuses a wheel built without them.
+pip takes its index from its own settings (PIP_INDEX_URL, PIP_FIND_LINKS,
+PIP_NO_INDEX, pip.conf), which pass through untouched: that is how a site without
+the internet builds against a mirror.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, TextIO, Tuple
+
+ROOT = Path(__file__).resolve().parent.parent
+
+AMX_OFF = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
+
+# The real engine wheels the tests' package index serves. tests/conftest.py's
+# index_dir names the same pin in its failure message: change both together.
+ENGINE_WHEELS = ("onnxruntime-genai==0.18.0",)
+WHEEL_DIR = Path("tests") / ".engine-wheels"
+
+# Commands the tests use when present, and the Debian packages that bring them.
+# Without them test_man.py and test_cors_browser.py skip, except under CI.
+TEST_TOOLS = {"groff": "groff-base", "chromium": "chromium", "chromedriver": "chromium-driver"}
+
+
+# --- the build flags --------------------------------------------------------------
+
+
+def compiler_accepts(compiler: str, language: str, flags: Sequence[str]) -> bool:
+    """Whether `compiler` (a CC or CXX value) accepts `flags` when compiling `language`."""
+    try:
+        proc = subprocess.run([*shlex.split(compiler), *flags, "-E", "-x", language, "-"],
+                              input=b"", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except OSError:
+        return False
+    return proc.returncode == 0
+
+
+def build_env(environ: Dict[str, str], machine: str,
+              accepts: Callable[[str, str, Sequence[str]], bool] = compiler_accepts
+              ) -> Dict[str, str]:
+    """The variables pip's build needs beyond `environ`: on x86-64, flags without AMX."""
+    if machine.lower() not in ("x86_64", "amd64"):
+        return {}
+    extra = {}
+    for flags_var, compiler_var, compiler, language in (("CFLAGS", "CC", "cc", "c"),
+                                                        ("CXXFLAGS", "CXX", "c++", "c++")):
+        # A compiler that does not know these flags cannot emit AMX code either.
+        if accepts(environ.get(compiler_var) or compiler, language, AMX_OFF):
+            extra[flags_var] = " ".join(filter(None, (environ.get(flags_var), *AMX_OFF)))
+    return extra
+
+
+# --- Debian packages --------------------------------------------------------------
+
+
+def missing_packages(test: bool, need_venv: bool,
+                     which: Callable[[str], Optional[str]] = shutil.which,
+                     find_spec: Callable[[str], object] = importlib.util.find_spec
+                     ) -> Tuple[List[str], List[str]]:
+    """(needed, optional) Debian packages that are missing; setup stops without `needed`."""
+    needed = []
+    if need_venv and find_spec("ensurepip") is None:
+        # Debian ships venv's pip apart from Python itself.
+        needed.append("python3.%d-venv" % sys.version_info[1])
+    if not (which("cc") and which("c++")):
+        needed.append("build-essential")  # llama-cpp-python compiles C and C++
+    optional = [pkg for cmd, pkg in TEST_TOOLS.items() if test and not which(cmd)]
+    return needed, optional
+
+
+def apt_prefix(euid: int, which: Callable[[str], Optional[str]] = shutil.which
+               ) -> Optional[List[str]]:
+    """How apt-get runs here: [] as root, ["sudo"] through sudo, None not at all."""
+    if not which("apt-get"):
+        return None
+    if euid == 0:
+        return []
+    return ["sudo"] if which("sudo") else None
+
+
+def apt_candidate(package: str) -> bool:
+    """Whether apt can install `package` (Ubuntu has no chromium deb, for one)."""
+    proc = subprocess.run(["apt-cache", "policy", package], capture_output=True, text=True)
+    return any(line.strip().startswith("Candidate:") and "(none)" not in line
+               for line in proc.stdout.splitlines())
+
+
+@dataclass
+class Host:
+    """What setup asks of this machine; tests pass their own answers."""
+
+    arch: str = field(default_factory=platform.machine)
+    euid: int = field(default_factory=os.geteuid)
+    environ: Dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    which: Callable[[str], Optional[str]] = shutil.which
+    find_spec: Callable[[str], object] = importlib.util.find_spec
+    accepts: Callable[[str, str, Sequence[str]], bool] = compiler_accepts
+    candidate: Callable[[str], bool] = apt_candidate
+
+
+# --- running the steps ------------------------------------------------------------
+
+
+class Shell:
+    """Echoes each command as `+ command`, then runs it from the checkout (unless dry_run)."""
+
+    def __init__(self, out: TextIO, dry_run: bool, environ: Dict[str, str],
+                 call: Callable[..., int] = subprocess.call):
+        self.out = out
+        self.dry_run = dry_run
+        self.environ = environ
+        self.call = call
+
+    def __call__(self, argv: Sequence[object], extra_env: Optional[Dict[str, str]] = None) -> int:
+        """Run `argv` with `extra_env` added to this process's environment; its exit code."""
+        argv = [str(arg) for arg in argv]
+        extra_env = extra_env or {}
+        shown = [f"{name}={shlex.quote(value)}" for name, value in extra_env.items()]
+        shown += [shlex.quote(arg) for arg in argv]
+        print("+ " + " ".join(shown), file=self.out, flush=True)
+        if self.dry_run:
+            return 0
+        return self.call(argv, cwd=str(ROOT), env={**self.environ, **extra_env})
+
+
+def install_packages(shell: Shell, needed: List[str], optional: List[str],
+                     prefix: Optional[List[str]], err: TextIO,
+                     candidate: Callable[[str], bool] = apt_candidate) -> int:
+    """apt-get install what is missing; non-zero when a needed package cannot be had."""
+    if not needed and not optional:
+        return 0
+    if prefix is None:
+        if needed:
+            print(f"localrt needs the packages {' '.join(needed)}; install them as root "
+                  f"(apt-get install {' '.join(needed + optional)}) and run this again.",
+                  file=err)
+            return 1
+        print(f"note: {' '.join(optional)} cannot be installed here (no root, sudo or "
+              f"apt-get); the tests that need them are skipped.", file=err)
+        return 0
+    rc = shell([*prefix, "apt-get", "update", "-q"])
+    if rc:
+        return rc
+    # After the update, apt knows what this release has; a dry run cannot ask.
+    available = [pkg for pkg in optional if shell.dry_run or candidate(pkg)]
+    if len(available) < len(optional):
+        absent = [pkg for pkg in optional if pkg not in available]
+        print(f"note: apt has no {' '.join(absent)} here; the tests that need "
+              f"{'it' if len(absent) == 1 else 'them'} are skipped.", file=err)
+    if not needed and not available:
+        return 0
+    return shell([*prefix, "env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "install",
+                  "-y", "-q", "--no-install-recommends", *needed, *available])
+
+
+def setup(args: argparse.Namespace, shell: Shell, host: Host, err: TextIO) -> int:
+    """Install localrt (and with --test its test dependencies), then start it or test it."""
+    venv = Path(args.venv).absolute()
+    python = venv / "bin" / "python"
+    needed, optional = missing_packages(args.test, not python.exists(), host.which,
+                                        host.find_spec)
+    rc = install_packages(shell, needed, optional, apt_prefix(host.euid, host.which), err,
+                          host.candidate)
+    if rc:
+        return rc
+    steps: List[Tuple[List[object], Dict[str, str]]] = []
+    if not python.exists():
+        steps.append(([sys.executable, "-m", "venv", venv], {}))
+    steps.append(([python, "-m", "pip", "install", "--upgrade", "pip"], {}))
+    flags = build_env(host.environ, host.arch, host.accepts)
+    steps.append(([python, "-m", "pip", "install", "--no-cache-dir",
+                   ".[test]" if args.test else "."], flags))
+    if args.test:
+        steps.append(([python, "-m", "pip", "download", "--only-binary=:all:",
+                       "-d", WHEEL_DIR, *ENGINE_WHEELS], {}))
+        steps.append(([python, "-m", "pytest", *args.rest], {}))
+    else:
+        steps.append(([venv / "bin" / "localrt", "start", *args.rest], {}))
+    for argv, extra_env in steps:
+        rc = shell(argv, extra_env)
+        if rc:
+            return rc
+    if not args.test:
+        print(f"\nThe localrt command is {venv / 'bin' / 'localrt'}. To type just `localrt`, "
+              f"put its folder on PATH:\n    export PATH=\"{venv / 'bin'}:$PATH\"",
+              file=shell.out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The bootstrap's options; what follows `--` goes to localrt start or pytest."""
+    p = argparse.ArgumentParser(
+        prog="python3 -m localrt.bootstrap",
+        description="Install localrt from this checkout into a virtual environment and "
+                    "start the server, or with --test install the test dependencies and "
+                    "run the whole suite. Arguments after -- go to `localrt start` or pytest.")
+    p.add_argument("--test", action="store_true",
+                   help="install the test dependencies and run the whole suite")
+    p.add_argument("--venv", default=str(ROOT / ".venv"),
+                   help="the virtual environment to create or reuse (default: %(default)s)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the commands without running them")
+    return p
+
+
+def main(argv: Optional[List[str]] = None, stdout: TextIO = sys.stdout,
+         stderr: TextIO = sys.stderr, call: Callable[..., int] = subprocess.call,
+         host: Optional[Host] = None) -> int:
+    """Run the bootstrap; the exit code of the step that failed, or pytest's."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    own, rest = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv \
+        else (argv, [])
+    args = build_parser().parse_args(own)
+    args.rest = rest
+    if sys.version_info < (3, 9):
+        print("localrt needs Python 3.9 or newer.", file=stderr)
+        return 1
+    host = host or Host()
+    return setup(args, Shell(stdout, args.dry_run, host.environ, call), host, stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

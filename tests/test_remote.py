@@ -1,0 +1,287 @@
+"""Remote models in-process: registration and its checks, records without keys, status,
+start and stop, the engine row, the CLI, the upstream pool's routing, and the 504.
+
+Forwarding to real upstreams (llama-cpp-python's server) is tests/test_remote_live.py.
+Upstreams here are addresses nothing listens on, or a socket that never answers.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import socket
+import stat
+import threading
+import time
+
+import pytest
+from localrt.app import create_app
+from localrt.cli import ExitCode, main
+from localrt.remote import (HEALTHY, UNHEALTHY, NoHealthyUpstream, Pool, Probe, UpstreamKeyRefused,
+                            UpstreamTimeout, parse_upstreams)
+
+KEY = "sk-upstream-1234567890"
+
+
+@pytest.fixture
+def app(settings):
+    """The app, closed after the test: its probe thread ends."""
+    app = create_app(settings)
+    yield app
+    app.close()
+
+
+def run(*argv):
+    out, err = io.StringIO(), io.StringIO()
+    code = main(list(argv), stdout=out, stderr=err, stdin=io.StringIO())
+    return code, out.getvalue(), err.getvalue()
+
+
+def dead_url() -> str:
+    """An upstream URL nothing listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1"
+
+
+def add(wsgi, model_id="far", upstreams=None, **extra):
+    upstreams = upstreams or [{"url": dead_url(), "api_key": KEY}]
+    return wsgi("POST", "/v1/models/remote", {"id": model_id, "upstreams": upstreams, **extra})
+
+
+# --- registration --------------------------------------------------------------------
+
+
+def test_a_remote_model_is_listed_read_updated_and_deleted_like_any(wsgi, settings):
+    url = dead_url()
+    r = add(wsgi, upstreams=[{"url": url.removesuffix("/v1"), "api_key": KEY, "max_inflight": 2,
+                              "model": "big-model"}])
+    assert r.status == 200, r.json
+    model = r.json["model"]
+    assert r.json["message"] == "Model far added: 0 of 1 upstreams healthy"
+    assert model["engine"] == "remote" and model["files"] == [] and model["size"] == 0
+    assert model["upstreams"] == [{"url": url, "model": "big-model", "max_inflight": 2,
+                                   "api_key_set": True}]  # /v1 added; the key never shown
+    assert (model["upstreams_healthy"], model["upstreams_total"]) == (0, 1)
+    assert model["status"] == "unavailable"
+
+    listed = wsgi("GET", "/v1/models").json["data"]
+    assert [m["id"] for m in listed] == ["far"] and listed[0]["upstreams_total"] == 1
+    got = wsgi("GET", "/v1/models/far").json
+    assert got["upstreams"] == model["upstreams"] and KEY not in json.dumps(got)
+
+    definition = settings.data_dir / "models" / "remote" / "far" / "model.json"
+    assert stat.S_IMODE(definition.stat().st_mode) == 0o600
+    assert stat.S_IMODE(definition.parent.stat().st_mode) == 0o700
+    assert json.loads(definition.read_text())["upstreams"][0]["api_key"] == KEY
+
+    other = dead_url()
+    r = wsgi("PATCH", "/v1/models/far", {"upstreams": [{"url": url}, {"url": other}],
+                                          "name": "Far away"})
+    assert r.status == 200, r.json
+    assert [u["url"] for u in r.json["model"]["upstreams"]] == [url, other]
+    assert not any(u["api_key_set"] for u in r.json["model"]["upstreams"])  # replaced
+    assert r.json["model"]["name"] == "Far away" and r.json["model"]["upstreams_total"] == 2
+    r = wsgi("PATCH", "/v1/models/far", {"temperature": 0.5})
+    assert r.status == 200 and r.json["model"]["upstreams_total"] == 2
+
+    r = wsgi("DELETE", "/v1/models/far")
+    assert r.status == 200 and r.json["deleted"] is True
+    assert wsgi("GET", "/v1/models").json["data"] == []
+    assert not definition.parent.exists()
+    assert wsgi("GET", "/v1/models/status").json["data"] == []
+
+
+@pytest.mark.parametrize("upstream,field,says", [
+    ({"url": "ftp://host/v1"}, "upstreams[0].url", "OpenAI base URL"),
+    ({"url": "http://user:pw@host/v1"}, "upstreams[0].url", "OpenAI base URL"),
+    ({"url": "http://host:0/v1"}, "upstreams[0].url", "no credentials"),
+    ({"url": "http://host/v1?x=1"}, "upstreams[0].url", "OpenAI base URL"),
+    ({"url": "http://host/v1", "api_key": "has space"}, "upstreams[0].api_key", "printable"),
+    ({"url": "http://host/v1", "max_inflight": 0}, "upstreams[0].max_inflight", ""),
+    ({"url": "http://host/v1", "weight": 2}, "upstreams[0].weight", "Unknown field"),
+])
+def test_bad_upstreams_are_a_400_naming_the_field(wsgi, upstream, field, says):
+    r = add(wsgi, upstreams=[upstream])
+    assert r.status == 400 and r.json["error"]["param"] == field, r.json
+    assert says in r.json["message"]
+    assert "has space" not in r.json["message"] or field.endswith("api_key")
+
+
+def test_registration_refusals(wsgi, tmp_path, quantized):
+    r = add(wsgi, upstreams=[{"url": "http://h/v1"}, {"url": "http://h/v1/"}])
+    assert r.status == 400 and r.json["error"]["param"] == "upstreams[1]"
+    r = wsgi("POST", "/v1/models/remote", {"id": "none", "upstreams": []})
+    assert r.status == 400 and r.json["error"]["param"] == "upstreams"
+    r = add(wsgi, "remote")  # /v1/models/remote is another endpoint
+    assert r.status == 400 and r.json["error"]["param"] == "id"
+    assert add(wsgi, "a/../b").status == 400
+    assert add(wsgi, "twice").status == 200
+    r = add(wsgi, "twice")
+    assert r.status == 409 and r.json["error"]["param"] == "id"
+    # A model that has files has no upstreams.
+    assert wsgi("POST", "/v1/models/import", {"path": str(quantized["Q8_0"]),
+                                              "id": "local"}).status == 200
+    r = wsgi("PATCH", "/v1/models/local", {"upstreams": [{"url": "http://h/v1"}]})
+    assert r.status == 400 and r.json["error"]["param"] == "upstreams"
+    assert "not a remote model" in r.json["message"]
+
+
+def test_start_and_stop_have_nothing_to_do(wsgi):
+    add(wsgi)
+    r = wsgi("POST", "/v1/models/start", {"model": "far"})
+    assert r.status == 200 and r.json["alreadyRunning"] is True and r.json["engine"] == "remote"
+    assert "is remote" in r.json["message"]
+    r = wsgi("POST", "/v1/models/far/start", {"ctx_len": 512})
+    assert r.status == 400 and r.json["error"]["param"] == "ctx_len"
+    r = wsgi("POST", "/v1/models/far/stop", {})
+    assert r.status == 200 and "nothing was stopped" in r.json["message"]
+
+
+def test_status_shows_each_upstream(wsgi):
+    add(wsgi, upstreams=[{"url": dead_url(), "max_inflight": 3}, {"url": dead_url()}])
+    [row] = wsgi("GET", "/v1/models/status").json["data"]
+    assert row["id"] == "far" and row["engine"] == "remote" and row["requests"] == 0
+    assert (row["upstreams_healthy"], row["upstreams_total"]) == (0, 2)
+    first = row["upstreams"][0]
+    assert first["health"] == "unhealthy" and "refused" in first["error"].lower()
+    assert (first["inflight"], first["max_inflight"], first["requests"]) == (0, 3, 0)
+
+
+def test_no_healthy_upstream_is_a_503_and_the_key_stays_out(wsgi):
+    add(wsgi)
+    body = {"model": "far", "messages": [{"role": "user", "content": "hi"}]}
+    for stream in (False, True):
+        r = wsgi("POST", "/v1/chat/completions", {**body, "stream": stream})
+        assert r.status == 503 and r.json["error"]["code"] == "no_healthy_upstream", r.json
+        assert r.headers["retry-after"] and KEY not in r.body.decode()
+
+
+def test_an_upstream_that_never_answers_is_a_504(wsgi, settings):
+    settings.update({"upstreamTimeout": 0.5})
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # connections are accepted by the kernel, and never answered
+    try:
+        port = silent.getsockname()[1]
+        r = add(wsgi, upstreams=[{"url": f"http://127.0.0.1:{port}/v1"}])
+        # Its probe is slow, not failed: the upstream stays usable.
+        assert r.json["model"]["status"] == "running"
+        started = time.monotonic()
+        r = wsgi("POST", "/v1/chat/completions",
+                 {"model": "far", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status == 504 and r.json["error"]["code"] == "upstream_timeout", r.json
+        assert "upstreamTimeout" in r.json["message"]
+        assert time.monotonic() - started < 5
+    finally:
+        silent.close()
+
+
+def test_the_engine_row_is_part_of_localrt(wsgi):
+    engines = {e["name"]: e for e in wsgi("GET", "/v1/engines").json["data"]}
+    assert engines["remote"]["status"] == "Ready" and engines["remote"]["format"] == "OpenAI API"
+    for method in ("POST", "DELETE"):
+        r = wsgi(method, "/v1/engines/remote/install", {})
+        assert r.status == 400 and "part of localrt" in r.json["message"]
+
+
+# --- the CLI ----------------------------------------------------------------------------
+
+
+def test_cli_add_remote_and_ps(thread_server, monkeypatch):
+    url = dead_url()
+    monkeypatch.setenv("UPSTREAM_KEY", KEY)
+    code, out, err = run("models", "add-remote", "far", "--url", url, "--url", dead_url(),
+                         "--upstream-model", "llama-70b", "--api-key-env", "UPSTREAM_KEY",
+                         "--max-inflight", "4")
+    assert code == ExitCode.OK, err
+    assert out.strip() == "Model far added: 0 of 2 upstreams healthy"
+    code, out, _ = run("models", "get", "far")
+    record = json.loads(out)
+    assert record["upstreams"][0] == {"url": url, "model": "llama-70b", "max_inflight": 4,
+                                      "api_key_set": True}
+    assert KEY not in out
+    code, out, _ = run("ps")
+    assert code == ExitCode.OK
+    assert "Remote model" in out and url in out and "unhealthy" in out and "0/4" in out
+    code, out, _ = run("models", "list")
+    assert "far" in out and "remote" in out
+
+    monkeypatch.delenv("UPSTREAM_KEY")
+    code, _, err = run("models", "add-remote", "other", "--url", url, "--api-key-env",
+                       "UPSTREAM_KEY")
+    assert code == ExitCode.USAGE and "UPSTREAM_KEY is not set" in err
+    code, _, err = run("models", "add-remote", "other", "--url", "nope")
+    assert code == ExitCode.ERROR and "upstreams[0].url" in err
+
+
+# --- the pool ---------------------------------------------------------------------------
+
+
+def pool(*limits) -> Pool:
+    p = Pool("m", [{"url": f"http://u{i}/v1", "max_inflight": n} for i, n in enumerate(limits)])
+    for u in p.upstreams:
+        p.probed(u, Probe(HEALTHY))
+    return p
+
+
+def test_the_least_busy_usable_upstream_is_chosen():
+    p = pool(None, None, None)
+    a, b, c = p.upstreams
+    chosen = [p.acquire((), 1) for _ in range(6)]
+    assert chosen == [a, b, c, a, b, c]  # equal loads alternate
+    p.release(b, 5.0)
+    assert p.acquire((), 1) is b  # the least busy
+    p.failed(a, "connection refused")
+    assert {p.acquire((), 1) for _ in range(2)} == {b, c}
+    assert p.acquire([b], 1) is c  # a retry skips the upstream that failed
+    assert p.counts() == (2, 3)
+
+
+def test_full_upstreams_make_requests_wait_in_arrival_order():
+    p = pool(1)
+    first = p.acquire((), 1)
+    order = []
+
+    def wait(n):
+        order.append((n, p.acquire((), 10)))
+        if n < 2:  # the last one keeps it
+            p.release(first, None)
+
+    threads = []
+    for n in range(3):
+        threads.append(threading.Thread(target=wait, args=(n,)))
+        threads[-1].start()
+        time.sleep(0.05)  # arrive in this order
+    assert p.status()["requests"] == 4  # one in flight, three waiting
+    p.release(first, None)
+    for t in threads:
+        t.join(10)
+    assert [n for n, _ in order] == [0, 1, 2]
+    with pytest.raises(UpstreamTimeout):
+        p.acquire((), 0.05)  # the last one still holds it: full for 0.05 s
+
+
+def test_unusable_upstreams_are_a_503_or_a_key_refusal():
+    p = pool(None, None)
+    a, b = p.upstreams
+    p.failed(a, "connection refused")
+    p.probed(b, Probe(UNHEALTHY, "it refused localrt's key (HTTP 401)", True))
+    with pytest.raises(NoHealthyUpstream):
+        p.acquire((), 1)
+    p.failed(a, "it refused localrt's key (HTTP 403)", refused_key=True)
+    with pytest.raises(UpstreamKeyRefused) as caught:
+        p.acquire((), 1)
+    assert "refused localrt's key" in caught.value.message
+    p.probed(a, Probe(None))  # a slow probe changes nothing
+    assert a.health == UNHEALTHY
+    p.probed(a, Probe(HEALTHY, latency_ms=3.25, listed="served"))
+    assert p.acquire((), 1) is a and a.upstream_model("m") == "served"
+    assert a.row()["latency_ms"] == 3.2
+
+
+def test_parse_upstreams_keeps_what_was_given():
+    assert parse_upstreams([{"url": "HTTPS://Host:8443/openai/v1/", "api_key": "k"},
+                            {"url": "http://[::1]:8000"}]) == [
+        {"url": "https://Host:8443/openai/v1", "api_key": "k"}, {"url": "http://[::1]:8000/v1"}]
