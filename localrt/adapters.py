@@ -17,23 +17,32 @@ The model it loads has:
                                              set once it is exhausted, `close()` stops it
   chat(messages, params, stream)             the older contract custom engines may keep:
                                              a dict, or an iterator of pieces
-  memory() -> {"ram", "vram"}                bytes, when the engine knows better than
+  memory() -> {"ram", "vram"[, "kv"]}        bytes, when the engine knows better than
                                              the RSS delta measured around the load
+                                             (kv: its KV cache, part of ram or vram)
   chat_template                              its Jinja chat template, when it has one
                                              (localrt.toolcalls reads its call format)
   unload()
+  slots, step()                              only a model that batches: it serves
+                                             `slots` generations at once, and each
+                                             step() gives every one its next token
 
 A custom engine's model with only chat() is wrapped in `ChatOnlyModel`, so every
-loaded model has generate(). `generate` raises InvalidField before it computes anything (a prompt longer than the
-context, a bad response_format), so a streamed reply never starts with an error. It
-does no locking of its own: localrt.scheduler gives one request at a time a model, and
-each token a turn in the compute lane. `params` come from localrt.chat: OpenAI's
-sampling fields (`response_format` as {"type": "json_object"} or {"type": "json_schema",
-"schema"}) plus `prompt` (the text of a model's prompt_template, used instead of the
-chat template when present) and `stop` (a list). For tool calls (localrt.toolcalls):
-`tools` (OpenAI's list, given to the chat template as Hugging Face gives it), `grammar`
-(GBNF that constrains the reply instead of response_format) and `preserved_tokens`
-(special tokens printed as their text, as a call's syntax needs).
+loaded model has generate(). `generate` raises InvalidField before it computes
+anything (a prompt longer than the context, a bad response_format or grammar), so a
+streamed reply never starts with an error. It does no locking of its own:
+localrt.scheduler lets one request at a time use a model (`slots` at a time for a
+batched one), and runs each token, or each step, in the compute lane. gguf-cpp
+batches (LlamaModel, with localrt.batching: n_parallel sequences in one context, and
+the prompt cache); onnx-runtime serves one request at a time. `params` come from
+localrt.chat: OpenAI's sampling fields (`response_format` as {"type": "json_object"}
+or {"type": "json_schema", "schema"}) plus `prompt` (the text of a model's
+prompt_template, used instead of the chat template when present) and `stop` (a
+list). For tool calls (localrt.toolcalls): `tools` (OpenAI's list, given to the chat
+template as Hugging Face gives it), `grammar` (GBNF that constrains the reply instead
+of response_format) and `preserved_tokens` (special tokens printed as their text, as
+a call's syntax needs). A generation's `usage` also counts `cached_tokens`: prompt
+tokens a batched model found in its cache.
 llama_cpp and onnxruntime_genai are imported only when a model loads.
 """
 
@@ -42,23 +51,29 @@ from __future__ import annotations
 import codecs
 import functools
 import json
+import logging
 import random
 from pathlib import Path
 from typing import Iterator
 
 from localrt import toolcalls
+from localrt.batching import Batcher, LlamaBatch, Sampling, Sequence
 from localrt.errors import InvalidField
 
 GGUF_ENGINE, ONNX_ENGINE = "gguf-cpp", "onnx-runtime"
 
-# Model start options (schemas/model-start.json) -> llama_cpp.Llama arguments.
-LLAMA_OPTIONS = {"ctx_len": "n_ctx", "ngl": "n_gpu_layers", "cpu_threads": "n_threads",
-                 "n_batch": "n_batch", "mlock": "use_mlock", "use_mmap": "use_mmap",
-                 "flash_attn": "flash_attn"}
-# cache_type -> ggml_type, for Llama's type_k and type_v (ggml.h's enum ggml_type).
+# Model start options (schemas/model-start.json) become llama.cpp's parameters in
+# _model_params (ngl, use_mmap, mlock) and _context_params (ctx_len x n_parallel,
+# n_parallel, n_batch, cpu_threads, flash_attn, cache_type); caching_enabled is the
+# Batcher's. If you add one, also map it there.
+DEFAULT_BATCH = 512  # n_batch when not given (and the most n_ubatch is), llama-cpp-python's
+# cache_type -> ggml_type, for the context's type_k and type_v (ggml.h's enum ggml_type),
+# and the bytes each value of the KV cache takes in it (ggml's block size / block length).
 # If you add one, also add it to the cache_type enum of schemas/model-update.json.
 CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
                "iq4_nl": 20, "bf16": 30}
+CACHE_TYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 34 / 32, "q4_0": 18 / 32,
+                    "q4_1": 20 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32, "iq4_nl": 18 / 32}
 # Quantized V caches need flash attention in llama.cpp.
 QUANTIZED_CACHE = tuple(k for k in CACHE_TYPES if k not in ("f32", "f16", "bf16"))
 # Sampling defaults where neither the request nor the model says: llama.cpp's own.
@@ -67,12 +82,19 @@ DEFAULTS = {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05,
 
 
 class Generation:
-    """Text pieces as they are generated; `finish_reason` and `usage` once it ends."""
+    """Text pieces as they are generated; `finish_reason` and `usage` once it ends.
 
-    def __init__(self, prompt_tokens: int, run):
+    A batched model's generation (one of a model with `slots`) calls `wait()` when its
+    next token is not computed yet: the model's own step() unless the scheduler sets
+    its own (localrt.scheduler.Lease.steps). `on_close` runs at close(), read or not.
+    """
+
+    def __init__(self, prompt_tokens: int, run, on_close=None):
         self.finish_reason: str | None = None
         self.usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0}
+        self.wait = None
         self._pieces = run(self)
+        self._on_close = on_close
 
     def __iter__(self) -> "Generation":
         return self
@@ -82,7 +104,11 @@ class Generation:
 
     def close(self) -> None:
         """Stop generating; the engine is free for the next request."""
-        self._pieces.close()
+        try:
+            self._pieces.close()
+        finally:
+            if self._on_close is not None:
+                self._on_close()
 
 
 class StopText:
@@ -234,18 +260,8 @@ class GgufEngine:
     description = "llama.cpp through llama-cpp-python; runs GGUF models"
 
     def load(self, model_path: str, options: dict) -> "LlamaModel":
-        """Load a GGUF file with the Llama arguments the options map to."""
-        import llama_cpp
-
-        kwargs = {LLAMA_OPTIONS[k]: v for k, v in options.items()
-                  if k in LLAMA_OPTIONS and v is not None}
-        if options.get("cache_type"):
-            kwargs["type_k"] = kwargs["type_v"] = CACHE_TYPES[options["cache_type"]]
-        if "n_threads" in kwargs:
-            kwargs["n_threads_batch"] = kwargs["n_threads"]
-        llm = llama_cpp.Llama(model_path=model_path, verbose=False, **kwargs)
-        return LlamaModel(llm, caching=options.get("caching_enabled", True),
-                          context=options.get("ctx_len"))
+        """Load a GGUF file and make its context: n_parallel sequences of ctx_len tokens."""
+        return LlamaModel(model_path, options)
 
     @staticmethod
     def check_options(options: dict) -> Iterator[tuple[str, str]]:
@@ -264,16 +280,36 @@ class GgufEngine:
 
 
 class LlamaModel(GeneratingModel):
-    """A loaded GGUF model: a llama.cpp context and the generation loop around it."""
+    """A loaded GGUF model: one llama.cpp context whose `slots` sequences (n_parallel)
+    share each decode step (localrt.batching), and the generations read from them.
 
-    def __init__(self, llm, caching: bool = True, context: int | None = None):
+    It has `slots` and `step()`: localrt.scheduler lets that many requests in at once
+    and runs the steps.
+    """
+
+    def __init__(self, model_path: str, options: dict):
         import llama_cpp
+        from llama_cpp import _internals
 
-        self.llm = llm
-        # llama.cpp rounds n_ctx up (to 256); the context is what was asked for.
-        self.context = min(context or llm.n_ctx(), llm.n_ctx())
+        # llama.cpp logs through llama-cpp-python's logger; errors only, as Llama(verbose=False).
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
         self._llama_cpp = llama_cpp
-        self._caching = caching
+        self._model = _internals.LlamaModel(path_model=model_path, verbose=False,
+                                            params=_model_params(llama_cpp, options))
+        try:
+            self.slots = options.get("n_parallel") or 1  # the scheduler's default is 4
+            # Each sequence has ctx_len tokens of KV; llama.cpp may round the context up.
+            self.context = options.get("ctx_len") or self._model.n_ctx_train()
+            params = _context_params(llama_cpp, options, self.slots * self.context,
+                                     self.slots)
+            self._batch = LlamaBatch(llama_cpp, self._model.model, params)
+        except BaseException:
+            self._model.close()
+            raise
+        self._batcher = Batcher(self.slots, params.n_batch, self._batch,
+                                caching=options.get("caching_enabled", True))
+        self._cache_type = options.get("cache_type") or "f16"
+        self._metadata = self._model.metadata()
         self._formatter = None  # the GGUF's chat template, compiled at the first chat
         self._pieces: dict[int, bytes] = {}  # token -> its bytes; the vocabulary is fixed
         self._special_pieces: dict[int, bytes] = {}  # the same, special tokens printed
@@ -281,47 +317,79 @@ class LlamaModel(GeneratingModel):
     @property
     def chat_template(self) -> str | None:
         """The GGUF's Jinja chat template (tokenizer.chat_template), if it has one."""
-        return self.llm.metadata.get("tokenizer.chat_template")
+        return self._metadata.get("tokenizer.chat_template")
 
     def generate(self, messages: list, params: dict) -> Generation:
-        """Tokenize and check now; compute token by token as the Generation is read."""
-        llm = self.llm
+        """Tokenize and check now; the tokens come as steps compute them."""
+        model = self._model
         if params.get("prompt") is not None:
-            text, bos = params["prompt"], llm._model.add_bos_token()
+            text, bos = params["prompt"], model.add_bos_token()
         else:
             text, bos = self._format(messages, params.get("tools"))
-        tokens = llm.tokenize(text.encode("utf-8"), add_bos=bos, special=True)
+        tokens = model.tokenize(text.encode("utf-8"), add_bos=bos, special=True)
+        if not tokens:
+            raise InvalidField("Invalid field 'messages': the prompt is empty",
+                               param="messages")
         room = _check_room(len(tokens), self.context)
         max_tokens = min(params.get("max_tokens") or room, room)
-        grammar = self._grammar(params.get("grammar") or json_grammar(
-            params.get("response_format")))
         keep = self._preserved(params.get("preserved_tokens"))
-        bias = self._bias(params.get("logit_bias"))
-        sampling = {"temp": _number(params, "temperature"), "top_p": _number(params, "top_p"),
-                    "top_k": int(_number(params, "top_k")), "min_p": _number(params, "min_p"),
-                    "repeat_penalty": _number(params, "repeat_penalty"),
-                    "frequency_penalty": _number(params, "frequency_penalty"),
-                    "presence_penalty": _number(params, "presence_penalty")}
-        seed = _seed(params, 32)
+        seq = Sequence(tokens, max_tokens, self._sampler(params, tokens))
+        batcher = self._batcher
 
         def run(gen: Generation) -> Iterator[str]:
-            llama_cpp, vocab = self._llama_cpp, llm._model.vocab
+            batcher.join(seq)
             decoder = codecs.getincrementaldecoder("utf-8")("replace")
-            if not self._caching:
-                llm.reset()
-            llm.set_seed(seed)
-            tokens_in = llm.generate(tokens, grammar=grammar, logits_processor=bias, **sampling)
             try:
                 yield from token_loop(
-                    gen, tokens_in,
+                    gen, batcher.tokens(seq, lambda: gen.wait()),
                     decode=lambda t: decoder.decode(self._piece(t, t in keep)),
-                    is_end=lambda t: llama_cpp.llama_vocab_is_eog(vocab, t),
-                    final=lambda: decoder.decode(b"", final=True),
+                    is_end=self._batch.is_end, final=lambda: decoder.decode(b"", final=True),
                     stops=params.get("stop"), max_tokens=max_tokens)
             finally:
-                tokens_in.close()
+                batcher.leave(seq)
+                gen.usage["cached_tokens"] = seq.cached
 
-        return Generation(len(tokens), run)
+        generation = Generation(len(tokens), run, on_close=lambda: batcher.leave(seq))
+        generation.wait = self.step
+        return generation
+
+    def step(self) -> None:
+        """One decode for every sequence (localrt.batching.Batcher.step)."""
+        self._batcher.step()
+
+    def counters(self) -> dict:
+        """Decode steps so far, and the prompt tokens they read: as the batcher counted
+        them, and as llama.cpp did (it counts the tokens of decodes of more than one)."""
+        return {"decodes": self._batcher.decodes, "prompt_read": self._batcher.prompt_read,
+                "prompt_evaluated": self._batch.prompt_evaluated()}
+
+    def _sampler(self, params: dict, tokens: list[int]):
+        """The request's sampler chain; a 400 for a logit_bias token not in the
+        vocabulary, or a grammar llama.cpp cannot parse."""
+        n_vocab = self._model.n_vocab()
+        bias = []
+        for key, value in (params.get("logit_bias") or {}).items():
+            token = int(key)
+            if not 0 <= token < n_vocab:
+                raise InvalidField(f"Invalid field 'logit_bias': token {key} is not in the "
+                                   f"model's vocabulary of {n_vocab}", param="logit_bias")
+            bias.append((token, float(value)))
+        # A grammar of the caller's own (GBNF: a forced tool call's) goes before
+        # response_format's.
+        grammar, source = params.get("grammar"), "grammar"
+        if not grammar:
+            grammar, source = json_grammar(params.get("response_format")), "response_format"
+        sampling = Sampling(
+            temperature=_number(params, "temperature"), top_k=int(_number(params, "top_k")),
+            top_p=_number(params, "top_p"), min_p=_number(params, "min_p"),
+            repeat_penalty=_number(params, "repeat_penalty"),
+            frequency_penalty=_number(params, "frequency_penalty"),
+            presence_penalty=_number(params, "presence_penalty"),
+            seed=_seed(params, 32), bias=tuple(bias), grammar=grammar)
+        try:
+            return self._batch.sampler(sampling, tokens)
+        except ValueError as exc:
+            raise InvalidField(f"Invalid field '{source}': {exc}", param=source) from None
 
     def _piece(self, token: int, special: bool = False) -> bytes:
         """A token's bytes (special tokens render as nothing, as in llama-cpp-python,
@@ -331,7 +399,7 @@ class LlamaModel(GeneratingModel):
         if piece is None:
             import ctypes
 
-            vocab, size = self.llm._model.vocab, 64
+            vocab, size = self._model.vocab, 64
             while True:
                 buf = ctypes.create_string_buffer(size)
                 n = self._llama_cpp.llama_token_to_piece(vocab, token, buf, size, 0, special)
@@ -345,36 +413,49 @@ class LlamaModel(GeneratingModel):
         """The ids of the special tokens spelled `texts`, to print as text."""
         ids = set()
         for text in texts or ():
-            tokens = self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+            tokens = self._model.tokenize(text.encode("utf-8"), add_bos=False, special=True)
             if len(tokens) == 1:
                 ids.add(tokens[0])
         return frozenset(ids)
 
     def memory(self) -> dict:
-        """RAM and VRAM from llama.cpp: the weights (split by offloaded layers) and the context."""
-        llama_cpp, llm = self._llama_cpp, self.llm
-        weights = llama_cpp.llama_model_size(llm.model)
-        context = llama_cpp.llama_state_get_size(llm.ctx)
-        layers = llama_cpp.llama_model_n_layer(llm.model)
+        """RAM and VRAM from llama.cpp: the weights (split by offloaded layers) and the
+        KV cache of every slot (`kv`, in ram or vram)."""
+        llama_cpp, model = self._llama_cpp, self._model
+        weights = llama_cpp.llama_model_size(model.model)
+        kv = self.kv_bytes()
+        layers = llama_cpp.llama_model_n_layer(model.model)
         offloaded = 0
         if llama_cpp.llama_supports_gpu_offload():
-            ngl = llm.model_params.n_gpu_layers
+            ngl = model.params.n_gpu_layers
             offloaded = layers + 1 if ngl < 0 else min(ngl, layers + 1)
         # The offloaded layers' weights go to the GPU, and so does the KV cache
         # (llama.cpp's offload_kqv) once any layer is offloaded.
-        vram = weights * offloaded // (layers + 1) + (context if offloaded else 0)
-        return {"ram": weights + context - vram, "vram": vram}
+        vram = weights * offloaded // (layers + 1) + (kv if offloaded else 0)
+        return {"ram": weights + kv - vram, "vram": vram, "kv": kv}
+
+    def kv_bytes(self) -> int:
+        """The KV cache's size: keys and values of every layer for every token of every slot."""
+        llama_cpp, model, meta = self._llama_cpp, self._model.model, self._metadata
+        arch = meta.get("general.architecture", "")
+        heads = llama_cpp.llama_model_n_head(model) or 1
+        head = llama_cpp.llama_model_n_embd(model) // heads
+        key = int(meta.get(f"{arch}.attention.key_length", head))
+        value = int(meta.get(f"{arch}.attention.value_length", head))
+        width = (key + value) * llama_cpp.llama_model_n_head_kv(model)
+        cells = llama_cpp.llama_n_ctx(self._batch.ctx)
+        return int(llama_cpp.llama_model_n_layer(model) * cells * width
+                   * CACHE_TYPE_BYTES[self._cache_type])
 
     def _format(self, messages: list, tools: list | None = None) -> tuple[str, bool]:
         """The prompt from the GGUF's chat template (llama-2's format if it has none),
         given `tools` as Hugging Face's apply_chat_template gives them."""
         from llama_cpp import llama_chat_format
 
-        llm = self.llm
         if self._formatter is None:
-            template = llm.metadata.get("tokenizer.chat_template")
+            template = self._metadata.get("tokenizer.chat_template")
             if template:
-                model = llm._model
+                model = self._model
 
                 def text(token: int) -> str:
                     return model.token_get_text(token) if token >= 0 else ""
@@ -391,39 +472,43 @@ class LlamaModel(GeneratingModel):
                                f"refused them: {exc}", param="messages") from None
         return out.prompt, not out.added_special
 
-    def _grammar(self, gbnf: str | None):
-        """The llama.cpp grammar of GBNF text (a JSON reply's, or a forced tool call's)."""
-        if gbnf is None:
-            return None
-        from llama_cpp.llama_grammar import LlamaGrammar
-
-        return LlamaGrammar.from_string(gbnf, verbose=False)
-
-    def _bias(self, logit_bias: dict | None):
-        if not logit_bias:
-            return None
-        import numpy as np
-
-        n_vocab = self.llm.n_vocab()
-        bias = {}
-        for key, value in logit_bias.items():
-            token = int(key)
-            if not 0 <= token < n_vocab:
-                raise InvalidField(f"Invalid field 'logit_bias': token {key} is not in the "
-                                   f"model's vocabulary of {n_vocab}", param="logit_bias")
-            bias[token] = float(value)
-        ids = np.array(list(bias), dtype=np.intc)
-        values = np.array(list(bias.values()), dtype=np.single)
-
-        def add_bias(input_ids, scores):
-            scores[ids] += values
-            return scores
-
-        return [add_bias]
-
     def unload(self) -> None:
-        """Free the model and its context."""
-        self.llm.close()
+        """Free the sequences, the context and the model (no step runs any more)."""
+        with self._batcher.stepping():
+            self._batcher.close()
+            self._batch.close()
+            self._model.close()
+
+
+def _model_params(llama_cpp, options: dict):
+    """llama_model_params for the start options (ngl, use_mmap, mlock)."""
+    params = llama_cpp.llama_model_default_params()
+    ngl = options.get("ngl")
+    if ngl is not None:
+        params.n_gpu_layers = 0x7FFFFFFF if ngl < 0 else ngl  # INT32_MAX: every layer
+    mmap, mlock = options.get("use_mmap", True) is not False, bool(options.get("mlock"))
+    params.load_mode = {(True, True): llama_cpp.LLAMA_LOAD_MODE_MMAP_MLOCK,
+                        (False, True): llama_cpp.LLAMA_LOAD_MODE_MLOCK,
+                        (True, False): llama_cpp.LLAMA_LOAD_MODE_MMAP,
+                        (False, False): llama_cpp.LLAMA_LOAD_MODE_NONE}[mmap, mlock]
+    return params
+
+
+def _context_params(llama_cpp, options: dict, n_ctx: int, slots: int):
+    """llama_context_params: `slots` sequences of their own (no unified KV) in n_ctx."""
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx, params.n_seq_max, params.kv_unified = n_ctx, slots, False
+    n_batch = max(options.get("n_batch") or DEFAULT_BATCH, slots)
+    params.n_batch, params.n_ubatch = n_batch, min(n_batch, DEFAULT_BATCH)
+    threads = options.get("cpu_threads")
+    if threads:
+        params.n_threads = params.n_threads_batch = threads
+    params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if options.get("flash_attn")
+                              else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+    if options.get("cache_type"):
+        params.type_k = params.type_v = CACHE_TYPES[options["cache_type"]]
+    params.no_perf = False  # keeps llama.cpp's count of evaluated prompt tokens
+    return params
 
 
 def json_grammar(response_format: dict | None) -> str | None:

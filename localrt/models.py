@@ -944,9 +944,9 @@ def _definition(model_id: str, owner: str, paths: list[Path], files: list[dict],
                 source: dict, usable: Callable[[dict], dict]) -> dict:
     """A model definition: files and source, plus defaults from model.yml and the weights.
 
-    model.yml's parameters, and the cortex fields localrt keeps (kept_names: n_parallel,
-    version...), are checked like any stored parameter; its other fields are kept as
-    they are, so they show.
+    model.yml's parameters (n_parallel among them), and the cortex fields localrt keeps
+    (kept_names: version, mirostat...), are checked like any stored parameter; its
+    other fields are kept as they are, so they show.
     Raises ValueError when the weights cannot be read.
     """
     yml = _read_model_yml([p for p in paths if p.name == "model.yml"])

@@ -9,12 +9,16 @@ The scheduler owns what runs, so it also refuses what must not happen to a runni
 model: deleting it, or uninstalling its engine (`not_running`, `engine_unused`).
 
 Compute is scheduled in two steps, so generations never fight over the CPU:
-  * a model serves one request at a time; requests queue for it in arrival order
-    (`Running.turn`), and `lease(model_id)` waits for that turn;
-  * every token of every generation, across all models, is computed on a compute
-    lane (`Scheduler.lanes`): `computeLanes` threads (default 1) taking token steps in
-    arrival order. A lease's `steps(generation)` is how a request reads its tokens,
-    and it ends with ModelStopped when the model is stopped meanwhile. Two llama.cpp
+  * a model serves as many requests at once as it has slots (a gguf-cpp model's
+    n_parallel; one for an engine that cannot batch); more requests queue for it in
+    arrival order (`Running.turn`), and `lease(model_id)` waits for a slot;
+  * every step of every model is computed on a compute lane (`Scheduler.lanes`):
+    `computeLanes` threads (default 1) taking steps in arrival order. A batched
+    model's step is one decode that gives each of its requests its next token (see
+    localrt.batching); the first request that needs a token runs the step and the
+    others wait for it (`Stepper`). Any other model's step is one token of its one
+    request. A lease's `steps(generation)` is how a request reads its tokens, and it
+    ends with ModelStopped when the model is stopped meanwhile. Two llama.cpp
     computations that share the cores are both many times slower than one after the
     other, so on a machine with cores for several models, raise computeLanes and give
     each model `cpu_threads` = cores / lanes.
@@ -44,8 +48,9 @@ log = logging.getLogger(__name__)
 # The start options (schemas/model-start.json): they are also stored model parameters.
 # If you add one, also map it in localrt.adapters and add it to the CLI (models start).
 START_OPTIONS = ("prompt_template", "stop", "ngl", "ctx_len", "cpu_threads", "n_batch",
-                 "caching_enabled", "grp_attn_n", "grp_attn_w", "mlock", "flash_attn",
-                 "cache_type", "use_mmap", "engine")
+                 "n_parallel", "caching_enabled", "grp_attn_n", "grp_attn_w", "mlock",
+                 "flash_attn", "cache_type", "use_mmap", "engine")
+DEFAULT_PARALLEL = 4  # n_parallel (a gguf-cpp model's slots) when nothing says
 MAX_TURN_RETRIES = 3  # a request whose model was stopped while it waited restarts it this often
 
 
@@ -168,6 +173,39 @@ class ComputeLanes:
                 self._queue.put(None)
 
 
+class Stepper:
+    """A batched model's steps, one at a time on a compute lane.
+
+    The first request that needs its next token runs the model's next step; those
+    that need one meanwhile wait for that step to end and look again, so one step
+    serves them all, and a request that arrived during a step joins the next one.
+    """
+
+    def __init__(self, lanes: ComputeLanes, step):
+        self._lanes = lanes
+        self._step = step
+        self._cond = threading.Condition(threading.Lock())  # guards _busy and _done
+        self._busy = False  # a step is under way
+        self._done = 0  # steps ended
+
+    def next(self) -> None:
+        """Run the next step, or wait for the one under way to end."""
+        with self._cond:
+            if self._busy:
+                done = self._done
+                while self._done == done:
+                    self._cond.wait()
+                return
+            self._busy = True
+        try:
+            self._lanes.run(self._step)
+        finally:
+            with self._cond:
+                self._busy = False
+                self._done += 1
+                self._cond.notify_all()
+
+
 @dataclass
 class Running:
     """A loaded model and what `ps` shows about it."""
@@ -178,10 +216,13 @@ class Running:
     options: dict
     ram: int
     vram: int
+    kv: int = 0  # bytes of KV cache, in ram or vram
+    slots: int = 1  # requests served at once
+    stepper: Stepper | None = None  # a batched model's steps; None: one request at a time
     started_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
-    turn: FairLock = field(default_factory=FairLock)  # one request at a time, in order
-    active: int = 0  # requests holding or waiting for the turn; guarded by Scheduler._lock
+    turn: FairLock = field(default_factory=FairLock)  # a slot per request, in order
+    active: int = 0  # requests holding or waiting for a slot; guarded by Scheduler._lock
     stopping: threading.Event = field(default_factory=threading.Event)
 
 
@@ -200,17 +241,38 @@ class Lease:
         self._callbacks: list = []
 
     def steps(self, generation) -> Iterator[str]:
-        """The generation's text pieces, each token computed on a compute lane in its
-        turn; ModelStopped if the model is stopped before the generation ends."""
-        lanes, running = self._scheduler.lanes, self.running
-        pieces = iter(generation)
-        while not running.stopping.is_set():
-            piece = lanes.run(next, pieces, None)
-            if piece is None:
-                return
-            yield piece
-        log.info("a reply of %s was cut short: the model was stopped", running.model_id)
-        raise ModelStopped(f"Model {running.model_id} was stopped during this reply")
+        """The generation's text pieces, computed on a compute lane: each token in its
+        turn, or for a batched model by the steps that serve all its requests;
+        ModelStopped if the model is stopped before the generation ends."""
+        running = self.running
+        if running.stepper is None:
+            lanes, pieces = self._scheduler.lanes, iter(generation)
+
+            def read():
+                return lanes.run(next, pieces, None)
+        else:
+            generation.wait = self._wait_step
+            pieces = iter(generation)
+
+            def read():
+                return next(pieces, None)
+        try:
+            while not running.stopping.is_set():
+                piece = read()
+                if piece is None:
+                    return
+                yield piece
+            raise ModelStopped(f"Model {running.model_id} was stopped during this reply")
+        except ModelStopped:
+            log.info("a reply of %s was cut short: the model was stopped", running.model_id)
+            raise
+
+    def _wait_step(self) -> None:
+        """How a batched model's generation waits for its next token."""
+        running = self.running
+        if running.stopping.is_set():
+            raise ModelStopped(f"Model {running.model_id} was stopped during this reply")
+        running.stepper.next()
 
     def on_release(self, callback) -> None:
         """Run `callback` after the release."""
@@ -265,6 +327,14 @@ class Scheduler:
         with self._lock:
             return model_id in self._running
 
+    def loaded(self, model_id: str):
+        """A running model's loaded model object; a 409 when it is not running."""
+        with self._lock:
+            running = self._running.get(model_id)
+        if running is None:
+            raise ModelNotRunning(f"Model {model_id} is not running", param="model")
+        return running.model
+
     def models_of(self, engine: str) -> list[str]:
         """The running models of an engine."""
         with self._lock:
@@ -294,9 +364,10 @@ class Scheduler:
         now = time.time()
         with self._lock:  # `active` changes under it
             return [{"id": r.model_id, "object": "model", "engine": r.engine, "ram": r.ram,
-                     "vram": r.vram, "startedAt": int(r.started_at),
-                     "uptime": round(now - r.started_at, 1), "requests": r.active,
-                     "options": dict(r.options)} for r in self._running.values()]
+                     "vram": r.vram, "kvCache": r.kv, "slots": r.slots,
+                     "startedAt": int(r.started_at), "uptime": round(now - r.started_at, 1),
+                     "requests": r.active, "options": dict(r.options)}
+                    for r in self._running.values()]
 
     # --- start and stop --------------------------------------------------------
 
@@ -386,6 +457,7 @@ class Scheduler:
         stored = {k: record[k] for k in START_OPTIONS if record.get(k) is not None}
         options = {"engine": record["engine"], "ctx_len": DEFAULT_CTX_LEN,
                    "cpu_threads": self.default_threads, "ngl": -1, "caching_enabled": True,
+                   "n_parallel": DEFAULT_PARALLEL,
                    **stored, **{k: v for k, v in requested.items() if v is not None}}
 
         def refuse(name: str, why: str):
@@ -451,14 +523,22 @@ class Scheduler:
             log.warning("model %s failed to load with %s: %s", record["id"], engine, exc)
             raise ModelLoadFailed(f"Model {record['id']} failed to load with {engine}: {exc} "
                                   f"(a damaged file, or not enough memory for ctx_len "
-                                  f"{options.get('ctx_len')})", param="model") from None
-        measured = {"ram": max(_rss() - before, 0), "vram": 0}
+                                  f"{options.get('ctx_len')} x n_parallel "
+                                  f"{options.get('n_parallel')})", param="model") from None
+        measured = {"ram": max(_rss() - before, 0), "vram": 0, "kv": 0}
         if hasattr(model, "memory"):
             try:
                 measured.update(model.memory())
             except Exception:
                 log.exception("model %s: the engine could not say its memory", record["id"])
-        return Running(record["id"], engine, model, options, measured["ram"], measured["vram"])
+        # A model with slots serves that many requests at once, in steps (localrt.adapters).
+        slots, stepper = getattr(model, "slots", None), None
+        if isinstance(slots, int) and slots >= 1 and callable(getattr(model, "step", None)):
+            stepper = Stepper(self.lanes, model.step)
+        else:
+            slots = 1
+        return Running(record["id"], engine, model, options, measured["ram"], measured["vram"],
+                       kv=measured["kv"], slots=slots, stepper=stepper, turn=FairLock(slots))
 
     def _model_path(self, record: dict) -> Path:
         path = weights_path(record)
@@ -469,11 +549,17 @@ class Scheduler:
 
     def _unload(self, running: Running, why: str) -> None:
         running.stopping.set()
-        with running.turn:  # waits for the request generating now, which stops at its next token
-            try:
-                running.model.unload()
-            except Exception:
-                log.exception("unloading %s failed", running.model_id)
+        # Take every slot: this waits for the requests generating now, which stop at
+        # their next token (and those waiting for a slot give theirs back at once).
+        for _ in range(running.slots):
+            running.turn.acquire()
+        try:
+            running.model.unload()
+        except Exception:
+            log.exception("unloading %s failed", running.model_id)
+        finally:
+            for _ in range(running.slots):
+                running.turn.release()
         log.info("model %s stopped %s", running.model_id, why)
 
     def _reap(self) -> None:

@@ -46,8 +46,8 @@ Rows (best = the fastest sample, since interference only ever slows a run down):
    K tokens and [DONE]. Aggregate tok/s = all their tokens / (the last one's end - the
    first one's request), best round; target >= 0.95 x one stream alone (K / its wall
    time, best). p95 TTFT over all the concurrent streams, nearest rank (of 12, the
-   largest); a model serves one request at a time, first come first served, so the last
-   client waits for the three before it: reported, no target.
+   largest); the streams share the model's decode steps (n_parallel, default 4), so
+   the last one's TTFT is the time to read all four prompts: reported, no target.
 5. GET /v1/models from another thread every 20 ms over one keep-alive connection (it
    polls through the whole concurrency phase, so the single streams bear it too; only
    requests during the concurrent streams count): median, target <= 10 ms, and p95.

@@ -122,6 +122,10 @@ def cmd_ps(ctx: Context) -> int:
             for m in status["data"]]
     if rows:
         ctx.out(table(["Model", "Engine", "RAM", "VRAM", "Up time", "Context"], rows))
+        for m in status["data"]:  # the RAM or VRAM above includes it
+            if m.get("kvCache"):
+                ctx.out(f"{m['id']}: {m.get('slots', 1)} x {m['options'].get('ctx_len', '?')} "
+                        f"tokens of KV cache, {human_size(m['kvCache'])}")
     else:
         ctx.out("No models are running; `localrt run ID` starts one and chats with it")
     upstreams = [(m["id"], u["url"], u["health"],

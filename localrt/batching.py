@@ -1,0 +1,397 @@
+"""Continuous batching: the generations of one model share each decode step.
+
+A batched model (localrt.adapters' LlamaModel) keeps `slots` sequences in one llama.cpp
+context, each with its own KV cache of ctx_len tokens. `Batcher` decides what each
+step computes; `LlamaBatch` computes it with llama.cpp:
+
+  * A generation joins (`join`) when it is first read, and takes a slot at the next
+    step, in arrival order (localrt.scheduler lets at most `slots` generations in).
+  * One `step()` is one llama_decode: the next token of every generating sequence,
+    then the prompts of the sequences still reading theirs, in arrival order, until
+    the batch holds n_batch tokens. A long prompt is read a chunk a step, so it holds
+    the others up by one chunk at a time, never by all of it. Each sequence whose
+    last token the step carried gets its next token from its own sampler chain.
+  * The prompt cache: a slot keeps the tokens of its last sequence (their KV) after
+    it ends. A new sequence takes the free slot sharing the longest prefix with its
+    prompt, as llama.cpp's server does (cache_prompt), and reads only the rest; it
+    counts as `cached`. Only a slot whose cache the prompt continues for at least
+    half, or whose cache holds at least half the prompt, is chosen that way;
+    otherwise the least recently used slot is, so other conversations keep theirs.
+    With caching off, every prompt is read whole.
+  * A sequence ends at an end-of-generation token or max_tokens. One that is left
+    (`leave`: its reply is done, or its client hung up) frees its slot at the end of
+    the step under way, or at once when none is.
+
+Who calls step(), and when, is localrt.scheduler's business (`Stepper`): one step
+at a time, on a compute lane, when a generation needs its next token. llama_cpp is
+imported only when a LlamaBatch is made.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+log = logging.getLogger(__name__)
+
+REUSE_AT_LEAST = 0.5  # how much of a slot's cache, or of the prompt, must be shared
+PENALTY_LAST_N = 64  # tokens the repeat/frequency/presence penalties look back over
+
+
+class Sequence:
+    """One generation's place in the batch: its prompt, where it stands, its new tokens.
+
+    The Batcher's lock guards everything but `prompt`, `max_tokens` and `sampler`.
+    """
+
+    def __init__(self, prompt: list[int], max_tokens: int, sampler=None):
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.sampler = sampler  # the engine's, handed to its decode(); freed by release()
+        self.slot: Slot | None = None
+        self.cached = 0  # prompt tokens found in the slot's cache
+        self.read = 0  # prompt tokens in the KV cache, the cached ones included
+        self.next: int | None = None  # the last sampled token: the next step feeds it
+        self.generated = 0
+        self.ready: collections.deque = collections.deque()  # sampled, not taken yet
+        self.ended = False  # no token will come any more
+        self.left = False
+        self.error: Exception | None = None
+
+
+@dataclass
+class Slot:
+    """A sequence id of the context, and the tokens its KV cache holds."""
+
+    id: int
+    tokens: list = field(default_factory=list)
+    seq: Sequence | None = None
+    used: int = 0  # when its last sequence left (a step count): least recently used first
+
+
+@dataclass
+class Entry:
+    """What one step computes for one sequence: `tokens` from position `pos` of its
+    slot (a prompt chunk when `reading`), and (`sample`) the token after the last."""
+
+    seq: Sequence
+    slot: int
+    tokens: list
+    pos: int
+    sample: bool
+    reading: bool
+
+
+class Batcher:
+    """The slots of one batched model, and what each step computes.
+
+    `engine` has trim(slot, keep) (drop a slot's KV from position `keep` on; false
+    when it cannot, which never happens for keep 0),
+    decode(entries) -> the sampled token of each entry with `sample`, in order,
+    is_end(token) and release(sequence) (free what the engine made for it).
+    `_lock` guards the slots, `_waiting`, `_active` and the sequences' state;
+    `_stepping` lets one step run at a time and is held while it decodes.
+    """
+
+    def __init__(self, slots: int, n_batch: int, engine, caching: bool = True):
+        self.slots = [Slot(i) for i in range(slots)]
+        self.n_batch = max(n_batch, slots)  # room for every sequence's next token
+        self.caching = caching
+        self.prompt_read = 0  # prompt tokens decoded, all sequences together
+        self.decodes = 0  # steps that decoded something
+        self._engine = engine
+        self._lock = threading.Lock()
+        self._stepping = threading.Lock()
+        self._waiting: collections.deque = collections.deque()  # joined, no slot yet
+        self._active: list[Sequence] = []  # in a slot, in the order they took it
+        self._in_flight: set = set()  # the sequences the decode under way carries
+        self._clock = itertools.count(1)
+
+    # --- the generations' side ------------------------------------------------------
+
+    def join(self, seq: Sequence) -> None:
+        """Queue a sequence: it takes a slot at the next step."""
+        with self._lock:
+            self._waiting.append(seq)
+
+    def tokens(self, seq: Sequence, wait: Callable[[], None]) -> Iterator[int]:
+        """The sequence's tokens as steps make them; `wait()` while the next is not made."""
+        while True:
+            with self._lock:
+                if seq.ready:
+                    token = seq.ready.popleft()
+                elif seq.error is not None:
+                    raise seq.error
+                elif seq.ended:
+                    return
+                else:
+                    token = None
+            if token is None:
+                wait()
+            else:
+                yield token
+
+    def leave(self, seq: Sequence) -> None:
+        """The sequence is done with: its slot is free after the step under way."""
+        with self._lock:
+            if seq.left:
+                return
+            seq.left = seq.ended = True
+            if seq in self._waiting:
+                self._waiting.remove(seq)
+            if seq.slot is None:  # never had one
+                self._engine.release(seq)
+            elif seq not in self._in_flight:
+                self._free(seq)
+
+    # --- the step ---------------------------------------------------------------------
+
+    def step(self) -> None:
+        """One decode for every sequence that has something to compute."""
+        with self._stepping:
+            with self._lock:
+                self._admit()
+                plan = self._plan()
+                self._in_flight = {e.seq for e in plan}
+            try:
+                sampled = self._engine.decode(plan) if plan else []
+                self.decodes += bool(plan)
+            except Exception as exc:
+                log.exception("a decode step failed")
+                with self._lock:
+                    self._fail(plan, exc)
+                return
+            with self._lock:
+                self._record(plan, sampled)
+
+    def stepping(self):
+        """Hold this while the engine frees what steps use."""
+        return self._stepping
+
+    def _admit(self) -> None:
+        """Waiting sequences into free slots, in arrival order; each slot's KV is cut
+        to what its new sequence reuses."""
+        while self._waiting:
+            free = [s for s in self.slots if s.seq is None]
+            if not free:
+                break
+            seq = self._waiting.popleft()
+            slot, keep = self._choose(free, seq.prompt)
+            keep = min(keep, len(seq.prompt) - 1)  # the last prompt token gives the logits
+            if not self._engine.trim(slot.id, keep):  # a model that cannot cut (recurrent)
+                keep = 0
+                self._engine.trim(slot.id, 0)
+            slot.seq, slot.tokens = seq, slot.tokens[:keep]
+            seq.slot, seq.cached, seq.read = slot, keep, keep
+            self._active.append(seq)
+
+    def _choose(self, free: list[Slot], prompt: list[int]) -> tuple[Slot, int]:
+        """The slot for a prompt, and how many of its cached tokens the prompt reuses."""
+        oldest = min(free, key=lambda s: s.used)
+        if not self.caching:
+            return oldest, 0
+        shared = {s.id: common_prefix(s.tokens, prompt) for s in free}
+        # A slot the prompt continues (most of its cache is reused), or one whose cache
+        # is most of the prompt (a long shared system prompt, a turn whose reply the
+        # template rewrote): else the least recently used, so conversations keep theirs.
+        fits = [s for s in free if shared[s.id] >= REUSE_AT_LEAST * len(s.tokens)
+                or shared[s.id] >= REUSE_AT_LEAST * len(prompt)]
+        best = max(fits, key=lambda s: (shared[s.id], -s.used), default=oldest)
+        return best, shared[best.id]
+
+    def _plan(self) -> list[Entry]:
+        """This step's entries: each generating sequence's token, then prompt chunks."""
+        plan = [Entry(seq, seq.slot.id, [seq.next], len(seq.slot.tokens), True, False)
+                for seq in self._active if seq.next is not None and not seq.ended]
+        room = self.n_batch - len(plan)
+        for seq in self._active:
+            if room <= 0:
+                break
+            if seq.ended or seq.read >= len(seq.prompt):
+                continue
+            chunk = seq.prompt[seq.read:seq.read + room]
+            last = seq.read + len(chunk) == len(seq.prompt)
+            plan.append(Entry(seq, seq.slot.id, chunk, len(seq.slot.tokens), last, True))
+            room -= len(chunk)
+        return plan
+
+    def _record(self, plan: list[Entry], sampled: list[int]) -> None:
+        """What a decode did: the slots' caches grow, sampled tokens go to their sequences."""
+        tokens = iter(sampled)
+        for entry in plan:
+            seq = entry.seq
+            seq.slot.tokens.extend(entry.tokens)
+            if entry.reading:
+                seq.read += len(entry.tokens)
+                self.prompt_read += len(entry.tokens)
+            else:
+                seq.next = None
+            if not entry.sample:
+                continue
+            token = next(tokens)
+            if seq.left:
+                continue
+            seq.ready.append(token)
+            seq.generated += 1
+            if self._engine.is_end(token) or seq.generated >= seq.max_tokens:
+                seq.ended = True
+            else:
+                seq.next = token
+        self._in_flight = set()
+        for seq in [s for s in self._active if s.left]:
+            self._free(seq)
+
+    def _fail(self, plan: list[Entry], exc: Exception) -> None:
+        """A decode failed: its sequences end with the error, their slots forget their KV."""
+        for entry in plan:
+            seq = entry.seq
+            seq.slot.tokens = []  # what the KV holds now is unknown; read it afresh
+            seq.error, seq.ended, seq.next = exc, True, None
+        self._in_flight = set()
+        for seq in [s for s in self._active if s.left]:
+            self._free(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        slot = seq.slot
+        slot.seq, slot.used = None, next(self._clock)
+        self._active.remove(seq)
+        self._engine.release(seq)
+
+    def close(self) -> None:
+        """Release every sequence (the model is unloading)."""
+        with self._lock:
+            for seq in list(self._waiting) + list(self._active):
+                self._engine.release(seq)
+            self._waiting.clear()
+            self._active.clear()
+
+
+def common_prefix(a: list, b: list) -> int:
+    """How many leading items `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# --- llama.cpp -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one sequence picks its tokens (localrt.adapters fills in the defaults)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repeat_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    seed: int
+    bias: tuple = ()  # (token, bias) pairs
+    grammar: str | None = None  # GBNF, its rule "root" first
+
+
+class LlamaBatch:
+    """The Batcher's engine on llama.cpp: one context holding a sequence per slot, the
+    llama_batch each step fills, and each sequence's sampler chain."""
+
+    def __init__(self, llama_cpp, model, params):
+        self._ll = llama_cpp
+        self.ctx = llama_cpp.llama_init_from_model(model, params)
+        if self.ctx is None:
+            raise ValueError("llama.cpp could not make the context (not enough memory for "
+                             "ctx_len x n_parallel?)")
+        self._vocab = llama_cpp.llama_model_get_vocab(model)
+        self._n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
+        self._memory = llama_cpp.llama_get_memory(self.ctx)
+        self._batch = llama_cpp.llama_batch_init(llama_cpp.llama_n_batch(self.ctx), 0, 1)
+
+    def sampler(self, s: Sampling, prompt: list[int]):
+        """A new sampler chain; ValueError for a grammar llama.cpp cannot parse."""
+        ll = self._ll
+        chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+        try:
+            if s.bias:
+                pairs = (ll.llama_logit_bias * len(s.bias))(*s.bias)
+                ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_logit_bias(
+                    self._n_vocab, len(s.bias), pairs))
+            if (s.repeat_penalty, s.frequency_penalty, s.presence_penalty) != (1.0, 0.0, 0.0):
+                penalties = ll.llama_sampler_init_penalties(
+                    PENALTY_LAST_N, s.repeat_penalty, s.frequency_penalty, s.presence_penalty)
+                for token in prompt[-PENALTY_LAST_N:]:  # the prompt counts, as in llama.cpp
+                    ll.llama_sampler_accept(penalties, token)
+                ll.llama_sampler_chain_add(chain, penalties)
+            if s.grammar is not None:
+                grammar = ll.llama_sampler_init_grammar(self._vocab, s.grammar.encode("utf-8"),
+                                                        b"root")
+                if not grammar:
+                    raise ValueError("llama.cpp cannot parse the grammar")
+                ll.llama_sampler_chain_add(chain, grammar)
+            if s.temperature <= 0:
+                ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_greedy())
+            else:
+                for sampler in (ll.llama_sampler_init_top_k(s.top_k),
+                                ll.llama_sampler_init_top_p(s.top_p, 1),
+                                ll.llama_sampler_init_min_p(s.min_p, 1),
+                                ll.llama_sampler_init_temp(s.temperature),
+                                ll.llama_sampler_init_dist(s.seed)):
+                    ll.llama_sampler_chain_add(chain, sampler)
+        except BaseException:
+            ll.llama_sampler_free(chain)
+            raise
+        return chain
+
+    def trim(self, slot: int, keep: int) -> bool:
+        """Drop a slot's KV from position `keep` on; false when the model's memory cannot
+        cut a sequence short (a recurrent one), which it always can from 0."""
+        return bool(self._ll.llama_memory_seq_rm(self._memory, slot, keep, -1))
+
+    def decode(self, entries: list[Entry]) -> list[int]:
+        """One llama_decode of every entry; the sampled token of each that samples."""
+        ll, batch = self._ll, self._batch
+        n, outputs = 0, []
+        for entry in entries:
+            for offset, token in enumerate(entry.tokens):
+                batch.token[n] = token
+                batch.pos[n] = entry.pos + offset
+                batch.n_seq_id[n] = 1
+                batch.seq_id[n][0] = entry.slot
+                batch.logits[n] = False
+                n += 1
+            if entry.sample:
+                batch.logits[n - 1] = True
+                outputs.append((entry.seq.sampler, n - 1))
+        batch.n_tokens = n
+        code = ll.llama_decode(self.ctx, batch)
+        if code != 0:
+            raise RuntimeError(f"llama_decode failed with status {code}")
+        return [ll.llama_sampler_sample(sampler, self.ctx, i) for sampler, i in outputs]
+
+    def is_end(self, token: int) -> bool:
+        """Whether a token ends a generation (end of sequence, end of turn, ...)."""
+        return bool(self._ll.llama_vocab_is_eog(self._vocab, token))
+
+    def release(self, seq: Sequence) -> None:
+        """Free a sequence's sampler chain."""
+        if seq.sampler is not None:
+            self._ll.llama_sampler_free(seq.sampler)
+            seq.sampler = None
+
+    def prompt_evaluated(self) -> int:
+        """Prompt tokens llama.cpp counted as evaluated (batches of more than one token)."""
+        return self._ll.llama_perf_context(self.ctx).n_p_eval
+
+    def close(self) -> None:
+        """Free the batch and the context."""
+        if self.ctx is not None:
+            self._ll.llama_batch_free(self._batch)
+            self._ll.llama_free(self.ctx)
+            self.ctx = None
