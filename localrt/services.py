@@ -14,6 +14,8 @@ nothing is assigned to it afterwards:
     scheduler   what runs: loads through `engines`, reads the `registry`, and refuses
                 to delete a running model or uninstall an engine in use
     chats       chat completions on the scheduler's models
+    completions text completions (the legacy API) on the same models
+    embeddings  embeddings, from models the scheduler runs in embedding mode
 
 Handlers (localrt.api) get the `Services` and call these objects directly.
 """
@@ -24,8 +26,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from localrt.chat import Chats
+from localrt.completions import Completions
 from localrt.config import Config
 from localrt.downloads import Downloads
+from localrt.embeddings import Embeddings
 from localrt.engines import Engines
 from localrt.events import EventBus
 from localrt.installs import EngineState, Installs
@@ -53,6 +57,8 @@ class Services:
     models: Models
     scheduler: Scheduler
     chats: Chats
+    completions: Completions
+    embeddings: Embeddings
     shutdown: Callable[[], None] | None = None
 
     def close(self) -> None:
@@ -82,6 +88,9 @@ def build_services(settings: Settings, *, shutdown: Callable[[], None] | None = 
                           keep_alive=settings["keepAlive"] * 60,
                           lanes=settings["computeLanes"])
     chats = Chats(registry, engines, scheduler)
+    completions = Completions(registry, scheduler)
+    embeddings = Embeddings(registry, engines, scheduler)
     return Services(settings=settings, validators=validators, config=config, events=events,
                     downloads=downloads, engines=engines, installs=installs, registry=registry, models=models,
-                    scheduler=scheduler, chats=chats, shutdown=shutdown)
+                    scheduler=scheduler, chats=chats, completions=completions,
+                    embeddings=embeddings, shutdown=shutdown)
