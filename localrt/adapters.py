@@ -27,6 +27,22 @@ The model it loads has:
                                              `slots` generations at once, and each
                                              step() gives every one its next token
 
+and, for localrt.completions and localrt.embeddings, when the engine can:
+
+  tokenize(text) / detokenize(tokens)        a prompt's tokens as generate() reads
+  n_vocab                                    params["prompt"], and back, and how many
+                                             token ids there are; such a model's
+                                             generate() takes params["prompt_tokens"]
+  fim_prompt(prefix, suffix) -> tokens       a fill-in-the-middle prompt (None without
+                                             the vocabulary's FIM tokens)
+  embed(inputs) -> (vectors, tokens)         a model loaded in embedding mode: one vector
+                                             per input (a text or a token list), and the
+                                             tokens read; its generate() is a 409
+
+gguf-cpp loads a model in llama.cpp's embedding mode (`LlamaEmbedder`) when it is
+started with the start option `embedding`, or when its GGUF is an embedding model (it
+declares a pooling type, or non-causal attention); see `embedding_pooling`.
+
 A custom engine's model with only chat() is wrapped in `ChatOnlyModel`, so every
 loaded model has generate(). `generate` raises InvalidField before it computes
 anything (a prompt longer than the context, a bad response_format or grammar), so a
@@ -58,7 +74,7 @@ from typing import Iterator
 
 from localrt import toolcalls
 from localrt.batching import Batcher, LlamaBatch, Sampling, Sequence
-from localrt.errors import InvalidField
+from localrt.errors import Conflict, InvalidField
 
 GGUF_ENGINE, ONNX_ENGINE = "gguf-cpp", "onnx-runtime"
 
@@ -74,6 +90,11 @@ CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "
                "iq4_nl": 20, "bf16": 30}
 CACHE_TYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 34 / 32, "q4_0": 18 / 32,
                     "q4_1": 20 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32, "iq4_nl": 18 / 32}
+# Start options -> llama_cpp.Llama arguments, for the embedding mode's Llama (the
+# batched LlamaModel makes its own llama.cpp parameters: _model_params, _context_params).
+LLAMA_OPTIONS = {"ctx_len": "n_ctx", "ngl": "n_gpu_layers", "cpu_threads": "n_threads",
+                 "n_batch": "n_batch", "mlock": "use_mlock", "use_mmap": "use_mmap",
+                 "flash_attn": "flash_attn"}
 # Quantized V caches need flash attention in llama.cpp.
 QUANTIZED_CACHE = tuple(k for k in CACHE_TYPES if k not in ("f32", "f16", "bf16"))
 # Sampling defaults where neither the request nor the model says: llama.cpp's own.
@@ -260,7 +281,12 @@ class GgufEngine:
     description = "llama.cpp through llama-cpp-python; runs GGUF models"
 
     def load(self, model_path: str, options: dict) -> "LlamaModel":
-        """Load a GGUF file and make its context: n_parallel sequences of ctx_len tokens."""
+        """Load a GGUF file and make its context: n_parallel sequences of ctx_len tokens,
+        or, for an embedding model or the start option `embedding`, llama.cpp's embedding
+        mode (`LlamaEmbedder`)."""
+        pooling = embedding_pooling(model_path, options)
+        if pooling is not None:
+            return LlamaEmbedder.open(model_path, options, pooling)
         return LlamaModel(model_path, options)
 
     @staticmethod
@@ -322,11 +348,14 @@ class LlamaModel(GeneratingModel):
     def generate(self, messages: list, params: dict) -> Generation:
         """Tokenize and check now; the tokens come as steps compute them."""
         model = self._model
-        if params.get("prompt") is not None:
-            text, bos = params["prompt"], model.add_bos_token()
+        if params.get("prompt_tokens") is not None:  # a completion's own tokens
+            tokens = list(params["prompt_tokens"])
         else:
-            text, bos = self._format(messages, params.get("tools"))
-        tokens = model.tokenize(text.encode("utf-8"), add_bos=bos, special=True)
+            if params.get("prompt") is not None:
+                text, bos = params["prompt"], model.add_bos_token()
+            else:
+                text, bos = self._format(messages, params.get("tools"))
+            tokens = model.tokenize(text.encode("utf-8"), add_bos=bos, special=True)
         if not tokens:
             raise InvalidField("Invalid field 'messages': the prompt is empty",
                                param="messages")
@@ -390,6 +419,38 @@ class LlamaModel(GeneratingModel):
             return self._batch.sampler(sampling, tokens)
         except ValueError as exc:
             raise InvalidField(f"Invalid field '{source}': {exc}", param=source) from None
+
+    # --- for localrt.completions ----------------------------------------------
+
+    @property
+    def n_vocab(self) -> int:
+        """The vocabulary's size: token ids are below it."""
+        return self._model.n_vocab()
+
+    def tokenize(self, text: str) -> list[int]:
+        """A prompt text's tokens, as generate() reads params["prompt"]."""
+        model = self._model
+        return model.tokenize(text.encode("utf-8"), add_bos=model.add_bos_token(),
+                              special=True)
+
+    def detokenize(self, tokens) -> str:
+        """The text of tokens (special ones render as nothing)."""
+        return self._model.detokenize(list(tokens)).decode("utf-8", errors="replace")
+
+    def fim_prompt(self, prefix: str, suffix: str) -> list[int] | None:
+        """The fill-in-the-middle prompt llama.cpp's server writes (BOS when the model
+        adds one, then FIM_PRE prefix FIM_SUF suffix FIM_MID); None when the vocabulary
+        has no FIM tokens."""
+        model = self._model
+        pre, suf, mid = model.token_prefix(), model.token_suffix(), model.token_middle()
+        if min(pre, suf, mid) < 0:
+            return None
+
+        def text(t: str) -> list[int]:
+            return model.tokenize(t.encode("utf-8"), add_bos=False, special=False)
+
+        bos = [model.token_bos()] if model.add_bos_token() and model.token_bos() >= 0 else []
+        return bos + [pre] + text(prefix) + [suf] + text(suffix) + [mid]
 
     def _piece(self, token: int, special: bool = False) -> bytes:
         """A token's bytes (special tokens render as nothing, as in llama-cpp-python,
@@ -511,6 +572,162 @@ def _context_params(llama_cpp, options: dict, n_ctx: int, slots: int):
     return params
 
 
+class EmbeddingModel(Conflict):
+    """A model in embedding mode was asked for text."""
+
+    code = "embedding_model"
+
+
+def embedding_pooling(model_path: str, options: dict) -> int | None:
+    """How a GGUF loads: None to generate text, else in llama.cpp's embedding mode with
+    this pooling type.
+
+    An embedding model's GGUF says how it pools (`<arch>.pooling_type`: mean, cls, last,
+    rank) or has non-causal attention (an encoder, such as BERT); it always loads in
+    embedding mode and pools its own way (LLAMA_POOLING_TYPE_UNSPECIFIED lets llama.cpp
+    read it). Any other model loads so only with the start option `embedding`, pooled by
+    the mean of its tokens, as llama.cpp's server pools a decoder.
+    """
+    import llama_cpp
+
+    from localrt import ggufinfo
+
+    try:
+        meta = ggufinfo.read_metadata(model_path)
+    except (OSError, ggufinfo.GGUFError):
+        meta = {}  # llama.cpp says what is wrong with the file when it loads it
+    arch = meta.get("general.architecture", "")
+    pooling = meta.get(f"{arch}.pooling_type")
+    if isinstance(pooling, int) and pooling > llama_cpp.LLAMA_POOLING_TYPE_NONE:
+        return llama_cpp.LLAMA_POOLING_TYPE_UNSPECIFIED
+    if meta.get(f"{arch}.attention.causal") is False or options.get("embedding"):
+        return llama_cpp.LLAMA_POOLING_TYPE_MEAN
+    return None
+
+
+class LlamaEmbedder(GeneratingModel):
+    """A GGUF model in llama.cpp's embedding mode: vectors, never text.
+
+    Inputs are read as sequences of one batch, as many as fit in the context
+    (n_batch = n_ubatch = ctx_len: an encoder must read a whole sequence in one ubatch,
+    and pooled sequences never span two), so 64 short texts take one decode.
+    """
+
+    def __init__(self, llm, context: int):
+        import llama_cpp
+
+        self.llm = llm
+        self._llama_cpp = llama_cpp
+        self.context = min(context, llm.n_ctx(), llm.n_batch)
+
+    @classmethod
+    def open(cls, model_path: str, options: dict, pooling: int) -> "LlamaEmbedder":
+        """Load a GGUF in embedding mode with the Llama arguments the options map to."""
+        import llama_cpp
+
+        kwargs = {LLAMA_OPTIONS[k]: v for k, v in options.items()
+                  if k in LLAMA_OPTIONS and v is not None}
+        if options.get("cache_type"):
+            kwargs["type_k"] = kwargs["type_v"] = CACHE_TYPES[options["cache_type"]]
+        if "n_threads" in kwargs:
+            kwargs["n_threads_batch"] = kwargs["n_threads"]
+        context = options.get("ctx_len") or 512
+        kwargs.update(n_ctx=context, n_batch=context, n_ubatch=context)
+        llm = llama_cpp.Llama(model_path=model_path, verbose=False, embedding=True,
+                              pooling_type=pooling, **kwargs)
+        if llm.pooling_type() == llama_cpp.LLAMA_POOLING_TYPE_RANK:
+            llm.close()
+            raise InvalidField("Invalid field 'model': the model is a reranker (pooling "
+                               "rank): it scores pairs of texts and gives no embeddings",
+                               param="model")
+        return cls(llm, context)
+
+    def generate(self, messages: list, params: dict) -> Generation:
+        """A 409: a model in embedding mode makes no text."""
+        raise EmbeddingModel("The model runs in llama.cpp's embedding mode (an embedding "
+                             "model, or one started with embedding: true): it answers "
+                             "POST /v1/embeddings, not chats or completions; stop it to "
+                             "chat with a model that can", param="model")
+
+    def embed(self, inputs: list) -> tuple:
+        """One vector per input (an array of n_embd floats, as the model pools them) and
+        the tokens read; a 400 naming `input` for an empty one, one longer than the
+        context, or a token not in the vocabulary."""
+        import numpy as np
+
+        llama_cpp, llm = self._llama_cpp, self.llm
+        lists = [self._tokens(i, item) for i, item in enumerate(inputs)]
+        n_embd, ctx, batch = llm.n_embd(), llm._ctx, llm._batch
+        most = llm.context_params.n_seq_max  # sequences in one batch
+        out = np.empty((len(lists), n_embd), dtype=np.float32)
+        rows: list[int] = []
+        used = 0
+
+        def decode() -> None:
+            ctx.kv_cache_clear()
+            ctx.decode(batch)
+            for seq, row in enumerate(rows):
+                vector = llama_cpp.llama_get_embeddings_seq(ctx.ctx, seq)
+                out[row] = np.ctypeslib.as_array(vector, shape=(n_embd,))
+            batch.reset()
+
+        batch.reset()
+        try:
+            for row, tokens in enumerate(lists):
+                if rows and (used + len(tokens) > self.context or len(rows) >= most):
+                    decode()
+                    rows, used = [], 0
+                batch.add_sequence(tokens, len(rows), True)
+                rows.append(row)
+                used += len(tokens)
+            if rows:
+                decode()
+        finally:
+            batch.reset()
+            ctx.kv_cache_clear()
+        return out, sum(map(len, lists))
+
+    def _tokens(self, index: int, item) -> list[int]:
+        """An input's tokens: a text's as llama.cpp's embed() makes them (with the
+        model's BOS, or BERT's CLS and SEP), a token list as it is."""
+        llm, field = self.llm, f"input[{index}]"
+        if isinstance(item, str):
+            tokens = llm.tokenize(item.encode("utf-8"), add_bos=True, special=False)
+        else:
+            tokens = list(item)
+            n_vocab = llm.n_vocab()
+            bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
+            if bad is not None:
+                raise InvalidField(f"Invalid field 'input': {field} holds token {bad}, not "
+                                   f"in the model's vocabulary of {n_vocab}", param="input")
+        if not tokens:
+            raise InvalidField(f"Invalid field 'input': {field} is empty", param="input")
+        if len(tokens) > self.context:
+            raise InvalidField(f"Invalid field 'input': {field} is {len(tokens)} tokens and "
+                               f"the model's context (ctx_len) holds {self.context}; "
+                               f"shorten it or start the model with a larger ctx_len",
+                               param="input")
+        return tokens
+
+    def memory(self) -> dict:
+        """RAM and VRAM from llama.cpp: the weights (split by offloaded layers) and the
+        context."""
+        llama_cpp, llm = self._llama_cpp, self.llm
+        weights = llama_cpp.llama_model_size(llm.model)
+        context = llama_cpp.llama_state_get_size(llm.ctx)
+        layers = llama_cpp.llama_model_n_layer(llm.model)
+        offloaded = 0
+        if llama_cpp.llama_supports_gpu_offload():
+            ngl = llm.model_params.n_gpu_layers
+            offloaded = layers + 1 if ngl < 0 else min(ngl, layers + 1)
+        vram = weights * offloaded // (layers + 1) + (context if offloaded else 0)
+        return {"ram": weights + context - vram, "vram": vram}
+
+    def unload(self) -> None:
+        """Free the model and its context."""
+        self.llm.close()
+
+
 def json_grammar(response_format: dict | None) -> str | None:
     """The GBNF grammar gguf-cpp constrains a JSON reply with; a 400 for a schema it cannot
     turn into one. Checked before a request waits for its model, too."""
@@ -571,8 +788,10 @@ class OnnxEngine:
 
     @staticmethod
     def check_options(options: dict) -> Iterator[tuple[str, str]]:
-        """onnxruntime-genai ignores the llama.cpp options rather than refusing them."""
-        return iter(())
+        """onnxruntime-genai ignores the llama.cpp options rather than refusing them, but
+        it has no embedding mode."""
+        if options.get("embedding"):
+            yield "embedding", "onnx-runtime cannot compute embeddings; use a GGUF model"
 
     @staticmethod
     def check_request(params: dict) -> None:

@@ -217,6 +217,20 @@ def chat_completions(services: Services, request: Request):
                  headers=[("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")])
 
 
+def completions(services: Services, request: Request):
+    """OpenAI's text completion (the legacy API), streamed as Server-Sent Events or not."""
+    result = services.completions.create(request.body)
+    if isinstance(result, dict):
+        return result
+    return Reply(result, content_type=result.content_type,
+                 headers=[("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")])
+
+
+def embeddings(services: Services, request: Request):
+    """OpenAI's embeddings: one vector per input, from a model in embedding mode."""
+    return services.embeddings.create(request.body)
+
+
 # --- engines -------------------------------------------------------------------------
 
 
@@ -336,4 +350,6 @@ ROUTES = (
           "model-changed"),
     Route("POST", "/v1/chat/completions", chat_completions, "chat-completion.json",
           "chat-completion"),
+    Route("POST", "/v1/completions", completions, "completion.json", "text-completion"),
+    Route("POST", "/v1/embeddings", embeddings, "embedding.json", "embedding-list"),
 )

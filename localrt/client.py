@@ -182,6 +182,18 @@ class Client:
                                       {**request, "stream": True}, timeout=LOAD_TIMEOUT),
                            self.base_url)
 
+    def completion(self, request: dict) -> dict:
+        """POST /v1/completions, not streamed: the text_completion."""
+        return self._request("POST", "/v1/completions", {**request, "stream": False},
+                             timeout=LOAD_TIMEOUT)
+
+    def embeddings(self, model_id: str, inputs, dimensions: int | None = None) -> dict:
+        """POST /v1/embeddings: one embedding per input (a text, or a list of texts)."""
+        body = {"model": model_id, "input": inputs}
+        if dimensions is not None:
+            body["dimensions"] = dimensions
+        return self._request("POST", "/v1/embeddings", body, timeout=LOAD_TIMEOUT)
+
     # --- plumbing ------------------------------------------------------------
 
     def _open(self, method: str, path: str, body: Any = None, timeout: float | None = None):

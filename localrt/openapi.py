@@ -16,7 +16,8 @@ from localrt import __version__, schemas
 
 _PARAM = re.compile(r"\{(\w+)(?::path)?\}")
 # Routes whose 200 reply is a stream of Server-Sent Events rather than JSON.
-EVENT_STREAMS = {("GET", "/v1/events"), ("POST", "/v1/chat/completions")}
+EVENT_STREAMS = {("GET", "/v1/events"), ("POST", "/v1/chat/completions"),
+                 ("POST", "/v1/completions")}
 # Routes whose 200 reply is text, by its media type.
 TEXT_REPLIES = {("GET", "/metrics"): "text/plain; version=0.0.4"}
 

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 # The start options (schemas/model-start.json): they are also stored model parameters.
 # If you add one, also map it in localrt.adapters and add it to the CLI (models start).
+# `embedding` (llama.cpp's embedding mode) is a start option only, never stored.
 START_OPTIONS = ("prompt_template", "stop", "ngl", "ctx_len", "cpu_threads", "n_batch",
                  "n_parallel", "caching_enabled", "grp_attn_n", "grp_attn_w", "mlock",
                  "flash_attn", "cache_type", "use_mmap", "engine")
@@ -274,6 +275,14 @@ class Lease:
             raise ModelStopped(f"Model {running.model_id} was stopped during this reply")
         running.stepper.next()
 
+    def run(self, fn, *args):
+        """fn(*args) on a compute lane in this lease's turn (an embedding batch, say):
+        its result; ModelStopped if the model was stopped meanwhile."""
+        running = self.running
+        if running.stopping.is_set():
+            raise ModelStopped(f"Model {running.model_id} was stopped during this request")
+        return self._scheduler.lanes.run(fn, *args)
+
     def on_release(self, callback) -> None:
         """Run `callback` after the release."""
         self._callbacks.append(callback)
@@ -415,8 +424,9 @@ class Scheduler:
 
     # --- leases, for chat ------------------------------------------------------
 
-    def lease(self, model_id: str) -> Lease:
-        """Wait for this model's turn, starting the model with its stored parameters."""
+    def lease(self, model_id: str, start: dict | None = None) -> Lease:
+        """Wait for this model's turn, starting the model with its stored parameters (and
+        the start options `start`, as embeddings start a model in embedding mode)."""
         for _ in range(MAX_TURN_RETRIES):
             if self._closed.is_set():
                 raise ServiceUnavailable("The server is stopping")
@@ -425,9 +435,9 @@ class Scheduler:
                 if running is not None:
                     running.active += 1
             if running is None:  # start() answers a 404 for a model that is not there
-                log.info("starting model %s for a chat request, with its stored parameters",
-                         model_id)
-                self.start(model_id)
+                log.info("starting model %s for a request, with its stored parameters%s",
+                         model_id, f" and {start}" if start else "")
+                self.start(model_id, start)
                 continue
             running.turn.acquire()
             if running.stopping.is_set():  # stopped or evicted while we waited

@@ -34,10 +34,10 @@ LOG_NAME = "localrt.log"
 STDERR_NAME = "server-stderr.log"  # a detached server's raw stderr: crashes before logging starts
 LOG_MAX_BYTES = 10 * 1024 * 1024
 LOG_BACKUPS = 5
-# Waitress worker threads. Event streams (localrt.services.MAX_EVENT_LISTENERS) and chats
-# (localrt.chat.Chats.max_requests) each hold one while they last; the rest keep the
-# API answering.
-THREADS = 32
+# Waitress worker threads. Event streams (localrt.services.MAX_EVENT_LISTENERS), chats
+# (localrt.chat.Chats.max_requests), completions and embeddings (their max_requests)
+# each hold one while they last; the rest keep the API answering.
+THREADS = 48
 STOP_DELAY = 0.2  # seconds between answering DELETE /v1/system and stopping, so the reply is sent
 
 

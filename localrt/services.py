@@ -18,6 +18,8 @@ nothing is assigned to it afterwards:
     remotes     remote models: their upstreams' health, and forwarding their chats
     chats       chat completions on the scheduler's models, each counted in `metrics`,
                 or through `remotes`
+    completions text completions (the legacy API) on the same models
+    embeddings  embeddings, from models the scheduler runs in embedding mode
 
 Handlers (localrt.api) get the `Services` and call these objects directly.
 """
@@ -29,8 +31,10 @@ from typing import Callable
 
 from localrt import security
 from localrt.chat import Chats
+from localrt.completions import Completions
 from localrt.config import Config
 from localrt.downloads import Downloads
+from localrt.embeddings import Embeddings
 from localrt.engines import Engines
 from localrt.events import EventBus
 from localrt.installs import EngineState, Installs
@@ -62,6 +66,8 @@ class Services:
     metrics: Metrics
     remotes: Remotes
     chats: Chats
+    completions: Completions
+    embeddings: Embeddings
     shutdown: Callable[[], None] | None = None
 
     def close(self) -> None:
@@ -100,7 +106,10 @@ def build_services(settings: Settings, *, shutdown: Callable[[], None] | None = 
     remotes = Remotes(registry, engines, config.get, lambda: settings["upstreamTimeout"],
                       lambda: security.secrets_of(settings.snapshot()))
     chats = Chats(registry, engines, scheduler, metrics=metrics, remotes=remotes)
+    completions = Completions(registry, scheduler)
+    embeddings = Embeddings(registry, engines, scheduler)
     return Services(settings=settings, validators=validators, config=config, events=events,
                     downloads=downloads, engines=engines, installs=installs,
                     registry=registry, models=models, scheduler=scheduler,
-                    metrics=metrics, remotes=remotes, chats=chats, shutdown=shutdown)
+                    metrics=metrics, remotes=remotes, chats=chats, completions=completions,
+                    embeddings=embeddings, shutdown=shutdown)

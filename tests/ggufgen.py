@@ -1,4 +1,5 @@
-"""Test support: tiny, structurally complete llama-architecture GGUF files.
+"""Test support: tiny, structurally complete llama-architecture GGUF files (and a BERT
+embedding model's, `write_bert_gguf`).
 
 Not a test module. Tests import it as ``from ggufgen import write_gguf`` (tests/ is on
 sys.path under pytest).
@@ -33,7 +34,8 @@ import numpy as np
 
 import gguf
 
-__all__ = ["CHATML_TEMPLATE", "write_gguf", "read_gguf_metadata", "write_fake_blob"]
+__all__ = ["CHATML_TEMPLATE", "FIM_TOKENS", "write_gguf", "write_bert_gguf",
+           "read_gguf_metadata", "write_fake_blob"]
 
 # A minimal ChatML template (the format used by Qwen, SmolLM, ...); it is what
 # llama.cpp's template detection recognises as "chatml" (it looks for "<|im_start|>").
@@ -50,6 +52,10 @@ _SPECIAL = ["<unk>", "<s>", "</s>"]
 _BYTES = [f"<0x{b:02X}>" for b in range(256)]
 _CHATML = ["<|im_start|>", "<|im_end|>"]
 MIN_VOCAB_SIZE = len(_SPECIAL) + len(_BYTES) + len(_CHATML)
+# Qwen 2.5 Coder's fill-in-the-middle tokens, which llama.cpp finds by their text; give
+# them as `added_tokens` for a model that takes a suffix.
+FIM_TOKENS = [(text, gguf.TokenType.CONTROL)
+              for text in ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")]
 
 _FILE_TYPES = {
     "F32": (gguf.LlamaFileType.ALL_F32, np.float32),
@@ -109,6 +115,7 @@ def write_gguf(
     seed: int = 0,
     split_max_tensors: int = 0,
     added_tokens=(),
+    pooling_type: Optional[int] = None,
 ) -> Path:
     """Write a tiny random-weight llama model to `path` and return it as a Path.
 
@@ -117,7 +124,8 @@ def write_gguf(
     `n_head_kv` defaults to `n_head` (no GQA); `n_ff` defaults to 2 * n_embd.
     With the defaults the file is about 320 KB. With `split_max_tensors` the model is
     written as llama.cpp's split files, `<stem>-00001-of-0000N.gguf` beside `path`, and
-    the first part's path is returned.
+    the first part's path is returned. `pooling_type` (a gguf.PoolingType) writes
+    ``llama.pooling_type``, as converters do for a decoder made an embedding model.
     """
     path = Path(path)
     if file_type not in _FILE_TYPES:
@@ -158,6 +166,8 @@ def write_gguf(
     writer.add_add_eos_token(False)
     if chat_template:
         writer.add_chat_template(chat_template)
+    if pooling_type is not None:
+        writer.add_pooling_type(gguf.PoolingType(pooling_type))
 
     rng = np.random.default_rng(seed)
 
@@ -195,6 +205,97 @@ def write_gguf(
         writer.close()
     if split_max_tensors:
         return sorted(path.parent.glob(f"{path.stem}-00001-of-*.gguf"))[0]
+    return path
+
+
+def write_bert_gguf(
+    path: Union[str, os.PathLike],
+    *,
+    name: str = "tiny-bert",
+    context_length: int = 128,
+    vocab_size: int = 320,
+    n_embd: int = 64,
+    n_layer: int = 1,
+    n_head: int = 4,
+    n_ff: Optional[int] = None,
+    pooling_type: int = 1,
+    seed: int = 0,
+) -> Path:
+    """Write a tiny random-weight BERT embedding model (F32) to `path` and return it.
+
+    What llama.cpp's BERT loader requires, as convert_hf_to_gguf.py writes a
+    sentence-transformers model: ``bert.*`` hyperparameters with non-causal attention
+    and a pooling type (``gguf.PoolingType``: 1 mean, 2 cls), a WordPiece ("bert")
+    vocabulary (``[PAD]`` ``[UNK]`` ``[CLS]`` ``[SEP]`` ``[MASK]``, then pieces where "▁"
+    starts a word, as the converter turns "##" pieces around), token, token-type and
+    position embeddings with their norm, and per block biased Q/K/V/output
+    projections, a GELU feed-forward and two layer norms.
+    """
+    path = Path(path)
+    n_ff = 2 * n_embd if n_ff is None else n_ff
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    normal = _normal_pieces(vocab_size - len(special))
+    types = ([gguf.TokenType.CONTROL, gguf.TokenType.UNKNOWN] + [gguf.TokenType.CONTROL] * 3
+             + [gguf.TokenType.NORMAL] * len(normal))
+
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.BERT])
+    writer.add_name(name)
+    writer.add_file_type(int(gguf.LlamaFileType.ALL_F32))
+    writer.add_context_length(context_length)
+    writer.add_embedding_length(n_embd)
+    writer.add_block_count(n_layer)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_layer_norm_eps(1e-12)
+    writer.add_causal_attention(False)
+    writer.add_pooling_type(gguf.PoolingType(pooling_type))
+    writer.add_tokenizer_model("bert")
+    writer.add_token_list(special + normal)
+    writer.add_token_types([int(t) for t in types])
+    writer.add_token_type_count(2)
+    writer.add_pad_token_id(0)
+    writer.add_unk_token_id(1)
+    writer.add_bos_token_id(2)   # [CLS]: llama.cpp puts BOS first
+    writer.add_sep_token_id(3)   # [SEP]: and SEP last
+    writer.add_mask_token_id(4)
+    writer.add_add_bos_token(True)
+    writer.add_add_sep_token(True)
+
+    rng = np.random.default_rng(seed)
+
+    def weight(*shape):
+        return rng.standard_normal(shape, dtype=np.float32) * 0.02
+
+    T, M = gguf.TENSOR_NAMES, gguf.MODEL_TENSOR
+    ones, zeros = np.ones(n_embd, np.float32), np.zeros(n_embd, np.float32)
+    writer.add_tensor(T[M.TOKEN_EMBD] + ".weight", weight(vocab_size, n_embd))
+    writer.add_tensor(T[M.TOKEN_TYPES] + ".weight", weight(2, n_embd))
+    writer.add_tensor(T[M.POS_EMBD] + ".weight", weight(context_length, n_embd))
+    writer.add_tensor(T[M.TOKEN_EMBD_NORM] + ".weight", ones)
+    writer.add_tensor(T[M.TOKEN_EMBD_NORM] + ".bias", zeros)
+    for bid in range(n_layer):
+        def add(tensor, kind, array):
+            writer.add_tensor(T[tensor].format(bid=bid) + "." + kind, array)
+
+        for tensor in (M.ATTN_Q, M.ATTN_K, M.ATTN_V, M.ATTN_OUT):
+            add(tensor, "weight", weight(n_embd, n_embd))
+            add(tensor, "bias", zeros)
+        add(M.ATTN_OUT_NORM, "weight", ones)
+        add(M.ATTN_OUT_NORM, "bias", zeros)
+        add(M.FFN_UP, "weight", weight(n_ff, n_embd))
+        add(M.FFN_UP, "bias", np.zeros(n_ff, np.float32))
+        add(M.FFN_DOWN, "weight", weight(n_embd, n_ff))
+        add(M.FFN_DOWN, "bias", zeros)
+        add(M.LAYER_OUT_NORM, "weight", ones)
+        add(M.LAYER_OUT_NORM, "bias", zeros)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
     return path
 
 

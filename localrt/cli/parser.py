@@ -68,7 +68,16 @@ def build_parser(stdout=None, stderr=None) -> argparse.ArgumentParser:
                        "it, then chat with it in the terminal: replies stream as they are "
                        "generated and the conversation is kept. /exit or Ctrl-D leaves; "
                        "Ctrl-C stops a reply without leaving.")
-    _add_start_arguments(sub.add_parser("run", help=run_help, description=run_description))
+    _add_start_arguments(sub.add_parser("run", help=run_help, description=run_description),
+                         skip=("embedding",))
+    p = sub.add_parser("embed", help="print the embeddings of texts",
+                       description="Print each TEXT's embedding from model ID as a JSON "
+                       "array of numbers (unit length), one line per TEXT, in order. The "
+                       "server starts the model in embedding mode if it is not running.")
+    p.add_argument("model", metavar="ID", help="the model's id")
+    p.add_argument("text", metavar="TEXT", nargs="+", help="a text to embed")
+    p.add_argument("--dimensions", type=int, metavar="N", help="keep the first N numbers "
+                   "of each embedding, scaled again to unit length")
     sub.add_parser("ps", help="show the running models and the hardware",
                    description="Print the running models (engine, RAM, VRAM, up time, "
                    "context length) and this machine's CPU, memory and GPU.")
@@ -125,7 +134,8 @@ def build_parser(stdout=None, stderr=None) -> argparse.ArgumentParser:
     p = models.add_parser("stop", help="unload a running model",
                           description="Unload a running model and free its memory.")
     p.add_argument("model", metavar="ID", help="the model's id")
-    _add_start_arguments(models.add_parser("run", help=run_help, description=run_description))
+    _add_start_arguments(models.add_parser("run", help=run_help, description=run_description),
+                         skip=("embedding",))
 
     p = sub.add_parser("engines", help="list, install and uninstall inference engines",
                        description="Manage the inference engines: gguf-cpp (GGUF, "
@@ -173,9 +183,10 @@ def _add_variant_arguments(p: argparse.ArgumentParser, version_help: str,
                    f"such as linux-amd64-avx2")
 
 
-def _add_start_arguments(p: argparse.ArgumentParser) -> None:
+def _add_start_arguments(p: argparse.ArgumentParser, skip=()) -> None:
+    """The model id and the start options; `run` skips `embedding`: it chats."""
     p.add_argument("model", metavar="ID", help="the model's id")
-    _add_schema_options(p, model_update_options("model-start.json", skip=("model",)),
+    _add_schema_options(p, model_update_options("model-start.json", skip=("model", *skip)),
                         "start_options")
 
 

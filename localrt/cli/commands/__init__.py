@@ -3,12 +3,13 @@
 A handler takes the Context, reaches the server only through `ctx.client()`, and
 returns an ExitCode; it raises CliError (or lets the client's errors rise) to fail.
 `models` and `engines` dispatch again on their subcommand. One module per group:
-`server` (start, stop), `config`, `pull`, `models` (and ps), `run`, `engines`.
+`server` (start, stop), `config`, `pull`, `models` (and ps), `run`, `embed`, `engines`.
 """
 
 from __future__ import annotations
 
 from localrt.cli.commands.config import cmd_config
+from localrt.cli.commands.embed import cmd_embed
 from localrt.cli.commands.engines import (cmd_engines_get, cmd_engines_install,
                                           cmd_engines_list, cmd_engines_uninstall,
                                           cmd_engines_use)
@@ -35,7 +36,8 @@ def cmd_engines(ctx: Context) -> int:
 
 
 COMMANDS = {"start": cmd_start, "stop": cmd_stop, "config": cmd_config, "pull": cmd_pull,
-            "run": cmd_run, "ps": cmd_ps, "models": cmd_models, "engines": cmd_engines}
+            "run": cmd_run, "embed": cmd_embed, "ps": cmd_ps, "models": cmd_models,
+            "engines": cmd_engines}
 ENGINE_COMMANDS = {"list": cmd_engines_list, "get": cmd_engines_get,
                    "install": cmd_engines_install, "uninstall": cmd_engines_uninstall,
                    "use": cmd_engines_use}

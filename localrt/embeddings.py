@@ -1,0 +1,127 @@
+"""Embeddings, OpenAI compatible: the request's inputs, the model's mode, the reply.
+
+`Embeddings.create(body)` takes a request that passed schemas/embedding.json and
+returns OpenAI's list of embeddings. `input` is a string, an array of strings, an array
+of token ids, or an array of such arrays; each is one vector, in the order given.
+
+The model must run in llama.cpp's embedding mode (localrt.adapters: a loaded model with
+`embed`). A request for a model that is not running starts it so, with its stored
+parameters and the start option `embedding`, as a chat starts its model. A GGUF
+embedding model (BERT, nomic-bert, ...: its GGUF declares a pooling type) always runs
+so and pools its own way; any other model is pooled by the mean of its tokens. A model
+already running for chat is a 409: stop it first, or import its file again under a
+second id to have both. The whole batch is computed on a compute lane in the model's
+turn (`Lease.run`), so it never runs beside a token step.
+
+Vectors come scaled to unit length (L2), as OpenAI's do and llama.cpp's server scales
+them; `dimensions` keeps the first N numbers and scales again (for Matryoshka models,
+as OpenAI's text-embedding-3 do). `encoding_format: "base64"` sends each vector as its
+little-endian float32 bytes, as OpenAI does (the openai package asks for that by
+default and decodes it). numpy, which llama-cpp-python brings, is imported at the
+first request.
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+
+from localrt.errors import Conflict, InvalidField, ServiceUnavailable
+
+
+class ModelNotEmbedding(Conflict):
+    """The model runs for chat, not in embedding mode."""
+
+    code = "model_not_embedding"
+
+
+class Embeddings:
+    """Turns embedding requests into batches on the scheduler's running models.
+
+    At most `max_requests` are in progress (computing or queued) at once: each holds a
+    server thread (localrt.server.THREADS). Past that, a 503.
+    """
+
+    def __init__(self, registry, engines, scheduler, max_requests: int = 8):
+        self._registry = registry
+        self._engines = engines
+        self._scheduler = scheduler
+        self.max_requests = max_requests
+        self._slots = threading.BoundedSemaphore(max_requests)
+
+    def create(self, body: dict) -> dict:
+        """OpenAI's {"object": "list", "data": [embedding...], "model", "usage"}."""
+        model_id = body["model"]
+        record = self._registry.get(model_id)  # 404 before anything starts
+        inputs = read_input(body["input"])
+        # An engine with no embedding mode: a 400 before any model starts.
+        for _, why in self._engines.check_options(record["engine"], {"embedding": True}):
+            raise InvalidField(f"Invalid field 'model': {why}", param="model")
+        if not self._slots.acquire(blocking=False):
+            raise ServiceUnavailable(f"Too many embedding requests in progress (at most "
+                                     f"{self.max_requests}); retry shortly",
+                                     headers=[("Retry-After", "1")])
+        try:
+            lease = self._scheduler.lease(model_id, start={"embedding": True})
+            try:
+                embed = getattr(lease.model, "embed", None)
+                if embed is None:
+                    raise _not_embedding(model_id, lease)
+                vectors, tokens = lease.run(embed, inputs)
+            finally:
+                lease.release()
+        finally:
+            self._slots.release()
+        vectors = scaled(vectors, body.get("dimensions"))
+        encode = _base64 if body.get("encoding_format") == "base64" else _floats
+        return {"object": "list",
+                "data": [{"object": "embedding", "index": i, "embedding": encode(v)}
+                         for i, v in enumerate(vectors)],
+                "model": model_id,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def read_input(value) -> list:
+    """The inputs as a list of strings and token lists (the schema allows only these
+    shapes): a string or one token array is a single input."""
+    if isinstance(value, str):
+        return [value]
+    if value and all(isinstance(v, int) for v in value):
+        return [list(value)]
+    return list(value)
+
+
+def scaled(vectors, dimensions: int | None):
+    """The vectors (one per row) cut to `dimensions` and scaled to unit length."""
+    import numpy as np
+
+    vectors = np.asarray(vectors, dtype=np.float32)
+    if dimensions is not None:
+        if dimensions > vectors.shape[1]:
+            raise InvalidField(f"Invalid field 'dimensions': the model's embeddings have "
+                               f"{vectors.shape[1]}, fewer than {dimensions}",
+                               param="dimensions")
+        vectors = vectors[:, :dimensions]
+    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+    return vectors / np.maximum(norms, np.float32(1e-12))
+
+
+def _floats(vector) -> list:
+    return vector.tolist()
+
+
+def _base64(vector) -> str:
+    return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+
+
+def _not_embedding(model_id: str, lease) -> Exception:
+    """Why a running model has no embed(): its engine has no embedding mode (400), or
+    it was started for chat (409)."""
+    if lease.options.get("embedding"):
+        return InvalidField(f"Invalid field 'model': engine {lease.running.engine} cannot "
+                            f"compute embeddings", param="model")
+    return ModelNotEmbedding(
+        f"Model {model_id} is running for chat, not in embedding mode; stop it (`localrt "
+        f"models stop {model_id}`) and the next embeddings request starts it in embedding "
+        f"mode, or import its file again under another id to run it both ways",
+        param="model")

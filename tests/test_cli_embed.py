@@ -1,0 +1,54 @@
+"""`localrt embed` through main([...]), against the app on a real port (thread_server),
+on a tiny generated llama: each text's vector as a JSON array, one line each."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from ggufgen import write_gguf
+
+from localrt.cli import ExitCode, main
+
+
+def run(*argv):
+    out, err = io.StringIO(), io.StringIO()
+    code = main(list(argv), stdout=out, stderr=err, stdin=io.StringIO())
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture
+def tiny(thread_server, tmp_path):
+    path = write_gguf(tmp_path / "tiny.gguf")
+    code, _, err = run("models", "import", "--path", str(path), "--id", "tiny")
+    assert code == ExitCode.OK, err
+    return "tiny"
+
+
+def test_embed_prints_one_json_array_per_text(tiny, thread_server):
+    code, out, err = run("embed", "tiny", "hello world", "a second text")
+    assert code == ExitCode.OK, err
+    lines = out.splitlines()
+    assert len(lines) == 2 and err == ""
+    vectors = [json.loads(line) for line in lines]
+    assert [len(v) for v in vectors] == [64, 64] and vectors[0] != vectors[1]
+    assert abs(sum(x * x for x in vectors[0]) - 1) < 1e-4
+    code, again, _ = run("embed", "tiny", "a second text")  # alone, not in a batch
+    assert max(abs(x - y) for x, y in zip(json.loads(again), vectors[1])) < 1e-5
+    code, out, _ = run("embed", "tiny", "hello world", "--dimensions", "8")
+    assert code == ExitCode.OK and len(json.loads(out)) == 8
+    code, out, _ = run("ps")
+    assert "tiny" in out
+
+
+def test_embed_errors(tiny):
+    code, _, err = run("embed", "nope", "text")
+    assert code == ExitCode.ERROR and "nope" in err
+    code, _, err = run("models", "start", "tiny", "--cpu_threads", "1")
+    assert code == ExitCode.OK, err
+    code, out, err = run("embed", "tiny", "text")
+    assert code == ExitCode.ERROR and out == ""
+    assert "running for chat" in err and "localrt models stop tiny" in err
+    code, _, err = run("embed", "tiny")
+    assert code == ExitCode.USAGE

@@ -1,0 +1,236 @@
+"""POST /v1/embeddings through the WSGI app, on real llama.cpp.
+
+The models are generated (tests/ggufgen.py): a tiny random llama (a decoder, pooled by
+the mean of its tokens), the same llama declaring a pooling type in its GGUF (an
+embedding model made of a decoder, as Qwen3-Embedding is), and a tiny random BERT (an
+encoder with its own pooling, as BERT and nomic GGUFs have). Random weights make
+meaningless vectors, so the tests check shapes, scale, order, encodings and that the
+same input always gives the same vector.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import gguf
+import numpy as np
+import pytest
+from conftest import call
+from ggufgen import write_bert_gguf, write_gguf
+
+from localrt.adapters import OnnxEngine
+
+TEXTS = ["the quick brown fox", "jumps over", "the lazy dog", "a"]
+N_EMBD = 64
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("embed")
+    return {"decoder": write_gguf(root / "decoder.gguf", seed=7),
+            "last": write_gguf(root / "last.gguf", seed=7,
+                               pooling_type=gguf.PoolingType.LAST),
+            "bert": write_bert_gguf(root / "bert.gguf", pooling_type=gguf.PoolingType.MEAN),
+            "bert-cls": write_bert_gguf(root / "bert-cls.gguf",
+                                        pooling_type=gguf.PoolingType.CLS)}
+
+
+@pytest.fixture
+def api(app):
+    return lambda *args, **kwargs: call(app, *args, **kwargs)
+
+
+@pytest.fixture
+def add(api, ggufs):
+    """Import one of the generated models under its own name."""
+    def add(name):
+        r = api("POST", "/v1/models/import", {"path": str(ggufs[name]), "id": name})
+        assert r.status == 200, r.body
+        return name
+    return add
+
+
+def embed(api, model, inputs, **extra):
+    r = api("POST", "/v1/embeddings", {"model": model, "input": inputs, **extra})
+    assert r.status == 200, r.body
+    return r.json
+
+
+def vectors(reply) -> np.ndarray:
+    assert [d["index"] for d in reply["data"]] == list(range(len(reply["data"])))
+    assert all(d["object"] == "embedding" for d in reply["data"])
+    return np.array([d["embedding"] for d in reply["data"]], dtype=np.float32)
+
+
+def tokens_of(path, text):
+    """The tokens llama.cpp gives a text with the model's BOS, from its vocabulary alone."""
+    import llama_cpp
+
+    vocab = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    try:
+        return vocab.tokenize(text.encode(), add_bos=True, special=False)
+    finally:
+        vocab.close()
+
+
+def running(api, model_id):
+    rows = {r["id"]: r for r in api("GET", "/v1/models/status").json["data"]}
+    return rows.get(model_id)
+
+
+def test_a_decoder_embeds_with_mean_pooling_started_on_first_use(api, add):
+    add("decoder")
+    reply = embed(api, "decoder", "the quick brown fox")
+    assert reply["object"] == "list" and reply["model"] == "decoder"
+    v = vectors(reply)
+    assert v.shape == (1, N_EMBD)
+    assert abs(np.linalg.norm(v[0]) - 1) < 1e-5  # unit length, as OpenAI's
+    assert reply["usage"]["prompt_tokens"] == reply["usage"]["total_tokens"] > 1
+    row = running(api, "decoder")
+    assert row["options"]["embedding"] is True  # started in embedding mode
+
+
+def test_usage_counts_the_tokens_read(api, add, ggufs):
+    add("decoder")
+    reply = embed(api, "decoder", TEXTS)
+    expected = sum(len(tokens_of(ggufs["decoder"], t)) for t in TEXTS)
+    assert reply["usage"] == {"prompt_tokens": expected, "total_tokens": expected}
+
+
+def test_deterministic_and_in_order(api, add):
+    add("decoder")
+    batch = vectors(embed(api, "decoder", TEXTS))
+    assert batch.shape == (len(TEXTS), N_EMBD)
+    assert np.array_equal(batch, vectors(embed(api, "decoder", TEXTS)))
+    backwards = vectors(embed(api, "decoder", TEXTS[::-1]))
+    np.testing.assert_allclose(backwards[::-1], batch, atol=1e-5)
+    alone = np.concatenate([vectors(embed(api, "decoder", t)) for t in TEXTS])
+    np.testing.assert_allclose(alone, batch, atol=1e-5)
+    # different texts, different vectors
+    assert min(np.linalg.norm(batch[i] - batch[j]) for i in range(4) for j in range(i)) > 1e-3
+
+
+def test_base64_is_the_float32_bytes_of_the_floats(api, add):
+    add("decoder")
+    floats = embed(api, "decoder", TEXTS, encoding_format="float")
+    b64 = embed(api, "decoder", TEXTS, encoding_format="base64")
+    assert b64["usage"] == floats["usage"]
+    for f, b in zip(floats["data"], b64["data"]):
+        decoded = np.frombuffer(base64.b64decode(b["embedding"]), dtype="<f4")
+        assert decoded.tolist() == np.array(f["embedding"], dtype=np.float32).tolist()
+
+
+def test_token_arrays_embed_as_their_text(api, add, ggufs):
+    add("decoder")
+    tokens = [tokens_of(ggufs["decoder"], t) for t in TEXTS[:2]]
+    by_text = vectors(embed(api, "decoder", TEXTS[:2]))
+    reply = embed(api, "decoder", tokens)
+    np.testing.assert_allclose(vectors(reply), by_text, atol=1e-6)
+    assert reply["usage"]["prompt_tokens"] == sum(map(len, tokens))
+    one = embed(api, "decoder", tokens[0])  # one token array is one input
+    np.testing.assert_allclose(vectors(one), by_text[:1], atol=1e-6)
+
+
+def test_an_input_longer_than_the_context_is_a_400_naming_input(api, add):
+    add("decoder")
+    r = api("POST", "/v1/models/decoder/start", {"embedding": True, "ctx_len": 32,
+                                                 "cpu_threads": 1})
+    assert r.status == 200, r.body
+    r = api("POST", "/v1/embeddings", {"model": "decoder", "input": ["ok", "word " * 100]})
+    assert r.status == 400 and r.json["error"]["param"] == "input"
+    assert "input[1]" in r.json["message"] and "ctx_len" in r.json["message"]
+    r = api("POST", "/v1/embeddings", {"model": "decoder", "input": list(range(40))})
+    assert r.status == 400 and r.json["error"]["param"] == "input"
+    r = api("POST", "/v1/embeddings", {"model": "decoder", "input": [[1, 5], [1, 99999]]})
+    assert r.status == 400 and r.json["error"]["param"] == "input"
+    assert "99999" in r.json["message"]
+    assert len(vectors(embed(api, "decoder", ["still", "works"]))) == 2
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": []}, "input"),
+    ({"input": [[]]}, "input"),
+    ({"input": ["a", 1]}, "input"),
+    ({"input": 5}, "input"),
+    ({"input": "a", "encoding_format": "hex"}, "encoding_format"),
+    ({"input": "a", "dimensions": 0}, "dimensions"),
+    ({}, "input"),
+])
+def test_malformed_requests_are_400s(api, add, body, param):
+    add("decoder")
+    r = api("POST", "/v1/embeddings", {"model": "decoder", **body})
+    assert r.status == 400 and r.json["error"]["param"].startswith(param), r.body
+    assert running(api, "decoder") is None  # nothing was started
+
+
+def test_an_unknown_model_is_a_404(api):
+    r = api("POST", "/v1/embeddings", {"model": "nope", "input": "a"})
+    assert r.status == 404
+
+
+def test_dimensions_cut_and_scale_again(api, add):
+    add("decoder")
+    full = vectors(embed(api, "decoder", TEXTS))
+    cut = vectors(embed(api, "decoder", TEXTS, dimensions=16))
+    assert cut.shape == (len(TEXTS), 16)
+    expected = full[:, :16] / np.linalg.norm(full[:, :16], axis=1, keepdims=True)
+    np.testing.assert_allclose(cut, expected, atol=1e-6)
+    r = api("POST", "/v1/embeddings", {"model": "decoder", "input": "a", "dimensions": 65})
+    assert r.status == 400 and r.json["error"]["param"] == "dimensions"
+
+
+def test_a_model_running_for_chat_is_a_409_and_embedding_mode_makes_no_text(api, add):
+    add("decoder")
+    r = api("POST", "/v1/models/decoder/start", {"cpu_threads": 1})
+    assert r.status == 200
+    r = api("POST", "/v1/embeddings", {"model": "decoder", "input": "a"})
+    assert r.status == 409 and r.json["error"]["code"] == "model_not_embedding"
+    assert "localrt models stop decoder" in r.json["message"]
+    assert api("POST", "/v1/models/decoder/stop").status == 200
+    embed(api, "decoder", "a")  # starts it in embedding mode now
+    chat = {"model": "decoder", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4}
+    for stream in (False, True):
+        r = api("POST", "/v1/chat/completions", {**chat, "stream": stream})
+        assert r.status == 409 and r.json["error"]["code"] == "embedding_model", r.body
+    r = api("POST", "/v1/completions", {"model": "decoder", "prompt": "hi"})
+    assert r.status == 409 and r.json["error"]["code"] == "embedding_model"
+    assert running(api, "decoder")["requests"] == 0  # every turn was given back
+
+
+def test_a_bert_model_embeds_with_its_own_pooling(api, add, ggufs):
+    add("bert")
+    add("bert-cls")
+    mean = vectors(embed(api, "bert", TEXTS))
+    cls = vectors(embed(api, "bert-cls", TEXTS))
+    assert mean.shape == cls.shape == (len(TEXTS), N_EMBD)
+    assert np.abs(mean - cls).max() > 1e-3  # same weights, other pooling
+    again = np.concatenate([vectors(embed(api, "bert", t)) for t in TEXTS])
+    np.testing.assert_allclose(again, mean, atol=1e-5)
+    # [CLS] and [SEP] around the word pieces
+    reply = embed(api, "bert", "ab")
+    assert reply["usage"]["prompt_tokens"] == len(tokens_of(ggufs["bert"], "ab")) >= 3
+
+
+def test_an_embedding_model_runs_in_embedding_mode_however_it_starts(api, add):
+    add("bert")
+    add("last")
+    add("decoder")
+    for model in ("bert", "last"):
+        r = api("POST", f"/v1/models/{model}/start", {"cpu_threads": 1})
+        assert r.status == 200, r.body
+        assert "embedding" not in r.json["options"]
+        assert vectors(embed(api, model, TEXTS)).shape == (len(TEXTS), N_EMBD)
+        r = api("POST", "/v1/chat/completions", {
+            "model": model, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status == 409 and r.json["error"]["code"] == "embedding_model"
+    # The llama declaring last-token pooling pools so, and the plain one by the mean.
+    last = vectors(embed(api, "last", TEXTS))
+    mean = vectors(embed(api, "decoder", TEXTS))
+    assert np.abs(last - mean).max() > 1e-3
+
+
+def test_onnx_runtime_has_no_embedding_mode():
+    assert list(OnnxEngine.check_options({"embedding": True})) == [
+        ("embedding", "onnx-runtime cannot compute embeddings; use a GGUF model")]
+    assert list(OnnxEngine.check_options({})) == []
