@@ -68,7 +68,7 @@ class Completions:
                                      f"{self.max_requests}); retry shortly",
                                      headers=[("Retry-After", "1")])
         try:
-            lease = self._scheduler.lease(model_id)
+            lease = self._scheduler.lease(model_id, purpose="a completion request")
         except BaseException:
             self._slots.release()
             raise

@@ -62,7 +62,8 @@ class Embeddings:
                                      f"{self.max_requests}); retry shortly",
                                      headers=[("Retry-After", "1")])
         try:
-            lease = self._scheduler.lease(model_id, start={"embedding": True})
+            lease = self._scheduler.lease(model_id, start={"embedding": True},
+                                          purpose="an embeddings request")
             try:
                 embed = getattr(lease.model, "embed", None)
                 if embed is None:

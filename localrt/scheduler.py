@@ -424,9 +424,11 @@ class Scheduler:
 
     # --- leases, for chat ------------------------------------------------------
 
-    def lease(self, model_id: str, start: dict | None = None) -> Lease:
+    def lease(self, model_id: str, start: dict | None = None,
+              purpose: str = "a chat request") -> Lease:
         """Wait for this model's turn, starting the model with its stored parameters (and
-        the start options `start`, as embeddings start a model in embedding mode)."""
+        the start options `start`, as embeddings start a model in embedding mode);
+        `purpose` is what the log says the model started for."""
         for _ in range(MAX_TURN_RETRIES):
             if self._closed.is_set():
                 raise ServiceUnavailable("The server is stopping")
@@ -435,8 +437,8 @@ class Scheduler:
                 if running is not None:
                     running.active += 1
             if running is None:  # start() answers a 404 for a model that is not there
-                log.info("starting model %s for a request, with its stored parameters%s",
-                         model_id, f" and {start}" if start else "")
+                log.info("starting model %s for %s, with its stored parameters%s",
+                         model_id, purpose, f" and {start}" if start else "")
                 self.start(model_id, start)
                 continue
             running.turn.acquire()
