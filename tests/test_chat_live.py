@@ -60,6 +60,12 @@ def slow(server, slow_gguf):
     return add_model(server.url, slow_gguf, "slow", ctx_len=4096)
 
 
+@pytest.fixture
+def slow_one_slot(server, slow_gguf):
+    """The slow model serving one request at a time (n_parallel 1): the others queue."""
+    return add_model(server.url, slow_gguf, "slow-1", ctx_len=4096, n_parallel=1)
+
+
 def chat_body(model, max_tokens, stream=True, **extra):
     """A greedy chat request whose reply is exactly max_tokens long."""
     return {"model": model, "messages": HELLO, "max_tokens": max_tokens, "temperature": 0,
@@ -252,8 +258,12 @@ def test_other_requests_are_answered_while_a_reply_generates(server, slow):
         stream.close()
 
 
-def test_concurrent_streams_queue_in_arrival_order_and_all_finish(server, slow):
-    """A long reply holds the model; four more requests queue behind it and run in order."""
+def test_concurrent_streams_queue_in_arrival_order_and_all_finish(server, slow_one_slot):
+    """A long reply holds the model; four more requests queue behind it and run in order.
+
+    One slot, so that each runs alone: with several, requests that join the same batch
+    step finish in the same step too (tests/test_batch.py covers batches)."""
+    slow = slow_one_slot
     blocker = RawStream(server.url, chat_body(slow, LONG))
     next(iter(blocker))
     results, order, lock = {}, [], threading.Lock()
