@@ -218,12 +218,13 @@ def _check_room(prompt_tokens: int, context: int) -> int:
 def _seed(params: dict, bits: int) -> int:
     """The request's seed as the engine takes it; a random one when none is given.
 
-    Folded below 2**bits - 1, which llama.cpp reads as "pick a random seed".
+    Folded below 2**bits - 1, which llama.cpp reads as "pick a random seed". A seed
+    written 7.0 is 7: JSON Schema counts it as an integer.
     """
     seed = params.get("seed")
     if seed is None or seed < 0:
         return random.getrandbits(bits) % ((1 << bits) - 1)
-    return seed % ((1 << bits) - 1)
+    return int(seed) % ((1 << bits) - 1)
 
 
 class GeneratingModel:

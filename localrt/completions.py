@@ -96,12 +96,13 @@ class Completions:
 
 def read_prompt(value) -> list:
     """The prompts as a list of strings and token lists (the schema allows only these
-    shapes): a string or one token array is a single prompt."""
+    shapes): a string or one token array is a single prompt. Token ids become ints:
+    JSON Schema counts 1.0 as an integer."""
     if isinstance(value, str):
         return [value]
-    if value and all(isinstance(v, int) for v in value):
-        return [list(value)]
-    return list(value)
+    if value and not isinstance(value[0], (str, list)):
+        return [[int(v) for v in value]]
+    return [v if isinstance(v, str) else [int(t) for t in v] for v in value]
 
 
 def _params(body: dict, record: dict, options: dict) -> dict:
@@ -109,6 +110,9 @@ def _params(body: dict, record: dict, options: dict) -> dict:
     params = {k: record[k] for k in SAMPLING if record.get(k) is not None}
     params.update((k, body[k]) for k in SAMPLING if body.get(k) is not None)
     params.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
+    for name in ("max_tokens", "top_k"):  # 8.0 passes the schema as an integer
+        if params.get(name) is not None:
+            params[name] = int(params[name])
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     for s in options.get("stop") or []:  # the model's own stop sequences always apply

@@ -84,12 +84,13 @@ class Embeddings:
 
 def read_input(value) -> list:
     """The inputs as a list of strings and token lists (the schema allows only these
-    shapes): a string or one token array is a single input."""
+    shapes): a string or one token array is a single input. Token ids become ints:
+    JSON Schema counts 1.0 as an integer."""
     if isinstance(value, str):
         return [value]
-    if value and all(isinstance(v, int) for v in value):
-        return [list(value)]
-    return list(value)
+    if value and not isinstance(value[0], (str, list)):
+        return [[int(v) for v in value]]
+    return [v if isinstance(v, str) else [int(t) for t in v] for v in value]
 
 
 def scaled(vectors, dimensions: int | None):
@@ -98,11 +99,11 @@ def scaled(vectors, dimensions: int | None):
 
     vectors = np.asarray(vectors, dtype=np.float32)
     if dimensions is not None:
-        if dimensions > vectors.shape[1]:
+        if dimensions > vectors.shape[1]:  # JSON Schema counts 8.0 as an integer
             raise InvalidField(f"Invalid field 'dimensions': the model's embeddings have "
                                f"{vectors.shape[1]}, fewer than {dimensions}",
                                param="dimensions")
-        vectors = vectors[:, :dimensions]
+        vectors = vectors[:, :int(dimensions)]
     norms = np.linalg.norm(vectors, axis=1, keepdims=True)
     return vectors / np.maximum(norms, np.float32(1e-12))
 

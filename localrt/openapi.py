@@ -18,6 +18,12 @@ _PARAM = re.compile(r"\{(\w+)(?::path)?\}")
 # Routes whose 200 reply is a stream of Server-Sent Events rather than JSON.
 EVENT_STREAMS = {("GET", "/v1/events"), ("POST", "/v1/chat/completions"),
                  ("POST", "/v1/completions")}
+# What one event of such a stream is, as OpenAPI 3.1 has `schema` describe each event
+# (and schemathesis reads it): the fields of its lines; `data` is a JSON chunk of the
+# route's reply schema (the -chunk one in replies.json), or [DONE].
+SERVER_SENT_EVENT = {"type": "object", "properties": {
+    "data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+    "retry": {"type": "integer"}}}
 # Routes whose 200 reply is text, by its media type.
 TEXT_REPLIES = {("GET", "/metrics"): "text/plain; version=0.0.4"}
 
@@ -71,7 +77,7 @@ def _success(route) -> dict:
     body = {"schema": _ref("replies.json", f"/$defs/{route.reply}")} if route.reply else \
         {"schema": {}}
     if (route.method, route.pattern) in EVENT_STREAMS:
-        content = {"text/event-stream": {"schema": {"type": "string"}}}
+        content = {"text/event-stream": {"schema": SERVER_SENT_EVENT}}
         if route.reply:  # JSON unless the request asked for a stream
             content["application/json"] = body
         return {"description": "Server-Sent Events", "content": content}

@@ -155,6 +155,14 @@ def test_token_prompts_are_their_text(api, tiny, quantized):
     assert both["choices"][0]["text"] == by_text["choices"][0]["text"]
 
 
+def test_token_ids_written_as_floats_are_tokens(api, tiny, quantized):
+    tokens = tokens_of(quantized["Q8_0"], PROMPT)
+    as_floats = complete(api, prompt=[float(t) for t in tokens])  # JSON Schema: integers
+    assert as_floats == {**complete(api, prompt=tokens), "id": as_floats["id"],
+                         "created": as_floats["created"]}
+    assert complete(api, prompt=[[float(t) for t in tokens]])["usage"] == as_floats["usage"]
+
+
 def test_several_prompts_are_a_choice_each(api, tiny):
     prompts = [PROMPT, "Hello there"]
     alone = [complete(api, prompt=p) for p in prompts]

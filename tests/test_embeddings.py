@@ -129,6 +129,10 @@ def test_token_arrays_embed_as_their_text(api, add, ggufs):
     assert reply["usage"]["prompt_tokens"] == sum(map(len, tokens))
     one = embed(api, "decoder", tokens[0])  # one token array is one input
     np.testing.assert_allclose(vectors(one), by_text[:1], atol=1e-6)
+    floats = embed(api, "decoder", [float(t) for t in tokens[0]])  # JSON Schema: integers
+    assert vectors(floats).tolist() == vectors(one).tolist()
+    floats = embed(api, "decoder", [[float(t) for t in tokens[0]]])
+    assert vectors(floats).tolist() == vectors(one).tolist()
 
 
 def test_an_input_longer_than_the_context_is_a_400_naming_input(api, add):

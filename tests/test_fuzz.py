@@ -8,6 +8,10 @@ longer run.
 The server is a real `localrt start --foreground` child with its own HOME. Its hub
 is the hub emulator and its package index an empty loopback index, so nothing
 reaches the internet whatever a generated request asks for.
+
+A generated model id is never a model the server has, so the routes that run a model
+(completions and embeddings) are fuzzed once more against a server with models, their
+`model` fixed to one of them in the document: every other field is generated.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import signal
 import pytest
 import schemathesis  # a test dependency (setup.cfg's test extra)
 from conftest import run_foreground_server
-from ggufgen import write_gguf
+from ggufgen import FIM_TOKENS, write_bert_gguf, write_gguf
 from hubemu import HubEmulator
 from hypothesis import HealthCheck, given, settings
 from pkgindex import PackageIndex
@@ -118,3 +122,59 @@ def test_fuzz(api_schema, method, path, mode):
     assert calls
     print(f"fuzz {method} {path} {mode}: {len(calls)} requests")  # shown with -s
 
+
+
+# Routes that run a model, and the model each is fuzzed with (test_fuzz_with_a_model).
+WITH_A_MODEL = {"/v1/completions": ("completion", "tiny"), "/v1/embeddings": ("embedding", "bert")}
+
+
+@pytest.fixture(scope="module")
+def model_schema(tmp_path_factory):
+    """The document of a server with a tiny llama (with FIM tokens) and a tiny BERT, each
+    route's `model` fixed to one of them. The llama's ctx_len is 64, so that no reply
+    is long and a busy machine answers every request in time."""
+    from localrt import openapi
+
+    home = tmp_path_factory.mktemp("fuzz-models-home")
+    weights = tmp_path_factory.mktemp("fuzz-models")
+    srv = run_foreground_server(home)
+    try:
+        for model_id, path in (("tiny", write_gguf(weights / "tiny.gguf",
+                                                   added_tokens=FIM_TOKENS)),
+                               ("bert", write_bert_gguf(weights / "bert.gguf"))):
+            _send_to(srv.url, "POST", "/v1/models/import", {"path": str(path), "id": model_id})
+        _send_to(srv.url, "PATCH", "/v1/models/tiny", {"ctx_len": 64})
+        doc = openapi.document(ROUTES)
+        components = doc["components"]["schemas"]
+        for schema, model_id in WITH_A_MODEL.values():
+            components[schema]["properties"]["model"] = {"const": model_id}
+        schema = schemathesis.openapi.from_dict(doc)
+        schema.config.update(base_url=srv.url)
+        yield schema
+    finally:
+        srv.stop(sig=signal.SIGTERM)
+
+
+def _send_to(url, method, path, body):
+    import requests
+
+    requests.request(method, url + path, json=body, timeout=30).raise_for_status()
+
+
+@pytest.mark.parametrize("path,mode", [(p, m) for p in WITH_A_MODEL
+                                       for m in ("positive", "negative")])
+def test_fuzz_with_a_model(model_schema, path, mode):
+    """FUZZ_EXAMPLES requests to a route that runs a model, on a real one, each checked."""
+    operation = model_schema[path]["POST"]
+    strategy = operation.as_strategy(generation_mode=schemathesis.GenerationMode(mode))
+    calls = []
+
+    @given(case=strategy)
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    def run(case):
+        calls.append(case)
+        case.call_and_validate(timeout=120, checks=CHECKS)
+
+    run()
+    assert calls
