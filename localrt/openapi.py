@@ -56,7 +56,8 @@ def document(routes) -> dict:
     return {"openapi": "3.1.0",
             "info": {"title": "localrt", "version": __version__,
                      "description": "A local model runtime: configuration, engines, models "
-                                    "and OpenAI-compatible chat completions."},
+                                    "and OpenAI-compatible chat completions, text "
+                                    "completions and embeddings."},
             "paths": paths,
             "components": {"schemas": components}}
 
