@@ -192,6 +192,31 @@ def wait_bytes(api, task_id, at_least, timeout=20.0):
     raise AssertionError(f"task {task_id} did not reach {at_least} bytes")
 
 
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def cli_home(home):
+    """A home whose rc points at a free port, with no server; any started is stopped."""
+    from localrt import server
+    from localrt.cli import main
+
+    s = settings_mod.load()
+    s.update({"apiServerPort": free_port()})
+    yield s
+    address = server.read_pid_file(s)
+    if address:
+        main(["stop"], stdout=io.StringIO(), stderr=io.StringIO())
+        if server.pid_alive(address.pid):
+            os.kill(address.pid, signal.SIGKILL)
+
+
 @pytest.fixture
 def hub_app(settings, hub):
     """An app pulling from the module's `hub` fixture (a HubEmulator)."""

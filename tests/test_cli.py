@@ -22,25 +22,6 @@ def run(*argv):
     return code, out.getvalue(), err.getvalue()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def cli_home(home):
-    """A home whose rc points at a free port; any server started is stopped afterwards."""
-    from localrt import settings as settings_mod
-    s = settings_mod.load()
-    s.update({"apiServerPort": free_port()})
-    yield s
-    address = server.read_pid_file(s)
-    if address:
-        run("stop")
-        if server.pid_alive(address.pid):
-            import os
-            os.kill(address.pid, signal.SIGKILL)
 
 
 def assert_port_free(port):

@@ -300,8 +300,8 @@ def test_empty_list_and_bad_import(thread_server, tmp_path):
 def test_update_flags_are_the_schema(tmp_path):
     # Every property of schemas/model-update.json but `id`, in the schema's order.
     assert [flag for flag, _ in cli.model_update_options()] == [
-        "--name", "--ctx_len", "--ngl", "--n_batch", "--cpu_threads", "--caching_enabled",
-        "--grp_attn_n", "--grp_attn_w", "--mlock", "--flash_attn", "--cache_type",
+        "--name", "--ctx_len", "--ngl", "--n_batch", "--cpu_threads", "--n_parallel",
+        "--caching_enabled", "--grp_attn_n", "--grp_attn_w", "--mlock", "--flash_attn", "--cache_type",
         "--use_mmap", "--prompt_template", "--stop", "--temperature", "--top_p", "--top_k",
         "--min_p", "--max_tokens", "--seed", "--frequency_penalty", "--presence_penalty",
         "--repeat_penalty"]

@@ -11,8 +11,6 @@ the server that a command starts itself is a real child process.
 from __future__ import annotations
 
 import io
-import signal
-import socket
 import subprocess
 import sys
 
@@ -23,7 +21,6 @@ from ggufgen import write_gguf
 from hubemu import HubEmulator
 from pkgindex import PackageIndex
 
-from localrt import server
 from localrt.cli import ExitCode, main
 from localrt.client import Client
 
@@ -241,27 +238,6 @@ def test_the_shipped_gguf_cpp_build_comes_back_from_the_menu(thread_server, clie
 # --- a command that starts the server ----------------------------------------------------
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def cli_home(home):
-    """A home whose rc points at a free port, with no server; any started is stopped."""
-    from localrt import settings as settings_mod
-
-    s = settings_mod.load()
-    s.update({"apiServerPort": free_port()})
-    yield s
-    address = server.read_pid_file(s)
-    if address:
-        run("stop")
-        if server.pid_alive(address.pid):
-            import os
-
-            os.kill(address.pid, signal.SIGKILL)
 
 
 def test_the_started_line_goes_to_stderr_and_stdout_keeps_the_result(cli_home, home, gguf):
