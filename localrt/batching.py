@@ -10,7 +10,10 @@ step computes; `LlamaBatch` computes it with llama.cpp:
     then the prompts of the sequences still reading theirs, in arrival order, until
     the batch holds n_batch tokens. A long prompt is read a chunk a step, so it holds
     the others up by one chunk at a time, never by all of it. Each sequence whose
-    last token the step carried gets its next token from its own sampler chain.
+    last token the step carried gets its next token from its own sampler chain. The
+    batch lists the sequences in slot order: llama.cpp computes each run of
+    consecutive slots in one pass over the weights, so slots 0, 1, 2 generating cost
+    one pass and slots 0 and 2 two (a free slot between them splits the run).
   * The prompt cache: a slot keeps the tokens of its last sequence (their KV) after
     it ends. A new sequence takes the free slot sharing the longest prefix with its
     prompt, as llama.cpp's server does (cache_prompt), and reads only the rest; it
@@ -217,6 +220,9 @@ class Batcher:
             last = seq.read + len(chunk) == len(seq.prompt)
             plan.append(Entry(seq, seq.slot.id, chunk, len(seq.slot.tokens), last, True))
             room -= len(chunk)
+        # In slot order: llama.cpp splits a batch of sequences with KV of their own into
+        # one pass per run of consecutive sequence ids, and each pass reads all weights.
+        plan.sort(key=lambda e: e.slot)
         return plan
 
     def _record(self, plan: list[Entry], sampled: list[int]) -> None:

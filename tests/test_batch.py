@@ -549,3 +549,20 @@ def test_a_model_that_cannot_cut_its_cache_reads_prompts_whole():
         batcher.leave(seq)
     assert seq.cached == 0 and batcher.prompt_read == 8
     assert engine.trims == [(0, 0), (0, 3), (0, 0)]
+
+
+def test_a_step_lists_its_sequences_in_slot_order():
+    """llama.cpp computes a run of consecutive sequence ids in one pass, so the batch
+    goes in slot order whatever order the sequences came in."""
+    engine = Engine()
+    batcher = Batcher(3, 64, engine)
+    a, b, c, d = (Sequence([i, i + 1], 8) for i in (10, 20, 30, 40))
+    for seq in (a, b):
+        batcher.join(seq)
+    batcher.step()
+    batcher.leave(a)  # slot 0 frees; c takes the never used slot 2, d then slot 0
+    batcher.join(c)
+    batcher.join(d)
+    batcher.step()
+    assert [s.slot.id for s in (b, c, d)] == [1, 2, 0]
+    assert [seq for seq, _, _ in engine.plans[-1]] == [d, b, c]
