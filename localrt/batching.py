@@ -331,7 +331,7 @@ class LlamaBatch:
                     self._n_vocab, len(s.bias), pairs))
             if (s.repeat_penalty, s.frequency_penalty, s.presence_penalty) != (1.0, 0.0, 0.0):
                 penalties = ll.llama_sampler_init_penalties(
-                    PENALTY_LAST_N, s.repeat_penalty, s.frequency_penalty, s.presence_penalty)
+                    self._n_vocab, PENALTY_LAST_N, s.repeat_penalty, s.frequency_penalty, s.presence_penalty)
                 for token in prompt[-PENALTY_LAST_N:]:  # the prompt counts, as in llama.cpp
                     ll.llama_sampler_accept(penalties, token)
                 ll.llama_sampler_chain_add(chain, penalties)

@@ -566,3 +566,17 @@ def test_a_step_lists_its_sequences_in_slot_order():
     batcher.step()
     assert [s.slot.id for s in (b, c, d)] == [1, 2, 0]
     assert [seq for seq, _, _ in engine.plans[-1]] == [d, b, c]
+
+
+def test_repeat_frequency_and_presence_penalties_steer_each_sequence(api, app, tiny):
+    """The penalties reach llama.cpp's sampler (the prompt counts), sequence by sequence."""
+    plain = body(messages=user(PROMPTS[0]), max_tokens=32)
+    greedy = alone(api, plain)
+    assert len(set(greedy)) < len(greedy)  # it repeats itself, so a penalty shows
+    penalised = {**plain, "repeat_penalty": 10, "frequency_penalty": 2, "presence_penalty": 2}
+    restart(api)
+    streams = [Events(app, penalised), Events(app, plain)]
+    round_robin(streams)
+    assert streams[1].text == greedy
+    assert streams[0].text != greedy and streams[0].finish == "length"
+    assert alone(api, penalised) == streams[0].text

@@ -49,7 +49,6 @@ Optional in the issue, not done here: the same run against llama.cpp's
 from __future__ import annotations
 
 import argparse
-import ctypes
 import http.client
 import json
 import logging
