@@ -229,7 +229,8 @@ class Completion:
         u = self.generation.usage
         return {"prompt_tokens": u["prompt_tokens"],
                 "completion_tokens": u["completion_tokens"],
-                "total_tokens": u["prompt_tokens"] + u["completion_tokens"]}
+                "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+                "prompt_tokens_details": {"cached_tokens": u.get("cached_tokens", 0)}}
 
     def finish_reason(self, called: bool) -> str:
         """OpenAI's finish_reason; "tool_calls" when the reply ended with calls."""

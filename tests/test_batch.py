@@ -362,6 +362,7 @@ def test_a_second_turn_reads_only_its_new_tokens(api, app, tiny):
     after = counters(app)
     total, earlier = second.json["usage"]["prompt_tokens"], first.json["usage"]["prompt_tokens"]
     read = after["prompt_read"] - before["prompt_read"]
+    assert second.json["usage"]["prompt_tokens_details"]["cached_tokens"] == total - read
     # The first turn's prompt is in the cache, and so is some of the reply.
     assert 1 < read <= total - earlier
     assert after["prompt_evaluated"] - before["prompt_evaluated"] == read  # llama.cpp's count
