@@ -15,7 +15,7 @@ from localrt.errors import Conflict, InvalidField, ServiceUnavailable
 from localrt.events import TooManyListeners
 from localrt.metrics import CONTENT_TYPE
 from localrt.models import check_id
-from localrt.routing import Reply, Request, Route
+from localrt.routing import Dialect, Reply, Request, Route
 from localrt.services import Services
 
 
@@ -36,7 +36,7 @@ def openapi_document(services: Services, request: Request):
     """This API as an OpenAPI 3.1 document, made from the route table and schemas/."""
     from localrt import openapi
 
-    return openapi.document(ROUTES)
+    return openapi.document(ROUTES, DIALECTS)
 
 
 def get_configs(services: Services, request: Request):
@@ -353,3 +353,6 @@ ROUTES = (
     Route("POST", "/v1/completions", completions, "completion.json", "text-completion"),
     Route("POST", "/v1/embeddings", embeddings, "embedding.json", "embedding-list"),
 )
+
+# Route families that speak another API's error shape (see routing.Dialect).
+DIALECTS: tuple[Dialect, ...] = ()

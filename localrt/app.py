@@ -19,7 +19,7 @@ from localrt import security
 from localrt.errors import (BadRequest, Forbidden, HTTPError, InternalError, InvalidJSON,
                             PayloadTooLarge, Unauthorized, UnsupportedMediaType)
 from localrt.openapi import document_path
-from localrt.routing import Reply, Request, Router
+from localrt.routing import Reply, Request, Router, dialect_of
 from localrt.services import build_services
 from localrt.settings import Settings
 
@@ -35,10 +35,12 @@ class App:
     """The localrt WSGI callable."""
 
     def __init__(self, settings: Settings, routes=None, shutdown=None, hardware=None,
-                 run_probe=None):
+                 run_probe=None, dialects=None):
         if routes is None:
-            from localrt.api import ROUTES as routes
+            from localrt.api import DIALECTS, ROUTES as routes
+            dialects = DIALECTS if dialects is None else dialects
         self.router = Router(routes)
+        self.dialects = tuple(dialects or ())
         # Each route's label in the request metrics: its path as the OpenAPI document writes it.
         self._route_labels = {r.pattern: document_path(r.pattern) for r in self.router.routes}
         self.services = build_services(settings, shutdown=shutdown, hardware=hardware,
@@ -55,13 +57,14 @@ class App:
             reply = self._dispatch(environ, cors_on, allowed_origin)
         except HTTPError as err:
             # Messages can quote what upstream said; secrets never leave in them.
-            reply = Reply(security.redact_data(err.body(), self.services.secrets()),
+            reply = Reply(security.redact_data(self._error_body(environ, err),
+                                               self.services.secrets()),
                           err.status, err.headers)
         except Exception:
             log.exception("unexpected error on %s %s", environ.get("REQUEST_METHOD"),
                           environ.get("PATH_INFO"))
             err = InternalError("Internal server error; the server log has the details")
-            reply = Reply(err.body(), err.status)
+            reply = Reply(self._error_body(environ, err), err.status)
         headers = list(reply.headers)
         if cors_on:
             headers.append(("Vary", "Origin"))
@@ -148,6 +151,11 @@ class App:
                         ("Access-Control-Allow-Headers", requested or ALLOWED_REQUEST_HEADERS),
                         ("Access-Control-Max-Age", PREFLIGHT_MAX_AGE)]
         return Reply(None, 204, headers)
+
+    def _error_body(self, environ, err: HTTPError) -> dict:
+        """The error's JSON body in the shape its route's API speaks (localrt's by default)."""
+        dialect = dialect_of(environ.get("PATH_INFO", ""), self.dialects)
+        return dialect.error_body(err) if dialect else err.body()
 
     def _route_of(self, method: str, environ) -> str | None:
         """The label of the route a request was for; None when no route has its path."""

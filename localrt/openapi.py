@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 
 from localrt import __version__, schemas
+from localrt.routing import dialect_of
 
 _PARAM = re.compile(r"\{(\w+)(?::path)?\}")
 # Routes whose 200 reply is a stream of Server-Sent Events rather than JSON.
@@ -28,8 +29,9 @@ SERVER_SENT_EVENT = {"type": "object", "properties": {
 TEXT_REPLIES = {("GET", "/metrics"): "text/plain; version=0.0.4"}
 
 
-def document(routes) -> dict:
-    """The whole OpenAPI document for `routes` (localrt.api.ROUTES)."""
+def document(routes, dialects=()) -> dict:
+    """The whole OpenAPI document for `routes` (localrt.api.ROUTES); errors on a
+    dialect's routes have its error schema (localrt.api.DIALECTS)."""
     paths: dict = {}
     seen: dict[str, int] = {}
     for route in routes:
@@ -39,7 +41,8 @@ def document(routes) -> dict:
         operation = {
             "operationId": name if seen[name] == 1 else f"{name}_{seen[name]}",
             "summary": (route.handler.__doc__ or name).strip().splitlines()[0],
-            "responses": {"200": _success(route), "default": _error_response()},
+            "responses": {"200": _success(route),
+                          "default": _error_response(dialect_of(route.pattern, dialects))},
         }
         params = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
                   for p in _PARAM.findall(route.pattern)]
@@ -88,9 +91,10 @@ def _success(route) -> dict:
     return {"description": "OK", "content": {"application/json": body}}
 
 
-def _error_response() -> dict:
-    return {"description": "An error", "content": {"application/json": {
-        "schema": _ref("error.json")}}}
+def _error_response(dialect) -> dict:
+    schema = _ref("replies.json", f"/$defs/{dialect.error_reply}") if dialect else \
+        _ref("error.json")
+    return {"description": "An error", "content": {"application/json": {"schema": schema}}}
 
 
 def _component(file_name: str) -> str:

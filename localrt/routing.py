@@ -32,6 +32,23 @@ class Route:
         object.__setattr__(self, "regex", _compile(self.pattern))
 
 
+@dataclass(frozen=True)
+class Dialect:
+    """The routes under `prefix` speak another API (Anthropic's, Ollama's): an error on
+    them, from routing, a key check, validation or a handler, takes that API's shape.
+    `error_body(err)` builds it from a `localrt.errors.HTTPError`; `error_reply` names its
+    schema in schemas/replies.json (`$defs`), which the OpenAPI document gives."""
+
+    prefix: str
+    error_body: Callable
+    error_reply: str
+
+
+def dialect_of(path: str, dialects) -> Dialect | None:
+    """The dialect whose routes `path` is under, if any."""
+    return next((d for d in dialects if path.startswith(d.prefix)), None)
+
+
 @dataclass
 class Request:
     """What a handler sees: plain data, never the WSGI environ."""

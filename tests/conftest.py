@@ -28,6 +28,7 @@ import pytest
 from localrt import settings as settings_mod
 from localrt.app import App, create_app
 from localrt.errors import HTTPError
+from localrt.routing import dialect_of
 from ggufgen import write_gguf
 
 REPO = Path(__file__).resolve().parent.parent
@@ -126,12 +127,15 @@ def call(app, method, path, json_body=None, body=None, headers=None, query="") -
 
 def check_documented(app, method, path, response) -> None:
     """Every JSON reply a test sees matches the schema GET /openapi.json documents for it:
-    the route's reply schema for a 200, schemas/error.json for an error."""
+    the route's reply schema for a 200, schemas/error.json (or its dialect's error
+    schema) for an error."""
     if not isinstance(app, App) or method in ("HEAD", "OPTIONS") or \
             not response.headers.get("content-type", "").startswith("application/json"):
         return
     if response.status >= 400:
-        problems = app.validators.reply_errors("error", response.json)
+        dialect = dialect_of(path, app.dialects)
+        problems = app.validators.reply_errors(dialect.error_reply if dialect else "error",
+                                               response.json)
     else:
         try:
             route, _ = app.router.match(method, path)

@@ -7,7 +7,8 @@ import pytest
 from conftest import call
 
 from localrt.app import MAX_BODY, create_app
-from localrt.routing import Route
+from localrt.errors import BadRequest
+from localrt.routing import Dialect, Route
 
 
 def assert_error(resp, status, code=None):
@@ -112,6 +113,29 @@ def test_unexpected_exception_is_generic_500_and_logged(settings, caplog):
     assert "Traceback" not in resp.body.decode()
     assert "secret internals" in caplog.text and "RuntimeError" in caplog.text
     assert body["message"]
+
+
+def test_a_dialects_routes_answer_errors_in_its_shape(settings):
+    """Routing, validation, handler and unexpected errors under a dialect's prefix all
+    take its shape; other routes keep localrt's."""
+    def bad(services, request):
+        raise BadRequest("no good", param="x")
+
+    def boom(services, request):
+        raise RuntimeError("secret internals")
+
+    shape = Dialect("/other/", lambda err: {"message": f"{err.status}: {err.message}"},
+                    "message")  # the shape replies.json calls "message"
+    app = create_app(settings, routes=(Route("GET", "/other/bad", bad),
+                                       Route("GET", "/other/boom", boom),
+                                       Route("GET", "/mine", bad)), dialects=(shape,))
+    assert call(app, "GET", "/other/bad").json == {"message": "400: no good"}
+    boom = call(app, "GET", "/other/boom").json["message"]
+    assert boom.startswith("500: ") and "secret" not in boom
+    missing = call(app, "GET", "/other/nothing")
+    assert missing.status == 404 and missing.json["message"].startswith("404: ")
+    assert call(app, "POST", "/other/bad").json["message"].startswith("405: ")
+    assert call(app, "GET", "/mine").json["error"]["param"] == "x"
 
 
 def test_two_apps_in_one_process_are_independent(tmp_path):
