@@ -278,6 +278,13 @@ class Stream:
         self._include_usage = include_usage
 
     def __iter__(self) -> Iterator[bytes]:
+        for chunk in self.chunks():
+            yield _sse(chunk)
+        yield b"data: [DONE]\n\n"
+
+    def chunks(self) -> Iterator[dict]:
+        """The reply as chat.completion.chunk dicts; one {"error": ...} dict ends a reply
+        that failed part way. The other dialects (localrt.dialects) translate these."""
         completion, parser = self._completion, self._completion.parser
         yield self._event({"role": "assistant", "content": ""})
         try:
@@ -295,19 +302,17 @@ class Stream:
                 log.exception("generation failed in a stream of %s", completion.model_id)
                 error = {"message": f"Generation failed: {exc}", "type": "server_error",
                          "code": "generation_failed"}
-            yield _sse({"error": error})
-            yield b"data: [DONE]\n\n"
+            yield {"error": error}
             return
         yield self._event({}, completion.finish_reason(bool(parser and parser.calls)))
         if self._include_usage:
-            yield _sse(self._chunk([], usage=completion.usage()))
-        yield b"data: [DONE]\n\n"
+            yield self._chunk([], usage=completion.usage())
 
     def close(self) -> None:
         """Called by the server when the reply ends or the client goes away."""
         self._completion.close()
 
-    def _deltas(self, events: list) -> Iterator[bytes]:
+    def _deltas(self, events: list) -> Iterator[dict]:
         """The events of a tool-call parser as deltas: content, a call's id and name
         (with empty arguments, as OpenAI sends them), then its arguments in pieces."""
         for event in events:
@@ -322,9 +327,9 @@ class Stream:
                                          "function": {"arguments": event[2]}}]}
             yield self._event(delta)
 
-    def _event(self, delta: dict, finish_reason: str | None = None) -> bytes:
+    def _event(self, delta: dict, finish_reason: str | None = None) -> dict:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return _sse(self._chunk([choice]))
+        return self._chunk([choice])
 
     def _chunk(self, choices: list, usage: dict | None = None) -> dict:
         c = self._completion

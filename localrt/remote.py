@@ -623,6 +623,20 @@ class RemoteStream:
             yield self._exchange.broken(exc)
             yield DONE
 
+    def chunks(self) -> Iterator[dict]:
+        """The events as dicts (chat.Stream.chunks' shape): [DONE] ends them, an
+        {"error": ...} dict ends a stream that broke; an event that is not JSON is left out."""
+        for event in self:
+            data = event[len(b"data: "):].strip()
+            if data == b"[DONE]":
+                return
+            try:
+                chunk = json.loads(data)
+            except ValueError:
+                continue
+            if isinstance(chunk, dict):
+                yield chunk
+
     def close(self) -> None:
         """Called by the server when the reply ends or the client goes away."""
         self._exchange.close()
