@@ -60,7 +60,7 @@ class Chats:
         clock = Clock(self._metrics, model_id)  # from the request's arrival
         record = self._registry.get(model_id)  # 404 before anything starts
         if self._engines.forwards(record["engine"]):  # a remote model: an upstream answers
-            return self._remotes.chat(record, body, self._slots)
+            return self._remotes.forward(record, body, self._slots, clock=clock)
         messages = [_message(i, m) for i, m in enumerate(body["messages"])]
         if body.get("n") not in (None, 1):
             raise InvalidField("Invalid field 'n': only n=1 is supported", param="n")

@@ -15,6 +15,9 @@ model's stored parameter, and the model's own stop sequences always apply; max_t
 defaults to 16, as OpenAI's does. `logprobs` is refused for now, and `n` and `best_of`
 can only be 1. The choices are generated one after another in one turn of the model
 (`Lease.steps` paces their tokens), so a reply with several is as long as their sum.
+Each request is timed and counted in /metrics as chat's are (localrt.metrics.Clock). A
+remote model's request goes whole to localrt.remote, which forwards it to an upstream's
+/v1/completions.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Iterator
 
 from localrt.chat import SAMPLING
 from localrt.errors import InvalidField, ServiceUnavailable
+from localrt.metrics import Clock
 from localrt.scheduler import Lease, ModelStopped, Scheduler
 
 log = logging.getLogger(__name__)
@@ -42,16 +46,23 @@ class Completions:
     server thread (localrt.server.THREADS). Past that, a 503.
     """
 
-    def __init__(self, registry, scheduler: Scheduler, max_requests: int = 8):
+    def __init__(self, registry, engines, scheduler: Scheduler, max_requests: int = 8,
+                 metrics=None, remotes=None):
         self._registry = registry
+        self._engines = engines
         self._scheduler = scheduler
+        self._metrics = metrics
+        self._remotes = remotes  # localrt.remote.Remotes: forwards remote models' requests
         self.max_requests = max_requests
         self._slots = threading.BoundedSemaphore(max_requests)
 
     def create(self, body: dict):
         """A text_completion dict, or a Stream when body["stream"] is true."""
         model_id = body["model"]
+        clock = Clock(self._metrics, model_id)  # from the request's arrival
         record = self._registry.get(model_id)  # 404 before anything starts
+        if self._engines.forwards(record["engine"]):  # a remote model: an upstream answers
+            return self._remotes.forward(record, body, self._slots, "/completions", clock)
         for name in ("n", "best_of"):
             if body.get(name) not in (None, 1):
                 raise InvalidField(f"Invalid field '{name}': only {name}=1 is supported",
@@ -84,7 +95,7 @@ class Completions:
                 generation.close()
             lease.release()
             raise
-        completion = TextCompletion(model_id, choices, lease)
+        completion = TextCompletion(model_id, choices, lease, clock)
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return Stream(completion, include_usage)
@@ -169,19 +180,23 @@ def _choice(model, model_id: str, field: str, prompt, body: dict, params: dict):
 
 class TextCompletion:
     """One completion request: its id, its choices ((echo, Generation) pairs, read one
-    after another), and the lease it holds."""
+    after another), the lease it holds, and the `Clock` it is timed on (its first
+    piece is the time to first token; all choices' tokens are counted)."""
 
-    def __init__(self, model_id: str, choices: list, lease: Lease):
+    def __init__(self, model_id: str, choices: list, lease: Lease, clock: Clock | None = None):
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model_id = model_id
         self.choices = choices
         self._lease = lease
+        self._clock = clock or Clock(None, model_id)
 
     def pieces(self, generation) -> Iterator[str]:
         """A choice's text pieces as the scheduler computes them; ModelStopped if the
         model stops."""
-        return self._lease.steps(generation)
+        for piece in self._lease.steps(generation):
+            self._clock.piece()
+            yield piece
 
     def usage(self) -> dict:
         """OpenAI's usage object, over every choice."""
@@ -202,12 +217,17 @@ class TextCompletion:
                 "model": self.model_id, "choices": choices, "usage": self.usage()}
 
     def close(self) -> None:
-        """Stop generating (if still going) and give the model to the next request."""
+        """Stop generating (if still going), give the model to the next request, and
+        count the completion."""
         try:
             for _, generation in self.choices:
                 generation.close()
         finally:
-            self._lease.release()
+            try:
+                self._lease.release()
+            finally:
+                self._clock.done()
+                self._clock.end(self.usage())
 
 
 class Stream:

@@ -1,7 +1,8 @@
 """Embeddings, OpenAI compatible: the request's inputs, the model's mode, the reply.
 
 `Embeddings.create(body)` takes a request that passed schemas/embedding.json and
-returns OpenAI's list of embeddings. `input` is a string, an array of strings, an array
+returns OpenAI's list of embeddings (a remote model's request goes whole to
+localrt.remote, which forwards it to an upstream's /v1/embeddings). `input` is a string, an array of strings, an array
 of token ids, or an array of such arrays; each is one vector, in the order given.
 
 The model must run in llama.cpp's embedding mode (localrt.adapters: a loaded model with
@@ -42,10 +43,11 @@ class Embeddings:
     server thread (localrt.server.THREADS). Past that, a 503.
     """
 
-    def __init__(self, registry, engines, scheduler, max_requests: int = 8):
+    def __init__(self, registry, engines, scheduler, max_requests: int = 8, remotes=None):
         self._registry = registry
         self._engines = engines
         self._scheduler = scheduler
+        self._remotes = remotes  # localrt.remote.Remotes: forwards remote models' requests
         self.max_requests = max_requests
         self._slots = threading.BoundedSemaphore(max_requests)
 
@@ -53,6 +55,8 @@ class Embeddings:
         """OpenAI's {"object": "list", "data": [embedding...], "model", "usage"}."""
         model_id = body["model"]
         record = self._registry.get(model_id)  # 404 before anything starts
+        if self._engines.forwards(record["engine"]):  # a remote model: an upstream answers
+            return self._remotes.forward(record, body, self._slots, "/embeddings")
         inputs = read_input(body["input"])
         # An engine with no embedding mode: a 400 before any model starts.
         for _, why in self._engines.check_options(record["engine"], {"embedding": True}):

@@ -218,11 +218,19 @@ class Clock:
         """`pieces`, noting when the first comes and when they end."""
         try:
             for piece in pieces:
-                if self.first is None:
-                    self.first = time.monotonic()
+                self.piece()
                 yield piece
         finally:
-            self.ended = time.monotonic()
+            self.done()
+
+    def piece(self) -> None:
+        """A piece of the reply came now (the first one is the time to first token)."""
+        if self.first is None:
+            self.first = time.monotonic()
+
+    def done(self) -> None:
+        """The reply's pieces ended now."""
+        self.ended = time.monotonic()
 
     def end(self, usage: dict) -> None:
         """Count the completion with its usage; a stream cut short ends here."""

@@ -54,6 +54,7 @@ from localrt.engines import REMOTE_ENGINE
 from localrt.errors import (BadRequest, Conflict, HTTPError, InvalidField,
                             ServiceUnavailable, UpstreamError)
 from localrt.models import check_new_id, folder_name
+from localrt.metrics import Clock
 from localrt.opener import CertificateFailed, ProxyAuthFailed, build_opener, origin
 
 log = logging.getLogger(__name__)
@@ -417,6 +418,16 @@ def _timed_out(exc: BaseException) -> bool:
     return isinstance(reason, (socket.timeout, TimeoutError))
 
 
+def _has_text(choice) -> bool:
+    """Whether a streamed choice carries a piece of the reply (text, or a call's)."""
+    if not isinstance(choice, dict):
+        return False
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return bool(delta.get("content") or delta.get("tool_calls"))
+    return bool(choice.get("text"))
+
+
 def _reason(exc: BaseException) -> str:
     reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
     return str(reason) or type(reason).__name__
@@ -441,9 +452,17 @@ class Exchange:
     """One forwarded request on one upstream: its reply, read as it comes, and `close()`."""
 
     def __init__(self, pool: Pool, upstream: Upstream, model_id: str,
-                 secrets: Callable[[], Iterable[str]] = list):
+                 secrets: Callable[[], Iterable[str]] = list, path: str = "/chat/completions",
+                 clock: Clock | None = None):
         self.pool, self.upstream, self.model_id = pool, upstream, model_id
+        self.path = path  # under the upstream's /v1: /chat/completions, /completions, ...
         self._secrets = secrets  # what an error event must not say
+        # Timed and counted in /metrics like a local completion: the upstream's usage when
+        # it sends one, else the events that carried text (a token each, on the servers
+        # tested: llama.cpp's, llama-cpp-python's, vLLM's).
+        self._clock = clock or Clock(None, model_id)
+        self._usage: dict | None = None
+        self._pieces = 0
         self._sockets: list = []
         self._resp = None
         self._payloads: Iterator[bytes] = iter(())
@@ -463,7 +482,7 @@ class Exchange:
         opener = build_opener(config, self._sockets.append, redirects=False)
         self._started = time.monotonic()
         try:
-            self._resp = opener.open(_request(self.upstream, "/chat/completions", payload),
+            self._resp = opener.open(_request(self.upstream, self.path, payload),
                                      timeout=timeout)
         except urllib.error.HTTPError as exc:
             raise self._refusal(exc, config) from None
@@ -482,8 +501,12 @@ class Exchange:
         except ValueError:
             raise UpstreamError(f"Upstream {self.upstream.url} answered with something other "
                                 f"than JSON") from None
-        if isinstance(reply, dict) and "model" in reply:
-            reply["model"] = self.model_id
+        if isinstance(reply, dict):
+            self._clock.piece()
+            self._clock.done()
+            self._note_usage(reply)
+            if "model" in reply:
+                reply["model"] = self.model_id
         return reply
 
     def first(self, timeout: float) -> bytes:
@@ -516,9 +539,20 @@ class Exchange:
             data = json.loads(payload)
         except ValueError:
             return b"data: " + payload + b"\n\n"
-        if isinstance(data, dict) and "model" in data:
-            data["model"] = self.model_id
+        if isinstance(data, dict):
+            self._note_usage(data)
+            if any(_has_text(c) for c in data.get("choices") or ()):
+                self._clock.piece()
+                self._pieces += 1
+            if "model" in data:
+                data["model"] = self.model_id
         return b"data: " + json.dumps(data, ensure_ascii=False).encode("utf-8") + b"\n\n"
+
+    def _note_usage(self, data: dict) -> None:
+        usage = data.get("usage")
+        if isinstance(usage, dict) and all(isinstance(usage.get(k), int) for k in (
+                "prompt_tokens", "completion_tokens")):
+            self._usage = usage
 
     def broken(self, exc: BaseException) -> bytes:
         """The error event that ends a stream which broke after its first event."""
@@ -539,6 +573,11 @@ class Exchange:
         if self._closed:
             return
         self._closed = True
+        if self._latency is not None:  # a reply came: count it (a failed try is not)
+            if self._clock.ended is None:
+                self._clock.done()
+            self._clock.end(self._usage or {"prompt_tokens": 0,
+                                            "completion_tokens": self._pieces})
         try:
             for sock in self._sockets:
                 try:
@@ -755,15 +794,18 @@ class Remotes:
 
     # --- forwarding ------------------------------------------------------------------
 
-    def chat(self, record: dict, body: dict, slots: threading.BoundedSemaphore):
-        """Forward a chat request: the reply dict, or a RemoteStream. `slots` are
-        localrt.chat's requests in progress, which this one holds until it ends."""
+    def forward(self, record: dict, body: dict, slots: threading.BoundedSemaphore,
+                path: str = "/chat/completions", clock: Clock | None = None):
+        """Forward a request to `path` of an upstream's OpenAI API (chat completions,
+        completions, embeddings): the reply dict, or a RemoteStream. `slots` are the
+        calling service's requests in progress, which this one holds until it ends;
+        `clock` times and counts it in /metrics."""
         pool = self._pool(record["id"])
         if not slots.acquire(blocking=False):
-            raise ServiceUnavailable("Too many chat requests in progress; retry shortly",
+            raise ServiceUnavailable("Too many requests in progress; retry shortly",
                                      headers=[("Retry-After", "1")])
         try:
-            exchange, first = self._exchange(pool, record["id"], body)
+            exchange, first = self._exchange(pool, record["id"], body, path, clock)
         except BaseException:
             slots.release()
             raise
@@ -773,7 +815,7 @@ class Remotes:
         exchange.close()
         return first
 
-    def _exchange(self, pool: Pool, model_id: str, body: dict):
+    def _exchange(self, pool: Pool, model_id: str, body: dict, path: str, clock):
         """(Exchange, its first event or whole reply); a connection that fails before the
         first byte is retried once on another upstream."""
         timeout = float(self._timeout())
@@ -787,7 +829,7 @@ class Remotes:
                     raise
                 break  # nothing else to retry on
             tried.append(upstream)
-            exchange = Exchange(pool, upstream, model_id, self._all_secrets)
+            exchange = Exchange(pool, upstream, model_id, self._all_secrets, path, clock)
             try:
                 exchange.send(self._config(), body, timeout)
                 if body.get("stream"):

@@ -106,8 +106,8 @@ def build_services(settings: Settings, *, shutdown: Callable[[], None] | None = 
     remotes = Remotes(registry, engines, config.get, lambda: settings["upstreamTimeout"],
                       lambda: security.secrets_of(settings.snapshot()))
     chats = Chats(registry, engines, scheduler, metrics=metrics, remotes=remotes)
-    completions = Completions(registry, scheduler)
-    embeddings = Embeddings(registry, engines, scheduler)
+    completions = Completions(registry, engines, scheduler, metrics=metrics, remotes=remotes)
+    embeddings = Embeddings(registry, engines, scheduler, remotes=remotes)
     return Services(settings=settings, validators=validators, config=config, events=events,
                     downloads=downloads, engines=engines, installs=installs,
                     registry=registry, models=models, scheduler=scheduler,

@@ -208,6 +208,23 @@ def test_chat_moves_the_token_counters_and_the_time_to_first_token(app, quantize
                    method="POST", status="200") == 2
 
 
+def test_text_completions_move_the_token_counters_too(app, quantized):
+    add_model(app, quantized["Q8_0"])
+    body = {"model": "tiny", "prompt": ["one", "two"], "max_tokens": 3, "temperature": 0,
+            "logit_bias": {"2": -100}}
+    r = call(app, "POST", "/v1/completions", json_body=body)
+    assert r.status == 200, r.body
+    usage = r.json["usage"]
+    assert usage["completion_tokens"] == 6
+    s = scrape(app)
+    assert s.value("localrt_prompt_tokens_total", model="tiny") == usage["prompt_tokens"]
+    assert s.value("localrt_generation_tokens_total", model="tiny") == 6
+    assert s.value("localrt_time_to_first_token_seconds_count", model="tiny") == 1
+    streamed = call(app, "POST", "/v1/completions", json_body={**body, "stream": True})
+    assert streamed.status == 200 and b"data: [DONE]" in streamed.body
+    assert scrape(app).value("localrt_generation_tokens_total", model="tiny") == 12
+
+
 class OpenStream:
     """A streamed chat whose reply has started and whose body is not read yet: its
     request holds a slot of the model until close()."""

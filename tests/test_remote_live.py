@@ -28,7 +28,8 @@ from urllib.parse import urlsplit
 import openai
 import pytest
 from conftest import send, subprocess_env
-from ggufgen import MIN_VOCAB_SIZE
+from ggufgen import MIN_VOCAB_SIZE, write_bert_gguf
+from prometheus_client.parser import text_string_to_metric_families
 from upstreams import start_replica
 
 from localrt import server as server_mod
@@ -110,6 +111,16 @@ class Localrt:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def bert_replica(tmp_path_factory):
+    """A llama_cpp.server replica in embedding mode, on a tiny BERT."""
+    root = tmp_path_factory.mktemp("bert-replica")
+    replica = start_replica(write_bert_gguf(root / "bert.gguf"), root / "replica.log",
+                            api_key=KEY, n_ctx=512, extra=("--embedding", "true"))
+    yield replica
+    replica.stop()
 
 
 @pytest.fixture(scope="module")
@@ -431,6 +442,68 @@ def test_the_configs_tls_flags_apply_to_upstreams(localrt, slow_gguf, tmp_path):
 
 
 # --- secrets ----------------------------------------------------------------------------
+
+
+def test_completions_go_to_the_upstreams_completions(localrt, pair, replicas):
+    body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0,
+            "logit_bias": TEXT_ONLY}
+    with openai.OpenAI(base_url=localrt.url + "/v1", api_key="unused", max_retries=0,
+                       timeout=60) as client:
+        whole = client.completions.create(model=pair, **body)
+        chunks = list(client.completions.create(model=pair, stream=True, **body))
+    with openai.OpenAI(base_url=replicas[0].url, api_key=KEY, max_retries=0,
+                       timeout=60) as client:
+        direct = client.completions.create(model="any", **body)
+    assert whole.model == pair and whole.object == "text_completion"
+    assert whole.choices[0].text == direct.choices[0].text  # greedy: the upstream's reply
+    assert whole.usage.completion_tokens == 12
+    assert all(c.model == pair for c in chunks)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+
+
+def test_embeddings_go_to_the_upstreams_embeddings(localrt, bert_replica):
+    add_remote(localrt, "remote-bert", [bert_replica.url])
+    texts = ["a first text", "and a second"]
+    with openai.OpenAI(base_url=localrt.url + "/v1", api_key="unused", max_retries=0,
+                       timeout=60) as client:
+        got = client.embeddings.create(model="remote-bert", input=texts,
+                                       encoding_format="float")
+    with openai.OpenAI(base_url=bert_replica.url, api_key=KEY, max_retries=0,
+                       timeout=60) as client:
+        direct = client.embeddings.create(model="any", input=texts, encoding_format="float")
+    assert got.model == "remote-bert"
+    assert [e.embedding for e in got.data] == [e.embedding for e in direct.data]
+    assert [e.index for e in got.data] == [0, 1]
+
+
+def test_metrics_count_remote_models_tokens(localrt, pair):
+    def counts():
+        status, text = _get_text(localrt.url + "/metrics")
+        assert status == 200
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        def value(name):
+            return sum(s.value for s in families[name].samples
+                       if s.labels.get("model") == pair and s.name.endswith("_total"))
+        ttft = sum(s.value for s in families["localrt_time_to_first_token_seconds"].samples
+                   if s.labels.get("model") == pair and s.name.endswith("_count"))
+        return value("localrt_prompt_tokens"), value("localrt_generation_tokens"), ttft
+
+    before = counts()
+    status, reply = localrt.api("POST", "/v1/chat/completions", chat_body(pair, 7, stream=False))
+    assert status == 200, reply
+    stream = RawStream(localrt.url, chat_body(pair, 9))
+    assert list(stream)[-1] == "[DONE]"
+    stream.close()
+    after = counts()
+    assert after[0] - before[0] >= reply["usage"]["prompt_tokens"] > 0
+    assert after[1] - before[1] == 7 + 9  # the streamed one: its events with text
+    assert after[2] - before[2] == 2
+
+
+def _get_text(url):
+    import urllib.request
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return resp.status, resp.read().decode()
 
 
 def test_the_keys_never_appear_in_logs_or_replies(localrt, pair):
