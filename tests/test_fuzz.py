@@ -10,7 +10,7 @@ is the hub emulator and its package index an empty loopback index, so nothing
 reaches the internet whatever a generated request asks for.
 
 A generated model id is never a model the server has, so the routes that run a model
-(completions and embeddings) are fuzzed once more against a server with models, their
+(completions, embeddings and responses) are fuzzed once more against a server with models, their
 `model` fixed to one of them in the document: every other field is generated.
 """
 
@@ -125,7 +125,8 @@ def test_fuzz(api_schema, method, path, mode):
 
 
 # Routes that run a model, and the model each is fuzzed with (test_fuzz_with_a_model).
-WITH_A_MODEL = {"/v1/completions": ("completion", "tiny"), "/v1/embeddings": ("embedding", "bert")}
+WITH_A_MODEL = {"/v1/completions": ("completion", "tiny"), "/v1/embeddings": ("embedding", "bert"),
+                "/v1/responses": ("response-create", "tiny")}
 
 
 @pytest.fixture(scope="module")
