@@ -371,6 +371,31 @@ def test_a_model_stopped_mid_stream_ends_it_failed(app, slow_gguf):
     assert not app.validators.reply_errors("response-event", failed)
 
 
+def test_a_remote_models_reply_is_translated_the_same_way(app, api, weights, tmp_path):
+    """A remote model (llama-cpp-python's server upstream, tests/upstreams.py): its chat
+    comes back through localrt.remote, streamed or not, and becomes the same response."""
+    from upstreams import start_replica
+
+    replica = start_replica(weights["tiny"], tmp_path / "replica.log", n_ctx=512)
+    try:
+        r = api("POST", "/v1/models/remote", {"id": "far", "upstreams": [{"url": replica.url}]})
+        assert r.status == 200, r.body
+        plain = respond(api, model="far", input="Hello there", instructions="Be brief.")
+        assert plain.status == 200, plain.body
+        out = plain.json
+        assert out["model"] == "far" and out["output"][0]["type"] == "message"
+        assert out["status"] in ("completed", "incomplete") and out["usage"]["output_tokens"]
+        got = events(app, respond(api, model="far", input="Hello there",
+                                  instructions="Be brief.", stream=True))
+        text = "".join(e["delta"] for e in got if e["type"] == "response.output_text.delta")
+        final = got[-1]["response"]
+        assert got[-1]["type"] in ("response.completed", "response.incomplete")
+        assert text == text_of(out) == text_of(final) and final["status"] == out["status"]
+        assert replica.chats() == 2
+    finally:
+        replica.stop()
+
+
 # --- the openai SDK --------------------------------------------------------------------
 
 
