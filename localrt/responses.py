@@ -370,8 +370,8 @@ class ResponseStream:
         yield self._event("response.in_progress", response=dict(self._shell))
         finish, usage = None, None
         for chunk in self._chat.chunks():
-            if "error" in chunk and not chunk.get("choices"):
-                yield from self._failed(chunk["error"] or {}, usage)
+            if chunk.get("error") and not chunk.get("choices"):  # generation broke
+                yield from self._failed(chunk["error"], usage)
                 return
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices") or []:
@@ -442,7 +442,9 @@ class ResponseStream:
         yield self._event("response.output_item.done", output_index=at["output_index"],
                           item=_copy(item))
 
-    def _failed(self, error: dict, usage) -> Iterator[tuple[str, dict]]:
+    def _failed(self, error, usage) -> Iterator[tuple[str, dict]]:
+        if not isinstance(error, dict):  # an upstream's error may be a bare message
+            error = {"message": str(error)}
         yield self._event("error", code=error.get("code"), message=error.get("message", ""),
                           param=error.get("param"))
         response = finished(self._shell, [_copy(i) for i in self._output], None, usage,
