@@ -301,6 +301,29 @@ def events(services: Services, request: Request):
                  headers=[("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")])
 
 
+# --- OpenAI's Responses API (localrt.responses) -----------------------------------------
+
+
+def create_response(services: Services, request: Request):
+    """OpenAI's Responses API: a response with its output items, streamed as typed
+    Server-Sent Events or not."""
+    result = services.responses.create(request.body)
+    if isinstance(result, dict):
+        return result
+    return Reply(result, content_type=result.content_type,
+                 headers=[("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")])
+
+
+def get_response(services: Services, request: Request):
+    """A response stored with store: true since the server started."""
+    return services.responses.get(request.params["response_id"])
+
+
+def delete_response(services: Services, request: Request):
+    """Forget a stored response."""
+    return services.responses.delete(request.params["response_id"])
+
+
 # Fixed paths come before `{model_id:path}` ones: model ids hold "/" and ":".
 ROUTES = (
     Route("GET", "/healthz", healthz, reply="health"),
@@ -352,6 +375,10 @@ ROUTES = (
           "chat-completion"),
     Route("POST", "/v1/completions", completions, "completion.json", "text-completion"),
     Route("POST", "/v1/embeddings", embeddings, "embedding.json", "embedding-list"),
+    # OpenAI's Responses API (localrt.responses)
+    Route("POST", "/v1/responses", create_response, "response-create.json", "response"),
+    Route("GET", "/v1/responses/{response_id}", get_response, reply="response"),
+    Route("DELETE", "/v1/responses/{response_id}", delete_response, reply="response-deleted"),
 )
 
 # Route families that speak another API's error shape (see routing.Dialect).

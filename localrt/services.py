@@ -20,6 +20,7 @@ nothing is assigned to it afterwards:
                 or through `remotes`
     completions text completions (the legacy API) on the same models
     embeddings  embeddings, from models the scheduler runs in embedding mode
+    responses   OpenAI's Responses API, translated onto `chats`, and its stored responses
 
 Handlers (localrt.api) get the `Services` and call these objects directly.
 """
@@ -41,6 +42,7 @@ from localrt.installs import EngineState, Installs
 from localrt.metrics import Metrics
 from localrt.models import Models, Registry
 from localrt.remote import Remotes
+from localrt.responses import Responses
 from localrt.scheduler import Scheduler
 from localrt.schemas import Validators
 from localrt.settings import Settings
@@ -68,6 +70,7 @@ class Services:
     chats: Chats
     completions: Completions
     embeddings: Embeddings
+    responses: Responses
     shutdown: Callable[[], None] | None = None
 
     def close(self) -> None:
@@ -108,8 +111,9 @@ def build_services(settings: Settings, *, shutdown: Callable[[], None] | None = 
     chats = Chats(registry, engines, scheduler, metrics=metrics, remotes=remotes)
     completions = Completions(registry, engines, scheduler, metrics=metrics, remotes=remotes)
     embeddings = Embeddings(registry, engines, scheduler, remotes=remotes)
+    responses = Responses(chats, validators)
     return Services(settings=settings, validators=validators, config=config, events=events,
                     downloads=downloads, engines=engines, installs=installs,
                     registry=registry, models=models, scheduler=scheduler,
                     metrics=metrics, remotes=remotes, chats=chats, completions=completions,
-                    embeddings=embeddings, shutdown=shutdown)
+                    embeddings=embeddings, responses=responses, shutdown=shutdown)

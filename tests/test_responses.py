@@ -1,0 +1,526 @@
+"""OpenAI's Responses API (localrt.responses) on real llama.cpp: the translation onto chat
+(checked against the chat completion of the same conversation), the typed events of a
+stream, function calls, previous_response_id chains, the store, and bad bodies; then the
+real `openai` SDK's client.responses against a live server.
+
+The models are tiny random llamas (tests/ggufgen.py): "tiny" with a ChatML template, and
+"qwen25" carrying Qwen 2.5's real chat template and <tool_call> token (as in
+tests/test_tools.py), whose calls are forced (tool_choice "required") because random
+weights write gibberish. Replies are greedy (temperature 0), so the same prompt gives
+the same text through chat and through Responses.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import gguf
+import jsonschema
+import pytest
+from chattemplates import TEMPLATES, TOKENS
+from conftest import call, run_foreground_server, send
+from ggufgen import write_gguf
+
+from localrt.responses import Store
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "required": ["city", "metric"],
+                          "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                         "metric": {"type": "boolean"}}}}
+TIME = {"type": "function", "name": "get_time", "description": "The time in a zone",
+        "parameters": {"type": "object", "required": ["zone"],
+                       "properties": {"zone": {"enum": ["CET", "UTC"]}}}}
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {t["name"]: t["parameters"] for t in TOOLS}
+# The same tools as chat takes them.
+CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+              for t in TOOLS]
+KINDS = {"control": gguf.TokenType.CONTROL, "user": gguf.TokenType.USER_DEFINED}
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    root = tmp_path_factory.mktemp("responses")
+    return {"tiny": write_gguf(root / "tiny.gguf", context_length=512),
+            "qwen25": write_gguf(root / "qwen25.gguf", name="qwen25", vocab_size=400,
+                                 context_length=4096, chat_template=TEMPLATES["qwen25"],
+                                 added_tokens=[(t, KINDS[k]) for t, k in TOKENS["qwen25"]])}
+
+
+@pytest.fixture
+def api(app, weights):
+    for model_id, path in weights.items():
+        r = call(app, "POST", "/v1/models/import", {"path": str(path), "id": model_id})
+        assert r.status == 200, r.body
+    return lambda *args, **kwargs: call(app, *args, **kwargs)
+
+
+def respond(api, **body):
+    body = {"model": "tiny", "temperature": 0, "max_output_tokens": 8, **body}
+    return api("POST", "/v1/responses", body)
+
+
+def chat(api, messages, **body):
+    body = {"model": "tiny", "temperature": 0, "max_tokens": 8, "messages": messages, **body}
+    r = api("POST", "/v1/chat/completions", body)
+    assert r.status == 200, r.body
+    return r.json
+
+
+def text_of(response: dict) -> str:
+    return "".join(part["text"] for item in response["output"] if item["type"] == "message"
+                   for part in item["content"])
+
+
+def events(app, r) -> list:
+    """The typed events of a streamed response, each checked: its `event:` line names
+    its type, sequence numbers count from 0, and replies.json's response-event holds."""
+    assert r.status == 200, r.body
+    assert r.headers["content-type"] == "text/event-stream"
+    out = []
+    for block in r.body.decode().split("\n\n"):
+        if not block:
+            continue
+        name, data = block.split("\n")
+        assert name.startswith("event: ") and data.startswith("data: "), block
+        event = json.loads(data[6:])
+        assert event["type"] == name[7:] and event["sequence_number"] == len(out)
+        assert not app.validators.reply_errors("response-event", event), event
+        out.append(event)
+    return out
+
+
+# --- the translation onto chat -----------------------------------------------------------
+
+
+def test_a_response_is_the_chat_completion_of_its_conversation(api):
+    r = respond(api, input="Hello there", instructions="Be brief.", metadata={"k": "v"})
+    assert r.status == 200, r.body
+    out = r.json
+    completion = chat(api, [{"role": "system", "content": "Be brief."},
+                            {"role": "user", "content": "Hello there"}])
+    assert out["id"].startswith("resp_") and out["object"] == "response"
+    assert out["model"] == "tiny" and out["instructions"] == "Be brief."
+    assert out["metadata"] == {"k": "v"} and out["store"] is False
+    assert out["error"] is None and out["temperature"] == 0 and out["tools"] == []
+    message, = out["output"]
+    assert message["type"] == "message" and message["role"] == "assistant"
+    assert message["id"].startswith("msg_")
+    assert message["content"] == [{"type": "output_text", "annotations": [],
+                                   "text": completion["choices"][0]["message"]["content"]}]
+    usage = completion["usage"]
+    assert out["usage"]["input_tokens"] == usage["prompt_tokens"]
+    assert out["usage"]["output_tokens"] == usage["completion_tokens"]
+    assert out["usage"]["total_tokens"] == usage["total_tokens"]
+    assert out["usage"]["output_tokens_details"] == {"reasoning_tokens": 0}
+    finish = completion["choices"][0]["finish_reason"]
+    assert out["status"] == ("incomplete" if finish == "length" else "completed")
+
+
+def test_max_output_tokens_makes_it_incomplete(api):
+    out = respond(api, input="Hello there", max_output_tokens=3).json
+    assert out["status"] == "incomplete" and out["usage"]["output_tokens"] == 3
+    assert out["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert out["output"][0]["status"] == "incomplete" and "completed_at" not in out
+    assert out["max_output_tokens"] == 3
+
+
+def test_input_items_are_the_conversation_chat_gets(api):
+    """Every kind of input item, against the chat messages it stands for: the same prompt
+    (Qwen 2.5's template renders calls and tool results), so the same reply."""
+    items = [
+        {"role": "developer", "content": "You answer about weather."},
+        {"type": "message", "role": "user",
+         "content": [{"type": "input_text", "text": "Weather in Paris?"},
+                     {"type": "input_text", "text": "In celsius."}]},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "Let me look.", "annotations": []}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "call_a", "name": "get_weather",
+         "arguments": '{"city": "Paris", "metric": true}', "status": "completed"},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "function_call_output", "call_id": "call_a", "output": '{"celsius": 21}'},
+        {"role": "user", "content": "Thanks"}]
+    messages = [
+        {"role": "system", "content": "You answer about weather."},
+        {"role": "user", "content": "Weather in Paris?\nIn celsius."},
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [
+            {"id": "call_a", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Paris", "metric": true}'}}]},
+        {"role": "tool", "tool_call_id": "call_a", "content": '{"celsius": 21}'},
+        {"role": "user", "content": "Thanks"}]
+    out = respond(api, model="qwen25", input=items, tools=TOOLS, tool_choice="none").json
+    completion = chat(api, messages, model="qwen25", tools=CHAT_TOOLS, tool_choice="none")
+    assert out["usage"]["input_tokens"] == completion["usage"]["prompt_tokens"]
+    assert text_of(out) == completion["choices"][0]["message"]["content"]
+    without_tools = chat(api, messages, model="qwen25")
+    assert without_tools["usage"]["prompt_tokens"] < out["usage"]["input_tokens"]
+
+
+def test_a_stream_is_typed_events_in_openais_order(app, api):
+    plain = respond(api, input="Hello there", max_output_tokens=10).json
+    got = events(app, respond(api, input="Hello there", max_output_tokens=10, stream=True))
+    kinds = [e["type"] for e in got]
+    deltas = [e for e in got if e["type"] == "response.output_text.delta"]
+    assert kinds == ["response.created", "response.in_progress",
+                     "response.output_item.added", "response.content_part.added",
+                     *["response.output_text.delta"] * len(deltas),
+                     "response.output_text.done", "response.content_part.done",
+                     "response.output_item.done",
+                     "response.incomplete" if plain["status"] == "incomplete" else
+                     "response.completed"]
+    assert len(deltas) >= 3  # piece by piece, not one blob
+    created, final = got[0]["response"], got[-1]["response"]
+    assert created["status"] == "in_progress" and created["output"] == []
+    assert created["usage"] is None and created["id"] == final["id"]
+    added, item_done = got[2]["item"], got[-2]["item"]
+    assert added["status"] == "in_progress" and added["content"][0]["text"] == ""
+    assert all(e["item_id"] == added["id"] for e in got[3:-2])
+    text = "".join(e["delta"] for e in deltas)
+    assert text == text_of(plain) == got[-4]["text"] == got[-3]["part"]["text"]
+    assert final["output"] == [item_done] and item_done["id"] == added["id"]
+    assert final["status"] == plain["status"] and final["usage"] == {
+        **plain["usage"], "input_tokens_details": {
+            "cached_tokens": plain["usage"]["input_tokens"] - 1,  # the same prompt again
+            "cache_write_tokens": 0}}
+    assert b"[DONE]" not in respond(api, input="Hi", stream=True).body
+
+
+# --- function calls --------------------------------------------------------------------
+
+
+def test_a_forced_call_comes_back_as_a_function_call_item(app, api):
+    body = {"model": "qwen25", "input": "What is the weather in Paris?", "tools": TOOLS,
+            "tool_choice": "required", "parallel_tool_calls": False,
+            "max_output_tokens": 120}
+    out = respond(api, **body).json
+    call_item, = out["output"]
+    assert call_item["type"] == "function_call" and call_item["status"] == "completed"
+    assert call_item["id"].startswith("fc_") and call_item["call_id"].startswith("call_")
+    jsonschema.validate(json.loads(call_item["arguments"]), SCHEMAS[call_item["name"]])
+    assert out["status"] == "completed" and out["tool_choice"] == "required"
+    assert out["parallel_tool_calls"] is False and out["tools"] == TOOLS
+
+    got = events(app, respond(api, **body, stream=True))
+    kinds = [e["type"] for e in got]
+    pieces = [e["delta"] for e in got if e["type"] == "response.function_call_arguments.delta"]
+    assert kinds == ["response.created", "response.in_progress",
+                     "response.output_item.added",
+                     *["response.function_call_arguments.delta"] * len(pieces),
+                     "response.function_call_arguments.done", "response.output_item.done",
+                     "response.completed"]
+    added, done, final = got[2]["item"], got[-2]["item"], got[-1]["response"]
+    assert (added["name"], added["arguments"], added["status"]) == (
+        call_item["name"], "", "in_progress")
+    assert "".join(pieces) == got[-3]["arguments"] == call_item["arguments"]
+    assert done["arguments"] == call_item["arguments"] and final["output"] == [done]
+
+    # A named function, as Responses names it, and the function's output back.
+    named = respond(api, **{**body, "tool_choice": {"type": "function", "name": "get_time"}})
+    assert named.json["output"][0]["name"] == "get_time"
+    follow = [{"role": "user", "content": "What is the weather in Paris?"}, call_item,
+              {"type": "function_call_output", "call_id": call_item["call_id"],
+               "output": [{"type": "input_text", "text": '{"celsius": 21}'}]}]
+    final = respond(api, model="qwen25", input=follow, tools=TOOLS, tool_choice="none").json
+    assert final["output"][0]["type"] == "message"
+    assert final["usage"]["input_tokens"] > out["usage"]["input_tokens"]
+
+
+# --- storage and previous_response_id ----------------------------------------------------
+
+
+def test_previous_response_id_continues_the_stored_conversation(app, api):
+    first = respond(api, input="Hello there", instructions="Be brief.", store=True).json
+    assert first["store"] is True
+    assert api("GET", f"/v1/responses/{first['id']}").json == first
+    second = respond(api, input="And then?", previous_response_id=first["id"]).json
+    assert second["previous_response_id"] == first["id"] and second["instructions"] is None
+    # The first turn's input and output come first; its instructions do not (as OpenAI).
+    completion = chat(api, [{"role": "user", "content": "Hello there"},
+                            {"role": "assistant", "content": text_of(first)},
+                            {"role": "user", "content": "And then?"}])
+    assert second["usage"]["input_tokens"] == completion["usage"]["prompt_tokens"]
+    assert text_of(second) == completion["choices"][0]["message"]["content"]
+    assert second["usage"]["input_tokens"] > first["usage"]["input_tokens"]
+
+    # store false (the default): not kept, so neither readable nor continued.
+    r = api("GET", f"/v1/responses/{second['id']}")
+    assert r.status == 404 and r.json["error"]["type"] == "not_found_error"
+    assert second["id"] in r.json["message"]
+    r = respond(api, input="Go on", previous_response_id=second["id"])
+    assert r.status == 400 and r.json["error"]["param"] == "previous_response_id"
+    assert r.json["error"]["code"] == "previous_response_not_found"
+    assert r.json["message"] == f"Previous response with id '{second['id']}' not found."
+
+    # A chain of stored responses carries every turn; a streamed one is stored too.
+    third = events(app, respond(api, input="And then?", previous_response_id=first["id"],
+                                store=True, stream=True))
+    third_id = third[-1]["response"]["id"]
+    stored = api("GET", f"/v1/responses/{third_id}").json
+    assert stored["status"] in ("completed", "incomplete") and text_of(stored) == text_of(second)
+    fourth = respond(api, input="Last", previous_response_id=third_id).json
+    assert fourth["usage"]["input_tokens"] > second["usage"]["input_tokens"]
+
+    r = api("DELETE", f"/v1/responses/{first['id']}")
+    assert r.status == 200 and r.json == {"id": first["id"], "object": "response.deleted",
+                                          "deleted": True}
+    assert api("GET", f"/v1/responses/{first['id']}").status == 404
+    assert api("DELETE", f"/v1/responses/{first['id']}").status == 404
+
+
+def test_the_store_keeps_the_most_recently_used_within_its_bounds():
+    store = Store(max_responses=2, max_bytes=10_000)
+    for name in "abc":
+        store.put({"id": name}, [{"role": "user", "content": name}])
+    assert len(store) == 2 and store.get("a") is None
+    assert store.get("b") is not None  # b is now the most recently used: c goes first
+    store.put({"id": "d"}, [])
+    assert store.get("c") is None and store.get("b") and store.get("d")
+    big = [{"role": "user", "content": "x" * 6000}]
+    store.put({"id": "e"}, big)
+    store.put({"id": "f"}, big)  # two of these pass max_bytes: only the newest stays
+    assert len(store) == 1 and store.get("f")[1] == tuple(big)
+    assert store.delete("f") and not store.delete("f") and len(store) == 0
+
+
+# --- bad requests --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"input": "x", "model": 3}, "model"),
+    ({"model": "tiny"}, "input"),
+    ({"input": 3}, "input"),
+    ({"input": []}, "input"),
+    ({"input": [{"content": "x"}]}, "input[0].role"),
+    ({"input": [{"role": "bot", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+     "input[0].content[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+     "input[0].content[0].text"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+     "input[0].call_id"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]},
+     "input[0].output"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "x", "tools": [{"type": "function"}]}, "tools[0].name"),
+    ({"input": "x", "tools": [{"type": "function", "name": "a b"}]}, "tools[0].name"),
+    ({"input": "x", "tools": [WEATHER, WEATHER]}, "tools[1].name"),
+    ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}},
+     "tool_choice.name"),
+    ({"input": "x", "tool_choice": "sometimes"}, "tool_choice"),
+    ({"input": "x", "tools": TOOLS, "tool_choice": "required"}, "tools"),  # ChatML: no calls
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "temperature": 3}, "temperature"),
+    ({"input": "x", "top_p": "high"}, "top_p"),
+    ({"input": "x", "metadata": {"k": 1}}, "metadata.k"),
+    ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format.schema"),
+    ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type"),
+    ({"input": "x", "previous_response_id": "resp_unknown"}, "previous_response_id"),
+    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation"),
+    ({"input": "x", "top_logprobs": 5}, "top_logprobs"),
+    ({"input": "x", "store": "yes"}, "store"),
+    ({"input": "x" * 3000}, "input"),  # longer than the context of 512 tokens
+])
+def test_bad_bodies_are_a_400_naming_the_field(api, body, param):
+    r = api("POST", "/v1/responses", {"model": "tiny", **body})
+    assert r.status == 400, r.body
+    error = r.json["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert r.json["message"] == error["message"]
+    # The field's name, or (as OpenAI words it) the unknown previous response's id.
+    assert param in error["message"] or body[param] in error["message"]
+
+
+def test_an_unknown_model_is_a_404_and_api_keys_apply(api, settings):
+    r = respond(api, model="nope", input="x")
+    assert r.status == 404 and r.json["error"]["code"] == "model_not_found"
+    settings.update({"apiKeys": ["k-123"]})
+    for method, path in (("POST", "/v1/responses"), ("GET", "/v1/responses/resp_x"),
+                         ("DELETE", "/v1/responses/resp_x")):
+        r = api(method, path, {"model": "tiny", "input": "x"} if method == "POST" else None)
+        assert r.status == 401 and r.json["error"]["code"] == "unauthorized"
+    r = api("POST", "/v1/responses", {"model": "tiny", "input": "x", "max_output_tokens": 2},
+            headers={"Authorization": "Bearer k-123"})
+    assert r.status == 200 and r.json["object"] == "response"
+
+
+def test_a_model_stopped_mid_stream_ends_it_failed(app, slow_gguf):
+    """The chat stream's error becomes an `error` event and response.failed."""
+    call(app, "POST", "/v1/models/import", {"path": str(slow_gguf), "id": "slow"})
+    call(app, "POST", "/v1/models/slow/start", {"cpu_threads": 1})
+    body = {"model": "slow", "input": "Hello", "max_output_tokens": 3000}
+    stream = app.services.responses.create({**body, "stream": True})
+    try:
+        got = stream.events()
+        kinds = [next(got)[0] for _ in range(5)]  # created ... the first delta
+        assert kinds[-1] == "response.output_text.delta"
+        stopper = threading.Thread(target=app.services.scheduler.stop, args=("slow",))
+        stopper.start()
+        rest = list(got)
+        stopper.join(30)
+    finally:
+        stream.close()
+    error, failed = rest[-2][1], rest[-1][1]
+    assert error["type"] == "error" and error["code"] == "model_stopped"
+    assert failed["type"] == "response.failed"
+    assert failed["response"]["status"] == "failed"
+    assert failed["response"]["error"]["code"] == "server_error"
+    assert failed["response"]["output"][0]["type"] == "message"
+    assert not app.validators.reply_errors("response-event", failed)
+
+
+def test_a_remote_models_reply_is_translated_the_same_way(app, api, weights, tmp_path):
+    """A remote model (llama-cpp-python's server upstream, tests/upstreams.py): its chat
+    comes back through localrt.remote, streamed or not, and becomes the same response."""
+    from upstreams import start_replica
+
+    replica = start_replica(weights["tiny"], tmp_path / "replica.log", n_ctx=512)
+    try:
+        r = api("POST", "/v1/models/remote", {"id": "far", "upstreams": [{"url": replica.url}]})
+        assert r.status == 200, r.body
+        plain = respond(api, model="far", input="Hello there", instructions="Be brief.")
+        assert plain.status == 200, plain.body
+        out = plain.json
+        assert out["model"] == "far" and out["output"][0]["type"] == "message"
+        assert out["status"] in ("completed", "incomplete") and out["usage"]["output_tokens"]
+        got = events(app, respond(api, model="far", input="Hello there",
+                                  instructions="Be brief.", stream=True))
+        text = "".join(e["delta"] for e in got if e["type"] == "response.output_text.delta")
+        final = got[-1]["response"]
+        assert got[-1]["type"] in ("response.completed", "response.incomplete")
+        assert text == text_of(out) == text_of(final) and final["status"] == out["status"]
+        assert replica.chats() == 2
+    finally:
+        replica.stop()
+
+
+# --- the openai SDK --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(weights, tmp_path_factory):
+    """The real openai SDK against a live `localrt start --foreground` with both models."""
+    import openai
+
+    srv = run_foreground_server(tmp_path_factory.mktemp("responses-home"))
+    try:
+        for model_id, path in weights.items():
+            status, body = send(srv.url, "POST", "/v1/models/import",
+                                {"path": str(path), "id": model_id})
+            assert status == 200, body
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
+                           timeout=120) as sdk:
+            yield sdk
+    finally:
+        srv.stop()
+
+
+def test_the_sdk_creates_streams_retrieves_and_deletes(client):
+    import openai
+
+    first = client.responses.create(model="tiny", input="Hello there", temperature=0,
+                                    max_output_tokens=8, store=True)
+    assert first.object == "response" and first.status in ("completed", "incomplete")
+    assert isinstance(first.output_text, str) and first.usage.output_tokens <= 8
+    assert first.output[0].type == "message" and first.output[0].role == "assistant"
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+
+    # Streamed with stream=True: the SDK's typed events.
+    stream = client.responses.create(model="tiny", input="Hello there", temperature=0,
+                                     max_output_tokens=8, stream=True)
+    kinds, text, final = [], "", None
+    for event in stream:
+        kinds.append(event.type)
+        if event.type == "response.output_text.delta":
+            text += event.delta
+        if event.type in ("response.completed", "response.incomplete"):
+            final = event.response
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert text == first.output_text == final.output_text
+
+    # max_output_tokens: incomplete, as the SDK reads it.
+    short = client.responses.create(model="tiny", input="Hello there", temperature=0,
+                                    max_output_tokens=2)
+    assert short.status == "incomplete" and short.incomplete_details.reason == \
+        "max_output_tokens"
+
+    # A chain: the second turn's prompt holds the first.
+    second = client.responses.create(model="tiny", input="And then?", temperature=0,
+                                     max_output_tokens=8, previous_response_id=first.id)
+    assert second.usage.input_tokens > first.usage.input_tokens + 3
+
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(second.id)  # store defaults to false
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="tiny", input="x", previous_response_id=first.id)
+    assert caught.value.code == "previous_response_not_found"
+    assert caught.value.param == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="tiny", input="x", temperature=5)
+    assert caught.value.param == "temperature"
+
+
+def test_the_sdk_function_call_round_trip(client):
+    """function_call, its output, the final answer, as the SDK's users write it; the SDK's
+    own output objects go back as input."""
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.responses.create(model="qwen25", input=ask, tools=TOOLS,
+                                    tool_choice="required", parallel_tool_calls=False,
+                                    temperature=0, max_output_tokens=120)
+    tool_call, = first.output
+    assert tool_call.type == "function_call" and tool_call.status == "completed"
+    arguments = json.loads(tool_call.arguments)
+    jsonschema.validate(arguments, SCHEMAS[tool_call.name])
+    follow = ask + list(first.output) + [
+        {"type": "function_call_output", "call_id": tool_call.call_id,
+         "output": json.dumps({"result": "sunny"})}]
+    final = client.responses.create(model="qwen25", input=follow, tools=TOOLS,
+                                    tool_choice="none", temperature=0, max_output_tokens=8)
+    assert final.output[0].type == "message" and isinstance(final.output_text, str)
+    assert final.usage.input_tokens > first.usage.input_tokens
+
+    # The same first step streamed, through the SDK's stream helper.
+    with client.responses.stream(model="qwen25", input=ask, tools=TOOLS,
+                                 tool_choice="required", parallel_tool_calls=False,
+                                 temperature=0, max_output_tokens=120) as stream:
+        pieces = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
+        streamed = stream.get_final_response()
+    call_again, = streamed.output
+    assert (call_again.name, call_again.arguments, "".join(pieces)) == (
+        tool_call.name, tool_call.arguments, tool_call.arguments)
+
+    # Chained instead of resent: the call's output continues the stored response.
+    stored = client.responses.create(model="qwen25", input=ask, tools=TOOLS,
+                                     tool_choice="required", parallel_tool_calls=False,
+                                     temperature=0, max_output_tokens=120, store=True)
+    chained = client.responses.create(
+        model="qwen25", previous_response_id=stored.id, tools=TOOLS, tool_choice="none",
+        temperature=0, max_output_tokens=8,
+        input=[{"type": "function_call_output", "call_id": stored.output[0].call_id,
+                "output": json.dumps({"result": "sunny"})}])
+    assert chained.usage.input_tokens == final.usage.input_tokens
+    assert chained.output_text == final.output_text
+
+
+def test_the_sdk_stream_helper_rebuilds_a_completed_response(client, weights):
+    """client.responses.stream() wants response.completed: a reply that ends at one of the
+    model's stop sequences (stored on a copy of tiny) completes."""
+    url = str(client.base_url).rstrip("/").removesuffix("/v1")
+    send(url, "POST", "/v1/models/import", {"path": str(weights["tiny"]), "id": "tiny-stop"})
+    body = {"model": "tiny-stop", "input": "Hello there", "temperature": 0,
+            "max_output_tokens": 24}
+    full = client.responses.create(**body).output_text
+    stop = next(full[i:i + 2] for i in range(3, len(full) - 2)
+                if full[i:i + 2].strip() and "\ufffd" not in full[i:i + 2])
+    send(url, "POST", "/v1/models/tiny-stop/stop")
+    assert send(url, "PATCH", "/v1/models/tiny-stop", {"stop": [stop]})[0] == 200
+    with client.responses.stream(**body) as stream:
+        text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert final.status == "completed" and final.completed_at
+    assert text == final.output_text == full[:full.index(stop)]
