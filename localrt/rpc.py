@@ -121,7 +121,8 @@ def untrusted_host(servers: Iterable[tuple[str, int]], trusted: Iterable[str],
 
 def _addresses(host: str) -> list[str]:
     """Every address `host` resolves to (getaddrinfo's)."""
-    return sorted({info[4][0] for info in socket.getaddrinfo(host, None)})
+    return sorted({str(info[4][0]).split("%")[0]  # fe80::1%eth0: the scope is no address
+                   for info in socket.getaddrinfo(host, None)})
 
 
 # --- the preflight child ---------------------------------------------------------------

@@ -131,3 +131,139 @@ def test_an_unreachable_server_is_a_502_naming_it(tmp_path):
     assert caught.value.status == 502 and caught.value.code == "rpc_server_error"
     assert "127.0.0.1:1" in caught.value.message
     assert "no RPC backend" in caught.value.message
+
+
+# --- building a variant from an sdist (the real compile is test_rpc_live.py's) --------
+
+
+def test_the_build_progress_comes_from_pips_and_ninjas_lines():
+    from localrt.builds import _progress
+
+    progress = {"stage": "start", "step": 0, "steps": 0, "line": ""}
+    seen = []
+    for line in ("  Installing build dependencies: started",
+                 "  Collecting scikit-build-core[pyproject]>=0.9.2",
+                 "  Preparing metadata (pyproject.toml): started",
+                 "  *** Configuring CMake...",
+                 "  -- The C compiler identification is GNU 12.2.0",
+                 "  *** Building project with Ninja...",
+                 "  [12/197] /usr/bin/gcc -DGGML_USE_RPC -O3 -c ggml.c -o ggml/src/ggml.c.o",
+                 "  [13/197] : && /usr/bin/cmake -E cmake_symlink_library bin/libggml.so",
+                 "  *** Installing project into wheel...",
+                 "  *** Making wheel..."):
+        if _progress(progress, line):
+            seen.append(dict(progress))
+    assert [s["stage"] for s in seen] == ["requirements", "metadata", "configure", "compile",
+                                          "compile", "compile", "install", "wheel"]
+    assert seen[4] == {"stage": "compile", "step": 12, "steps": 197,
+                       "line": "[12/197] ggml.c.o"}
+    assert seen[5]["step"] == 13 and seen[5]["line"].startswith("[13/197] : && /usr/bin")
+
+
+FAILING_BACKEND = '''
+import os
+
+
+def get_requires_for_build_wheel(config_settings=None):
+    return []
+
+
+def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):
+    info = os.path.join(metadata_directory, "llama_cpp_python-9.9.9.dist-info")
+    os.makedirs(info)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\\nName: llama_cpp_python\\nVersion: 9.9.9\\n")
+    return "llama_cpp_python-9.9.9.dist-info"
+
+
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+    print("*** Configuring CMake...", flush=True)
+    print("CMAKE_ARGS=" + os.environ.get("CMAKE_ARGS", ""), flush=True)
+    print("CFLAGS=" + os.environ.get("CFLAGS", ""), flush=True)
+    print("[1/2] cc -c ggml.c -o ggml.c.o", flush=True)
+    raise SystemExit("ggml.c:1:1: error: this sdist does not build")
+'''
+
+
+def write_sdist(folder, version="9.9.9"):
+    """A llama-cpp-python sdist whose in-tree build backend fails as a compile does."""
+    import io
+    import tarfile
+
+    top = f"llama_cpp_python-{version}"
+    files = {"pyproject.toml": ('[build-system]\nrequires = []\nbuild-backend = '
+                                '"failing_backend"\nbackend-path = ["."]\n\n[project]\n'
+                                f'name = "llama_cpp_python"\nversion = "{version}"\n'),
+             "failing_backend.py": FAILING_BACKEND,
+             "PKG-INFO": f"Metadata-Version: 2.1\nName: llama_cpp_python\nVersion: {version}\n"}
+    path = folder / f"{top}.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"{top}/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_a_build_that_fails_fails_its_task_with_the_end_of_its_output(settings, tmp_path):
+    import shutil
+
+    from conftest import wait_task
+    from localrt.app import create_app
+    from localrt.hardware import detect_hardware
+    from pkgindex import PackageIndex
+
+    if shutil.which("cc") is None or shutil.which("c++") is None:
+        pytest.skip("no C/C++ compiler: the install refuses to build (a 400)")
+    hw = detect_hardware()
+    if hw.cpu_level() is None:
+        pytest.skip("no CPU level variant runs here")
+    variant = f"{hw.platform}-{hw.cpu_level()}{RPC_SUFFIX}"
+    index_dir = tmp_path / "index"
+    index_dir.mkdir()
+    write_sdist(index_dir)
+    with PackageIndex(index_dir) as index:
+        settings.update({"engineIndexUrl": index.url})
+        app = create_app(settings)
+        try:
+            api = lambda *a, **k: call(app, *a, **k)  # noqa: E731
+            r = api("POST", "/v1/engines/gguf-cpp/install", {"variant": variant})
+            assert r.status == 200, r.body
+            assert "localrt compiles llama_cpp_python-9.9.9.tar.gz" in r.json["note"]
+            task = wait_task(api, r.json["task"]["id"], timeout=120)
+        finally:
+            app.close()
+    assert task["status"] == "Error", task
+    assert "Building gguf-cpp " + variant + " v9.9.9 from llama_cpp_python-9.9.9.tar.gz " \
+        "failed" in task["error"]
+    assert "error: this sdist does not build" in task["error"]
+    assert "-DGGML_RPC=ON" in task["error"]  # the flags reached the build
+    if hw.arch == "amd64":
+        assert "-mno-amx-tile" in task["error"]
+    assert task["build"]["stage"] == "compile" and task["build"]["step"] == 1
+    engines = settings.data_dir / "engines"
+    assert not list((engines / ".builds").rglob("*.whl"))
+    assert not list((engines / ".builds").rglob(".*.partial"))
+    assert not (engines / "gguf-cpp" / variant).exists()
+
+
+def test_an_index_with_neither_wheel_nor_sdist_is_a_400(settings, tmp_path):
+    from localrt.app import create_app
+    from localrt.hardware import detect_hardware
+    from pkgindex import PackageIndex
+
+    hw = detect_hardware()
+    if hw.cpu_level() is None:
+        pytest.skip("no CPU level variant runs here")
+    variant = f"{hw.platform}-{hw.cpu_level()}{RPC_SUFFIX}"
+    (tmp_path / "index").mkdir()
+    with PackageIndex(tmp_path / "index") as index:
+        settings.update({"engineIndexUrl": index.url})
+        app = create_app(settings)
+        try:
+            r = call(app, "POST", "/v1/engines/gguf-cpp/install", {"variant": variant})
+        finally:
+            app.close()
+    assert r.status == 400 and r.json["error"]["param"] == "variant", r.body
+    assert "nor an sdist to build it from" in r.json["message"]
