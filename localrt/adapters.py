@@ -65,6 +65,7 @@ llama_cpp and onnxruntime_genai are imported only when a model loads.
 from __future__ import annotations
 
 import codecs
+import ctypes
 import functools
 import json
 import logging
@@ -79,9 +80,9 @@ from localrt.errors import Conflict, InvalidField
 GGUF_ENGINE, ONNX_ENGINE = "gguf-cpp", "onnx-runtime"
 
 # Model start options (schemas/model-start.json) become llama.cpp's parameters in
-# _model_params (ngl, use_mmap, mlock) and _context_params (ctx_len x n_parallel,
-# n_parallel, n_batch, cpu_threads, flash_attn, cache_type); caching_enabled is the
-# Batcher's. If you add one, also map it there.
+# _model_params (ngl, use_mmap, mlock; rpc_servers: the devices, localrt.rpc) and
+# _context_params (ctx_len x n_parallel, n_parallel, n_batch, cpu_threads, flash_attn,
+# cache_type); caching_enabled is the Batcher's. If you add one, also map it there.
 DEFAULT_BATCH = 512  # n_batch when not given (and the most n_ubatch is), llama-cpp-python's
 # cache_type -> ggml_type, for the context's type_k and type_v (ggml.h's enum ggml_type),
 # and the bytes each value of the KV cache takes in it (ggml's block size / block length).
@@ -276,10 +277,19 @@ def generating(model):
 
 
 class GgufEngine:
-    """gguf-cpp: llama.cpp through llama-cpp-python, imported at the first load."""
+    """gguf-cpp: llama.cpp through llama-cpp-python, imported at the first load.
+
+    `_rpc` is this process's use of rpc-servers (localrt.rpc.Client), shared by the
+    models it loads with `rpc_servers`.
+    """
 
     name, format = GGUF_ENGINE, "GGUF"
     description = "llama.cpp through llama-cpp-python; runs GGUF models"
+
+    def __init__(self):
+        from localrt import rpc
+
+        self._rpc = rpc.Client()
 
     def load(self, model_path: str, options: dict) -> "LlamaModel":
         """Load a GGUF file and make its context: n_parallel sequences of ctx_len tokens,
@@ -287,16 +297,22 @@ class GgufEngine:
         mode (`LlamaEmbedder`)."""
         pooling = embedding_pooling(model_path, options)
         if pooling is not None:
+            if options.get("rpc_servers"):
+                raise InvalidField("Invalid field 'rpc_servers': an embedding model loads "
+                                   "on this machine only", param="rpc_servers")
             return LlamaEmbedder.open(model_path, options, pooling)
-        return LlamaModel(model_path, options)
+        return LlamaModel(model_path, options, self._rpc)
 
     @staticmethod
     def check_options(options: dict) -> Iterator[tuple[str, str]]:
-        """(option, why) for each start option llama.cpp cannot take."""
+        """(option, why) for each start option llama.cpp cannot take (localrt.engines
+        checks rpc_servers against the build and rpcTrustedHosts)."""
         if options.get("grp_attn_n", 1) > 1:
             yield "grp_attn_n", "gguf-cpp has no group attention (self-extend); leave it at 1"
         if options.get("cache_type") in QUANTIZED_CACHE and not options.get("flash_attn"):
             yield "cache_type", f"a {options['cache_type']} KV cache needs flash_attn: true"
+        if options.get("rpc_servers") and options.get("embedding"):
+            yield "rpc_servers", "an embedding model loads on this machine only"
 
     @staticmethod
     def check_request(params: dict) -> None:
@@ -314,15 +330,24 @@ class LlamaModel(GeneratingModel):
     and runs the steps.
     """
 
-    def __init__(self, model_path: str, options: dict):
+    def __init__(self, model_path: str, options: dict, rpc_client=None):
         import llama_cpp
         from llama_cpp import _internals
 
         # llama.cpp logs through llama-cpp-python's logger; errors only, as Llama(verbose=False).
         logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
         self._llama_cpp = llama_cpp
-        self._model = _internals.LlamaModel(path_model=model_path, verbose=False,
-                                            params=_model_params(llama_cpp, options))
+        params = _model_params(llama_cpp, options)
+        self._rpc, self._rpc_targets = rpc_client, _rpc_targets(llama_cpp, options)
+        if self._rpc_targets:
+            devices = rpc_client.devices(self._rpc_targets, _engine_dir(llama_cpp))
+            params.devices = ctypes.cast(devices, ctypes.c_void_p)  # kept until loaded
+        try:
+            self._model = _internals.LlamaModel(path_model=model_path, verbose=False,
+                                                params=params)
+        except BaseException:
+            self._release_rpc()
+            raise
         try:
             self.slots = options.get("n_parallel") or 1  # the scheduler's default is 4
             # Each sequence has ctx_len tokens of KV; llama.cpp may round the context up.
@@ -332,6 +357,7 @@ class LlamaModel(GeneratingModel):
             self._batch = LlamaBatch(llama_cpp, self._model.model, params)
         except BaseException:
             self._model.close()
+            self._release_rpc()
             raise
         self._batcher = Batcher(self.slots, params.n_batch, self._batch,
                                 caching=options.get("caching_enabled", True))
@@ -459,8 +485,6 @@ class LlamaModel(GeneratingModel):
         pieces = self._special_pieces if special else self._pieces
         piece = pieces.get(token)
         if piece is None:
-            import ctypes
-
             vocab, size = self._model.vocab, 64
             while True:
                 buf = ctypes.create_string_buffer(size)
@@ -482,19 +506,24 @@ class LlamaModel(GeneratingModel):
 
     def memory(self) -> dict:
         """RAM and VRAM from llama.cpp: the weights (split by offloaded layers) and the
-        KV cache of every slot (`kv`, in ram or vram)."""
+        KV cache of every slot (`kv`, in ram or vram). A model split across rpc-servers
+        offloads to them, not to a GPU here: that part is `remote`, in neither."""
+        from localrt import rpc
+
         llama_cpp, model = self._llama_cpp, self._model
         weights = llama_cpp.llama_model_size(model.model)
         kv = self.kv_bytes()
         layers = llama_cpp.llama_model_n_layer(model.model)
         offloaded = 0
-        if llama_cpp.llama_supports_gpu_offload():
+        if self._rpc_targets or rpc.local_gpu(llama_cpp):
             ngl = model.params.n_gpu_layers
             offloaded = layers + 1 if ngl < 0 else min(ngl, layers + 1)
         # The offloaded layers' weights go to the GPU, and so does the KV cache
         # (llama.cpp's offload_kqv) once any layer is offloaded.
-        vram = weights * offloaded // (layers + 1) + (kv if offloaded else 0)
-        return {"ram": weights + kv - vram, "vram": vram, "kv": kv}
+        away = weights * offloaded // (layers + 1) + (kv if offloaded else 0)
+        if self._rpc_targets:
+            return {"ram": weights + kv - away, "vram": 0, "kv": kv, "remote": away}
+        return {"ram": weights + kv - away, "vram": away, "kv": kv}
 
     def kv_bytes(self) -> int:
         """The KV cache's size: keys and values of every layer for every token of every slot."""
@@ -540,6 +569,37 @@ class LlamaModel(GeneratingModel):
             self._batcher.close()
             self._batch.close()
             self._model.close()
+        self._release_rpc()
+
+    def _release_rpc(self) -> None:
+        if self._rpc_targets:
+            self._rpc.release(self._rpc_targets)
+            self._rpc_targets = []
+
+
+def _rpc_targets(llama_cpp, options: dict) -> list[str]:
+    """The rpc-servers of the start option `rpc_servers` ("host:port" each); a 400 when
+    this llama.cpp has no RPC backend (localrt.engines names the variant that has)."""
+    from localrt import rpc
+
+    if not options.get("rpc_servers"):
+        return []
+    if not llama_cpp.llama_supports_rpc():
+        raise InvalidField("Invalid field 'rpc_servers': the llama.cpp this server loaded "
+                           "has no RPC backend; install a gguf-cpp +rpc variant (localrt "
+                           "engines install gguf-cpp --variant ...+rpc), or, if it is the "
+                           "active one already, restart the server to load it",
+                           param="rpc_servers")
+    try:
+        return rpc.endpoints(rpc.parse_servers(options["rpc_servers"]))
+    except ValueError as exc:
+        raise InvalidField(f"Invalid field 'rpc_servers': {exc}", param="rpc_servers") \
+            from None
+
+
+def _engine_dir(llama_cpp) -> str:
+    """The folder llama_cpp was imported from (an engine variant's, or site-packages)."""
+    return str(Path(llama_cpp.__file__).resolve().parent.parent)
 
 
 def _model_params(llama_cpp, options: dict):

@@ -8,10 +8,14 @@ not root), creates the virtual environment ``.venv`` in the checkout (or reuses 
 installs the checkout into it with pip, and then runs ``localrt start`` or
 ``python -m pytest``. Arguments after ``--`` go to that last command. ``--dry-run``
 prints the commands without running them. ``.ci/run`` is ``--test`` on a clean clone.
+``--test`` also downloads what the tests' package index serves: onnxruntime-genai's
+wheels, and the llama-cpp-python sdist (with its build requirements) that the RPC
+test compiles into the gguf-cpp +rpc variant, once, the way localrt itself does.
 
 This module runs with the system's python3 before any dependency exists, so it uses
-the standard library only and stays Python 3.9 compatible. Nothing in the package
-imports it.
+the standard library only and stays Python 3.9 compatible. Only localrt.builds
+imports it, for `build_env`: a variant localrt compiles later (gguf-cpp +rpc) gets
+the same flags.
 
 llama-cpp-python (the gguf-cpp engine) compiles from source for this CPU. GCC 12
 miscompiles ggml's AMX kernels (SIGILL on the first quantized model), so on x86-64
@@ -44,6 +48,12 @@ AMX_OFF = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
 # index_dir names the same pin in its failure message: change both together.
 ENGINE_WHEELS = ("onnxruntime-genai==0.18.0",)
 WHEEL_DIR = Path("tests") / ".engine-wheels"
+# What the RPC test's package index serves (tests/test_rpc_live.py): the sdist that
+# localrt compiles into the gguf-cpp +rpc variant, and the wheels its build needs
+# (cmake and ninja only where the machine lacks them, but they are small).
+RPC_SDIST = "llama-cpp-python==0.3.36"
+RPC_BUILD_WHEELS = ("scikit-build-core", "cmake", "ninja")
+RPC_SOURCES = Path("tests") / ".rpc-build" / "sources"
 
 # Commands the tests use when present, and the Debian packages that bring them.
 # Without them test_man.py and test_cors_browser.py skip, except under CI.
@@ -201,6 +211,10 @@ def setup(args: argparse.Namespace, shell: Shell, host: Host, err: TextIO) -> in
     if args.test:
         steps.append(([python, "-m", "pip", "download", "--only-binary=:all:",
                        "-d", WHEEL_DIR, *ENGINE_WHEELS], {}))
+        steps.append(([python, "-m", "pip", "download", "--no-deps", "--no-binary=:all:",
+                       "-d", RPC_SOURCES, RPC_SDIST], {}))
+        steps.append(([python, "-m", "pip", "download", "--only-binary=:all:",
+                       "-d", RPC_SOURCES, *RPC_BUILD_WHEELS], {}))
         steps.append(([python, "-m", "pytest", *args.rest], {}))
     else:
         steps.append(([venv / "bin" / "localrt", "start", *args.rest], {}))

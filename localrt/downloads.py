@@ -68,6 +68,7 @@ class Downloads:
                 raise Conflict(f"{task.id} is already downloading (taskId {task.id})",
                                extra={"taskId": task.id})
             self._tasks[task.id] = task
+            task.publish = lambda: self._publish("DownloadUpdated", task)
             self._forget_finished()
             thread = threading.Thread(target=self._run, args=(task,), daemon=True,
                                       name=f"download {task.id}")

@@ -39,7 +39,7 @@ from typing import Callable, Iterable
 from localrt import __version__, plugins
 from localrt.adapters import generating
 from localrt.errors import Conflict, HTTPError, NotFound
-from localrt.hardware import CPU_LEVELS, Hardware, detect_hardware
+from localrt.hardware import CPU_LEVELS, Hardware, detect_hardware, recommended
 from localrt.probe import Probes
 
 
@@ -66,6 +66,9 @@ class Variant:
     distribution: str         # project name in the package index
     local: str | None = None  # the PEP 440 local label its wheels carry (+avx2)
     needs: str | None = None  # a CPU flag, or "cuda-12"
+    # CMake options of a variant localrt compiles from the distribution's sdist when
+    # the index has no wheel of it (localrt.builds); () for one only the index has.
+    cmake: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -99,10 +102,17 @@ class EngineSpec:
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.files)
 
 
+RPC_SUFFIX = "+rpc"  # a gguf-cpp variant built with llama.cpp's RPC backend (localrt.rpc)
+
+
 def _gguf_variants(hw: Hardware) -> list[Variant]:
+    # The +rpc ones come last: an install that names no variant never picks one.
     found = [Variant(f"{hw.platform}-{level}", "llama-cpp-python", level, flag)
              for level, flag in CPU_LEVELS]
-    return found + [Variant(f"{hw.platform}-cuda-12", "llama-cpp-python", "cu12", "cuda-12")]
+    found.append(Variant(f"{hw.platform}-cuda-12", "llama-cpp-python", "cu12", "cuda-12"))
+    return found + [Variant(f"{hw.platform}-{level}{RPC_SUFFIX}", "llama-cpp-python",
+                            f"{level}.rpc", flag, cmake=("-DGGML_RPC=ON",))
+                    for level, flag in CPU_LEVELS]
 
 
 def _onnx_variants(hw: Hardware) -> list[Variant]:
@@ -187,8 +197,10 @@ class Engines:
 
     def __init__(self, root: Path, state, hardware: Hardware | None = None,
                  entry_points: Callable[[], list] | None = None,
-                 run_probe: Callable[[str | None, Hardware], dict] | None = None):
+                 run_probe: Callable[[str | None, Hardware], dict] | None = None,
+                 rpc_trusted: Callable[[], list] = list):
         self.root = root
+        self._rpc_trusted = rpc_trusted  # rpcTrustedHosts, read per start
         self.state = state  # localrt.installs.EngineState: engines.json
         self.hardware = hardware or detect_hardware()
         self.probes = Probes(root, self.hardware, run_probe)
@@ -409,7 +421,12 @@ class Engines:
     def check_options(self, name: str, options: dict) -> list[tuple[str, str]]:
         """(option, why) for each start option the engine cannot take."""
         check = getattr(self._rules(name), "check_options", None)
-        return list(check(options)) if check else []
+        found = list(check(options)) if check else []
+        if options.get("rpc_servers") and "rpc_servers" not in dict(found):
+            why = _rpc_problem(self, name, options["rpc_servers"], self._rpc_trusted())
+            if why:
+                found.append(("rpc_servers", why))
+        return found
 
     def check_request(self, name: str, params: dict) -> None:
         """Raise InvalidField for a chat request the engine cannot serve."""
@@ -458,3 +475,34 @@ class Engines:
                 self._imported[name] = str(active.get("path"))
             return self._objects[name]
 
+
+def _rpc_problem(engines: Engines, name: str, text: str, trusted: list) -> str | None:
+    """Why a model of engine `name` cannot be split across the rpc-servers of `text`: an
+    engine or an active build without llama.cpp's RPC backend, a malformed list, or a
+    host that is neither loopback nor in rpcTrustedHosts (`trusted`; localrt.rpc)."""
+    from localrt import rpc
+
+    spec = CATALOG.get(name)
+    with_rpc = [v for v in (spec.variants(engines.hardware) if spec else ())
+                if v.name.endswith(RPC_SUFFIX)]
+    if not with_rpc:
+        return f"engine {name} cannot split a model across rpc-server hosts"
+    try:
+        servers = rpc.parse_servers(text)
+    except ValueError as exc:
+        return str(exc)
+    untrusted = rpc.untrusted_host(servers, trusted)
+    if untrusted:
+        return untrusted[1]
+    active = engines.active(name)
+    if active is None or active["variant"].endswith(RPC_SUFFIX):
+        return None  # not installed: its start says so
+    wanted = active["variant"].split("+")[0] + RPC_SUFFIX
+    if wanted not in [v.name for v in with_rpc]:  # a GPU build: the best CPU one
+        best = recommended(with_rpc, engines.hardware)
+        wanted = best.name if best else with_rpc[0].name
+    return (f"the active {name} build ({active['variant']} "
+            f"{display_version(active['version'])}) has no RPC backend; install the "
+            f"variant {wanted} (localrt engines install {name} --variant {wanted}), "
+            f"which localrt compiles from source when the package index has no wheel of "
+            f"it, then start the model again")

@@ -140,6 +140,12 @@ class Task:
     # requirements are known only once the wheel is there).
     after_item: Callable[["Task", "Item"], None] | None = field(default=None, repr=False)
     cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
+    # A build's progress, for an engine variant compiled from source (localrt.builds):
+    # {"stage", "step", "steps", "line"}, shown as the task's `build`.
+    build: dict | None = None
+    # Set by Downloads.start: publishes the task as a DownloadUpdated event (a build's
+    # progress; fetches publish their own).
+    publish: Callable[[], None] | None = field(default=None, repr=False)
     # The sockets of the task's open connections (one per worker), to shut on a cancel.
     _sockets: set = field(default_factory=set, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False,
@@ -177,6 +183,8 @@ class Task:
         """The task as the API and events show it."""
         out = {"id": self.id, "type": self.type, "status": self.status,
                "items": [item.to_dict() for item in self.items]}
+        if self.build is not None:
+            out["build"] = dict(self.build)
         if self.error:
             out["error"] = self.error
         return out

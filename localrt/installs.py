@@ -7,7 +7,9 @@ every wheel is checked they are unpacked beside
 `<dataFolderPath>/engines/<engine>/<variant>/<version>/`, renamed into it, and only
 then listed in engines.json, written atomically: a folder not in the file does not
 count, so a cancelled or killed install leaves nothing half installed. Nothing is
-ever pip-installed.
+ever pip-installed. A variant with CMake options (gguf-cpp's +rpc ones) that the index
+has no wheel of is compiled from the index's sdist inside the same task
+(localrt.builds), or taken from the wheel built here before.
 
 Installing a variant that is installed already fetches nothing: its task checks
 each installed file against the RECORD of its wheel, with the events of any install,
@@ -35,7 +37,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping
 from urllib.parse import unquote, urlsplit
 
-from localrt import plugins, wheels
+from localrt import builds, plugins, wheels
 from localrt.downloads import DownloadFailed, Downloads, Item, Task
 from localrt.engines import (CATALOG, EngineNotInstalled, EngineSpec, Engines, Variant,
                              display_version, key)
@@ -125,12 +127,15 @@ class Installs:
             return self._check(name, installed[chosen.name, version])
         files = self._releases.files(chosen.distribution)
         dist = wheels.choose(files, f"=={version}" if version else "", chosen.local)
+        if dist is None and chosen.cmake:  # compiled from the sdist (localrt.builds)
+            return self._build(name, chosen, version, installed)
         if dist is None:
             raise self._releases.no_wheel(chosen, version, files, builtin)
         ver = dist.version.public
         if (chosen.name, ver) in installed:
             return self._check(name, installed[chosen.name, ver])
-        task = self._install_task(name, chosen.name, ver, [self._item(dist)])
+        task = self._install_task(name, chosen.name, ver,
+                                  [index_item(self._config(), self.root, dist)])
         self._downloads.start(task)
         reply = {"message": f"Engine {name} starts installing", "engine": name,
                  "task": task.to_dict()}
@@ -138,6 +143,22 @@ class Installs:
             reply["note"] = (f"{name} is already loaded in this server; restart the "
                              f"server to use the new variant once it is installed")
         return reply
+
+    def _build(self, name: str, chosen: Variant, version: str | None,
+               installed: dict) -> dict:
+        """Install a variant the index has no wheel of from its sdist (localrt.builds)."""
+        plan = builds.plan(self.root, name, chosen, version, self._config(), self._index_url())
+        if (chosen.name, plan.version) in installed:
+            return self._check(name, installed[chosen.name, plan.version])
+        if plan.build is not None:
+            builds.check_can_build(plan.build.what)
+        items = [index_item(self._config(), self.root, plan.sdist)] if plan.build else []
+        task = self._install_task(name, chosen.name, plan.version, items, local=plan.wheel,
+                                  build=plan.build)
+        self._downloads.start(task)
+        restart = "; restart the server to use it" if self._engines.loaded(name) else ""
+        return {"message": f"Engine {name} starts installing", "engine": name,
+                "task": task.to_dict(), "note": plan.note + restart}
 
     def install_wheel(self, source: str) -> dict:
         """Start installing a custom engine from a wheel file path or URL."""
@@ -264,7 +285,7 @@ class Installs:
         what = f"{name} {display_version(target['version'])} ({target['variant']})"
         builtin = target.get("builtin")
         items = []
-        for wheel, dist_info in self._dist_infos(target):
+        for wheel, dist_info in dist_infos(target):
             try:
                 files = tuple(wheels.recorded_files(dist_info))
             except (OSError, ValueError) as exc:
@@ -289,38 +310,16 @@ class Installs:
                              f"variant; restart the server to use this one")
         return reply
 
-    def _dist_infos(self, target: dict) -> list[tuple[str, Path]]:
-        """(name, .dist-info folder) of each distribution an installed variant is made of."""
-        if target.get("builtin"):
-            dist = metadata.distribution(target["distribution"])
-            record = next((f for f in dist.files or () if f.name == "RECORD"
-                           and f.parent.suffix == ".dist-info"), None)
-            if record is None:
-                raise Conflict(f"{target['distribution']} in localrt's environment has "
-                               f"no RECORD to check it against; reinstall it there",
-                               param="engine")
-            folder = Path(dist.locate_file(record)).parent
-            return [(folder.name, folder)]
-        folder = Path(target["path"])
-        return [(wheel, folder / ("-".join(wheel.split("-")[:2]) + ".dist-info"))
-                for wheel in target.get("wheels", [])]
-
-    def _item(self, dist: wheels.Dist) -> Item:
-        if not dist.sha256:
-            raise wheels.PackageIndexError(f"The package index gives no sha256 for "
-                                           f"{dist.filename}; refusing an unchecked wheel")
-        size = dist.size if dist.size is not None else \
-            wheels.content_length(self._config(), dist.url)
-        return Item(dist.filename, dist.url, self.root / DOWNLOADS_DIR / dist.filename,
-                    size, sha256=dist.sha256.lower())
-
     def _install_task(self, name: str | None, variant: str, version: str | None,
-                      items: list[Item], local: Path | None = None) -> Task:
-        """A download task whose items are the wheels; success unpacks and registers."""
+                      items: list[Item], local: Path | None = None,
+                      build: builds.Build | None = None) -> Task:
+        """A download task whose items are the wheels (with `build`, the first is an sdist
+        it compiles into one); success unpacks and registers."""
         config, index = self._config(), self._index_url()
         planned: dict[str, str] = {}
         wheel_files: list[Path] = [local] if local else []
         found = {"name": name, "version": version}
+        sdist = items[0] if build is not None else None
 
         def queue_requirements(task: Task, wheel: Path) -> None:
             meta = wheels.read_metadata(wheel)
@@ -332,18 +331,22 @@ class Installs:
                     raise DownloadFailed(f"{meta['Name']} needs {req}, and the package "
                                          f"index {index} has no wheel of it for this Python")
                 planned[wheels.canonicalize_name(req.name)] = dist.version.public
-                task.items.append(self._item(dist))
+                task.items.append(index_item(config, self.root, dist))
 
         def after_item(task: Task, item: Item) -> None:
-            if found["name"] is None:  # a custom wheel from a URL: now its name is known
+            wheel = item.local_path
+            if item is sdist:
+                wheel = build.run(task, item.local_path)
+                wheel_files.append(wheel)
+            elif found["name"] is None:  # a custom wheel from a URL: now its name is known
                 try:
                     found["name"], found["version"] = wheel_engine(item.local_path)
                 except HTTPError as exc:
                     raise DownloadFailed(exc.message) from None
-            queue_requirements(task, item.local_path)
+            queue_requirements(task, wheel)
 
         def on_success(task: Task) -> None:
-            paths = wheel_files + [item.local_path for item in task.items]
+            paths = wheel_files + [i.local_path for i in task.items if i is not sdist]
             self._finish_install(found["name"], variant, found["version"], paths)
             for item in task.items:
                 item.local_path.unlink(missing_ok=True)
@@ -384,6 +387,34 @@ class Installs:
             # A new build is probed now (by engines that probe), not at its first use.
             self._engines.problem(name, {"path": str(target), "version": version})
         log.info("engine %s %s (%s) installed in %s", name, version, variant, target)
+
+
+def dist_infos(target: dict) -> list[tuple[str, Path]]:
+    """(name, .dist-info folder) of each distribution an installed variant is made of."""
+    if target.get("builtin"):
+        dist = metadata.distribution(target["distribution"])
+        record = next((f for f in dist.files or () if f.name == "RECORD"
+                       and f.parent.suffix == ".dist-info"), None)
+        if record is None:
+            raise Conflict(f"{target['distribution']} in localrt's environment has "
+                           f"no RECORD to check it against; reinstall it there",
+                           param="engine")
+        folder = Path(dist.locate_file(record)).parent
+        return [(folder.name, folder)]
+    folder = Path(target["path"])
+    return [(wheel, folder / ("-".join(wheel.split("-")[:2]) + ".dist-info"))
+            for wheel in target.get("wheels", [])]
+
+
+def index_item(config: Mapping, root: Path, dist: wheels.Dist) -> Item:
+    """A wheel (or sdist) of the index as a task item, checked against its sha256."""
+    if not dist.sha256:
+        raise wheels.PackageIndexError(f"The package index gives no sha256 for "
+                                       f"{dist.filename}; refusing an unchecked wheel")
+    size = dist.size if dist.size is not None else \
+        wheels.content_length(config, dist.url)
+    return Item(dist.filename, dist.url, root / DOWNLOADS_DIR / dist.filename,
+                size, sha256=dist.sha256.lower())
 
 
 def _refuse_part_of_localrt(spec: EngineSpec) -> None:

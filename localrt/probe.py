@@ -7,7 +7,8 @@ and it must not take the server with it (see the engines issue and README.rst).
 The child prints one JSON object per line on stdout, flushing after each, so the
 parent knows how far it got even when the child is killed by a signal:
 
-* ``{"stage": "info", "version", "system_info", "gpu_offload"}`` once llama_cpp loads;
+* ``{"stage": "info", "version", "system_info", "gpu_offload", "rpc"}`` once llama_cpp
+  loads (rpc: built with llama.cpp's RPC backend);
 * ``{"stage": "decode", "type": "Q8_0"}`` before each quantized model is run;
 * ``{"stage": "done", "tokens_per_second": ...}`` when every type decoded.
 
@@ -165,7 +166,9 @@ def main(argv: list[str]) -> int:
 
     _emit(stage="info", version=llama_cpp.__version__,
           system_info=llama_cpp.llama_print_system_info().decode("utf-8", "replace"),
-          gpu_offload=bool(llama_cpp.llama_supports_gpu_offload()))
+          gpu_offload=bool(llama_cpp.llama_supports_gpu_offload()),
+          # older llama-cpp-python versions have no such function, nor RPC devices
+          rpc=bool(getattr(llama_cpp, "llama_supports_rpc", lambda: False)()))
     rates = []
     with tempfile.TemporaryDirectory(prefix="localrt-probe-") as tmp:
         source = write_model(Path(tmp) / "probe-f32.gguf")
@@ -213,7 +216,8 @@ def run_probe(path: str | None, hw: Hardware) -> dict:
             pass
     info = next((line for line in lines if line.get("stage") == "info"), {})
     result = {"variant": gguf_variant(info.get("system_info", ""),
-                                      info.get("gpu_offload", False), hw),
+                                      info.get("gpu_offload", False), hw,
+                                      info.get("rpc", False)),
               "version": info.get("version", ""), "systemInfo": info.get("system_info", ""),
               "seconds": round(time.monotonic() - started, 2)}
     last = lines[-1] if lines else {}
@@ -238,8 +242,14 @@ def _probe_failure(proc: subprocess.CompletedProcess, last: dict) -> str:
     return f"the build failed its probe {where} (exit {proc.returncode}): {tail[:300]}"
 
 
-def gguf_variant(system_info: str, gpu_offload: bool, hw: Hardware) -> str:
-    """The variant name of a llama.cpp build, from llama_print_system_info()."""
+def gguf_variant(system_info: str, gpu_offload: bool, hw: Hardware,
+                 rpc: bool = False) -> str:
+    """The variant name of a llama.cpp build, from llama_print_system_info(), with
+    "+rpc" for one built with the RPC backend (llama_supports_rpc())."""
+    return _gguf_base_variant(system_info, gpu_offload, hw) + ("+rpc" if rpc else "")
+
+
+def _gguf_base_variant(system_info: str, gpu_offload: bool, hw: Hardware) -> str:
     features = set(re.findall(r"(\w+) = 1", system_info))
     if gpu_offload and "CUDA" in system_info:
         major = (hw.cuda or "12").split(".")[0]

@@ -97,7 +97,7 @@ def build_services(settings: Settings, *, shutdown: Callable[[], None] | None = 
     downloads = Downloads(config.get, events, lambda: settings["downloadConnections"])
     state = EngineState(settings.data_dir / "engines")
     engines = Engines(settings.data_dir / "engines", state, hardware=hardware,
-                      run_probe=run_probe)
+                      run_probe=run_probe, rpc_trusted=lambda: settings["rpcTrustedHosts"])
     installs = Installs(engines, state, downloads, config.get,
                         lambda: settings["engineIndexUrl"])
     registry = Registry(settings.data_dir / "models", validators)

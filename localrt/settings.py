@@ -94,6 +94,25 @@ def _api_keys(value: Any) -> list:
     return list(keys)
 
 
+def _hosts(value: Any) -> list:
+    """Host names, addresses and CIDR ranges (10.0.0.0/8); none is []."""
+    import ipaddress
+
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(h, str) and h and h.isprintable()
+                                              and not any(c.isspace() for c in h)
+                                              for h in value):
+        raise ValueError("expected a list of host names, addresses or CIDR ranges")
+    for host in value:
+        if "/" in host:
+            try:
+                ipaddress.ip_network(host, strict=False)
+            except ValueError as exc:
+                raise ValueError(f"{host!r} is not a CIDR range: {exc}") from None
+    return list(value)
+
+
 def _seconds(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
             or value == float("inf"):
@@ -174,6 +193,10 @@ KEYS: tuple[Key, ...] = (
     Key("upstreamTimeout", _seconds, 300,
         "seconds a remote model's upstream has to send the first byte of a reply (and each "
         "next one); past that, a 504"),
+    # rpc-server has no authentication: nothing but loopback unless the user says so.
+    Key("rpcTrustedHosts", _hosts, [],
+        "hosts (names, addresses or CIDR ranges) besides loopback whose rpc-server a "
+        "model may be split across (start option rpc_servers)"),
     Key("apiKeys", _api_keys, [],
         "bearer keys that clients must send; required to bind other than loopback",
         env="LOCALRT_API_KEY", secret=True),

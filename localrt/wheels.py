@@ -32,8 +32,8 @@ from urllib.parse import urldefrag, urljoin
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.tags import sys_tags
-from packaging.utils import (InvalidWheelFilename, canonicalize_name,
-                             parse_wheel_filename)
+from packaging.utils import (InvalidSdistFilename, InvalidWheelFilename, canonicalize_name,
+                             parse_sdist_filename, parse_wheel_filename)
 from packaging.version import InvalidVersion, Version
 
 from localrt.opener import open_url
@@ -54,7 +54,7 @@ class NoSuchProject(PackageIndexError):
 
 @dataclass(frozen=True)
 class Dist:
-    """One wheel listed by the index."""
+    """One wheel listed by the index (or an sdist, with no tags: `project_sdists`)."""
 
     filename: str
     url: str
@@ -73,6 +73,47 @@ def project_url(index_url: str, project: str) -> str:
 
 def project_files(config: Mapping, index_url: str, project: str) -> list[Dist]:
     """Every wheel the index lists for `project` (sdists and unparsable names skipped)."""
+    dists = []
+    for href, filename, sha256, size, requires_python, uploaded in _links(config, index_url,
+                                                                          project):
+        try:
+            _, version, _, tags = parse_wheel_filename(filename)
+        except (InvalidWheelFilename, InvalidVersion):
+            continue  # an sdist, or a name that is not a wheel's
+        dists.append(Dist(filename, href, sha256, size, version,
+                          frozenset(str(t) for t in tags), requires_python, uploaded))
+    return dists
+
+
+def project_sdists(config: Mapping, index_url: str, project: str) -> list[Dist]:
+    """Every source distribution (.tar.gz) the index lists for `project`, as Dists
+    without tags (localrt.builds compiles one into a wheel)."""
+    dists = []
+    for href, filename, sha256, size, requires_python, uploaded in _links(config, index_url,
+                                                                          project):
+        if not filename.endswith(".tar.gz"):
+            continue
+        try:
+            _, version = parse_sdist_filename(filename)
+        except (InvalidSdistFilename, InvalidVersion):
+            continue
+        dists.append(Dist(filename, href, sha256, size, version, frozenset(),
+                          requires_python, uploaded))
+    return dists
+
+
+def choose_sdist(dists: Iterable[Dist], version: str | None) -> Dist | None:
+    """The sdist of `version`, or the newest final one for None (this Python allowing)."""
+    python = ".".join(map(str, sys.version_info[:3]))
+    fit = [d for d in dists if (version is None and not d.version.is_prerelease
+                                or version is not None and d.version == Version(version))
+           and (not d.requires_python or _python_ok(d.requires_python, python))]
+    return max(fit, key=lambda d: d.version, default=None)
+
+
+def _links(config: Mapping, index_url: str, project: str) -> list[tuple]:
+    """(url, filename, sha256, size, requires-python, upload-time) of each file the
+    index lists for `project`, yanked ones left out."""
     url = project_url(index_url, project)
     try:
         with open_url(config, url, headers={"Accept": ACCEPT}, timeout=30.0) as resp:
@@ -96,22 +137,17 @@ def project_files(config: Mapping, index_url: str, project: str) -> list[Dist]:
             links = _HTMLLinks.parse(body.decode("utf-8", "replace"))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise PackageIndexError(f"{url} is not a package index page ({exc})") from None
-    dists = []
+    out = []
     for href, filename, sha256, size, requires_python, uploaded in links:
         if not isinstance(href, str) or not isinstance(filename, str):
             continue
         href, fragment = urldefrag(urljoin(final_url, href))
         if sha256 is None and fragment.startswith("sha256="):
             sha256 = fragment[len("sha256="):]
-        try:
-            _, version, _, tags = parse_wheel_filename(filename)
-        except (InvalidWheelFilename, InvalidVersion):
-            continue  # an sdist, or a name that is not a wheel's
-        dists.append(Dist(filename, href, sha256 if isinstance(sha256, str) else None,
-                          size if isinstance(size, int) else None, version,
-                          frozenset(str(t) for t in tags), requires_python,
-                          uploaded if isinstance(uploaded, str) else None))
-    return dists
+        out.append((href, filename, sha256 if isinstance(sha256, str) else None,
+                    size if isinstance(size, int) else None, requires_python,
+                    uploaded if isinstance(uploaded, str) else None))
+    return out
 
 
 class _HTMLLinks(html.parser.HTMLParser):

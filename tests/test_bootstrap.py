@@ -92,6 +92,10 @@ def test_test_installs_the_extras_and_engine_wheels_then_runs_pytest(tmp_path):
         f"{venv}/bin/python -m pip install --no-cache-dir '.[test]'",
         f"{venv}/bin/python -m pip download --only-binary=:all: -d tests/.engine-wheels "
         "onnxruntime-genai==0.18.0",
+        f"{venv}/bin/python -m pip download --no-deps --no-binary=:all: -d "
+        "tests/.rpc-build/sources llama-cpp-python==0.3.36",
+        f"{venv}/bin/python -m pip download --only-binary=:all: -d tests/.rpc-build/sources "
+        "scikit-build-core cmake ninja",
         f"{venv}/bin/python -m pytest -x",
     ]
 

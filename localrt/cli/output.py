@@ -60,6 +60,10 @@ class Progress:
         if self.bar is not None:
             self.bar.total = self.total
             self.bar.update(done - self.done)
+            build = task.get("build")  # an engine variant compiled from source
+            if build:
+                self.bar.set_postfix_str(f"compiling {build['step']}/{build['steps']}"
+                                         if build["stage"] == "compile" else build["stage"])
         self.done = done
 
     def close(self) -> None:

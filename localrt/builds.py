@@ -1,0 +1,276 @@
+"""Engine variants compiled from source: a distribution's sdist, built by pip into a wheel.
+
+A variant with CMake options (localrt.engines.Variant.cmake: gguf-cpp's +rpc ones,
+-DGGML_RPC=ON) that the package index has no wheel of is built here, inside its
+install task (localrt.installs): the task downloads the sdist from the index like a
+wheel (sha256 checked, resumable, cancellable), then `Build.run` runs
+
+    python -m pip wheel --no-deps --no-cache-dir -v --index-url INDEX -w OUT SDIST
+
+with CMAKE_ARGS the variant's options (after any the server's environment has) and
+CFLAGS/CXXFLAGS those of localrt's own build (localrt.bootstrap.build_env: on x86-64
+no AMX, which GCC 12 miscompiles), at low priority (nice 10) so that models keep
+answering. pip takes the build requirements (scikit-build-core; cmake and ninja where
+the machine lacks them) from the same index, and the Config's proxy, never the
+environment's. The task's `build` field says how far it is: {"stage", "step",
+"steps", "line"}, from pip's and scikit-build-core's stages and ninja's [step/steps]
+lines, published as DownloadUpdated events at most once a second. A cancel ends pip
+and its compilers (their process group); a failed build fails the task with the end
+of its output.
+
+The wheel is kept in `<engines>/.builds/<variant>/<version>/<key>/`, key a hash of the
+sdist's sha256, the flags and this Python's tag, so installing the variant again (after
+an uninstall) unpacks it without compiling (`cached_wheel`). Removing `.builds` frees
+the space.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+from urllib.parse import quote, urlsplit, urlunsplit
+
+from localrt import wheels
+from localrt.bootstrap import build_env
+from localrt.errors import BadRequest
+from localrt.fetch import Cancelled, DownloadFailed, Task
+
+log = logging.getLogger(__name__)
+
+BUILDS_DIR = ".builds"   # under the engines folder
+NICE = 10                # the build's priority below the server's
+PUBLISH_EVERY = 1.0      # seconds between progress events
+TAIL_LINES = 15          # lines of a failed build's output quoted in the task's error
+PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
+
+# pip's and scikit-build-core's lines that start a stage of the build.
+STAGES = (("Installing build dependencies", "requirements"),
+          ("Getting requirements to build wheel", "requirements"),
+          ("Preparing metadata", "metadata"),
+          ("*** Configuring CMake", "configure"),
+          ("*** Building project", "compile"),
+          ("*** Installing project", "install"),
+          ("*** Making wheel", "wheel"))
+STEP = re.compile(r"^\s*\[(\d+)/(\d+)\]\s*(.*)")  # ninja's "[12/197] command"
+OUTPUT = re.compile(r"\s-o\s+(\S+)")
+
+
+def check_can_build(what: str) -> None:
+    """A 400 when this machine cannot compile `what`: no C/C++ compiler, or no pip."""
+    missing = [tool for tool in ("cc", "c++") if shutil.which(tool) is None]
+    if missing:
+        raise BadRequest(f"The package index has no wheel of {what}, and localrt would "
+                         f"compile it from source, but this machine has no "
+                         f"{' or '.join(missing)} (install a C/C++ compiler, such as "
+                         f"Debian's build-essential, or put a wheel of it in the index)",
+                         param="variant")
+    if importlib.util.find_spec("pip") is None:
+        raise BadRequest(f"The package index has no wheel of {what}, and localrt would "
+                         f"compile it from source with pip, which its Python lacks",
+                         param="variant")
+
+
+def build_flags(cmake: tuple[str, ...], environ: Mapping[str, str] = os.environ
+                ) -> dict[str, str]:
+    """The variables a build adds to the environment: CMAKE_ARGS with `cmake`, and the
+    compiler flags of localrt's own build."""
+    flags = build_env(dict(environ), platform.machine())
+    flags["CMAKE_ARGS"] = " ".join(filter(None, [environ.get("CMAKE_ARGS"), *cmake]))
+    return flags
+
+
+def cache_folder(engines_root: Path, variant: str, version: str, sdist_sha256: str,
+                 flags: Mapping[str, str]) -> Path:
+    """Where the wheel of this sdist, built with these flags for this Python, is kept."""
+    key = json.dumps([sdist_sha256, sorted(flags.items()), wheels.supported_tags()[0]])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return engines_root / BUILDS_DIR / variant / version / digest
+
+
+def cached_wheel(folder: Path) -> Path | None:
+    """The wheel built earlier into `folder`, if there is one."""
+    return next(iter(sorted(folder.glob("*.whl"))), None)
+
+
+@dataclass
+class Plan:
+    """How a variant that the index has no wheel of is installed (`plan`)."""
+
+    version: str
+    sdist: wheels.Dist | None = None  # to download and compile with `build`...
+    build: "Build | None" = None
+    wheel: Path | None = None         # ...or the wheel built from it before
+    note: str = ""
+
+
+def plan(engines_root: Path, engine: str, variant, version: str | None, config: Mapping,
+         index_url: str) -> Plan:
+    """The sdist of `version` (None: the newest final one) of a variant
+    (localrt.engines.Variant with `cmake`) to compile, or its wheel built before.
+
+    A 400 when the index has no such sdist, an error when it gives no sha256."""
+    try:
+        sdists = wheels.project_sdists(config, index_url, variant.distribution)
+    except wheels.NoSuchProject:
+        sdists = []
+    sdist = wheels.choose_sdist(sdists, version)
+    if sdist is None:
+        wanted = f"{variant.distribution} {version}" if version else variant.distribution
+        raise BadRequest(f"The package index {index_url} has neither a {wanted} wheel for "
+                         f"variant {variant.name} nor an sdist to build it from",
+                         param="version" if version else "variant")
+    if not sdist.sha256:
+        raise wheels.PackageIndexError(f"The package index gives no sha256 for "
+                                       f"{sdist.filename}; refusing an unchecked sdist")
+    ver = sdist.version.public
+    flags = build_flags(variant.cmake)
+    folder = cache_folder(engines_root, variant.name, ver, sdist.sha256.lower(), flags)
+    wheel = cached_wheel(folder)
+    if wheel is not None:
+        return Plan(ver, wheel=wheel, note=f"{wheel.name} was built here before from "
+                                           f"{sdist.filename} with the same flags")
+    what = f"{engine} {variant.name} v{ver}"
+    return Plan(ver, sdist, Build(what, folder, flags, index_url, config),
+                note=f"the package index has no wheel of {variant.name}: localrt "
+                     f"compiles {sdist.filename} (minutes; the task's `build` says how "
+                     f"far it is)")
+
+
+class Build:
+    """One sdist compiled into a wheel in `folder` (see the module docstring)."""
+
+    def __init__(self, what: str, folder: Path, flags: Mapping[str, str], index_url: str,
+                 config: Mapping):
+        self.what = what          # "gguf-cpp linux-amd64-avx2+rpc 0.3.36", for messages
+        self.folder = folder      # cache_folder(...)
+        self.flags = dict(flags)  # build_flags(...)
+        self.index_url = index_url
+        self.config = config
+
+    def run(self, task: Task, sdist: Path) -> Path:
+        """Compile `sdist`; the wheel, in `folder`. Raises DownloadFailed if it fails."""
+        scratch = self.folder.parent / f".{self.folder.name}.partial"
+        shutil.rmtree(scratch, ignore_errors=True)
+        (scratch / "tmp").mkdir(parents=True)
+        tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
+        task.build = {"stage": "start", "step": 0, "steps": 0, "line": ""}
+        started = time.monotonic()
+        log.info("building %s from %s", self.what, sdist.name)
+        try:
+            code = self._pip(task, sdist, scratch, tail)
+            if task.cancelled.is_set():
+                raise Cancelled()
+            built = sorted((scratch / "wheel").glob("*.whl"))
+            if code != 0 or not built:
+                raise DownloadFailed(f"Building {self.what} from {sdist.name} failed "
+                                     f"(pip exit status {code}); its last lines:\n"
+                                     + "\n".join(tail))
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder.mkdir(parents=True)
+            wheel = self.folder / built[0].name
+            os.replace(built[0], wheel)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        task.build = {**task.build, "stage": "done"}
+        if task.publish:
+            task.publish()
+        log.info("built %s in %.0f s: %s", self.what, time.monotonic() - started, wheel.name)
+        return wheel
+
+    def _pip(self, task: Task, sdist: Path, scratch: Path, tail) -> int:
+        """Run pip wheel, reading its output into the task's progress; its exit code."""
+        cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "-v",
+               "--index-url", self.index_url, "-w", str(scratch / "wheel"), str(sdist)]
+        if not self.config.get("verify_peer_ssl", True):
+            cmd[-1:-1] = ["--trusted-host", urlsplit(self.index_url).hostname or ""]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=self._environ(scratch),
+                                start_new_session=True, text=True, errors="replace")
+        try:
+            os.setpriority(os.PRIO_PROCESS, proc.pid, NICE)  # compilers inherit it
+        except OSError:
+            pass
+        stopper = threading.Thread(target=_stop_on_cancel, args=(task, proc), daemon=True,
+                                   name=f"build {task.id}")
+        stopper.start()
+        last = 0.0
+        for raw in proc.stdout:
+            line = raw.rstrip()
+            if not line:
+                continue
+            tail.append(line[:400])
+            if _progress(task.build, line) and time.monotonic() - last >= PUBLISH_EVERY \
+                    and task.publish:
+                last = time.monotonic()
+                task.publish()
+        code = proc.wait()
+        stopper.join()
+        return code
+
+    def _environ(self, scratch: Path) -> dict[str, str]:
+        """pip's environment: the flags, a private TMPDIR, and the Config's proxy only."""
+        env = {k: v for k, v in os.environ.items() if k.lower() not in PROXY_VARIABLES}
+        env.update(self.flags, TMPDIR=str(scratch / "tmp"), PYTHONUNBUFFERED="1",
+                   PIP_DISABLE_PIP_VERSION_CHECK="1")
+        proxy = self.config.get("proxy_url")
+        if proxy:
+            parts = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+            user = self.config.get("proxy_username")
+            if user:
+                login = quote(user, safe="") + ":" + quote(
+                    self.config.get("proxy_password") or "", safe="")
+                parts = parts._replace(netloc=f"{login}@{parts.netloc}")
+            env["HTTP_PROXY"] = env["HTTPS_PROXY"] = urlunsplit(parts)
+            env["NO_PROXY"] = self.config.get("no_proxy") or ""
+        return env
+
+
+def _progress(progress: dict, line: str) -> bool:
+    """Fold one line of pip's output into `progress`; whether it is worth publishing."""
+    step = STEP.match(line)
+    if step:
+        output = OUTPUT.search(step.group(3))
+        said = Path(output.group(1)).name if output else step.group(3)[:160]
+        progress.update(stage="compile", step=int(step.group(1)), steps=int(step.group(2)),
+                        line=f"[{step.group(1)}/{step.group(2)}] {said}")
+        return True
+    text = line.strip()
+    for start, stage in STAGES:
+        if text.startswith(start):
+            progress.update(stage=stage, line=text[:160])
+            return True
+    return False
+
+
+def _stop_on_cancel(task: Task, proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """End pip and everything it started when the task is cancelled, and wait (up to
+    `grace` seconds) until they are gone, so none writes after the build is cleaned."""
+    while proc.poll() is None:
+        if task.cancelled.wait(0.5):
+            break
+    else:
+        return
+    deadline = time.monotonic() + grace
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)  # its own session: pip, cmake, ninja, cc
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            os.killpg(proc.pid, 0)  # ProcessLookupError once none is left
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
