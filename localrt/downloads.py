@@ -138,17 +138,20 @@ class Downloads:
                 raise Cancelled()
             if task.on_success is not None:
                 task.on_success(task)
-        except Cancelled:
-            self._finish(task, "Stopped", "DownloadStopped")
-            log.info("download %s stopped", task.id)
-        except (DownloadFailed, UpstreamError) as exc:
-            self._fail(task, str(exc))
-        except OSError as exc:
-            self._fail(task, f"Cannot write {exc.filename or 'a model file'}: "
-                             f"{exc.strerror or exc}")
-        except Exception:
-            log.exception("download %s failed", task.id)
-            self._fail(task, "Internal error; the server log has the details")
+        except Exception as exc:
+            if isinstance(exc, Cancelled) or task.cancelled.is_set():
+                # A cancel cuts the connections: whatever breaks after it is the cancel
+                # (a read cut mid-redirect is an IncompleteRead, say), not a failure.
+                self._finish(task, "Stopped", "DownloadStopped")
+                log.info("download %s stopped", task.id)
+            elif isinstance(exc, (DownloadFailed, UpstreamError)):
+                self._fail(task, str(exc))
+            elif isinstance(exc, OSError):
+                self._fail(task, f"Cannot write {exc.filename or 'a model file'}: "
+                                 f"{exc.strerror or exc}")
+            else:
+                log.exception("download %s failed", task.id)
+                self._fail(task, "Internal error; the server log has the details")
         else:
             self._finish(task, "Success", "DownloadSuccess")
             elapsed = time.monotonic() - started

@@ -396,3 +396,21 @@ def test_an_api_pull_of_a_big_gguf_goes_in_pieces_and_registers_it(settings, big
             assert not list(path.parent.glob("*.part*"))
         finally:
             app.close()
+
+
+def test_what_breaks_after_a_cancel_ends_the_task_stopped_not_failed(puller, hub):
+    """A cancel cuts the task's connections; a read cut mid-redirect then raises
+    http.client.IncompleteRead, which must end the task "Stopped", not "Error"."""
+    import http.client
+
+    def cut(task, item):
+        puller.downloads.cancel(task.id)
+        raise http.client.IncompleteRead(b"partial", 10)
+
+    f = hub.file("org/small", "small.gguf")
+    item = Item("small.gguf", f"{hub.url}/org/small/resolve/main/small.gguf",
+                puller.folder / "small.gguf", f.size, sha256=f.sha256)
+    task = Task("org/small:cut", "Model", [item], hub_url=hub.url)
+    task.after_item = cut
+    task = wait_end(puller.downloads.start(task))
+    assert task.status == "Stopped" and not task.error
