@@ -36,6 +36,7 @@ from typing import Callable
 
 MOST = 20  # the most alternatives a token carries (OpenAI's limit)
 UNLIKELY = -9999.0  # OpenAI's stand-in for a log-probability too small to write
+GROUP = 64  # logits per group when the top ones are sought (`_candidates`)
 
 
 @dataclass(frozen=True)
@@ -50,20 +51,37 @@ class TokenLogprob:
 
 def score(logits, top: int) -> tuple[float, tuple]:
     """(log-sum-exp, the `top` most likely (token, logprob) pairs, most likely first) of
-    one row of logits (a float numpy array over the vocabulary): a token's
+    one row of logits (a float32 numpy array over the vocabulary): a token's
     log-probability is its logit minus the first. Ties go to the lower token id, as a
     greedy sampler picks."""
     import numpy as np
 
     peak = float(logits.max())
-    total = float(np.exp(logits - peak).sum(dtype=np.float64))
-    lse = peak + math.log(total)
+    # A float32 sum of exp(x - peak) holds exp(0) = 1, so the log-sum-exp is never below
+    # the peak and no log-probability is above 0.
+    lse = peak + math.log(float(np.exp(logits - peak).sum()))
     if top <= 0:
         return lse, ()
-    top = min(top, logits.shape[0])
-    ids = np.argpartition(-logits, top - 1)[:top]
-    ids = sorted(ids.tolist(), key=lambda t: (-float(logits[t]), t))
-    return lse, tuple((t, float(logits[t]) - lse) for t in ids)
+    ids = _candidates(np, logits, min(top, logits.shape[0]))
+    order = np.lexsort((ids, -logits[ids]))[:top]
+    return lse, tuple((int(t), float(logits[t]) - lse) for t in ids[order])
+
+
+def _candidates(np, logits, top: int):
+    """Token ids that include the `top` largest logits, and few others: split the row
+    into groups (the columns of it as GROUP rows), and keep the logits at least as large
+    as the top-th largest group maximum. The top-th largest logit is at least that: each
+    of the `top` groups with the largest maxima holds a logit that large. It reads the
+    row twice, several times faster than an argpartition of it."""
+    n = logits.shape[0]
+    whole = n - n % GROUP
+    if whole < GROUP * top * 4:  # a small vocabulary: all of it
+        return np.arange(n)
+    maxima = logits[:whole].reshape(GROUP, -1).max(axis=0)  # an elementwise max of rows
+    if whole < n:
+        maxima = np.concatenate((maxima, logits[whole:]))  # the rest: a group each
+    floor = np.partition(maxima, -top)[-top]
+    return np.flatnonzero(logits >= floor)
 
 
 def scored(logits, token: int, top: int) -> TokenLogprob:

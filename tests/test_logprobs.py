@@ -100,6 +100,33 @@ def text_of(entries: list) -> str:
     return b"".join(bytes(e["bytes"]) for e in entries).decode("utf-8", errors="replace")
 
 
+# --- scoring ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [100, 320, 32000, 32001, 151936])
+def test_score_is_a_log_softmax_and_its_top_tokens(n):
+    """localrt.logprobs.score against a plain float64 log-softmax and a full sort, ties
+    (to the lower id, as a greedy sampler) and a flat row included."""
+    import numpy as np
+
+    from localrt.logprobs import score
+
+    rng = np.random.default_rng(n)
+    rows = [rng.standard_normal(n).astype(np.float32) * scale for scale in (1, 8)]
+    tied = rng.standard_normal(n).astype(np.float32)
+    tied[rng.integers(0, n, 40)] = tied.max()
+    rows += [tied, np.full(n, 0.25, dtype=np.float32)]
+    for logits in rows:
+        wide = logits.astype(np.float64)
+        lse = wide.max() + math.log(np.exp(wide - wide.max()).sum())
+        ranked = sorted(range(n), key=lambda t: (-wide[t], t))
+        for top in (0, 1, 5, 20):
+            got_lse, got = score(logits, top)
+            assert got_lse == pytest.approx(lse, abs=1e-4)
+            assert [t for t, _ in got] == ranked[:top]
+            assert all(lp == float(logits[t]) - got_lse <= 0 for t, lp in got)
+
+
 # --- chat ------------------------------------------------------------------------------
 
 
