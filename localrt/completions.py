@@ -184,7 +184,7 @@ def _choice(model, model_id: str, field: str, prompt, body: dict, params: dict) 
     if params.get("logprobs") is not None and (
             log is None or (params["prompt_logprobs"] and not log.scores_prompt)):
         generation.close()
-        what = "an echoed prompt's" if log is not None else "log"
+        what = "an echoed prompt's log" if log is not None else "log"
         raise InvalidField(f"Invalid field 'logprobs': model {model_id}'s engine does not "
                            f"give {what} probabilities", param="logprobs")
     return Choice(text if body.get("echo") else "", text, generation)
