@@ -6,8 +6,8 @@ and may have the engine's own rules, which localrt.engines asks before anything 
   check_options(options) -> [(option, why)]   the start options it cannot take
                                               (schemas/model-start.json's names)
   check_request(params)                       raises InvalidField for a chat request it
-                                              cannot serve (its response_format, tools and
-                                              tool_choice)
+                                              cannot serve (its response_format, tools,
+                                              tool_choice and logprobs)
 
 The model it loads has:
 
@@ -58,13 +58,21 @@ list). For tool calls (localrt.toolcalls): `tools` (OpenAI's list, given to the 
 template as Hugging Face gives it), `grammar` (GBNF that constrains the reply instead
 of response_format) and `preserved_tokens` (special tokens printed as their text, as
 a call's syntax needs). A generation's `usage` also counts `cached_tokens`: prompt
-tokens a batched model found in its cache.
+tokens a batched model found in its cache. Log probabilities (localrt.logprobs):
+`logprobs` (how many alternatives each token's comes with, 0 to 20; absent or None:
+none) and `prompt_logprobs` (score the prompt's tokens too: a completion's echo); an
+engine that computes them sets the Generation's `logprobs` to a Log, and token_loop
+feeds it. Both built-in engines read the logits before sampling: gguf-cpp in
+LlamaBatch.decode, onnx-runtime with Generator.get_logits() before each
+generate_next_token() (it cannot score a prompt). A generation without a Log (a
+custom engine's) makes localrt.chat and localrt.completions answer a 400.
 llama_cpp and onnxruntime_genai are imported only when a model loads.
 """
 
 from __future__ import annotations
 
 import codecs
+import collections
 import ctypes
 import functools
 import json
@@ -76,6 +84,7 @@ from typing import Iterator
 from localrt import toolcalls
 from localrt.batching import Batcher, LlamaBatch, Sampling, Sequence
 from localrt.errors import Conflict, InvalidField
+from localrt.logprobs import Log, TokenLogprob, scored
 
 GGUF_ENGINE, ONNX_ENGINE = "gguf-cpp", "onnx-runtime"
 
@@ -115,6 +124,7 @@ class Generation:
         self.finish_reason: str | None = None
         self.usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0}
         self.wait = None
+        self.logprobs = None  # a localrt.logprobs.Log, when asked for and computed
         self._pieces = run(self)
         self._on_close = on_close
 
@@ -166,19 +176,30 @@ class StopText:
 
 def token_loop(gen: Generation, tokens, *, decode, is_end=lambda token: False,
                final=lambda: "", stops=(), max_tokens: int | None = None,
-               exhausted: str = "length") -> Iterator[str]:
+               exhausted: str = "length", scores=None) -> Iterator[str]:
     """The text of `tokens` as it comes, cut at a stop sequence, an end token or max_tokens.
 
     Counts completion tokens in `gen.usage` and sets `gen.finish_reason` at the end;
-    `exhausted` is the finish reason when `tokens` runs out by itself.
+    `exhausted` is the finish reason when `tokens` runs out by itself. With
+    `gen.logprobs` (a localrt.logprobs.Log), `scores(token)` is each token's
+    TokenLogprob, and the log learns which text each token made and what of it is sent.
     """
-    stop, finish = StopText(stops), exhausted
+    stop, finish, log = StopText(stops), exhausted, gen.logprobs
+    decoded = sent = 0  # characters of text decoded, and sent (a prefix of them)
     for token in tokens:
         if is_end(token):
             finish = "stop"
             break
         gen.usage["completion_tokens"] += 1
-        piece = stop.feed(decode(token))
+        text = decode(token)
+        piece = stop.feed(text)
+        if log is not None:
+            log.add(scores(token), decoded, decoded + len(text))
+            decoded, sent = decoded + len(text), sent + len(piece)
+            if stop.hit:
+                log.cut(sent)
+            else:
+                log.sent(sent)
         if piece:
             yield piece
         if stop.hit:
@@ -188,6 +209,10 @@ def token_loop(gen: Generation, tokens, *, decode, is_end=lambda token: False,
             finish = "length"
             break
     tail = stop.feed(final()) + stop.flush()
+    if log is not None and stop.hit:
+        log.cut(sent + len(tail))
+    elif log is not None:
+        log.finish()
     if tail:
         yield tail
     gen.finish_reason = finish
@@ -389,7 +414,9 @@ class LlamaModel(GeneratingModel):
         room = _check_room(len(tokens), self.context)
         max_tokens = min(params.get("max_tokens") or room, room)
         keep = self._preserved(params.get("preserved_tokens"))
-        seq = Sequence(tokens, max_tokens, self._sampler(params, tokens))
+        top, echo = params.get("logprobs"), bool(params.get("prompt_logprobs"))
+        seq = Sequence(tokens, max_tokens, self._sampler(params, tokens), top_logprobs=top,
+                       prompt_logprobs=echo and top is not None)
         batcher = self._batcher
 
         def run(gen: Generation) -> Iterator[str]:
@@ -400,13 +427,18 @@ class LlamaModel(GeneratingModel):
                     gen, batcher.tokens(seq, lambda: gen.wait()),
                     decode=lambda t: decoder.decode(self._piece(t, t in keep)),
                     is_end=self._batch.is_end, final=lambda: decoder.decode(b"", final=True),
-                    stops=params.get("stop"), max_tokens=max_tokens)
+                    stops=params.get("stop"), max_tokens=max_tokens,
+                    scores=lambda t: seq.scores.popleft())
             finally:
                 batcher.leave(seq)
                 gen.usage["cached_tokens"] = seq.cached
 
         generation = Generation(len(tokens), run, on_close=lambda: batcher.leave(seq))
         generation.wait = self.step
+        if top is not None:
+            generation.logprobs = Log(self._piece, prompt=(
+                (lambda: [TokenLogprob(tokens[0], None), *seq.prompt_scores])
+                if seq.prompt_logprobs else None))
         return generation
 
     def step(self) -> None:
@@ -893,6 +925,8 @@ class OnnxModel(GeneratingModel):
             search["repetition_penalty"] = float(params["repeat_penalty"])
         OnnxEngine.check_request(params)
         eos = {int(t) for t in tok.eos_token_ids}
+        top = params.get("logprobs")
+        scores: collections.deque = collections.deque()
 
         def run(gen: Generation) -> Iterator[str]:
             gen_params = og.GeneratorParams(self._model)
@@ -902,14 +936,36 @@ class OnnxModel(GeneratingModel):
 
             def tokens_out() -> Iterator[int]:
                 while not generator.is_done():
+                    # The model's logits for the next token, read before the search
+                    # samples from them: its own log-probabilities (localrt.logprobs).
+                    logits = None if top is None else self._logits(generator)
                     generator.generate_next_token()
-                    yield int(generator.get_next_tokens()[0])
+                    token = int(generator.get_next_tokens()[0])
+                    if logits is not None:
+                        scores.append(scored(logits, token, top))
+                    yield token
 
             yield from token_loop(gen, tokens_out(), decode=tok.create_stream().decode,
                                   is_end=eos.__contains__, stops=params.get("stop"),
-                                  max_tokens=max_tokens)
+                                  max_tokens=max_tokens, scores=lambda t: scores.popleft())
 
-        return Generation(len(ids), run)
+        generation = Generation(len(ids), run)
+        if top is not None:
+            generation.logprobs = Log(self._piece)
+        return generation
+
+    @staticmethod
+    def _logits(generator):
+        """The last position's logits (a float32 numpy array over the vocabulary)."""
+        import numpy as np
+
+        logits = np.asarray(generator.get_logits(), dtype=np.float32)
+        return logits.reshape(-1, logits.shape[-1])[-1]
+
+    def _piece(self, token: int, special: bool = True) -> bytes:
+        """A token's text as the tokenizer decodes it alone, as UTF-8 (a token holding
+        part of a character decodes as U+FFFD: its bytes are not exact)."""
+        return self._tokenizer.decode([token]).encode("utf-8")
 
     def unload(self) -> None:
         """Drop the model; onnxruntime frees it with the last reference."""

@@ -21,6 +21,11 @@ step computes; `LlamaBatch` computes it with llama.cpp:
     half, or whose cache holds at least half the prompt, is chosen that way;
     otherwise the least recently used slot is, so other conversations keep theirs.
     With caching off, every prompt is read whole.
+  * Log-probabilities (localrt.logprobs), only for a sequence that asks: each token it
+    samples is scored from its row of logits before its sampler chain sees them, and
+    with `prompt_logprobs` (a completion's echo) so is every prompt token, which takes
+    logits for each: such a prompt is read whole (its cached prefix has no logits
+    left), SCORED_CHUNK tokens a step. The other sequences of the batch pay nothing.
   * A sequence ends at an end-of-generation token or max_tokens. One that is left
     (`leave`: its reply is done, or its client hung up) frees its slot at the end of
     the step under way, or at once when none is.
@@ -39,10 +44,13 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+from localrt import logprobs
+
 log = logging.getLogger(__name__)
 
 REUSE_AT_LEAST = 0.5  # how much of a slot's cache, or of the prompt, must be shared
 PENALTY_LAST_N = 64  # tokens the repeat/frequency/presence penalties look back over
+SCORED_CHUNK = 64  # the most prompt tokens a step reads of a prompt whose logprobs are asked
 
 
 class Sequence:
@@ -51,10 +59,21 @@ class Sequence:
     The Batcher's lock guards everything but `prompt`, `max_tokens` and `sampler`.
     """
 
-    def __init__(self, prompt: list[int], max_tokens: int, sampler=None):
+    def __init__(self, prompt: list[int], max_tokens: int, sampler=None,
+                 top_logprobs: int | None = None, prompt_logprobs: bool = False):
         self.prompt = prompt
         self.max_tokens = max_tokens
         self.sampler = sampler  # the engine's, handed to its decode(); freed by release()
+        # Log-probabilities (localrt.logprobs), for a request that asks: each sampled
+        # token's, with this many alternatives (None: none computed), and with
+        # prompt_logprobs the prompt's too, which is then read whole (no cached
+        # prefix: its logits are gone). The engine's decode() appends a TokenLogprob to
+        # `scores` before its token goes to `ready`, and the prompt's, from its second
+        # token on, to `prompt_scores` as it reads them.
+        self.top_logprobs = top_logprobs
+        self.prompt_logprobs = prompt_logprobs
+        self.scores: collections.deque = collections.deque()
+        self.prompt_scores: list = []
         self.slot: Slot | None = None
         self.cached = 0  # prompt tokens found in the slot's cache
         self.read = 0  # prompt tokens in the KV cache, the cached ones included
@@ -185,6 +204,8 @@ class Batcher:
             seq = self._waiting.popleft()
             slot, keep = self._choose(free, seq.prompt)
             keep = min(keep, len(seq.prompt) - 1)  # the last prompt token gives the logits
+            if seq.prompt_logprobs:  # every prompt token's logits are needed
+                keep = 0
             if not self._engine.trim(slot.id, keep):  # a model that cannot cut (recurrent)
                 keep = 0
                 self._engine.trim(slot.id, 0)
@@ -216,7 +237,10 @@ class Batcher:
                 break
             if seq.ended or seq.read >= len(seq.prompt):
                 continue
-            chunk = seq.prompt[seq.read:seq.read + room]
+            # A prompt scored token by token outputs logits for each: a short chunk
+            # keeps llama.cpp's output buffer (tokens x vocabulary floats) small.
+            most = min(room, SCORED_CHUNK) if seq.prompt_logprobs else room
+            chunk = seq.prompt[seq.read:seq.read + most]
             last = seq.read + len(chunk) == len(seq.prompt)
             plan.append(Entry(seq, seq.slot.id, chunk, len(seq.slot.tokens), last, True))
             room -= len(chunk)
@@ -363,23 +387,56 @@ class LlamaBatch:
     def decode(self, entries: list[Entry]) -> list[int]:
         """One llama_decode of every entry; the sampled token of each that samples."""
         ll, batch = self._ll, self._batch
-        n, outputs = 0, []
+        n, outputs, scored = 0, [], []
         for entry in entries:
+            every = entry.reading and entry.seq.prompt_logprobs  # logits for each token
+            if every:
+                scored.append((entry, n))
             for offset, token in enumerate(entry.tokens):
                 batch.token[n] = token
                 batch.pos[n] = entry.pos + offset
                 batch.n_seq_id[n] = 1
                 batch.seq_id[n][0] = entry.slot
-                batch.logits[n] = False
+                batch.logits[n] = every
                 n += 1
             if entry.sample:
                 batch.logits[n - 1] = True
-                outputs.append((entry.seq.sampler, n - 1))
+                outputs.append((entry.seq, n - 1))
         batch.n_tokens = n
         code = ll.llama_decode(self.ctx, batch)
         if code != 0:
             raise RuntimeError(f"llama_decode failed with status {code}")
-        return [ll.llama_sampler_sample(sampler, self.ctx, i) for sampler, i in outputs]
+        for entry, first in scored:
+            self._score_prompt(entry, first)
+        sampled = []
+        for seq, i in outputs:
+            if seq.top_logprobs is None:  # the common case costs nothing more
+                sampled.append(ll.llama_sampler_sample(seq.sampler, self.ctx, i))
+                continue
+            logits = self._logits(i)  # raw: read before the sampler chain sees them
+            lse, top = logprobs.score(logits, seq.top_logprobs)
+            token = ll.llama_sampler_sample(seq.sampler, self.ctx, i)
+            seq.scores.append(logprobs.TokenLogprob(token, float(logits[token]) - lse, top))
+            sampled.append(token)
+        return sampled
+
+    def _logits(self, i: int):
+        """The logits of output row `i` of the last decode, as a numpy array (a view)."""
+        import numpy as np
+
+        return np.ctypeslib.as_array(self._ll.llama_get_logits_ith(self.ctx, i),
+                                     shape=(self._n_vocab,))
+
+    def _score_prompt(self, entry: Entry, first: int) -> None:
+        """Score the prompt tokens an entry's logits predict: row `first + j` (position
+        entry.pos + j) gives the next prompt token's log-probability."""
+        seq = entry.seq
+        for j in range(len(entry.tokens)):
+            target = entry.pos + j + 1
+            if target >= len(seq.prompt):
+                break
+            seq.prompt_scores.append(
+                logprobs.scored(self._logits(first + j), seq.prompt[target], seq.top_logprobs or 0))
 
     def is_end(self, token: int) -> bool:
         """Whether a token ends a generation (end of sequence, end of turn, ...)."""

@@ -11,6 +11,16 @@ This module keeps only OpenAI's shapes: the engine checks what it can serve
 tool-call syntax: the grammar that forces a call and the parser whose events become
 message.tool_calls and delta.tool_calls here. A remote model's request goes whole to
 localrt.remote, which forwards it to an upstream.
+
+`logprobs: true` (with `top_logprobs`, 0 to 20 alternatives; top_logprobs alone is a
+400) gives choices[0].logprobs = {"content": [...], "refusal": null}, one entry per
+generated token as localrt.logprobs writes them (the model's own log-probabilities,
+before sampling settings). A stream's chunk carries the entries of the tokens whose
+text it sends, and its last chunk those whose text was held back or was none. With
+tool calls the entries cover every generated token, the calls' included: a token can
+be half text and half call syntax, so they are not split between content and calls.
+An engine that does not give them (a custom engine's generation has no `logprobs`
+Log) is a 400 naming logprobs.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ import time
 import uuid
 from typing import Iterator
 
-from localrt import toolcalls
+from localrt import logprobs, toolcalls
 from localrt.errors import InvalidField, ServiceUnavailable
 from localrt.metrics import Clock
 from localrt.scheduler import Lease, ModelStopped, Scheduler
@@ -64,15 +74,13 @@ class Chats:
         messages = [_message(i, m) for i, m in enumerate(body["messages"])]
         if body.get("n") not in (None, 1):
             raise InvalidField("Invalid field 'n': only n=1 is supported", param="n")
-        if body.get("logprobs"):
-            raise InvalidField("Invalid field 'logprobs': log probabilities are not "
-                               "supported", param="logprobs")
+        top = _top_logprobs(body)
         response_format = _response_format(body.get("response_format"))
         tools = toolcalls.ToolRequest.read(body)
         # What the engine cannot serve (a schema it cannot follow): a 400 before waiting.
         self._engines.check_request(record["engine"], {
             "response_format": response_format, "tools": tools and tools.tools,
-            "tool_choice": body.get("tool_choice")})
+            "tool_choice": body.get("tool_choice"), "logprobs": top})
         if not self._slots.acquire(blocking=False):
             raise ServiceUnavailable(f"Too many chat requests in progress (at most "
                                      f"{self.max_requests}); retry shortly",
@@ -85,7 +93,7 @@ class Chats:
         lease.on_release(self._slots.release)
         try:
             params = _params(body, record, lease.options)
-            params["response_format"] = response_format
+            params["response_format"], params["logprobs"] = response_format, top
             plan = tools and tools.plan(getattr(lease.model, "chat_template", None))
             if plan:
                 params.update(plan.params())
@@ -94,6 +102,10 @@ class Chats:
             if template and not (plan and plan.parses):
                 params["prompt"] = render_template(template, messages)
             generation = lease.model.generate(messages, params)
+            if top is not None and generation.logprobs is None:
+                generation.close()
+                raise InvalidField(f"Invalid field 'logprobs': model {model_id}'s engine "
+                                   f"does not give log probabilities", param="logprobs")
         except BaseException:
             lease.release()
             raise
@@ -105,6 +117,19 @@ class Chats:
             return completion.complete()
         finally:
             completion.close()
+
+
+def _top_logprobs(body: dict) -> int | None:
+    """How many alternatives each token's log-probability comes with (0 to 20); None
+    when the request does not ask for logprobs. top_logprobs needs logprobs: true, as
+    OpenAI's does."""
+    top = body.get("top_logprobs")
+    if not body.get("logprobs"):
+        if top is not None:
+            raise InvalidField("Invalid field 'top_logprobs': it needs \"logprobs\": true",
+                               param="top_logprobs")
+        return None
+    return int(top or 0)  # 3.0 passes the schema as an integer
 
 
 def _message(index: int, message: dict) -> dict:
@@ -224,6 +249,12 @@ class Completion:
         """Text pieces as the scheduler computes them; ModelStopped if the model stops."""
         return self._clock.pieces(self._lease.steps(self.generation))
 
+    def logprobs(self) -> list | None:
+        """The logprobs.content entries of the tokens whose text has gone out since the
+        last call ([] when none); None when the request did not ask for them."""
+        log = self.generation.logprobs
+        return None if log is None else logprobs.chat_content(log.take())
+
     def usage(self) -> dict:
         """OpenAI's usage object."""
         u = self.generation.usage
@@ -250,9 +281,11 @@ class Completion:
                 {"id": call_id, "type": "function",
                  "function": {"name": name, "arguments": arguments}}
                 for call_id, name, arguments in calls]
+        content = self.logprobs()
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.model_id,
-                "choices": [{"index": 0, "message": message, "logprobs": None,
+                "choices": [{"index": 0, "message": message,
+                             "logprobs": _logprobs(content),
                              "finish_reason": self.finish_reason(bool(calls))}],
                 "usage": self.usage()}
 
@@ -276,6 +309,7 @@ class Stream:
     def __init__(self, completion: Completion, include_usage: bool):
         self._completion = completion
         self._include_usage = include_usage
+        self._pending: list = []  # logprobs.content entries the next event carries
 
     def __iter__(self) -> Iterator[bytes]:
         for chunk in self.chunks():
@@ -289,6 +323,7 @@ class Stream:
         yield self._event({"role": "assistant", "content": ""})
         try:
             for piece in completion.pieces():
+                self._took(completion.logprobs())
                 if parser is None:
                     yield self._event({"content": piece})
                 else:
@@ -304,6 +339,7 @@ class Stream:
                          "code": "generation_failed"}
             yield {"error": error}
             return
+        self._took(completion.logprobs())  # tokens whose text came last, or was none
         yield self._event({}, completion.finish_reason(bool(parser and parser.calls)))
         if self._include_usage:
             yield self._chunk([], usage=completion.usage())
@@ -327,8 +363,15 @@ class Stream:
                                          "function": {"arguments": event[2]}}]}
             yield self._event(delta)
 
+    def _took(self, content: list | None) -> None:
+        """Tokens whose text has gone out: the next event carries their logprobs."""
+        if content:
+            self._pending.extend(content)
+
     def _event(self, delta: dict, finish_reason: str | None = None) -> dict:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        content, self._pending = self._pending, []
+        choice = {"index": 0, "delta": delta, "logprobs": _logprobs(content or None),
+                  "finish_reason": finish_reason}
         return self._chunk([choice])
 
     def _chunk(self, choices: list, usage: dict | None = None) -> dict:
@@ -338,6 +381,11 @@ class Stream:
         if self._include_usage:
             chunk["usage"] = usage
         return chunk
+
+
+def _logprobs(content: list | None) -> dict | None:
+    """A choice's logprobs in OpenAI's shape; None when there are none to give."""
+    return None if content is None else {"content": content, "refusal": None}
 
 
 def _sse(data: dict) -> bytes:

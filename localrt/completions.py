@@ -12,12 +12,22 @@ fill-in-the-middle prompt with the model's FIM tokens (`fim_prompt`); a model wi
 them is a 400 naming `suffix`. `echo` puts the prompt's text before the completion.
 The sampling fields are chat's (localrt.chat.SAMPLING): a field left out takes the
 model's stored parameter, and the model's own stop sequences always apply; max_tokens
-defaults to 16, as OpenAI's does. `logprobs` is refused for now, and `n` and `best_of`
-can only be 1. The choices are generated one after another in one turn of the model
-(`Lease.steps` paces their tokens), so a reply with several is as long as their sum.
+defaults to 16, as OpenAI's does. `n` and `best_of` can only be 1. The choices are
+generated one after another in one turn of the model (`Lease.steps` paces their
+tokens), so a reply with several is as long as their sum.
+
+`logprobs` (0 to 20 alternatives) gives each choice OpenAI's legacy object: tokens,
+token_logprobs, top_logprobs (a dict per token of the alternatives and the chosen
+token) and text_offset (characters from the start of the prompt's text, echoed or
+not, as OpenAI counts them); localrt.logprobs computes and writes them. With `echo`
+the prompt's tokens come first, the first with nulls (nothing came before it): the
+engine scores the prompt too (gguf-cpp reads it whole then, without its cached
+prefix); an engine that cannot, or a suffix (the echo is only the prefix), is a 400
+naming logprobs.
+
 Each request is timed and counted in /metrics as chat's are (localrt.metrics.Clock). A
 remote model's request goes whole to localrt.remote, which forwards it to an upstream's
-/v1/completions.
+/v1/completions (its `logprobs` too).
 """
 
 from __future__ import annotations
@@ -27,8 +37,10 @@ import logging
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Iterator
 
+from localrt import logprobs
 from localrt.chat import SAMPLING
 from localrt.errors import InvalidField, ServiceUnavailable
 from localrt.metrics import Clock
@@ -67,13 +79,15 @@ class Completions:
             if body.get(name) not in (None, 1):
                 raise InvalidField(f"Invalid field '{name}': only {name}=1 is supported",
                                    param=name)
-        if body.get("logprobs") is not None:
-            raise InvalidField("Invalid field 'logprobs': log probabilities are not "
-                               "supported yet", param="logprobs")
         prompts = read_prompt(body["prompt"])
         if body.get("suffix") is not None and not all(isinstance(p, str) for p in prompts):
             raise InvalidField("Invalid field 'suffix': a suffix needs a text prompt",
                                param="suffix")
+        if body.get("logprobs") is not None and body.get("echo") and \
+                body.get("suffix") is not None:
+            raise InvalidField("Invalid field 'logprobs': an echoed prompt's log "
+                               "probabilities need a prompt without suffix (the echo is "
+                               "the prefix only)", param="logprobs")
         if not self._slots.acquire(blocking=False):
             raise ServiceUnavailable(f"Too many completion requests in progress (at most "
                                      f"{self.max_requests}); retry shortly",
@@ -91,8 +105,8 @@ class Completions:
                 field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
                 choices.append(_choice(lease.model, model_id, field, prompt, body, params))
         except BaseException:
-            for _, generation in choices:
-                generation.close()
+            for choice in choices:
+                choice.generation.close()
             lease.release()
             raise
         completion = TextCompletion(model_id, choices, lease, clock)
@@ -132,12 +146,15 @@ def _params(body: dict, record: dict, options: dict) -> dict:
     params["stop"] = stops
     if body.get("logit_bias"):
         params["logit_bias"] = body["logit_bias"]
+    if body.get("logprobs") is not None:  # the alternatives; echo scores the prompt too
+        params["logprobs"] = int(body["logprobs"])
+        params["prompt_logprobs"] = bool(body.get("echo"))
     return params
 
 
-def _choice(model, model_id: str, field: str, prompt, body: dict, params: dict):
-    """(the echoed text, the Generation) of one prompt; a 400 naming `field` for a
-    prompt the model cannot take."""
+def _choice(model, model_id: str, field: str, prompt, body: dict, params: dict) -> "Choice":
+    """One prompt's Choice; a 400 naming `field` for a prompt the model cannot take,
+    and one naming logprobs when its engine cannot give what they ask."""
     params = dict(params)
     suffix, tokens = body.get("suffix"), None
     if suffix is not None:
@@ -175,13 +192,52 @@ def _choice(model, model_id: str, field: str, prompt, body: dict, params: dict):
         params["prompt_tokens"] = tokens
     # Engines that honour params["prompt"] never read the messages; others chat it.
     generation = model.generate([{"role": "user", "content": text}], params)
-    return (text if body.get("echo") else ""), generation
+    log = generation.logprobs
+    if params.get("logprobs") is not None and (
+            log is None or (params["prompt_logprobs"] and not log.scores_prompt)):
+        generation.close()
+        what = "an echoed prompt's log" if log is not None else "log"
+        raise InvalidField(f"Invalid field 'logprobs': model {model_id}'s engine does not "
+                           f"give {what} probabilities", param="logprobs")
+    return Choice(text if body.get("echo") else "", text, generation)
+
+
+@dataclass
+class Choice:
+    """One prompt's completion: the text it echoes ("" without echo), the prompt's text
+    (logprobs' text_offset counts from its start, echoed or not, as OpenAI's), and its
+    Generation."""
+
+    echo: str
+    prompt: str
+    generation: object
+
+    def logprobs(self) -> dict | None:
+        """The legacy logprobs object of the tokens whose text went out since the last
+        call; None when not asked for."""
+        log = self.generation.logprobs
+        return None if log is None else logprobs.legacy(log.take(), len(self.prompt))
+
+    def echoed(self) -> dict | None:
+        """The legacy logprobs object of the echoed prompt's tokens (its first has
+        nulls), once the prompt is read; None when not asked for, or not echoed."""
+        log = self.generation.logprobs
+        if log is None or not self.echo:
+            return None
+        return logprobs.legacy(log.prompt(self.echo))
+
+    def all_logprobs(self) -> dict | None:
+        """The echoed prompt's and then the reply's: a whole reply's logprobs object."""
+        echoed, out = self.echoed(), self.logprobs()
+        if echoed is None or out is None:
+            return out
+        return {key: echoed[key] + out[key] for key in out}
 
 
 class TextCompletion:
-    """One completion request: its id, its choices ((echo, Generation) pairs, read one
-    after another), the lease it holds, and the `Clock` it is timed on (its first
-    piece is the time to first token; all choices' tokens are counted)."""
+    """One completion request: its id, its Choices (read one after another), the lease
+    it holds, and the `Clock` it is timed on (its first piece is the time to first
+    token; all choices' tokens are counted)."""
 
     def __init__(self, model_id: str, choices: list, lease: Lease, clock: Clock | None = None):
         self.id = f"cmpl-{uuid.uuid4().hex}"
@@ -200,18 +256,20 @@ class TextCompletion:
 
     def usage(self) -> dict:
         """OpenAI's usage object, over every choice."""
-        prompt = sum(g.usage["prompt_tokens"] for _, g in self.choices)
-        completion = sum(g.usage["completion_tokens"] for _, g in self.choices)
+        prompt = sum(c.generation.usage["prompt_tokens"] for c in self.choices)
+        completion = sum(c.generation.usage["completion_tokens"] for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
     def complete(self) -> dict:
         """The whole reply as a text_completion."""
         choices = []
-        for i, (echo, generation) in enumerate(self.choices):
-            text = echo + "".join(self.pieces(generation))
+        for i, choice in enumerate(self.choices):
+            generation = choice.generation
+            text = choice.echo + "".join(self.pieces(generation))
             generation.close()  # its sequence is done; the next choice's starts
-            choices.append({"text": text, "index": i, "logprobs": None,
+            choices.append({"text": text, "index": i,
+                            "logprobs": choice.all_logprobs(),
                             "finish_reason": generation.finish_reason or "stop"})
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model_id, "choices": choices, "usage": self.usage()}
@@ -220,8 +278,8 @@ class TextCompletion:
         """Stop generating (if still going), give the model to the next request, and
         count the completion."""
         try:
-            for _, generation in self.choices:
-                generation.close()
+            for choice in self.choices:
+                choice.generation.close()
         finally:
             try:
                 self._lease.release()
@@ -235,7 +293,9 @@ class Stream:
 
     Each choice sends its echo (when asked), its pieces, then an empty text with its
     finish_reason; with stream_options.include_usage a last chunk with no choices
-    carries the usage, as chat's does.
+    carries the usage, as chat's does. With logprobs each chunk carries those of the
+    tokens whose text it sends (the echo's: the prompt's, known once the prompt is
+    read, so the echo waits for the first piece), the last one those left.
     """
 
     content_type = "text/event-stream"
@@ -247,13 +307,8 @@ class Stream:
     def __iter__(self) -> Iterator[bytes]:
         completion = self._completion
         try:
-            for i, (echo, generation) in enumerate(completion.choices):
-                if echo:
-                    yield self._event(i, echo)
-                for piece in completion.pieces(generation):
-                    yield self._event(i, piece)
-                generation.close()
-                yield self._event(i, "", generation.finish_reason or "stop")
+            for i, choice in enumerate(completion.choices):
+                yield from self._choice(i, choice)
         except Exception as exc:
             if isinstance(exc, ModelStopped):
                 error = exc.body()["error"]
@@ -268,12 +323,30 @@ class Stream:
             yield _sse(self._chunk([], usage=completion.usage()))
         yield b"data: [DONE]\n\n"
 
+    def _choice(self, i: int, choice: Choice) -> Iterator[bytes]:
+        generation = choice.generation
+        pieces = iter(self._completion.pieces(generation))
+        if choice.echo:
+            first = None
+            if generation.logprobs is not None:  # the prompt's are known once it is read
+                first = next(pieces, None)
+            yield self._event(i, choice.echo, choice.echoed())
+            if first is not None:
+                yield self._event(i, first, choice.logprobs())
+        for piece in pieces:
+            yield self._event(i, piece, choice.logprobs())
+        generation.close()
+        yield self._event(i, "", choice.logprobs(), generation.finish_reason or "stop")
+
     def close(self) -> None:
         """Called by the server when the reply ends or the client goes away."""
         self._completion.close()
 
-    def _event(self, index: int, text: str, finish_reason: str | None = None) -> bytes:
-        choice = {"text": text, "index": index, "logprobs": None,
+    def _event(self, index: int, text: str, logprobs: dict | None = None,
+               finish_reason: str | None = None) -> bytes:
+        if logprobs is not None and not logprobs["tokens"]:
+            logprobs = None  # nothing of this chunk's text came from a token
+        choice = {"text": text, "index": index, "logprobs": logprobs,
                   "finish_reason": finish_reason}
         return _sse(self._chunk([choice]))
 

@@ -199,7 +199,8 @@ def test_suffix_needs_fim_tokens(api, tiny):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"logprobs": 1}, "logprobs"),
+    ({"logprobs": 1, "echo": True, "suffix": "x"}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),
     ({"n": 2}, "n"),
     ({"best_of": 3}, "best_of"),
     ({"prompt": "word " * 300}, "prompt"),
