@@ -13,8 +13,13 @@ The model it loads has:
 
   generate(messages, params) -> Generation   an iterator of text pieces, one per token
                                              (or fewer while a stop sequence might be
-                                             starting); `finish_reason` and `usage` are
-                                             set once it is exhausted, `close()` stops it
+                                             starting); `finish_reason`, `usage` and
+                                             `stop_sequence` (the one of params["stop"]
+                                             that ended it) are set once it is
+                                             exhausted, `close()` stops it
+  count_tokens(messages, params) -> int      the prompt's tokens as generate() would
+                                             read them, computing nothing (Anthropic's
+                                             count_tokens; optional)
   chat(messages, params, stream)             the older contract custom engines may keep:
                                              a dict, or an iterator of pieces
   memory() -> {"ram", "vram"[, "kv"]}        bytes, when the engine knows better than
@@ -112,6 +117,7 @@ class Generation:
 
     def __init__(self, prompt_tokens: int, run, on_close=None):
         self.finish_reason: str | None = None
+        self.stop_sequence: str | None = None  # the stop sequence that ended it, if one did
         self.usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0}
         self.wait = None
         self._pieces = run(self)
@@ -138,6 +144,7 @@ class StopText:
     def __init__(self, stops):
         self.stops = [s for s in stops or () if s]
         self.hit = False
+        self.matched: str | None = None  # the stop sequence found, once `hit`
         self._pending = ""
 
     def feed(self, text: str) -> str:
@@ -145,10 +152,11 @@ class StopText:
         if self.hit:
             return ""
         pending = self._pending + text
-        cuts = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
+        cuts = [(i, s) for i, s in ((pending.find(s), s) for s in self.stops) if i >= 0]
         if cuts:
+            cut, self.matched = min(cuts, key=lambda c: c[0])
             self.hit, self._pending = True, ""
-            return pending[:min(cuts)]
+            return pending[:cut]
         hold = 0
         for k in range(min(len(pending), max((len(s) for s in self.stops), default=1) - 1), 0, -1):
             if any(s.startswith(pending[-k:]) for s in self.stops):
@@ -168,8 +176,9 @@ def token_loop(gen: Generation, tokens, *, decode, is_end=lambda token: False,
                exhausted: str = "length") -> Iterator[str]:
     """The text of `tokens` as it comes, cut at a stop sequence, an end token or max_tokens.
 
-    Counts completion tokens in `gen.usage` and sets `gen.finish_reason` at the end;
-    `exhausted` is the finish reason when `tokens` runs out by itself.
+    Counts completion tokens in `gen.usage` and sets `gen.finish_reason` (and
+    `gen.stop_sequence`) at the end; `exhausted` is the finish reason when `tokens` runs
+    out by itself.
     """
     stop, finish = StopText(stops), exhausted
     for token in tokens:
@@ -190,6 +199,7 @@ def token_loop(gen: Generation, tokens, *, decode, is_end=lambda token: False,
     if tail:
         yield tail
     gen.finish_reason = finish
+    gen.stop_sequence = stop.matched if finish == "stop" else None
 
 
 def generation_of_pieces(pieces, params: dict) -> Generation:
@@ -348,15 +358,7 @@ class LlamaModel(GeneratingModel):
 
     def generate(self, messages: list, params: dict) -> Generation:
         """Tokenize and check now; the tokens come as steps compute them."""
-        model = self._model
-        if params.get("prompt_tokens") is not None:  # a completion's own tokens
-            tokens = list(params["prompt_tokens"])
-        else:
-            if params.get("prompt") is not None:
-                text, bos = params["prompt"], model.add_bos_token()
-            else:
-                text, bos = self._format(messages, params.get("tools"))
-            tokens = model.tokenize(text.encode("utf-8"), add_bos=bos, special=True)
+        tokens = self._prompt_tokens(messages, params)
         if not tokens:
             raise InvalidField("Invalid field 'messages': the prompt is empty",
                                param="messages")
@@ -382,6 +384,22 @@ class LlamaModel(GeneratingModel):
         generation = Generation(len(tokens), run, on_close=lambda: batcher.leave(seq))
         generation.wait = self.step
         return generation
+
+    def count_tokens(self, messages: list, params: dict) -> int:
+        """The prompt's tokens as generate() reads them; nothing is computed."""
+        return len(self._prompt_tokens(messages, params))
+
+    def _prompt_tokens(self, messages: list, params: dict) -> list[int]:
+        """The prompt: a completion's own tokens, its prompt text, or the chat template's
+        rendering of the messages (and tools)."""
+        model = self._model
+        if params.get("prompt_tokens") is not None:  # a completion's own tokens
+            return list(params["prompt_tokens"])
+        if params.get("prompt") is not None:
+            text, bos = params["prompt"], model.add_bos_token()
+        else:
+            text, bos = self._format(messages, params.get("tools"))
+        return model.tokenize(text.encode("utf-8"), add_bos=bos, special=True)
 
     def step(self) -> None:
         """One decode for every sequence (localrt.batching.Batcher.step)."""
@@ -817,10 +835,7 @@ class OnnxModel(GeneratingModel):
     def generate(self, messages: list, params: dict) -> Generation:
         """Tokenize and check now; compute token by token as the Generation is read."""
         og, tok = self._og, self._tokenizer
-        prompt = params.get("prompt")
-        if prompt is None:
-            prompt = tok.apply_chat_template(json.dumps(messages), add_generation_prompt=True)
-        ids = tok.encode(prompt)
+        ids = self._prompt_tokens(messages, params)
         room = _check_room(len(ids), self._context)
         max_tokens = min(params.get("max_tokens") or room, room)
         search = {"max_length": len(ids) + max_tokens, "random_seed": _seed(params, 31)}
@@ -850,6 +865,18 @@ class OnnxModel(GeneratingModel):
                                   max_tokens=max_tokens)
 
         return Generation(len(ids), run)
+
+    def count_tokens(self, messages: list, params: dict) -> int:
+        """The prompt's tokens as generate() reads them; nothing is computed."""
+        return len(self._prompt_tokens(messages, params))
+
+    def _prompt_tokens(self, messages: list, params: dict):
+        """The prompt text, or the tokenizer's chat template's rendering, as token ids."""
+        prompt = params.get("prompt")
+        if prompt is None:
+            prompt = self._tokenizer.apply_chat_template(json.dumps(messages),
+                                                         add_generation_prompt=True)
+        return self._tokenizer.encode(prompt)
 
     def unload(self) -> None:
         """Drop the model; onnxruntime frees it with the last reference."""
