@@ -91,7 +91,7 @@ def chat_request(body: dict) -> dict:
     if body.get("stop_sequences"):
         out["stop"] = list(body["stop_sequences"])
     if body.get("tools"):
-        out["tools"] = [_tool(i, tool) for i, tool in enumerate(body["tools"])]
+        out["tools"] = [_tool(tool) for tool in body["tools"]]
     choice = body.get("tool_choice")
     if choice:
         out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(
@@ -182,7 +182,7 @@ def _result_text(content, field: str) -> str:
     return "\n".join(texts)
 
 
-def _tool(index: int, tool: dict) -> dict:
+def _tool(tool: dict) -> dict:
     """An Anthropic (custom) tool as an OpenAI function tool."""
     function = {"name": tool["name"], "parameters": tool["input_schema"]}
     if tool.get("description"):
@@ -241,7 +241,7 @@ def message(completion: dict, body: dict) -> dict:
         choice = completion["choices"][0]
         reply = choice["message"]
         content = []
-        if reply.get("content"):
+        if isinstance(reply.get("content"), str) and reply["content"]:
             content.append({"type": "text", "text": reply["content"]})
         for call in reply.get("tool_calls") or []:
             content.append({"type": "tool_use", "id": tool_use_id(call.get("id")),
