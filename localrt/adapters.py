@@ -13,8 +13,13 @@ The model it loads has:
 
   generate(messages, params) -> Generation   an iterator of text pieces, one per token
                                              (or fewer while a stop sequence might be
-                                             starting); `finish_reason` and `usage` are
-                                             set once it is exhausted, `close()` stops it
+                                             starting); `finish_reason`, `usage` and
+                                             `stop_sequence` (the one of params["stop"]
+                                             that ended it) are set once it is
+                                             exhausted, `close()` stops it
+  count_tokens(messages, params) -> int      the prompt's tokens as generate() would
+                                             read them, computing nothing (Anthropic's
+                                             count_tokens; optional)
   chat(messages, params, stream)             the older contract custom engines may keep:
                                              a dict, or an iterator of pieces
   memory() -> {"ram", "vram"[, "kv"]}        bytes, when the engine knows better than
@@ -122,6 +127,7 @@ class Generation:
 
     def __init__(self, prompt_tokens: int, run, on_close=None):
         self.finish_reason: str | None = None
+        self.stop_sequence: str | None = None  # the stop sequence that ended it, if one did
         self.usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0}
         self.wait = None
         self.logprobs = None  # a localrt.logprobs.Log, when asked for and computed
@@ -149,6 +155,7 @@ class StopText:
     def __init__(self, stops):
         self.stops = [s for s in stops or () if s]
         self.hit = False
+        self.matched: str | None = None  # the stop sequence found, once `hit`
         self._pending = ""
 
     def feed(self, text: str) -> str:
@@ -156,10 +163,11 @@ class StopText:
         if self.hit:
             return ""
         pending = self._pending + text
-        cuts = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
+        cuts = [(i, s) for i, s in ((pending.find(s), s) for s in self.stops) if i >= 0]
         if cuts:
+            cut, self.matched = min(cuts, key=lambda c: c[0])
             self.hit, self._pending = True, ""
-            return pending[:min(cuts)]
+            return pending[:cut]
         hold = 0
         for k in range(min(len(pending), max((len(s) for s in self.stops), default=1) - 1), 0, -1):
             if any(s.startswith(pending[-k:]) for s in self.stops):
@@ -179,10 +187,11 @@ def token_loop(gen: Generation, tokens, *, decode, is_end=lambda token: False,
                exhausted: str = "length", scores=None) -> Iterator[str]:
     """The text of `tokens` as it comes, cut at a stop sequence, an end token or max_tokens.
 
-    Counts completion tokens in `gen.usage` and sets `gen.finish_reason` at the end;
-    `exhausted` is the finish reason when `tokens` runs out by itself. With
-    `gen.logprobs` (a localrt.logprobs.Log), `scores(token)` is each token's
-    TokenLogprob, and the log learns which text each token made and what of it is sent.
+    Counts completion tokens in `gen.usage` and sets `gen.finish_reason` (and
+    `gen.stop_sequence`) at the end; `exhausted` is the finish reason when `tokens` runs
+    out by itself. With `gen.logprobs` (a localrt.logprobs.Log), `scores(token)` is each
+    token's TokenLogprob, and the log learns which text each token made and what of it
+    is sent.
     """
     stop, finish, log = StopText(stops), exhausted, gen.logprobs
     decoded = sent = 0  # characters of text decoded, and sent (a prefix of them)
@@ -216,6 +225,7 @@ def token_loop(gen: Generation, tokens, *, decode, is_end=lambda token: False,
     if tail:
         yield tail
     gen.finish_reason = finish
+    gen.stop_sequence = stop.matched if finish == "stop" else None
 
 
 def generation_of_pieces(pieces, params: dict) -> Generation:
@@ -399,15 +409,7 @@ class LlamaModel(GeneratingModel):
 
     def generate(self, messages: list, params: dict) -> Generation:
         """Tokenize and check now; the tokens come as steps compute them."""
-        model = self._model
-        if params.get("prompt_tokens") is not None:  # a completion's own tokens
-            tokens = list(params["prompt_tokens"])
-        else:
-            if params.get("prompt") is not None:
-                text, bos = params["prompt"], model.add_bos_token()
-            else:
-                text, bos = self._format(messages, params.get("tools"))
-            tokens = model.tokenize(text.encode("utf-8"), add_bos=bos, special=True)
+        tokens = self._prompt_tokens(messages, params)
         if not tokens:
             raise InvalidField("Invalid field 'messages': the prompt is empty",
                                param="messages")
@@ -440,6 +442,22 @@ class LlamaModel(GeneratingModel):
                 (lambda: [TokenLogprob(tokens[0], None), *seq.prompt_scores])
                 if seq.prompt_logprobs else None))
         return generation
+
+    def count_tokens(self, messages: list, params: dict) -> int:
+        """The prompt's tokens as generate() reads them; nothing is computed."""
+        return len(self._prompt_tokens(messages, params))
+
+    def _prompt_tokens(self, messages: list, params: dict) -> list[int]:
+        """The prompt: a completion's own tokens, its prompt text, or the chat template's
+        rendering of the messages (and tools)."""
+        model = self._model
+        if params.get("prompt_tokens") is not None:  # a completion's own tokens
+            return list(params["prompt_tokens"])
+        if params.get("prompt") is not None:
+            text, bos = params["prompt"], model.add_bos_token()
+        else:
+            text, bos = self._format(messages, params.get("tools"))
+        return model.tokenize(text.encode("utf-8"), add_bos=bos, special=True)
 
     def step(self) -> None:
         """One decode for every sequence (localrt.batching.Batcher.step)."""
@@ -909,10 +927,7 @@ class OnnxModel(GeneratingModel):
     def generate(self, messages: list, params: dict) -> Generation:
         """Tokenize and check now; compute token by token as the Generation is read."""
         og, tok = self._og, self._tokenizer
-        prompt = params.get("prompt")
-        if prompt is None:
-            prompt = tok.apply_chat_template(json.dumps(messages), add_generation_prompt=True)
-        ids = tok.encode(prompt)
+        ids = self._prompt_tokens(messages, params)
         room = _check_room(len(ids), self._context)
         max_tokens = min(params.get("max_tokens") or room, room)
         search = {"max_length": len(ids) + max_tokens, "random_seed": _seed(params, 31)}
@@ -966,6 +981,18 @@ class OnnxModel(GeneratingModel):
         """A token's text as the tokenizer decodes it alone, as UTF-8 (a token holding
         part of a character decodes as U+FFFD: its bytes are not exact)."""
         return self._tokenizer.decode([token]).encode("utf-8")
+
+    def count_tokens(self, messages: list, params: dict) -> int:
+        """The prompt's tokens as generate() reads them; nothing is computed."""
+        return len(self._prompt_tokens(messages, params))
+
+    def _prompt_tokens(self, messages: list, params: dict):
+        """The prompt text, or the tokenizer's chat template's rendering, as token ids."""
+        prompt = params.get("prompt")
+        if prompt is None:
+            prompt = self._tokenizer.apply_chat_template(json.dumps(messages),
+                                                         add_generation_prompt=True)
+        return self._tokenizer.encode(prompt)
 
     def unload(self) -> None:
         """Drop the model; onnxruntime frees it with the last reference."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 
-from localrt import __version__
+from localrt import __version__, anthropic
 from localrt.errors import Conflict, InvalidField, ServiceUnavailable
 from localrt.events import TooManyListeners
 from localrt.metrics import CONTENT_TYPE
@@ -231,6 +231,31 @@ def embeddings(services: Services, request: Request):
     return services.embeddings.create(request.body)
 
 
+# --- Anthropic's Messages API (localrt.anthropic, on chat) ------------------------------
+
+
+def anthropic_messages(services: Services, request: Request):
+    """Anthropic's Messages API: a message, streamed as Anthropic's Server-Sent Events or not."""
+    body = anthropic.chat_request(request.body)
+    with anthropic.fields_named():
+        # What the translation makes is what chat's route would have let in.
+        services.validators.validate("chat-completion.json", body)
+        result = services.chats.create(body)
+    if isinstance(result, dict):
+        return anthropic.message(result, request.body)
+    return Reply(anthropic.MessageStream(result, request.body),
+                 content_type=anthropic.MessageStream.content_type,
+                 headers=[("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")])
+
+
+def anthropic_count_tokens(services: Services, request: Request):
+    """Anthropic's token count: the prompt's tokens in the model's own chat template."""
+    body = anthropic.count_request(request.body)
+    with anthropic.fields_named():
+        services.validators.validate("chat-completion.json", body)
+        return {"input_tokens": services.chats.count_tokens(body)}
+
+
 # --- engines -------------------------------------------------------------------------
 
 
@@ -379,7 +404,14 @@ ROUTES = (
     Route("POST", "/v1/responses", create_response, "response-create.json", "response"),
     Route("GET", "/v1/responses/{response_id}", get_response, reply="response"),
     Route("DELETE", "/v1/responses/{response_id}", delete_response, reply="response-deleted"),
+    # Anthropic's Messages API (localrt.anthropic)
+    Route("POST", "/v1/messages", anthropic_messages, "anthropic-messages.json",
+          "anthropic-message"),
+    Route("POST", "/v1/messages/count_tokens", anthropic_count_tokens,
+          "anthropic-count-tokens.json", "anthropic-token-count"),
 )
 
 # Route families that speak another API's error shape (see routing.Dialect).
-DIALECTS: tuple[Dialect, ...] = ()
+DIALECTS: tuple[Dialect, ...] = (
+    Dialect("/v1/messages", anthropic.error_body, "anthropic-error"),
+)

@@ -28,7 +28,9 @@ log = logging.getLogger(__name__)
 MAX_BODY = 1024 * 1024  # bytes; larger request bodies get a 413
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 PREFLIGHT_MAX_AGE = "600"
-ALLOWED_REQUEST_HEADERS = "Content-Type, Authorization"
+# Anthropic's clients send their key as x-api-key, with anthropic-version (and -beta).
+ALLOWED_REQUEST_HEADERS = ("Content-Type, Authorization, X-Api-Key, Anthropic-Version, "
+                           "Anthropic-Beta")
 
 
 class App:
@@ -105,10 +107,12 @@ class App:
         keys = self.services.settings["apiKeys"]
         # A browser never sends credentials with a preflight, so it cannot need a key.
         if keys and path not in security.OPEN_PATHS and not preflight and \
-                not security.key_accepted(environ.get("HTTP_AUTHORIZATION"), keys):
+                not security.key_accepted(environ.get("HTTP_AUTHORIZATION"), keys,
+                                          environ.get("HTTP_X_API_KEY")):
+            sent = environ.get("HTTP_AUTHORIZATION") or environ.get("HTTP_X_API_KEY")
             raise Unauthorized("An API key is required: send 'Authorization: Bearer <key>' "
-                               "with a key from apiKeys (or LOCALRT_API_KEY)"
-                               if not environ.get("HTTP_AUTHORIZATION") else
+                               "(or 'x-api-key: <key>') with a key from apiKeys (or "
+                               "LOCALRT_API_KEY)" if not sent else
                                "The API key was not accepted",
                                headers=[("WWW-Authenticate", 'Bearer realm="localrt"')])
         if method == "OPTIONS":

@@ -4,6 +4,9 @@
 returns either the chat.completion dict or a `Stream` of Server-Sent Events. Every
 check that can fail happens before either is returned, so a streamed reply never
 starts with an error: only a failure in the middle of generating ends up inside it.
+`Chats.count_tokens(body)` gives the token count of the prompt create() would read.
+A choice that a stop sequence ended names it as `stop_reason` (vLLM's field), so
+localrt.anthropic can give Anthropic's stop_sequence.
 
 This module keeps only OpenAI's shapes: the engine checks what it can serve
 (localrt.engines), the scheduler gives the model and paces its tokens
@@ -33,7 +36,7 @@ import uuid
 from typing import Iterator
 
 from localrt import logprobs, toolcalls
-from localrt.errors import InvalidField, ServiceUnavailable
+from localrt.errors import InvalidField, ServiceUnavailable, UpstreamError
 from localrt.metrics import Clock
 from localrt.scheduler import Lease, ModelStopped, Scheduler
 
@@ -81,26 +84,10 @@ class Chats:
         self._engines.check_request(record["engine"], {
             "response_format": response_format, "tools": tools and tools.tools,
             "tool_choice": body.get("tool_choice"), "logprobs": top})
-        if not self._slots.acquire(blocking=False):
-            raise ServiceUnavailable(f"Too many chat requests in progress (at most "
-                                     f"{self.max_requests}); retry shortly",
-                                     headers=[("Retry-After", "1")])
+        lease = self._lease(model_id)
         try:
-            lease = self._scheduler.lease(model_id)
-        except BaseException:
-            self._slots.release()
-            raise
-        lease.on_release(self._slots.release)
-        try:
-            params = _params(body, record, lease.options)
+            params, plan = _prompt_params(body, record, lease, messages, tools)
             params["response_format"], params["logprobs"] = response_format, top
-            plan = tools and tools.plan(getattr(lease.model, "chat_template", None))
-            if plan:
-                params.update(plan.params())
-            template = lease.options.get("prompt_template")
-            # A prompt_template cannot show tools: calls need the model's own template.
-            if template and not (plan and plan.parses):
-                params["prompt"] = render_template(template, messages)
             generation = lease.model.generate(messages, params)
             if top is not None and generation.logprobs is None:
                 generation.close()
@@ -117,6 +104,63 @@ class Chats:
             return completion.complete()
         finally:
             completion.close()
+
+    def count_tokens(self, body: dict) -> int:
+        """How many tokens the prompt of a chat request is, rendered as create() renders
+        it, without generating (Anthropic's count_tokens). The model starts if it is
+        not running; a remote model's count is the prompt_tokens of a one-token reply."""
+        model_id = body["model"]
+        record = self._registry.get(model_id)
+        if self._engines.forwards(record["engine"]):
+            reply = self._remotes.forward(record, {**body, "stream": False, "max_tokens": 1},
+                                          self._slots)
+            usage = reply.get("usage") if isinstance(reply, dict) else None
+            count = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+            if not isinstance(count, int):
+                raise UpstreamError(f"The upstream of remote model {model_id} did not say "
+                                    f"how many tokens the prompt is (usage.prompt_tokens)")
+            return count
+        messages = [_message(i, m) for i, m in enumerate(body["messages"])]
+        tools = toolcalls.ToolRequest.read(body)
+        lease = self._lease(model_id)
+        try:
+            count = getattr(lease.model, "count_tokens", None)
+            if count is None:
+                raise InvalidField(f"Invalid field 'model': the engine of {model_id} "
+                                   f"({record['engine']}) cannot count tokens", param="model")
+            params, _ = _prompt_params(body, record, lease, messages, tools)
+            return count(messages, params)
+        finally:
+            lease.release()
+
+    def _lease(self, model_id: str) -> Lease:
+        """A turn on the model (started if it is not running), counted among the chats
+        in progress until its release; a 503 when there are too many."""
+        if not self._slots.acquire(blocking=False):
+            raise ServiceUnavailable(f"Too many chat requests in progress (at most "
+                                     f"{self.max_requests}); retry shortly",
+                                     headers=[("Retry-After", "1")])
+        try:
+            lease = self._scheduler.lease(model_id)
+        except BaseException:
+            self._slots.release()
+            raise
+        lease.on_release(self._slots.release)
+        return lease
+
+
+def _prompt_params(body: dict, record: dict, lease: Lease, messages: list, tools):
+    """(params, plan): the generation's parameters from the request, the model's stored
+    ones and the leased model's template, and the tool plan (None without tools)."""
+    params = _params(body, record, lease.options)
+    plan = tools and tools.plan(getattr(lease.model, "chat_template", None))
+    if plan:
+        params.update(plan.params())
+    template = lease.options.get("prompt_template")
+    # A prompt_template cannot show tools: calls need the model's own template.
+    if template and not (plan and plan.parses):
+        params["prompt"] = render_template(template, messages)
+    return params, plan
 
 
 def _top_logprobs(body: dict) -> int | None:
@@ -282,12 +326,16 @@ class Completion:
                  "function": {"name": name, "arguments": arguments}}
                 for call_id, name, arguments in calls]
         content = self.logprobs()
+        choice = {"index": 0, "message": message, "logprobs": _logprobs(content),
+                  "finish_reason": self.finish_reason(bool(calls)), **self.stop_reason()}
         return {"id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.model_id,
-                "choices": [{"index": 0, "message": message,
-                             "logprobs": _logprobs(content),
-                             "finish_reason": self.finish_reason(bool(calls))}],
-                "usage": self.usage()}
+                "model": self.model_id, "choices": [choice], "usage": self.usage()}
+
+    def stop_reason(self) -> dict:
+        """{"stop_reason": the stop sequence} when one ended the reply (vLLM's field, which
+        Anthropic's stop_sequence is made from), else {}."""
+        matched = getattr(self.generation, "stop_sequence", None)  # custom engines may lack it
+        return {"stop_reason": matched} if matched is not None else {}
 
     def close(self) -> None:
         """Stop generating (if still going), give the model to the next request, and
@@ -316,9 +364,15 @@ class Stream:
             yield _sse(chunk)
         yield b"data: [DONE]\n\n"
 
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt's tokens, known before the first chunk (Anthropic's message_start
+        gives them)."""
+        return self._completion.generation.usage["prompt_tokens"]
+
     def chunks(self) -> Iterator[dict]:
         """The reply as chat.completion.chunk dicts; one {"error": ...} dict ends a reply
-        that failed part way. The other dialects (localrt.dialects) translate these."""
+        that failed part way. The other dialects (localrt.anthropic, ...) translate these."""
         completion, parser = self._completion, self._completion.parser
         yield self._event({"role": "assistant", "content": ""})
         try:
@@ -340,7 +394,9 @@ class Stream:
             yield {"error": error}
             return
         self._took(completion.logprobs())  # tokens whose text came last, or was none
-        yield self._event({}, completion.finish_reason(bool(parser and parser.calls)))
+        last = self._event({}, completion.finish_reason(bool(parser and parser.calls)))
+        last["choices"][0].update(completion.stop_reason())
+        yield last
         if self._include_usage:
             yield self._chunk([], usage=completion.usage())
 

@@ -18,11 +18,13 @@ from localrt.routing import dialect_of
 _PARAM = re.compile(r"\{(\w+)(?::path)?\}")
 # Routes whose 200 reply is a stream of Server-Sent Events rather than JSON.
 EVENT_STREAMS = {("GET", "/v1/events"), ("POST", "/v1/chat/completions"),
-                 ("POST", "/v1/completions"), ("POST", "/v1/responses")}
+                 ("POST", "/v1/completions"), ("POST", "/v1/responses"),
+                 ("POST", "/v1/messages")}
 # What one event of such a stream is, as OpenAPI 3.1 has `schema` describe each event
 # (and schemathesis reads it): the fields of its lines; `data` is a JSON chunk of the
-# route's reply schema (the -chunk one in replies.json), or [DONE]; /v1/responses sends
-# typed events (`event:` lines; replies.json's response-event) and no [DONE].
+# route's reply schema (the -chunk one in replies.json), or [DONE]; /v1/responses and
+# /v1/messages send typed events (`event:` lines; replies.json's response-event and
+# anthropic-stream-event), /v1/responses without [DONE].
 SERVER_SENT_EVENT = {"type": "object", "properties": {
     "data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
     "retry": {"type": "integer"}}}

@@ -7,7 +7,8 @@ Plain functions over plain data; the app and the server call them.
 - A server bound to any other address must have at least one API key
   (`apiKeys` in the settings file, or $LOCALRT_API_KEY), or it does not start.
 - With keys set, every request but `/healthz` and CORS preflights must carry
-  `Authorization: Bearer <key>`, compared in constant time.
+  `Authorization: Bearer <key>` or `x-api-key: <key>` (what Anthropic's clients
+  send), compared in constant time.
 """
 
 from __future__ import annotations
@@ -49,19 +50,24 @@ def exposure_problem(host: str, keys: Iterable[str]) -> str | None:
             f"it as 'Authorization: Bearer <key>'")
 
 
-def key_accepted(authorization: str | None, keys: Iterable[str]) -> bool:
-    """Whether an Authorization header carries one of `keys`.
+def key_accepted(authorization: str | None, keys: Iterable[str],
+                 api_key: str | None = None) -> bool:
+    """Whether an Authorization header (`Bearer <key>`) or an x-api-key header
+    (`api_key`) carries one of `keys`.
 
     Every key is compared, each in constant time, so neither the answer's
     timing nor which key matched tells an attacker how close a guess was.
     """
+    presented = []
     scheme, _, token = (authorization or "").strip().partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    token_bytes = token.strip().encode("utf-8")
+    if scheme.lower() == "bearer":
+        presented.append(token.strip().encode("utf-8"))
+    if api_key is not None:
+        presented.append(api_key.strip().encode("utf-8"))
     found = False
-    for key in keys:
-        found |= hmac.compare_digest(token_bytes, key.encode("utf-8"))
+    for candidate in presented:
+        for key in keys:
+            found |= hmac.compare_digest(candidate, key.encode("utf-8"))
     return found
 
 

@@ -379,6 +379,10 @@ def test_install_onnx_runtime_and_generate(api, app, index, settings, tmp_path,
     assert r.json["choices"][0]["message"]["content"] == out["content"]
     assert r.json["usage"]["completion_tokens"] == 8
     assert r.json["choices"][0]["finish_reason"] == "length"
+    # Anthropic's count_tokens reads the same prompt, without generating.
+    count = api("POST", "/v1/messages/count_tokens", {"model": "tiny-onnx",
+                                                      "messages": messages})
+    assert count.json == {"input_tokens": r.json["usage"]["prompt_tokens"]}
     r = api("POST", "/v1/chat/completions", {**body, "stream": True})
     chunks = [json.loads(b[6:]) for b in r.body.decode().split("\n\n")
               if b.startswith("data: {")]

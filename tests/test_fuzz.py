@@ -10,7 +10,8 @@ is the hub emulator and its package index an empty loopback index, so nothing
 reaches the internet whatever a generated request asks for.
 
 A generated model id is never a model the server has, so the routes that run a model
-(completions, embeddings and responses) are fuzzed once more against a server with models, their
+(completions, embeddings, responses, Anthropic's messages and count_tokens) are
+fuzzed once more against a server with models, their
 `model` fixed to one of them in the document: every other field is generated.
 """
 
@@ -28,8 +29,10 @@ from hypothesis import HealthCheck, given, settings
 from pkgindex import PackageIndex
 from schemathesis import checks
 
-from localrt.api import ROUTES
+from localrt.api import DIALECTS, ROUTES
 from localrt.openapi import document_path
+from localrt.routing import dialect_of
+from localrt.schemas import Validators
 
 FUZZ_EXAMPLES = int(os.environ.get("LOCALRT_FUZZ_EXAMPLES", "25"))
 
@@ -85,10 +88,19 @@ CASES = [(m, p, mode) for m, p in OPERATIONS for mode in ("positive", "negative"
          if (mode == "positive" and (m, p) not in ONLY_NEGATIVE) or (m, p) in BREAKABLE]
 
 
+VALIDATORS = Validators()
+
+
 def error_json_on_4xx(ctx, response, case):
-    """Every 4xx is JSON with the error body: a message, and an error object with a code."""
+    """Every 4xx is JSON with the error body: a message, and an error object with a code;
+    under a dialect's prefix (api.DIALECTS), that API's error body."""
     if 400 <= response.status_code < 500:
         body = response.json()
+        dialect = dialect_of(case.path, DIALECTS)
+        if dialect is not None:
+            problems = VALIDATORS.reply_errors(dialect.error_reply, body)
+            assert not problems, (body, problems)
+            return
         assert isinstance(body.get("message"), str) and body["message"], body
         assert isinstance(body.get("error"), dict) and body["error"].get("code"), body
 
@@ -142,7 +154,9 @@ def _remove_remote_models(api_schema):
 
 # Routes that run a model, and the model each is fuzzed with (test_fuzz_with_a_model).
 WITH_A_MODEL = {"/v1/completions": ("completion", "tiny"), "/v1/embeddings": ("embedding", "bert"),
-                "/v1/responses": ("response-create", "tiny")}
+                "/v1/responses": ("response-create", "tiny"),
+                "/v1/messages": ("anthropic-messages", "tiny"),
+                "/v1/messages/count_tokens": ("anthropic-count-tokens", "tiny")}
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +175,7 @@ def model_schema(tmp_path_factory):
                                ("bert", write_bert_gguf(weights / "bert.gguf"))):
             _send_to(srv.url, "POST", "/v1/models/import", {"path": str(path), "id": model_id})
         _send_to(srv.url, "PATCH", "/v1/models/tiny", {"ctx_len": 64})
-        doc = openapi.document(ROUTES)
+        doc = openapi.document(ROUTES, DIALECTS)
         components = doc["components"]["schemas"]
         for schema, model_id in WITH_A_MODEL.values():
             components[schema]["properties"]["model"] = {"const": model_id}

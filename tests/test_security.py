@@ -100,6 +100,11 @@ def test_key_comparison():
     assert not security.key_accepted(f"Bearer {KEY}", [])
     assert not security.key_accepted("Bearer ключ", ["ключ2"])
     assert security.key_accepted("Bearer ключ", ["ключ"])
+    # x-api-key, as Anthropic's clients send it, alone or beside a wrong bearer.
+    assert security.key_accepted(None, [KEY], KEY)
+    assert security.key_accepted("Bearer wrong", [KEY], f" {KEY} ")
+    assert not security.key_accepted(None, [KEY], "wrong")
+    assert not security.key_accepted(None, [], "")
 
 
 # --- binding -----------------------------------------------------------------------
