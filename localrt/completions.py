@@ -225,6 +225,13 @@ class Stream:
         self._include_usage = include_usage
 
     def __iter__(self) -> Iterator[bytes]:
+        for chunk in self.chunks():
+            yield _sse(chunk)
+        yield b"data: [DONE]\n\n"
+
+    def chunks(self) -> Iterator[dict]:
+        """The reply as text_completion chunk dicts; one {"error": ...} dict ends a reply
+        that failed part way. Ollama's /api/generate (localrt.ollama) translates these."""
         completion = self._completion
         try:
             for i, (echo, generation) in enumerate(completion.choices):
@@ -241,21 +248,19 @@ class Stream:
                 log.exception("generation failed in a stream of %s", completion.model_id)
                 error = {"message": f"Generation failed: {exc}", "type": "server_error",
                          "code": "generation_failed"}
-            yield _sse({"error": error})
-            yield b"data: [DONE]\n\n"
+            yield {"error": error}
             return
         if self._include_usage:
-            yield _sse(self._chunk([], usage=completion.usage()))
-        yield b"data: [DONE]\n\n"
+            yield self._chunk([], usage=completion.usage())
 
     def close(self) -> None:
         """Called by the server when the reply ends or the client goes away."""
         self._completion.close()
 
-    def _event(self, index: int, text: str, finish_reason: str | None = None) -> bytes:
+    def _event(self, index: int, text: str, finish_reason: str | None = None) -> dict:
         choice = {"text": text, "index": index, "logprobs": None,
                   "finish_reason": finish_reason}
-        return _sse(self._chunk([choice]))
+        return self._chunk([choice])
 
     def _chunk(self, choices: list, usage: dict | None = None) -> dict:
         c = self._completion
