@@ -345,6 +345,28 @@ def test_a_body_that_is_not_json(api):
     assert r.status == 415 and "application/json" in r.json["error"]
 
 
+def test_keys_host_checks_and_size_limits_hold_here_too(home):
+    from localrt import settings as settings_mod
+    from localrt.app import create_app
+
+    (home / ".localrtrc").write_text("apiKeys: [sk-ollama-0123456789]\n")
+    app = create_app(settings_mod.load())
+    try:
+        r = call(app, "GET", "/api/tags")
+        assert r.status == 401 and "Authorization: Bearer" in r.json["error"]
+        assert r.headers["www-authenticate"].startswith("Bearer")
+        key = {"Authorization": "Bearer sk-ollama-0123456789"}
+        assert call(app, "GET", "/api/tags", headers=key).json == {"models": []}
+        r = call(app, "GET", "/api/version", headers={**key, "Host": "evil.example"})
+        assert r.status == 403 and "evil.example" in r.json["error"]
+        big = json.dumps({"model": "tiny", "prompt": "a" * (1 << 20)}).encode()
+        r = call(app, "POST", "/api/generate", body=big,
+                 headers={**key, "Content-Type": "application/json"})
+        assert r.status == 413 and set(r.json) == {"error"}
+    finally:
+        app.close()
+
+
 def test_the_openapi_document_has_the_routes_and_their_shapes(app):
     doc = call(app, "GET", "/openapi.json").json
     for method, path in (("get", "/api/tags"), ("post", "/api/show"), ("get", "/api/ps"),
