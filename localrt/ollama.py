@@ -328,7 +328,7 @@ class Translation:
     def __init__(self, name: str, chunks: Iterator[dict], timer: Timer, chat: bool,
                  texts: bool = False):
         self.name, self.chat, self.texts = name, chat, texts
-        self._chunks, self._timer = chunks, timer
+        self._chunks, self.timer = chunks, timer
         self.usage: dict = {}
         self.finish = "stop"
         self.error_code: str | None = None  # the code of the error a broken reply ended with
@@ -349,7 +349,7 @@ class Translation:
             for choice in chunk.get("choices") or []:
                 text, deltas = self._read(choice)
                 for delta in deltas:
-                    self._timer.mark("first")
+                    self.timer.mark("first")
                     index = delta.get("index", 0)
                     if index not in calls:
                         yield from self._calls(calls)
@@ -357,14 +357,14 @@ class Translation:
                         calls[index] = [delta.get("id"), function.get("name", ""), ""]
                     calls[index][2] += (delta.get("function") or {}).get("arguments") or ""
                 if text:
-                    self._timer.mark("first")
+                    self.timer.mark("first")
                     yield from self._calls(calls)
                     yield self._piece(text)
                 if choice.get("finish_reason"):
                     reason = choice["finish_reason"]
                     self.finish = "length" if reason == "length" else "stop"
         yield from self._calls(calls)
-        self._timer.mark("end")
+        self.timer.mark("end")
         yield self.final()
 
     def whole(self) -> dict:
@@ -396,7 +396,7 @@ class Translation:
         obj = self._object("", done=True)
         obj["done_reason"] = reason or self.finish
         if stats:
-            obj.update(self._timer.stats(self.usage))
+            obj.update(self.timer.stats(self.usage))
         return obj
 
     def _read(self, choice: dict) -> tuple[str, list]:
@@ -472,8 +472,7 @@ def chat(services, body: dict):
     """POST /api/chat: Lines, or one dict with stream false (or for no messages)."""
     name, model_id, record, keep, timer = _begin(services, body)
     if not body.get("messages"):
-        return _load(services, record, body, keep, Translation(name, iter(()), timer, True),
-                     timer)
+        return _load(services, record, body, keep, Translation(name, iter(()), timer, True))
     request = chat_request(model_id, body)
     return _run(services, record, body, keep, timer, services.chats.create, request,
                 lambda chunks: Translation(name, chunks, timer, True))
@@ -483,8 +482,7 @@ def generate(services, body: dict):
     """POST /api/generate: Lines, or one dict with stream false (or for no prompt)."""
     name, model_id, record, keep, timer = _begin(services, body)
     if not body.get("prompt"):
-        return _load(services, record, body, keep, Translation(name, iter(()), timer, False),
-                     timer)
+        return _load(services, record, body, keep, Translation(name, iter(()), timer, False))
     kind, request = generate_request(model_id, body, record)
     create = services.chats.create if kind == "chat" else services.completions.create
     return _run(services, record, body, keep, timer, create, request,
@@ -539,13 +537,13 @@ def _start(services, record: dict, options: dict, timer: Timer) -> None:
     timer.load = time.monotonic_ns() - began
 
 
-def _load(services, record: dict, body: dict, keep, translation: Translation,
-          timer: Timer) -> dict:
-    """A request with nothing to generate: load the model, or with keep_alive 0 unload it."""
+def _load(services, record: dict, body: dict, keep, translation: Translation) -> dict:
+    """A request with nothing to generate: load the model, or with keep_alive 0 unload it
+    (`translation`, of no chunks, writes the one object)."""
     if keep == 0:
         services.scheduler.keep_for(record["id"], 0)
         return translation.final("unload", stats=False)
-    _start(services, record, start_options(body.get("options"), record), timer)
+    _start(services, record, start_options(body.get("options"), record), translation.timer)
     services.scheduler.keep_for(record["id"], keep)
     return translation.final("load", stats=False)
 
