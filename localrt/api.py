@@ -3,14 +3,15 @@
 Handlers take (services, request) and return JSON-able data or a Reply.
 They raise localrt.errors exceptions; they never build error responses.
 If you add a route, also document it in README.rst (and its CLI command in
-man/localrt.1); its request schema goes in schemas/.
+man/localrt.1); its request schema goes in schemas/. Ollama's routes (under /api/)
+translate in localrt.ollama; their errors take Ollama's shape (DIALECTS).
 """
 
 from __future__ import annotations
 
 import threading
 
-from localrt import __version__, anthropic
+from localrt import __version__, anthropic, ollama
 from localrt.errors import Conflict, InvalidField, ServiceUnavailable
 from localrt.events import TooManyListeners
 from localrt.metrics import CONTENT_TYPE
@@ -349,6 +350,62 @@ def delete_response(services: Services, request: Request):
     return services.responses.delete(request.params["response_id"])
 
 
+# --- Ollama's API, under /api/ (localrt.ollama translates) -------------------------
+
+
+def ollama_version(services: Services, request: Request):
+    """Ollama's version: the Ollama release whose API localrt follows."""
+    return ollama.version()
+
+
+def ollama_tags(services: Services, request: Request):
+    """Ollama's list of the downloaded models."""
+    return ollama.tags(services)
+
+
+def ollama_ps(services: Services, request: Request):
+    """Ollama's list of the running models."""
+    return ollama.ps(services)
+
+
+def ollama_show(services: Services, request: Request):
+    """Ollama's model information: Modelfile, parameters, template, details, GGUF metadata."""
+    return ollama.show(services, request.body)
+
+
+def ollama_chat(services: Services, request: Request):
+    """Ollama's chat, streamed as newline-delimited JSON or not."""
+    return _ollama_reply(ollama.chat(services, request.body))
+
+
+def ollama_generate(services: Services, request: Request):
+    """Ollama's completion of a prompt, streamed as newline-delimited JSON or not."""
+    return _ollama_reply(ollama.generate(services, request.body))
+
+
+def ollama_embed(services: Services, request: Request):
+    """Ollama's embeddings: one vector per input."""
+    return ollama.embed(services, request.body)
+
+
+def ollama_pull(services: Services, request: Request):
+    """Ollama's pull: a download from the model hub, its progress streamed or not."""
+    return _ollama_reply(ollama.pull(services, request.body))
+
+
+def ollama_delete(services: Services, request: Request):
+    """Ollama's delete: a model's files and definition (stopped first if it runs)."""
+    return ollama.delete(services, request.body)
+
+
+def _ollama_reply(result):
+    """A dict as it is; newline-delimited JSON (ollama.Lines) as a streamed reply."""
+    if isinstance(result, ollama.Lines):
+        return Reply(result, content_type=result.content_type,
+                     headers=[("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")])
+    return result
+
+
 # Fixed paths come before `{model_id:path}` ones: model ids hold "/" and ":".
 ROUTES = (
     Route("GET", "/healthz", healthz, reply="health"),
@@ -409,9 +466,20 @@ ROUTES = (
           "anthropic-message"),
     Route("POST", "/v1/messages/count_tokens", anthropic_count_tokens,
           "anthropic-count-tokens.json", "anthropic-token-count"),
+    # Ollama's API (localrt.ollama), under /api/: its errors take Ollama's shape (DIALECTS)
+    Route("GET", "/api/version", ollama_version, reply="ollama-version"),
+    Route("GET", "/api/tags", ollama_tags, reply="ollama-tags"),
+    Route("GET", "/api/ps", ollama_ps, reply="ollama-ps"),
+    Route("POST", "/api/show", ollama_show, "ollama-model.json", "ollama-show"),
+    Route("POST", "/api/chat", ollama_chat, "ollama-chat.json", "ollama-chat"),
+    Route("POST", "/api/generate", ollama_generate, "ollama-generate.json", "ollama-generate"),
+    Route("POST", "/api/embed", ollama_embed, "ollama-embed.json", "ollama-embed"),
+    Route("POST", "/api/pull", ollama_pull, "ollama-pull.json", "ollama-status"),
+    Route("DELETE", "/api/delete", ollama_delete, "ollama-model.json", "ollama-status"),
 )
 
 # Route families that speak another API's error shape (see routing.Dialect).
 DIALECTS: tuple[Dialect, ...] = (
     Dialect("/v1/messages", anthropic.error_body, "anthropic-error"),
+    Dialect("/api/", ollama.error_body, "ollama-error"),
 )

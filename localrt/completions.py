@@ -305,6 +305,13 @@ class Stream:
         self._include_usage = include_usage
 
     def __iter__(self) -> Iterator[bytes]:
+        for chunk in self.chunks():
+            yield _sse(chunk)
+        yield b"data: [DONE]\n\n"
+
+    def chunks(self) -> Iterator[dict]:
+        """The reply as text_completion chunk dicts; one {"error": ...} dict ends a reply
+        that failed part way. Ollama's /api/generate (localrt.ollama) translates these."""
         completion = self._completion
         try:
             for i, choice in enumerate(completion.choices):
@@ -316,14 +323,12 @@ class Stream:
                 log.exception("generation failed in a stream of %s", completion.model_id)
                 error = {"message": f"Generation failed: {exc}", "type": "server_error",
                          "code": "generation_failed"}
-            yield _sse({"error": error})
-            yield b"data: [DONE]\n\n"
+            yield {"error": error}
             return
         if self._include_usage:
-            yield _sse(self._chunk([], usage=completion.usage()))
-        yield b"data: [DONE]\n\n"
+            yield self._chunk([], usage=completion.usage())
 
-    def _choice(self, i: int, choice: Choice) -> Iterator[bytes]:
+    def _choice(self, i: int, choice: Choice) -> Iterator[dict]:
         generation = choice.generation
         pieces = iter(self._completion.pieces(generation))
         if choice.echo:
@@ -343,12 +348,12 @@ class Stream:
         self._completion.close()
 
     def _event(self, index: int, text: str, logprobs: dict | None = None,
-               finish_reason: str | None = None) -> bytes:
+               finish_reason: str | None = None) -> dict:
         if logprobs is not None and not logprobs["tokens"]:
             logprobs = None  # nothing of this chunk's text came from a token
         choice = {"text": text, "index": index, "logprobs": logprobs,
                   "finish_reason": finish_reason}
-        return _sse(self._chunk([choice]))
+        return self._chunk([choice])
 
     def _chunk(self, choices: list, usage: dict | None = None) -> dict:
         c = self._completion

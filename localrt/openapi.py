@@ -28,6 +28,13 @@ EVENT_STREAMS = {("GET", "/v1/events"), ("POST", "/v1/chat/completions"),
 SERVER_SENT_EVENT = {"type": "object", "properties": {
     "data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
     "retry": {"type": "integer"}}}
+# Routes whose 200 reply is newline-delimited JSON unless the request asks for one
+# object (Ollama's "stream": false), and the replies.json `$defs` entry each line is;
+# the document gives such a stream as the array of its lines.
+NDJSON_STREAMS = {("POST", "/api/chat"): "ollama-chat-line",
+                  ("POST", "/api/generate"): "ollama-generate-line",
+                  ("POST", "/api/pull"): "ollama-status-line"}
+NDJSON = "application/x-ndjson"
 # Routes whose 200 reply is text, by its media type.
 TEXT_REPLIES = {("GET", "/metrics"): "text/plain; version=0.0.4"}
 
@@ -88,6 +95,13 @@ def _success(route) -> dict:
         if route.reply:  # JSON unless the request asked for a stream
             content["application/json"] = body
         return {"description": "Server-Sent Events", "content": content}
+    line = NDJSON_STREAMS.get((route.method, route.pattern))
+    if line:
+        content = {NDJSON: {"schema": {"type": "array",
+                                       "items": _ref("replies.json", f"/$defs/{line}")}}}
+        if route.reply:  # JSON when the request asked for one object
+            content["application/json"] = body
+        return {"description": "Newline-delimited JSON", "content": content}
     text = TEXT_REPLIES.get((route.method, route.pattern))
     if text:
         return {"description": "OK", "content": {text: {"schema": {"type": "string"}}}}

@@ -3,7 +3,8 @@
 A model starts with its stored parameters, overridden by the start options of the
 request (schemas/model-start.json). At most `maxRunningModels` stay loaded: starting
 one more unloads the least recently used. With `keepAlive` set, a model idle that
-long is unloaded too.
+long is unloaded too; `keep_for` gives one running model its own time (Ollama's
+per-request keep_alive: localrt.ollama), and 0 unloads it as soon as it is idle.
 
 The scheduler owns what runs, so it also refuses what must not happen to a running
 model: deleting it, or uninstalling its engine (`not_running`, `engine_unused`).
@@ -30,6 +31,7 @@ import collections
 import contextlib
 import json
 import logging
+import math
 import os
 import queue
 import threading
@@ -225,6 +227,9 @@ class Running:
     turn: FairLock = field(default_factory=FairLock)  # a slot per request, in order
     active: int = 0  # requests holding or waiting for a slot; guarded by Scheduler._lock
     stopping: threading.Event = field(default_factory=threading.Event)
+    # Seconds it stays loaded once idle (Scheduler.keep_for): None is the scheduler's
+    # keep_alive, math.inf until stopped. Guarded by Scheduler._lock.
+    keep_alive: float | None = None
 
 
 class Lease:
@@ -301,11 +306,11 @@ class Lease:
 class Scheduler:
     """Owns the running models.
 
-    `_lock` guards `_running` (model id -> Running) and each Running's `active` and
-    `last_used`; `_idle` (on the same lock) is notified when a model's last request
-    ends. `_start_lock` lets one load happen at a time, so a model is never loaded
-    twice and the RSS measured around a load is that model's. Neither is held while a
-    model computes.
+    `_lock` guards `_running` (model id -> Running), each Running's `active`,
+    `last_used` and `keep_alive`, and the reaper's thread; `_idle` (on the same lock)
+    is notified when a model's last request ends. `_start_lock` lets one load happen at
+    a time, so a model is never loaded twice and the RSS measured around a load is that
+    model's. Neither is held while a model computes.
     """
 
     def __init__(self, registry, engines, max_models: int = 2, keep_alive: float = 0.0,
@@ -314,6 +319,7 @@ class Scheduler:
         self._engines = engines
         self.max_models = max_models
         self.keep_alive = keep_alive  # seconds; 0 is off
+        self.reaper = Reaper(self)
         self.lanes = ComputeLanes(lanes)
         # Each lane's generation gets its share of the cores, so together they never
         # use more threads than there are cores.
@@ -323,11 +329,9 @@ class Scheduler:
         self._start_lock = threading.Lock()
         self._running: dict[str, Running] = {}
         self._closed = threading.Event()
-        self._reaper = None
         if keep_alive > 0:
-            self._reaper = threading.Thread(target=self._reap, name="localrt-keep-alive",
-                                             daemon=True)
-            self._reaper.start()
+            with self._lock:
+                self.reaper.need()
 
     # --- queries ---------------------------------------------------------------
 
@@ -375,8 +379,16 @@ class Scheduler:
             return [{"id": r.model_id, "object": "model", "engine": r.engine, "ram": r.ram,
                      "vram": r.vram, "kvCache": r.kv, "slots": r.slots,
                      "startedAt": int(r.started_at), "uptime": round(now - r.started_at, 1),
-                     "requests": r.active, "options": dict(r.options)}
+                     "requests": r.active, "options": dict(r.options),
+                     "expiresAt": self.reaper.expires_at(r, now)}
                     for r in self._running.values()]
+
+    def keep_for(self, model_id: str, seconds: float | None) -> None:
+        """Keep a running model loaded `seconds` once idle, instead of keepAlive (Ollama's
+        keep_alive): None is keepAlive again, math.inf until it is stopped (or evicted
+        by maxRunningModels), 0 unloads it now if idle, else when its requests end. A
+        model that is not running is left alone."""
+        self.reaper.keep_for(model_id, seconds)
 
     # --- start and stop --------------------------------------------------------
 
@@ -416,6 +428,7 @@ class Scheduler:
     def close(self) -> None:
         """Unload every model (the server is stopping)."""
         self._closed.set()
+        self.reaper.wake()
         with self._lock:
             running, self._running = list(self._running.values()), {}
         for r in running:
@@ -574,18 +587,85 @@ class Scheduler:
                 running.turn.release()
         log.info("model %s stopped %s", running.model_id, why)
 
-    def _reap(self) -> None:
-        """Unload models idle for longer than keep_alive."""
-        interval = min(30.0, max(self.keep_alive / 4, 0.05))
-        while not self._closed.wait(interval):
+
+class Reaper:
+    """Unloads a scheduler's models once idle past their keep-alive: its keepAlive, or
+    the one `Scheduler.keep_for` gave a model. The thread starts with the first
+    keep-alive and sleeps a quarter of the shortest one (0.05 to 30 s), or until woken
+    because one changed. It takes the scheduler's lock (which guards its thread)."""
+
+    def __init__(self, scheduler: Scheduler):
+        self._scheduler = scheduler
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def keep_of(self, r: Running) -> float:
+        """Seconds a model stays loaded once idle; math.inf: until stopped. Under the lock."""
+        if r.keep_alive is not None:
+            return r.keep_alive
+        keep = self._scheduler.keep_alive
+        return keep if keep > 0 else math.inf
+
+    def expires_at(self, r: Running, now: float) -> float | None:
+        """When a model will be unloaded if no request comes (Unix seconds; counted from
+        now while it is busy), or None when it stays until stopped. Under the lock."""
+        keep = self.keep_of(r)
+        if keep == math.inf:
+            return None
+        idle = 0.0 if r.active else time.monotonic() - r.last_used
+        return round(now + max(keep - idle, 0.0), 3)
+
+    def keep_for(self, model_id: str, seconds: float | None) -> None:
+        """Scheduler.keep_for."""
+        scheduler = self._scheduler
+        with scheduler._lock:
+            running = scheduler._running.get(model_id)
+            if running is None:
+                return
+            running.keep_alive = seconds
+            now = seconds == 0 and running.active == 0
+            if now:
+                del scheduler._running[model_id]
+            elif seconds is not None and seconds < math.inf:
+                self.need()
+        self.wake()
+        if now:
+            scheduler._unload(running, "after its request (keep_alive 0)")
+
+    def need(self) -> None:
+        """Start the thread, unless it runs. Under the lock."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="localrt-keep-alive",
+                                            daemon=True)
+            self._thread.start()
+
+    def wake(self) -> None:
+        """Look again now: a keep-alive changed, or the scheduler is closing."""
+        self._wake.set()
+
+    def _run(self) -> None:
+        scheduler = self._scheduler
+        while not scheduler._closed.is_set():
+            self._wake.wait(self._interval())
+            self._wake.clear()
+            if scheduler._closed.is_set():
+                return
             now = time.monotonic()
-            with self._lock:
-                idle = [r for r in self._running.values()
-                        if r.active == 0 and now - r.last_used > self.keep_alive]
-                for r in idle:
-                    del self._running[r.model_id]
-            for r in idle:
-                self._unload(r, f"after {self.keep_alive:g} s idle (keepAlive)")
+            with scheduler._lock:
+                idle = [(r, self.keep_of(r)) for r in scheduler._running.values()
+                        if r.active == 0 and now - r.last_used >= self.keep_of(r)]
+                for r, _ in idle:
+                    del scheduler._running[r.model_id]
+            for r, keep in idle:
+                scheduler._unload(r, f"after {keep:g} s idle (" +
+                                  ("keepAlive)" if r.keep_alive is None else "keep_alive)"))
+
+    def _interval(self) -> float:
+        scheduler = self._scheduler
+        with scheduler._lock:
+            keeps = [self.keep_of(r) for r in scheduler._running.values()]
+        keeps = [k for k in keeps + [scheduler.keep_alive or math.inf] if k < math.inf]
+        return min(30.0, max(min(keeps, default=120.0) / 4, 0.05))
 
 
 def _rss() -> int:

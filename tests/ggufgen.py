@@ -116,6 +116,7 @@ def write_gguf(
     split_max_tensors: int = 0,
     added_tokens=(),
     pooling_type: Optional[int] = None,
+    script=(),
 ) -> Path:
     """Write a tiny random-weight llama model to `path` and return it as a Path.
 
@@ -126,6 +127,12 @@ def write_gguf(
     written as llama.cpp's split files, `<stem>-00001-of-0000N.gguf` beside `path`, and
     the first part's path is returned. `pooling_type` (a gguf.PoolingType) writes
     ``llama.pooling_type``, as converters do for a decoder made an embedding model.
+
+    `script` (token texts, each a token of the vocabulary, e.g. added ones) makes a
+    model that always writes that script, then its end token, whatever the prompt:
+    its blocks' weights are zero, so each position's state is its own token's
+    embedding, and the output maps each script token to the next (any other token to
+    the first). Real llama.cpp then answers with known text, e.g. a tool call.
     """
     path = Path(path)
     if file_type not in _FILE_TYPES:
@@ -171,7 +178,9 @@ def write_gguf(
 
     rng = np.random.default_rng(seed)
 
-    def weight(*shape):  # numpy shape, i.e. reversed ggml ne
+    def weight(*shape):  # numpy shape, i.e. reversed ggml ne; a script's blocks add nothing
+        if script:
+            return np.zeros(shape, dtype=wdtype)
         return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(wdtype)
 
     def norm(n):
@@ -179,9 +188,13 @@ def write_gguf(
 
     T = gguf.TENSOR_NAMES
     M = gguf.MODEL_TENSOR
-    writer.add_tensor(T[M.TOKEN_EMBD] + ".weight", weight(vocab_size, n_embd))
+    if script:
+        embd, output = _scripted(tokens, list(script), n_embd)
+    else:
+        embd, output = weight(vocab_size, n_embd), weight(vocab_size, n_embd)
+    writer.add_tensor(T[M.TOKEN_EMBD] + ".weight", embd.astype(wdtype))
     writer.add_tensor(T[M.OUTPUT_NORM] + ".weight", norm(n_embd))
-    writer.add_tensor(T[M.OUTPUT] + ".weight", weight(vocab_size, n_embd))
+    writer.add_tensor(T[M.OUTPUT] + ".weight", output.astype(wdtype))
     for bid in range(n_layer):
         def add(tensor, array):
             writer.add_tensor(T[tensor].format(bid=bid) + ".weight", array)
@@ -206,6 +219,24 @@ def write_gguf(
     if split_max_tensors:
         return sorted(path.parent.glob(f"{path.stem}-00001-of-*.gguf"))[0]
     return path
+
+
+def _scripted(tokens: list, script: list, n_embd: int):
+    """(token embeddings, output weights) of a model that writes `script` then EOS: any
+    token not in the script points along dimension 0, the k-th script token along k+1,
+    and the output row of the token that follows has a large weight on that dimension."""
+    ids = [tokens.index(text) for text in script] + [EOS_ID]
+    if len(ids) > n_embd:
+        raise ValueError("a script needs n_embd above its length")
+    embd = np.zeros((len(tokens), n_embd), dtype=np.float32)
+    output = np.zeros((len(tokens), n_embd), dtype=np.float32)
+    embd[:, 0] = 1.0
+    for k, token in enumerate(ids):
+        if k < len(script):
+            embd[token] = 0.0
+            embd[token, k + 1] = 1.0
+        output[token, k] = 10.0
+    return embd, output
 
 
 def write_bert_gguf(

@@ -17,6 +17,7 @@ fuzzed once more against a server with models, their
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -30,7 +31,7 @@ from pkgindex import PackageIndex
 from schemathesis import checks
 
 from localrt.api import DIALECTS, ROUTES
-from localrt.openapi import document_path
+from localrt.openapi import NDJSON, document_path
 from localrt.routing import dialect_of
 from localrt.schemas import Validators
 
@@ -93,16 +94,28 @@ VALIDATORS = Validators()
 
 def error_json_on_4xx(ctx, response, case):
     """Every 4xx is JSON with the error body: a message, and an error object with a code;
-    under a dialect's prefix (api.DIALECTS), that API's error body."""
+    on a dialect's routes (api.DIALECTS), that API's error body, with a message."""
     if 400 <= response.status_code < 500:
         body = response.json()
-        dialect = dialect_of(case.path, DIALECTS)
+        dialect = dialect_of(case.operation.path, DIALECTS)
         if dialect is not None:
-            problems = VALIDATORS.reply_errors(dialect.error_reply, body)
-            assert not problems, (body, problems)
+            assert not VALIDATORS.reply_errors(dialect.error_reply, body), body
+            assert any(isinstance(v, str) and v for v in _strings(body)), body
             return
         assert isinstance(body.get("message"), str) and body["message"], body
         assert isinstance(body.get("error"), dict) and body["error"].get("code"), body
+
+
+def _strings(body):
+    """The string values of an error body, one level down: where its message is."""
+    for value in body.values():
+        yield from (value.values() if isinstance(value, dict) else [value])
+
+
+@schemathesis.deserializer(NDJSON)
+def _ndjson(ctx, response):
+    """A newline-delimited JSON reply as the array of its lines, as the document gives it."""
+    return [json.loads(line) for line in response.content.decode("utf-8").splitlines()]
 
 
 CHECKS = [checks.not_a_server_error, checks.status_code_conformance,
@@ -156,13 +169,27 @@ def _remove_remote_models(api_schema):
 WITH_A_MODEL = {"/v1/completions": ("completion", "tiny"), "/v1/embeddings": ("embedding", "bert"),
                 "/v1/responses": ("response-create", "tiny"),
                 "/v1/messages": ("anthropic-messages", "tiny"),
-                "/v1/messages/count_tokens": ("anthropic-count-tokens", "tiny")}
+                "/v1/messages/count_tokens": ("anthropic-count-tokens", "tiny"),
+                "/api/chat": ("ollama-chat", "tiny"), "/api/generate": ("ollama-generate", "tiny"),
+                "/api/embed": ("ollama-embed", "bert")}
+
+
+# What each of Ollama's routes fuzzed with a model generates from: the field, made
+# required, and what it must be beyond its schema (not empty).
+GENERATES = [
+    ("ollama-chat", "messages", {"type": "array", "minItems": 1, "maxItems": 8}),
+    ("ollama-generate", "prompt", {"type": "string", "minLength": 1, "maxLength": 500}),
+    ("ollama-embed", "input", {"anyOf": [
+        {"type": "string", "minLength": 1, "maxLength": 500},
+        {"type": "array", "minItems": 1, "maxItems": 8,
+         "items": {"type": "string", "maxLength": 500}}]}),
+]
 
 
 @pytest.fixture(scope="module")
 def model_schema(tmp_path_factory):
     """The document of a server with a tiny llama (with FIM tokens) and a tiny BERT, each
-    route's `model` fixed to one of them. The llama's ctx_len is 64, so that no reply
+    route's `model` fixed to one of them, for each generation mode. The llama's ctx_len is 64, so that no reply
     is long and a busy machine answers every request in time."""
     from localrt import openapi
 
@@ -175,13 +202,22 @@ def model_schema(tmp_path_factory):
                                ("bert", write_bert_gguf(weights / "bert.gguf"))):
             _send_to(srv.url, "POST", "/v1/models/import", {"path": str(path), "id": model_id})
         _send_to(srv.url, "PATCH", "/v1/models/tiny", {"ctx_len": 64})
-        doc = openapi.document(ROUTES, DIALECTS)
-        components = doc["components"]["schemas"]
-        for schema, model_id in WITH_A_MODEL.values():
-            components[schema]["properties"]["model"] = {"const": model_id}
-        schema = schemathesis.openapi.from_dict(doc)
-        schema.config.update(base_url=srv.url)
-        yield schema
+        schemas = {}
+        for mode in ("positive", "negative"):
+            doc = openapi.document(ROUTES, DIALECTS)
+            components = doc["components"]["schemas"]
+            for schema, model_id in WITH_A_MODEL.values():
+                components[schema]["properties"]["model"] = {"const": model_id}
+            # Ollama's routes only load the model when a request has nothing to generate
+            # or embed: the valid requests all have something (invalid ones break the
+            # server's own schema).
+            for schema, field, shape in GENERATES if mode == "positive" else ():
+                components[schema]["required"] = ["model", field]
+                components[schema]["properties"][field] = {
+                    **components[schema]["properties"][field], **shape}
+            schemas[mode] = schemathesis.openapi.from_dict(doc)
+            schemas[mode].config.update(base_url=srv.url)
+        yield schemas
     finally:
         srv.stop(sig=signal.SIGTERM)
 
@@ -196,7 +232,7 @@ def _send_to(url, method, path, body):
                                        for m in ("positive", "negative")])
 def test_fuzz_with_a_model(model_schema, path, mode):
     """FUZZ_EXAMPLES requests to a route that runs a model, on a real one, each checked."""
-    operation = model_schema[path]["POST"]
+    operation = model_schema[mode][path]["POST"]
     strategy = operation.as_strategy(generation_mode=schemathesis.GenerationMode(mode))
     calls = []
 
