@@ -212,19 +212,13 @@ def models_status(services: Services, request: Request):
 def chat_completions(services: Services, request: Request):
     """Spec row 15: OpenAI's chat completion, streamed as Server-Sent Events or not."""
     result = services.chats.create(request.body)
-    if isinstance(result, dict):
-        return result
-    return Reply(result, content_type=result.content_type,
-                 headers=[("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")])
+    return _streamed(result)
 
 
 def completions(services: Services, request: Request):
     """OpenAI's text completion (the legacy API), streamed as Server-Sent Events or not."""
     result = services.completions.create(request.body)
-    if isinstance(result, dict):
-        return result
-    return Reply(result, content_type=result.content_type,
-                 headers=[("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")])
+    return _streamed(result)
 
 
 def embeddings(services: Services, request: Request):
@@ -244,9 +238,7 @@ def anthropic_messages(services: Services, request: Request):
         result = services.chats.create(body)
     if isinstance(result, dict):
         return anthropic.message(result, request.body)
-    return Reply(anthropic.MessageStream(result, request.body),
-                 content_type=anthropic.MessageStream.content_type,
-                 headers=[("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")])
+    return _streamed(anthropic.MessageStream(result, request.body))
 
 
 def anthropic_count_tokens(services: Services, request: Request):
@@ -334,10 +326,7 @@ def create_response(services: Services, request: Request):
     """OpenAI's Responses API: a response with its output items, streamed as typed
     Server-Sent Events or not."""
     result = services.responses.create(request.body)
-    if isinstance(result, dict):
-        return result
-    return Reply(result, content_type=result.content_type,
-                 headers=[("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")])
+    return _streamed(result)
 
 
 def get_response(services: Services, request: Request):
@@ -400,10 +389,16 @@ def ollama_delete(services: Services, request: Request):
 
 def _ollama_reply(result):
     """A dict as it is; newline-delimited JSON (ollama.Lines) as a streamed reply."""
-    if isinstance(result, ollama.Lines):
-        return Reply(result, content_type=result.content_type,
-                     headers=[("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")])
-    return result
+    return _streamed(result) if isinstance(result, ollama.Lines) else result
+
+
+def _streamed(result):
+    """A handler's result: a dict as it is, or a stream (an iterable with its
+    content_type and close()) as a reply that proxies must not buffer."""
+    if isinstance(result, dict):
+        return result
+    return Reply(result, content_type=result.content_type,
+                 headers=[("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")])
 
 
 # Fixed paths come before `{model_id:path}` ones: model ids hold "/" and ":".
