@@ -30,15 +30,14 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 import uuid
 from typing import Iterator
 
 from localrt import logprobs, toolcalls
-from localrt.errors import InvalidField, ServiceUnavailable, UpstreamError
+from localrt.errors import InvalidField, UpstreamError
 from localrt.metrics import Clock
-from localrt.scheduler import Lease, ModelStopped, Scheduler
+from localrt.scheduler import Admission, Lease, ModelStopped, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +63,7 @@ class Chats:
         self._scheduler = scheduler
         self._metrics = metrics
         self._remotes = remotes  # localrt.remote.Remotes: forwards remote models' requests
-        self.max_requests = max_requests
-        self._slots = threading.BoundedSemaphore(max_requests)
+        self.admission = Admission("chat", max_requests)
 
     def create(self, body: dict):
         """A chat.completion dict, or a Stream when body["stream"] is true."""
@@ -73,7 +71,7 @@ class Chats:
         clock = Clock(self._metrics, model_id)  # from the request's arrival
         record = self._registry.get(model_id)  # 404 before anything starts
         if self._engines.forwards(record["engine"]):  # a remote model: an upstream answers
-            return self._remotes.forward(record, body, self._slots, clock=clock)
+            return self._remotes.forward(record, body, self.admission, clock=clock)
         messages = [_message(i, m) for i, m in enumerate(body["messages"])]
         if body.get("n") not in (None, 1):
             raise InvalidField("Invalid field 'n': only n=1 is supported", param="n")
@@ -113,7 +111,7 @@ class Chats:
         record = self._registry.get(model_id)
         if self._engines.forwards(record["engine"]):
             reply = self._remotes.forward(record, {**body, "stream": False, "max_tokens": 1},
-                                          self._slots)
+                                          self.admission)
             usage = reply.get("usage") if isinstance(reply, dict) else None
             count = usage.get("prompt_tokens") if isinstance(usage, dict) else None
             if not isinstance(count, int):
@@ -136,17 +134,7 @@ class Chats:
     def _lease(self, model_id: str) -> Lease:
         """A turn on the model (started if it is not running), counted among the chats
         in progress until its release; a 503 when there are too many."""
-        if not self._slots.acquire(blocking=False):
-            raise ServiceUnavailable(f"Too many chat requests in progress (at most "
-                                     f"{self.max_requests}); retry shortly",
-                                     headers=[("Retry-After", "1")])
-        try:
-            lease = self._scheduler.lease(model_id)
-        except BaseException:
-            self._slots.release()
-            raise
-        lease.on_release(self._slots.release)
-        return lease
+        return self.admission.lease(self._scheduler, model_id)
 
 
 def _prompt_params(body: dict, record: dict, lease: Lease, messages: list, tools):

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -42,9 +41,9 @@ from typing import Iterator
 
 from localrt import logprobs
 from localrt.chat import SAMPLING
-from localrt.errors import InvalidField, ServiceUnavailable
+from localrt.errors import InvalidField
 from localrt.metrics import Clock
-from localrt.scheduler import Lease, ModelStopped, Scheduler
+from localrt.scheduler import Admission, Lease, ModelStopped, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +64,7 @@ class Completions:
         self._scheduler = scheduler
         self._metrics = metrics
         self._remotes = remotes  # localrt.remote.Remotes: forwards remote models' requests
-        self.max_requests = max_requests
-        self._slots = threading.BoundedSemaphore(max_requests)
+        self.admission = Admission("completion", max_requests)
 
     def create(self, body: dict):
         """A text_completion dict, or a Stream when body["stream"] is true."""
@@ -74,7 +72,8 @@ class Completions:
         clock = Clock(self._metrics, model_id)  # from the request's arrival
         record = self._registry.get(model_id)  # 404 before anything starts
         if self._engines.forwards(record["engine"]):  # a remote model: an upstream answers
-            return self._remotes.forward(record, body, self._slots, "/completions", clock)
+            return self._remotes.forward(record, body, self.admission, "/completions",
+                                        clock)
         for name in ("n", "best_of"):
             if body.get(name) not in (None, 1):
                 raise InvalidField(f"Invalid field '{name}': only {name}=1 is supported",
@@ -88,16 +87,7 @@ class Completions:
             raise InvalidField("Invalid field 'logprobs': an echoed prompt's log "
                                "probabilities need a prompt without suffix (the echo is "
                                "the prefix only)", param="logprobs")
-        if not self._slots.acquire(blocking=False):
-            raise ServiceUnavailable(f"Too many completion requests in progress (at most "
-                                     f"{self.max_requests}); retry shortly",
-                                     headers=[("Retry-After", "1")])
-        try:
-            lease = self._scheduler.lease(model_id, purpose="a completion request")
-        except BaseException:
-            self._slots.release()
-            raise
-        lease.on_release(self._slots.release)
+        lease = self.admission.lease(self._scheduler, model_id, purpose="a completion request")
         choices: list = []
         try:
             params = _params(body, record, lease.options)

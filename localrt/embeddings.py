@@ -25,9 +25,10 @@ first request.
 from __future__ import annotations
 
 import base64
-import threading
 
-from localrt.errors import Conflict, InvalidField, ServiceUnavailable
+from localrt.completions import read_prompt
+from localrt.errors import Conflict, InvalidField
+from localrt.scheduler import Admission
 
 
 class ModelNotEmbedding(Conflict):
@@ -48,35 +49,27 @@ class Embeddings:
         self._engines = engines
         self._scheduler = scheduler
         self._remotes = remotes  # localrt.remote.Remotes: forwards remote models' requests
-        self.max_requests = max_requests
-        self._slots = threading.BoundedSemaphore(max_requests)
+        self.admission = Admission("embedding", max_requests)
 
     def create(self, body: dict) -> dict:
         """OpenAI's {"object": "list", "data": [embedding...], "model", "usage"}."""
         model_id = body["model"]
         record = self._registry.get(model_id)  # 404 before anything starts
         if self._engines.forwards(record["engine"]):  # a remote model: an upstream answers
-            return self._remotes.forward(record, body, self._slots, "/embeddings")
-        inputs = read_input(body["input"])
+            return self._remotes.forward(record, body, self.admission, "/embeddings")
+        inputs = read_prompt(body["input"])  # the shapes of a completion's prompt
         # An engine with no embedding mode: a 400 before any model starts.
         for _, why in self._engines.check_options(record["engine"], {"embedding": True}):
             raise InvalidField(f"Invalid field 'model': {why}", param="model")
-        if not self._slots.acquire(blocking=False):
-            raise ServiceUnavailable(f"Too many embedding requests in progress (at most "
-                                     f"{self.max_requests}); retry shortly",
-                                     headers=[("Retry-After", "1")])
+        lease = self.admission.lease(self._scheduler, model_id, start={"embedding": True},
+                                     purpose="an embeddings request")
         try:
-            lease = self._scheduler.lease(model_id, start={"embedding": True},
-                                          purpose="an embeddings request")
-            try:
-                embed = getattr(lease.model, "embed", None)
-                if embed is None:
-                    raise _not_embedding(model_id, lease)
-                vectors, tokens = lease.run(embed, inputs)
-            finally:
-                lease.release()
+            embed = getattr(lease.model, "embed", None)
+            if embed is None:
+                raise _not_embedding(model_id, lease)
+            vectors, tokens = lease.run(embed, inputs)
         finally:
-            self._slots.release()
+            lease.release()
         vectors = scaled(vectors, body.get("dimensions"))
         encode = _base64 if body.get("encoding_format") == "base64" else _floats
         return {"object": "list",
@@ -84,17 +77,6 @@ class Embeddings:
                          for i, v in enumerate(vectors)],
                 "model": model_id,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-
-
-def read_input(value) -> list:
-    """The inputs as a list of strings and token lists (the schema allows only these
-    shapes): a string or one token array is a single input. Token ids become ints:
-    JSON Schema counts 1.0 as an integer."""
-    if isinstance(value, str):
-        return [value]
-    if value and not isinstance(value[0], (str, list)):
-        return [[int(v) for v in value]]
-    return [v if isinstance(v, str) else [int(t) for t in v] for v in value]
 
 
 def scaled(vectors, dimensions: int | None):

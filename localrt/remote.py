@@ -15,7 +15,7 @@ nothing is loaded, and localrt.chat hands a remote model's request here whole.
 Routing, after Envoy's least-request balancing and outlier detection: a request goes
 to the usable (healthy, or not probed yet) upstream with the fewest requests in
 flight among those under their `max_inflight`; when every one is full it waits in
-arrival order, at most `upstreamTimeout` seconds, and Chats.max_requests bounds how
+arrival order, at most `upstreamTimeout` seconds, and Chats.admission bounds how
 many wait. A connection that fails before the first byte takes its upstream out at
 once and is retried once on another. Every upstream's GET /models is probed every
 PROBE_INTERVAL s (PROBE_RETRY s while it is out, and at once after a failure). A slow
@@ -56,6 +56,7 @@ from localrt.errors import (BadRequest, Conflict, HTTPError, InvalidField,
 from localrt.models import check_new_id, folder_name
 from localrt.metrics import Clock
 from localrt.opener import CertificateFailed, ProxyAuthFailed, build_opener, origin
+from localrt.scheduler import Admission
 
 log = logging.getLogger(__name__)
 
@@ -794,22 +795,20 @@ class Remotes:
 
     # --- forwarding ------------------------------------------------------------------
 
-    def forward(self, record: dict, body: dict, slots: threading.BoundedSemaphore,
+    def forward(self, record: dict, body: dict, admission: Admission,
                 path: str = "/chat/completions", clock: Clock | None = None):
         """Forward a request to `path` of an upstream's OpenAI API (chat completions,
-        completions, embeddings): the reply dict, or a RemoteStream. `slots` are the
-        calling service's requests in progress, which this one holds until it ends;
+        completions, embeddings): the reply dict, or a RemoteStream. It counts in the
+        calling service's `admission` (localrt.scheduler.Admission) until it ends;
         `clock` times and counts it in /metrics."""
         pool = self._pool(record["id"])
-        if not slots.acquire(blocking=False):
-            raise ServiceUnavailable("Too many requests in progress; retry shortly",
-                                     headers=[("Retry-After", "1")])
+        admission.enter()
         try:
             exchange, first = self._exchange(pool, record["id"], body, path, clock)
         except BaseException:
-            slots.release()
+            admission.leave()
             raise
-        exchange.on_close(slots.release)
+        exchange.on_close(admission.leave)
         if body.get("stream"):
             return RemoteStream(exchange, first)
         exchange.close()

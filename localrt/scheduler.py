@@ -232,6 +232,39 @@ class Running:
     keep_alive: float | None = None
 
 
+class Admission:
+    """At most `limit` requests of one kind (`what`: "chat", "completion", ...) in
+    progress at once, generating or queued: each holds a server thread
+    (localrt.server.THREADS), and the rest of the API needs some. Past that, a 503."""
+
+    def __init__(self, what: str, limit: int):
+        self.what, self.limit = what, limit
+        self._slots = threading.BoundedSemaphore(limit)
+
+    def enter(self) -> None:
+        """Count one more request in progress; a 503 when `limit` are."""
+        if not self._slots.acquire(blocking=False):
+            raise ServiceUnavailable(f"Too many {self.what} requests in progress (at most "
+                                     f"{self.limit}); retry shortly",
+                                     headers=[("Retry-After", "1")])
+
+    def leave(self) -> None:
+        """One request fewer in progress."""
+        self._slots.release()
+
+    def lease(self, scheduler: "Scheduler", model_id: str, **kwargs) -> "Lease":
+        """A turn on the model (Scheduler.lease with `kwargs`), counted here until the
+        lease's release."""
+        self.enter()
+        try:
+            lease = scheduler.lease(model_id, **kwargs)
+        except BaseException:
+            self.leave()
+            raise
+        lease.on_release(self.leave)
+        return lease
+
+
 class Lease:
     """A request's turn on a running model: the `model`, its `options`, and `steps()`.
 
