@@ -4,18 +4,19 @@ Handlers take (services, request) and return JSON-able data or a Reply.
 They raise localrt.errors exceptions; they never build error responses.
 If you add a route, also document it in README.rst (and its CLI command in
 man/localrt.1); its request schema goes in schemas/. Ollama's routes (under /api/)
-translate in localrt.ollama; their errors take Ollama's shape (DIALECTS).
+translate in localrt.dialects.ollama; their errors take Ollama's shape (DIALECTS).
 """
 
 from __future__ import annotations
 
 import threading
 
-from localrt import __version__, anthropic, ollama
+from localrt import __version__
+from localrt.dialects import anthropic, ollama
 from localrt.errors import Conflict, InvalidField, ServiceUnavailable
 from localrt.events import TooManyListeners
 from localrt.metrics import CONTENT_TYPE
-from localrt.models import check_id
+from localrt.models.registry import check_id
 from localrt.routing import Dialect, Reply, Request, Route
 from localrt.services import Services
 
@@ -71,7 +72,7 @@ def list_models(services: Services, request: Request):
 
 def _with_status(services: Services, record: dict) -> dict:
     """A model's record with its status: "running" or "downloaded"; a remote model's
-    with its upstreams' health (localrt.remote)."""
+    with its upstreams' health (localrt.inference.remote)."""
     running = services.scheduler.is_running(record["id"])
     return services.remotes.annotate({**record, "status": "running" if running else
                                       "downloaded"})
@@ -226,7 +227,7 @@ def embeddings(services: Services, request: Request):
     return services.embeddings.create(request.body)
 
 
-# --- Anthropic's Messages API (localrt.anthropic, on chat) ------------------------------
+# --- Anthropic's Messages API (localrt.dialects.anthropic, on chat) ------------------------------
 
 
 def anthropic_messages(services: Services, request: Request):
@@ -319,7 +320,7 @@ def events(services: Services, request: Request):
                  headers=[("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")])
 
 
-# --- OpenAI's Responses API (localrt.responses) -----------------------------------------
+# --- OpenAI's Responses API (localrt.dialects.responses) -----------------------------------------
 
 
 def create_response(services: Services, request: Request):
@@ -339,7 +340,7 @@ def delete_response(services: Services, request: Request):
     return services.responses.delete(request.params["response_id"])
 
 
-# --- Ollama's API, under /api/ (localrt.ollama translates) -------------------------
+# --- Ollama's API, under /api/ (localrt.dialects.ollama translates) -------------------------
 
 
 def ollama_version(services: Services, request: Request):
@@ -452,16 +453,16 @@ ROUTES = (
           "chat-completion"),
     Route("POST", "/v1/completions", completions, "completion.json", "text-completion"),
     Route("POST", "/v1/embeddings", embeddings, "embedding.json", "embedding-list"),
-    # OpenAI's Responses API (localrt.responses)
+    # OpenAI's Responses API (localrt.dialects.responses)
     Route("POST", "/v1/responses", create_response, "response-create.json", "response"),
     Route("GET", "/v1/responses/{response_id}", get_response, reply="response"),
     Route("DELETE", "/v1/responses/{response_id}", delete_response, reply="response-deleted"),
-    # Anthropic's Messages API (localrt.anthropic)
+    # Anthropic's Messages API (localrt.dialects.anthropic)
     Route("POST", "/v1/messages", anthropic_messages, "anthropic-messages.json",
           "anthropic-message"),
     Route("POST", "/v1/messages/count_tokens", anthropic_count_tokens,
           "anthropic-count-tokens.json", "anthropic-token-count"),
-    # Ollama's API (localrt.ollama), under /api/: its errors take Ollama's shape (DIALECTS)
+    # Ollama's API (localrt.dialects.ollama), under /api/: its errors take Ollama's shape (DIALECTS)
     Route("GET", "/api/version", ollama_version, reply="ollama-version"),
     Route("GET", "/api/tags", ollama_tags, reply="ollama-tags"),
     Route("GET", "/api/ps", ollama_ps, reply="ollama-ps"),

@@ -13,7 +13,7 @@ wheels, and the llama-cpp-python sdist (with its build requirements) that the RP
 test compiles into the gguf-cpp +rpc variant, once, the way localrt itself does.
 
 This module runs with the system's python3 before any dependency exists, so it uses
-the standard library only and stays Python 3.9 compatible. Only localrt.builds
+the standard library only and stays Python 3.9 compatible. Only localrt.engines.builds
 imports it, for `build_env`: a variant localrt compiles later (gguf-cpp +rpc) gets
 the same flags.
 

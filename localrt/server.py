@@ -35,7 +35,7 @@ STDERR_NAME = "server-stderr.log"  # a detached server's raw stderr: crashes bef
 LOG_MAX_BYTES = 10 * 1024 * 1024
 LOG_BACKUPS = 5
 # Waitress worker threads. Event streams (localrt.services.MAX_EVENT_LISTENERS), chats
-# (localrt.chat.Chats.admission), completions and embeddings (their admission)
+# (localrt.inference.chat.Chats.admission), completions and embeddings (their admission)
 # each hold one while they last; the rest keep the API answering.
 THREADS = 48
 STOP_DELAY = 0.2  # seconds between answering DELETE /v1/system and stopping, so the reply is sent

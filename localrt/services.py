@@ -9,7 +9,7 @@ nothing is assigned to it afterwards:
     engines     the engine catalog, the listing and loading (engines.json's EngineState
                 is shared with installs; probe results are engines.probes)
     installs    engine installs, uninstalls and defaults, which download with `downloads`
-    registry    the downloaded models' definitions (localrt.models.Registry)
+    registry    the downloaded models' definitions (localrt.models.registry.Registry)
     models      pulls and imports, which add to the registry
     scheduler   what runs: loads through `engines`, reads the `registry`, and refuses
                 to delete a running model or uninstall an engine in use
@@ -31,19 +31,19 @@ from dataclasses import dataclass
 from typing import Callable
 
 from localrt import security
-from localrt.chat import Chats
-from localrt.completions import Completions
+from localrt.inference.chat import Chats
+from localrt.inference.completions import Completions
 from localrt.config import Config
-from localrt.downloads import Downloads
-from localrt.embeddings import Embeddings
-from localrt.engines import Engines
+from localrt.downloads.tasks import Downloads
+from localrt.inference.embeddings import Embeddings
+from localrt.engines.catalog import Engines
 from localrt.events import EventBus
-from localrt.installs import EngineState, Installs
+from localrt.engines.installs import EngineState, Installs
 from localrt.metrics import Metrics
-from localrt.models import Models, Registry
-from localrt.remote import Remotes
-from localrt.responses import Responses
-from localrt.scheduler import Scheduler
+from localrt.models.registry import Models, Registry
+from localrt.inference.remote import Remotes
+from localrt.dialects.responses import Responses
+from localrt.inference.scheduler import Scheduler
 from localrt.schemas import Validators
 from localrt.settings import Settings
 

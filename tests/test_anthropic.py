@@ -1,4 +1,4 @@
-"""Anthropic's Messages API (localrt.anthropic) on real llama.cpp: the translation onto
+"""Anthropic's Messages API (localrt.dialects.anthropic) on real llama.cpp: the translation onto
 chat, messages whole and streamed as Anthropic's events, stop sequences and max_tokens,
 tool use round trips, count_tokens, x-api-key, and Anthropic's error shape; then the
 real `anthropic` SDK against a live server, a remote model included.
@@ -25,7 +25,7 @@ from chattemplates import TEMPLATES, TOKENS
 from conftest import call, send
 from ggufgen import write_gguf
 
-from localrt import anthropic as dialect
+from localrt.dialects import anthropic as dialect
 
 KINDS = {"control": gguf.TokenType.CONTROL, "user": gguf.TokenType.USER_DEFINED}
 FAMILIES = sorted(TEMPLATES)  # llama31, mistral_nemo, qwen25

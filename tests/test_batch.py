@@ -1,4 +1,4 @@
-"""Continuous batching and the prompt cache, on real llama.cpp (localrt.batching).
+"""Continuous batching and the prompt cache, on real llama.cpp (localrt.engines.batching).
 
 The models are tests/ggufgen.py's tiny random llama (conftest's `quantized`, and an F16
 one here). Their vocabulary is fixed, so a logit bias of +100 on one ordinary token
@@ -24,7 +24,7 @@ import pytest
 from conftest import call
 from ggufgen import write_gguf
 
-from localrt.batching import Batcher, Entry, Sequence
+from localrt.engines.batching import Batcher, Entry, Sequence
 from localrt.errors import InvalidField
 
 NO_EOS = {"2": -100}

@@ -19,8 +19,8 @@ from conftest import call
 from localrt import settings as settings_mod
 from localrt.api import ROUTES
 from localrt.app import create_app
-from localrt.chat import render_template
-from localrt.scheduler import FairLock
+from localrt.inference.chat import render_template
+from localrt.inference.scheduler import FairLock
 
 NO_EOS = {"2": -100}
 USER = [{"role": "user", "content": "hello"}]
@@ -151,7 +151,7 @@ def test_a_damaged_file_fails_to_load_cleanly(api, quantized):
 
 
 def test_a_chat_starts_the_model_and_replies_in_openai_shape(api, tiny, caplog):
-    with caplog.at_level(logging.INFO, logger="localrt.scheduler"):
+    with caplog.at_level(logging.INFO, logger="localrt.inference.scheduler"):
         r = chat(api, logit_bias=NO_EOS)
     assert r.status == 200, r.body
     assert "starting model tiny for a chat request" in caplog.text

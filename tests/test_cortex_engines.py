@@ -364,7 +364,7 @@ def test_a_custom_engine_has_a_default_but_no_releases(server, tmp_path):
 def test_recorded_files_are_where_unpack_put_them(tmp_path):
     """A check reads each wheel's RECORD: `.data/purelib` files are where unpack put them,
     parts unpack skips and files outside the folder (pip's scripts) are not checked."""
-    from localrt import wheels
+    from localrt.engines import wheels
 
     wheel = build_wheel(tmp_path / "dist", "some-engine", "1.0",
                         {"some_engine/__init__.py": "A = 1\n",

@@ -11,7 +11,7 @@ from ggufgen import write_gguf
 from hubemu import HubEmulator
 from proxyfix import start_proxy
 
-from localrt.opener import ProxyAuthFailed, no_proxy_matches, open_url
+from localrt.downloads.opener import ProxyAuthFailed, no_proxy_matches, open_url
 from localrt.errors import UpstreamError
 
 @pytest.fixture

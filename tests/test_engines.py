@@ -19,12 +19,12 @@ from enginepkg import build_wheel, write_echo_model
 from onnxgen import write_onnx_model
 from pkgindex import PackageIndex
 
-from localrt import engines as engines_mod
-from localrt import probe as probe_mod
+from localrt.engines import catalog as engines_mod
+from localrt.engines import probe as probe_mod
 from localrt.app import create_app
-from localrt.engines import Variant
-from localrt.hardware import Hardware, detect_hardware, recommended, runnable
-from localrt.probe import gguf_variant
+from localrt.engines.catalog import Variant
+from localrt.engines.hardware import Hardware, detect_hardware, recommended, runnable
+from localrt.engines.probe import gguf_variant
 
 AVX512 = frozenset({"avx", "avx2", "avx512f", "fma"})
 HW = Hardware("linux", "amd64", "test cpu", AVX512)
@@ -537,7 +537,7 @@ def test_custom_engine_wheel_installs_lists_and_chats(api, app, index_dir, tmp_p
     out = loaded.chat([{"role": "user", "content": "hello there"}], {}, False)
     assert out["content"] == "echo: hello there"
     # Chat completions stream an engine without generate(), counting pieces as tokens.
-    from localrt.adapters import generation_of_pieces
+    from localrt.engines.adapters import generation_of_pieces
 
     def generation(params):
         pieces = loaded.chat([{"role": "user", "content": "a b c"}], params, True)

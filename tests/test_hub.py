@@ -8,7 +8,7 @@ from conftest import outbound_config as config
 from ggufgen import write_gguf
 from hubemu import HubEmulator
 
-from localrt.hub import (RATE_LIMIT_TRIES, Hub, HubTokenRejected, HubTokenRequired, NotOnHub,
+from localrt.models.hub import (RATE_LIMIT_TRIES, Hub, HubTokenRejected, HubTokenRequired, NotOnHub,
                          RateLimited)
 
 

@@ -14,7 +14,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "localrt"
 MAX_CLASS_LINES = 300
 # The only modules that may compare or spell out the built-in engines' names.
-ENGINE_NAME_OWNERS = {"localrt.adapters", "localrt.engines"}
+ENGINE_NAME_OWNERS = {"localrt.engines.adapters", "localrt.engines.catalog"}
 ENGINE_NAMES = ("gguf-cpp", "onnx-runtime")
 ENGINE_CONSTANTS = ("GGUF_ENGINE", "ONNX_ENGINE")
 

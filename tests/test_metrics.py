@@ -20,10 +20,10 @@ from prometheus_client.parser import text_string_to_metric_families  # a test de
 
 from localrt import settings as settings_mod
 from localrt.app import create_app
-from localrt.downloads import Downloads, Item, Task
+from localrt.downloads.tasks import Downloads, Item, Task
 from localrt.events import EventBus
 from localrt.metrics import CONTENT_TYPE, Metrics
-from localrt.probe import run_probe
+from localrt.engines.probe import run_probe
 
 NO_EOS = {"2": -100}  # the tiny model's end-of-sequence token never comes (tests/test_chat.py)
 USER = [{"role": "user", "content": "hello"}]
@@ -376,7 +376,7 @@ def test_a_resumed_download_counts_only_the_bytes_received(hub, tmp_path):
 
 
 def test_bytes_fetched_in_pieces_are_counted(hub, tmp_path, monkeypatch):
-    monkeypatch.setattr("localrt.downloads.PIECES_FROM", 1024 * 1024)
+    monkeypatch.setattr("localrt.downloads.tasks.PIECES_FROM", 1024 * 1024)
     d = downloads(2)
     try:
         task = wait_end(d, d.start(blob_task(hub, tmp_path / "models")))

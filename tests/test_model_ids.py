@@ -4,7 +4,7 @@ import pytest
 
 from localrt import settings as settings_mod
 from localrt.errors import InvalidField
-from localrt.models import ModelRef, parse_id, quantization
+from localrt.models.registry import ModelRef, parse_id, quantization
 
 HUB = "https://huggingface.co"
 

@@ -21,9 +21,9 @@ from hubemu import HubEmulator
 from loopback import LoopbackHandler, LoopbackServer
 
 from localrt.app import create_app
-from localrt.downloads import Downloads, Item, Task, map_path, part_path
+from localrt.downloads.tasks import Downloads, Item, Task, map_path, part_path
 from localrt.events import EventBus
-from localrt.opener import retry_after_seconds
+from localrt.downloads.opener import retry_after_seconds
 
 MiB = 1024 * 1024
 SIZE = 70 * MiB + 12345  # not a whole number of pieces: the last one is short

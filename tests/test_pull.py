@@ -254,7 +254,7 @@ def test_cancel_unknown_task_is_404(api):
 def test_too_little_disk_space_is_refused(api, monkeypatch):
     import shutil
 
-    from localrt import downloads
+    from localrt.downloads import tasks as downloads
 
     usage = shutil.disk_usage("/")
     monkeypatch.setattr(downloads.shutil, "disk_usage",
@@ -306,7 +306,7 @@ def test_proxy_credentials_never_reach_a_cdn_that_is_not_proxied(api, hub, setti
 
 
 def test_a_failed_write_fails_the_task_and_never_renames(api, hub, monkeypatch):
-    from localrt import fetch
+    from localrt.downloads import fetch
 
     real_write, calls = fetch.os.write, []
 

@@ -17,7 +17,7 @@ import time
 import pytest
 from localrt.app import create_app
 from localrt.cli import ExitCode, main
-from localrt.remote import (HEALTHY, UNHEALTHY, NoHealthyUpstream, Pool, Probe, UpstreamKeyRefused,
+from localrt.inference.remote import (HEALTHY, UNHEALTHY, NoHealthyUpstream, Pool, Probe, UpstreamKeyRefused,
                             UpstreamTimeout, parse_upstreams)
 
 KEY = "sk-upstream-1234567890"

@@ -1,4 +1,4 @@
-"""OpenAI's Responses API (localrt.responses) on real llama.cpp: the translation onto chat
+"""OpenAI's Responses API (localrt.dialects.responses) on real llama.cpp: the translation onto chat
 (checked against the chat completion of the same conversation), the typed events of a
 stream, function calls, previous_response_id chains, the store, and bad bodies; then the
 real `openai` SDK's client.responses against a live server.
@@ -22,7 +22,7 @@ from chattemplates import TEMPLATES, TOKENS
 from conftest import call, run_foreground_server, send
 from ggufgen import write_gguf
 
-from localrt.responses import Store
+from localrt.dialects.responses import Store
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "required": ["city", "metric"],
@@ -373,7 +373,7 @@ def test_a_model_stopped_mid_stream_ends_it_failed(app, slow_gguf):
 
 def test_a_remote_models_reply_is_translated_the_same_way(app, api, weights, tmp_path):
     """A remote model (llama-cpp-python's server upstream, tests/upstreams.py): its chat
-    comes back through localrt.remote, streamed or not, and becomes the same response."""
+    comes back through localrt.inference.remote, streamed or not, and becomes the same response."""
     from upstreams import start_replica
 
     replica = start_replica(weights["tiny"], tmp_path / "replica.log", n_ctx=512)

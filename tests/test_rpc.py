@@ -1,4 +1,4 @@
-"""llama.cpp RPC: a gguf-cpp model split across rpc-server hosts (localrt.rpc).
+"""llama.cpp RPC: a gguf-cpp model split across rpc-server hosts (localrt.engines.rpc).
 
 The checks before a model loads run here on the build that ships with localrt (it has
 no RPC backend). The model split across two real rpc-servers is test_rpc_live.py's.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import call
-from localrt import rpc
-from localrt.engines import RPC_SUFFIX
+from localrt.engines import rpc
+from localrt.engines.catalog import RPC_SUFFIX
 from localrt.errors import HTTPError
 
 
@@ -137,7 +137,7 @@ def test_an_unreachable_server_is_a_502_naming_it(tmp_path):
 
 
 def test_the_build_progress_comes_from_pips_and_ninjas_lines():
-    from localrt.builds import _progress
+    from localrt.engines.builds import _progress
 
     progress = {"stage": "start", "step": 0, "steps": 0, "line": ""}
     seen = []
@@ -211,7 +211,7 @@ def test_a_build_that_fails_fails_its_task_with_the_end_of_its_output(settings, 
 
     from conftest import wait_task
     from localrt.app import create_app
-    from localrt.hardware import detect_hardware
+    from localrt.engines.hardware import detect_hardware
     from pkgindex import PackageIndex
 
     if shutil.which("cc") is None or shutil.which("c++") is None:
@@ -250,7 +250,7 @@ def test_a_build_that_fails_fails_its_task_with_the_end_of_its_output(settings, 
 
 def test_an_index_with_neither_wheel_nor_sdist_is_a_400(settings, tmp_path):
     from localrt.app import create_app
-    from localrt.hardware import detect_hardware
+    from localrt.engines.hardware import detect_hardware
     from pkgindex import PackageIndex
 
     hw = detect_hardware()

@@ -35,7 +35,7 @@ from ggufgen import write_gguf
 from localrt import settings as settings_mod
 from localrt.app import create_app
 from localrt.bootstrap import AMX_OFF
-from localrt.hardware import detect_hardware
+from localrt.engines.hardware import detect_hardware
 from pkgindex import PackageIndex
 
 RPC_DIR = REPO / "tests" / ".rpc-build"

@@ -167,8 +167,8 @@ def expected_prompts() -> dict:
 def test_each_template_renders_the_tools_and_the_calls_history(api, models, family):
     import llama_cpp
 
-    from localrt.adapters import GgufEngine
-    from localrt.chat import _message
+    from localrt.engines.adapters import GgufEngine
+    from localrt.inference.chat import _message
 
     ask, history = expected_prompts()[family]
     model = GgufEngine().load(str(models[family]), {"ctx_len": 4096})

@@ -63,8 +63,8 @@ def measure(engine_dir: str, model: Path, threads: int) -> dict:
 def main() -> int:
     from ggufgen import write_gguf
 
-    from localrt.hardware import detect_hardware
-    from localrt.probe import run_probe
+    from localrt.engines.hardware import detect_hardware
+    from localrt.engines.probe import run_probe
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reference", required=True, help="folder holding a llama_cpp "

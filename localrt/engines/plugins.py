@@ -1,10 +1,10 @@
 """Custom engines: packages in the `localrt.engines` entry-point group.
 
 One comes from a package in localrt's own Python, or from a wheel that
-localrt.installs unpacked into its engine folder (`<engines>/<name>/<variant>/<version>/`,
+localrt.engines.installs unpacked into its engine folder (`<engines>/<name>/<variant>/<version>/`,
 listed in engines.json as custom). `find` finds both kinds, and `load` imports one
 and checks that it has what an engine needs (`CONTRACT`; README "Custom engines").
-localrt.engines lists and loads them beside the built-in engines of its catalog.
+localrt.engines.catalog lists and loads them beside the built-in engines of its catalog.
 """
 
 from __future__ import annotations

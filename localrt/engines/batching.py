@@ -1,11 +1,11 @@
 """Continuous batching: the generations of one model share each decode step.
 
-A batched model (localrt.adapters' LlamaModel) keeps `slots` sequences in one llama.cpp
+A batched model (localrt.engines.adapters' LlamaModel) keeps `slots` sequences in one llama.cpp
 context, each with its own KV cache of ctx_len tokens. `Batcher` decides what each
 step computes; `LlamaBatch` computes it with llama.cpp:
 
   * A generation joins (`join`) when it is first read, and takes a slot at the next
-    step, in arrival order (localrt.scheduler lets at most `slots` generations in).
+    step, in arrival order (localrt.inference.scheduler lets at most `slots` generations in).
   * One `step()` is one llama_decode: the next token of every generating sequence,
     then the prompts of the sequences still reading theirs, in arrival order, until
     the batch holds n_batch tokens. A long prompt is read a chunk a step, so it holds
@@ -21,7 +21,7 @@ step computes; `LlamaBatch` computes it with llama.cpp:
     half, or whose cache holds at least half the prompt, is chosen that way;
     otherwise the least recently used slot is, so other conversations keep theirs.
     With caching off, every prompt is read whole.
-  * Log-probabilities (localrt.logprobs), only for a sequence that asks: each token it
+  * Log-probabilities (localrt.inference.logprobs), only for a sequence that asks: each token it
     samples is scored from its row of logits before its sampler chain sees them, and
     with `prompt_logprobs` (a completion's echo) so is every prompt token, which takes
     logits for each: such a prompt is read whole (its cached prefix has no logits
@@ -30,7 +30,7 @@ step computes; `LlamaBatch` computes it with llama.cpp:
     (`leave`: its reply is done, or its client hung up) frees its slot at the end of
     the step under way, or at once when none is.
 
-Who calls step(), and when, is localrt.scheduler's business (`Stepper`): one step
+Who calls step(), and when, is localrt.inference.scheduler's business (`Stepper`): one step
 at a time, on a compute lane, when a generation needs its next token. llama_cpp is
 imported only when a LlamaBatch is made.
 """
@@ -44,7 +44,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from localrt import logprobs
+from localrt.inference import logprobs
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class Sequence:
         self.prompt = prompt
         self.max_tokens = max_tokens
         self.sampler = sampler  # the engine's, handed to its decode(); freed by release()
-        # Log-probabilities (localrt.logprobs), for a request that asks: each sampled
+        # Log-probabilities (localrt.inference.logprobs), for a request that asks: each sampled
         # token's, with this many alternatives (None: none computed), and with
         # prompt_logprobs the prompt's too, which is then read whole (no cached
         # prefix: its logits are gone). The engine's decode() appends a TokenLogprob to
@@ -315,7 +315,7 @@ def common_prefix(a: list, b: list) -> int:
 
 @dataclass(frozen=True)
 class Sampling:
-    """How one sequence picks its tokens (localrt.adapters fills in the defaults)."""
+    """How one sequence picks its tokens (localrt.engines.adapters fills in the defaults)."""
 
     temperature: float
     top_k: int

@@ -6,7 +6,7 @@ downloadConnections workers ask for at once and write in place in the part file;
 only what is missing. The task's thread coordinates: it hashes the file's complete
 prefix as it grows, publishes progress and saves the map. The parts a one-stream
 fetch also uses (Item, Task, Link, Request, the checksum and the final rename) are
-in localrt.fetch; localrt.downloads decides which way a file is fetched.
+in localrt.downloads.fetch; localrt.downloads.tasks decides which way a file is fetched.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import threading
 import time
 from pathlib import Path
 
-from localrt.fetch import (CHUNK, UPDATE_INTERVAL, Backoff, Cancelled, DownloadFailed, Hasher,
+from localrt.downloads.fetch import (CHUNK, UPDATE_INTERVAL, Backoff, Cancelled, DownloadFailed, Hasher,
                            Item, Link, Request, Retry, Task, content_range, install, map_path,
                            shut, start_writeback)
 from localrt.fsutil import atomic_write, human_size
-from localrt.opener import origin
+from localrt.downloads.opener import origin
 
 log = logging.getLogger(__name__)
 

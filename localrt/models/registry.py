@@ -21,8 +21,8 @@ models folder.
 Each downloaded or imported model has a folder under `<dataFolderPath>/models`
 holding its files and a definition file, `model.json` (schemas/model.json),
 written atomically and only once every file is complete and checked. Its `engine`
-is model.yml's, else the engine catalog's (localrt.engines) for the files. A remote
-model (localrt.remote) has a definition with no files and its `upstreams`, under
+is model.yml's, else the engine catalog's (localrt.engines.catalog) for the files. A remote
+model (localrt.inference.remote) has a definition with no files and its `upstreams`, under
 `<dataFolderPath>/models/remote/`; their api keys are secrets, which a record never
 shows (`api_key_set` says whether one is stored).
 """
@@ -43,14 +43,15 @@ from pathlib import Path
 from typing import Callable, Iterable
 from urllib.parse import quote, unquote, urlsplit
 
-from localrt import ggufinfo, schemas
-from localrt.downloads import (DownloadFailed, Downloads, Item, Task, check_disk_space,
+from localrt import schemas
+from localrt.models import ggufinfo
+from localrt.downloads.tasks import (DownloadFailed, Downloads, Item, Task, check_disk_space,
                                fsync_dir)
-from localrt.engines import engine_alias, engine_for_files, weights_file
+from localrt.engines.catalog import engine_alias, engine_for_files, weights_file
 from localrt.errors import (BadRequest, Conflict, HTTPError, InvalidField, NotFound,
                             UpstreamError)
 from localrt.fsutil import atomic_write, private_dir
-from localrt.hub import Hub, HubFile, NotOnHub, RevisionNotOnHub
+from localrt.models.hub import Hub, HubFile, NotOnHub, RevisionNotOnHub
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +218,7 @@ class ModelNotFound(NotFound):
 @functools.lru_cache(maxsize=None)  # the schema file does not change while localrt runs
 def parameter_names() -> tuple[str, ...]:
     """The stored parameters a model can have: the properties of schemas/model-update.json,
-    less the id and a remote model's upstreams (localrt.remote sets those)."""
+    less the id and a remote model's upstreams (localrt.inference.remote sets those)."""
     return tuple(k for k in schemas.load("model-update.json")["properties"]
                  if k not in ("id", "upstreams"))
 
@@ -260,7 +261,7 @@ class Registry:
 
     def definition(self, model_id: str) -> dict:
         """A model's definition as stored, secrets included (a remote model's upstream
-        keys): for localrt.remote to use, never for a reply."""
+        keys): for localrt.inference.remote to use, never for a reply."""
         with self._lock:
             return json.loads(json.dumps(self._find(model_id)[1]))
 

@@ -1,8 +1,8 @@
 """Engine variants compiled from source: a distribution's sdist, built by pip into a wheel.
 
-A variant with CMake options (localrt.engines.Variant.cmake: gguf-cpp's +rpc ones,
+A variant with CMake options (localrt.engines.catalog.Variant.cmake: gguf-cpp's +rpc ones,
 -DGGML_RPC=ON) that the package index has no wheel of is built here, inside its
-install task (localrt.installs): the task downloads the sdist from the index like a
+install task (localrt.engines.installs): the task downloads the sdist from the index like a
 wheel (sha256 checked, resumable, cancellable), then `Build.run` runs
 
     python -m pip wheel --no-deps --no-cache-dir -v --index-url INDEX -w OUT SDIST
@@ -45,10 +45,10 @@ from pathlib import Path
 from typing import Mapping
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from localrt import wheels
+from localrt.engines import wheels
 from localrt.bootstrap import build_env
 from localrt.errors import BadRequest
-from localrt.fetch import Cancelled, DownloadFailed, Task
+from localrt.downloads.fetch import Cancelled, DownloadFailed, Task
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class Plan:
 def plan(engines_root: Path, engine: str, variant, version: str | None, config: Mapping,
          index_url: str) -> Plan:
     """The sdist of `version` (None: the newest final one) of a variant
-    (localrt.engines.Variant with `cmake`) to compile, or its wheel built before.
+    (localrt.engines.catalog.Variant with `cmake`) to compile, or its wheel built before.
 
     A 400 when the index has no such sdist, an error when it gives no sha256."""
     try:

@@ -5,7 +5,7 @@ turns it into a chat-completions body (schemas/chat-completion.json): `instructi
 become a system message, the input items become messages (a `function_call` an
 assistant's tool call, a `function_call_output` a "tool" message), function tools
 become chat's tools, `max_output_tokens` becomes max_tokens and `text.format` becomes
-response_format. `Chats.create` (localrt.chat; localrt.remote for a remote model) runs
+response_format. `Chats.create` (localrt.inference.chat; localrt.inference.remote for a remote model) runs
 it, and what it gives back is reshaped: a chat.completion into a `response` object
 (a `message` output item with `output_text`, one `function_call` item per tool call,
 `status`, `usage`), a stream of chat.completion.chunk dicts into the Responses API's
@@ -55,7 +55,7 @@ class PreviousNotFound(InvalidField):
 
 
 class Responses:
-    """Responses on top of `chats` (localrt.chat.Chats), and the store of those kept.
+    """Responses on top of `chats` (localrt.inference.chat.Chats), and the store of those kept.
 
     `validators` (localrt.schemas.Validators) checks each chat body made here against
     schemas/chat-completion.json, so a translation that went wrong is a 400, never a 500.

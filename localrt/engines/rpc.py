@@ -5,7 +5,7 @@ its layers on the devices those servers lend (a server's CPU, or its GPUs). llam
 counts them as GPUs, so `ngl` says how many layers go there (all by default); they
 are split by the memory each server has free, and the token embeddings stay here.
 It needs a gguf-cpp build with the RPC backend (GGML_RPC=ON): the variants named
-`<variant>+rpc` (localrt.engines), which localrt.builds compiles from the sdist when
+`<variant>+rpc` (localrt.engines.catalog), which localrt.engines.builds compiles from the sdist when
 the package index has no wheel of them.
 
 Trust (`untrusted_host`): rpc-server has no authentication. Whoever reaches its port
@@ -17,7 +17,7 @@ trusted when it is listed, or when every address it resolves to is.
 
 Connecting (`preflight`): ggml's RPC client aborts the whole process when a server
 cannot be reached, refuses the handshake (another RPC protocol version) or breaks
-mid-run. So before a model loads, a child process (`python -m localrt.rpc ENGINE_DIR
+mid-run. So before a model loads, a child process (`python -m localrt.engines.rpc ENGINE_DIR
 ENDPOINT...`, this module's `main`) connects to each server and lists its devices. A
 server that fails there is a 502 naming it, and one that gives no answer in
 PREFLIGHT_TIMEOUT seconds is busy: rpc-server serves one client at a time. A server
@@ -138,7 +138,7 @@ def preflight(targets: list[str], engine_dir: str | None,
     handshake it finally reads has gone, so killing the child would kill a busy server
     once it is free. It ends by itself when its turn comes (or its server ends).
     """
-    cmd = [sys.executable, "-m", "localrt.rpc", engine_dir or "", *targets]
+    cmd = [sys.executable, "-m", "localrt.engines.rpc", engine_dir or "", *targets]
     env = dict(os.environ)
     localrt_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [localrt_root, env.get("PYTHONPATH")]))

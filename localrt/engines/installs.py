@@ -1,15 +1,15 @@
 """Installing, uninstalling and choosing engine variants, and engines.json that records them.
 
-An install replies at once and runs as a download task of type Engine (localrt.downloads):
+An install replies at once and runs as a download task of type Engine (localrt.downloads.tasks):
 the engine's wheel for this Python and the requirements this environment lacks, from
-the package index (localrt.wheels; what the index has is localrt.releases). Once
+the package index (localrt.engines.wheels; what the index has is localrt.engines.releases). Once
 every wheel is checked they are unpacked beside
 `<dataFolderPath>/engines/<engine>/<variant>/<version>/`, renamed into it, and only
 then listed in engines.json, written atomically: a folder not in the file does not
 count, so a cancelled or killed install leaves nothing half installed. Nothing is
 ever pip-installed. A variant with CMake options (gguf-cpp's +rpc ones) that the index
 has no wheel of is compiled from the index's sdist inside the same task
-(localrt.builds), or taken from the wheel built here before.
+(localrt.engines.builds), or taken from the wheel built here before.
 
 Installing a variant that is installed already fetches nothing: its task checks
 each installed file against the RECORD of its wheel, with the events of any install,
@@ -18,7 +18,7 @@ such a variant: uninstalling it only deactivates it (it leaves the installed lis
 its files stay), and installing it again checks llama-cpp-python's files against
 pip's RECORD and turns it back on.
 
-`EngineState` owns engines.json; `Installs` changes it, and localrt.engines reads it.
+`EngineState` owns engines.json; `Installs` changes it, and localrt.engines.catalog reads it.
 """
 
 from __future__ import annotations
@@ -37,14 +37,14 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping
 from urllib.parse import unquote, urlsplit
 
-from localrt import builds, plugins, wheels
-from localrt.downloads import DownloadFailed, Downloads, Item, Task
-from localrt.engines import (CATALOG, EngineNotInstalled, EngineSpec, Engines, Variant,
+from localrt.engines import builds, plugins, wheels
+from localrt.downloads.tasks import DownloadFailed, Downloads, Item, Task
+from localrt.engines.catalog import (CATALOG, EngineNotInstalled, EngineSpec, Engines, Variant,
                              display_version, key)
 from localrt.errors import BadRequest, Conflict, HTTPError
 from localrt.fsutil import fsync_dir, private_dir, read_json, write_json
-from localrt.hardware import Hardware, recommended, runnable
-from localrt.releases import LATEST, Releases, bare_version, wanted_version
+from localrt.engines.hardware import Hardware, recommended, runnable
+from localrt.engines.releases import LATEST, Releases, bare_version, wanted_version
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class Installs:
             return self._check(name, installed[chosen.name, version])
         files = self._releases.files(chosen.distribution)
         dist = wheels.choose(files, f"=={version}" if version else "", chosen.local)
-        if dist is None and chosen.cmake:  # compiled from the sdist (localrt.builds)
+        if dist is None and chosen.cmake:  # compiled from the sdist (localrt.engines.builds)
             return self._build(name, chosen, version, installed)
         if dist is None:
             raise self._releases.no_wheel(chosen, version, files, builtin)
@@ -146,7 +146,7 @@ class Installs:
 
     def _build(self, name: str, chosen: Variant, version: str | None,
                installed: dict) -> dict:
-        """Install a variant the index has no wheel of from its sdist (localrt.builds)."""
+        """Install a variant the index has no wheel of from its sdist (localrt.engines.builds)."""
         plan = builds.plan(self.root, name, chosen, version, self._config(), self._index_url())
         if (chosen.name, plan.version) in installed:
             return self._check(name, installed[chosen.name, plan.version])
@@ -232,11 +232,11 @@ class Installs:
         return {"message": message}
 
     def releases(self, name: str) -> list[dict]:
-        """cortex's releases of a built-in engine (localrt.releases)."""
+        """cortex's releases of a built-in engine (localrt.engines.releases)."""
         return self._releases.releases(self._builtin_spec(name))
 
     def release(self, name: str, version: str) -> list[dict]:
-        """cortex's variants of one release of a built-in engine (localrt.releases)."""
+        """cortex's variants of one release of a built-in engine (localrt.engines.releases)."""
         return self._releases.release(self._builtin_spec(name), version)
 
     def _builtin_spec(self, name: str) -> EngineSpec:

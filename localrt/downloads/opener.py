@@ -4,7 +4,7 @@ Proxy, credentials, no_proxy and the SSL flags come only from Config (spec 2.1),
 never from the environment, and are read afresh for every request, so a change
 applies to the next one without a restart. The hub token is added as an
 unredirected header, so it reaches the hub and never the host a redirect leads to.
-Used by the downloads (localrt.fetch, localrt.pieces), the hub client and the
+Used by the downloads (localrt.downloads.fetch, localrt.downloads.pieces), the hub client and the
 package index client.
 """
 

@@ -1,22 +1,22 @@
 """What the package index has of the built-in engines: their wheels, and cortex's releases.
 
 cortex lists an engine's GitHub releases; localrt's engines come from a package index
-(localrt.wheels), so a release here is a version the index has of the engine's
+(localrt.engines.wheels), so a release here is a version the index has of the engine's
 distributions (all its variants'), and its variants are those of this machine with a
 wheel of that version for this Python. `Releases` answers
 `GET /v1/engines/{engine}/releases` and `.../releases/{version}`, and says what the
 index has when an install names a version or variant it lacks. Installing is
-localrt.installs'.
+localrt.engines.installs'.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Mapping
 
-from localrt import wheels
-from localrt.engines import EngineSpec, Variant, display_version
+from localrt.engines import wheels
+from localrt.engines.catalog import EngineSpec, Variant, display_version
 from localrt.errors import BadRequest
-from localrt.hardware import Hardware, runnable
+from localrt.engines.hardware import Hardware, runnable
 
 LATEST = "latest"  # cortex's version for the newest
 

@@ -1,7 +1,7 @@
 """The built-in engines' adapters: llama.cpp (gguf-cpp) and onnxruntime-genai (onnx-runtime).
 
 An engine object has `name`, `format`, `description` and `load(model_path, options)`,
-and may have the engine's own rules, which localrt.engines asks before anything waits:
+and may have the engine's own rules, which localrt.engines.catalog asks before anything waits:
 
   check_options(options) -> [(option, why)]   the start options it cannot take
                                               (schemas/model-start.json's names)
@@ -26,13 +26,13 @@ The model it loads has:
                                              the RSS delta measured around the load
                                              (kv: its KV cache, part of ram or vram)
   chat_template                              its Jinja chat template, when it has one
-                                             (localrt.toolcalls reads its call format)
+                                             (localrt.inference.toolcalls reads its call format)
   unload()
   slots, step()                              only a model that batches: it serves
                                              `slots` generations at once, and each
                                              step() gives every one its next token
 
-and, for localrt.completions and localrt.embeddings, when the engine can:
+and, for localrt.inference.completions and localrt.inference.embeddings, when the engine can:
 
   tokenize(text) / detokenize(tokens)        a prompt's tokens as generate() reads
   n_vocab                                    params["prompt"], and back, and how many
@@ -52,25 +52,25 @@ A custom engine's model with only chat() is wrapped in `ChatOnlyModel`, so every
 loaded model has generate(). `generate` raises InvalidField before it computes
 anything (a prompt longer than the context, a bad response_format or grammar), so a
 streamed reply never starts with an error. It does no locking of its own:
-localrt.scheduler lets one request at a time use a model (`slots` at a time for a
+localrt.inference.scheduler lets one request at a time use a model (`slots` at a time for a
 batched one), and runs each token, or each step, in the compute lane. gguf-cpp
-batches (LlamaModel, with localrt.batching: n_parallel sequences in one context, and
+batches (LlamaModel, with localrt.engines.batching: n_parallel sequences in one context, and
 the prompt cache); onnx-runtime serves one request at a time. `params` come from
-localrt.chat: OpenAI's sampling fields (`response_format` as {"type": "json_object"}
+localrt.inference.chat: OpenAI's sampling fields (`response_format` as {"type": "json_object"}
 or {"type": "json_schema", "schema"}) plus `prompt` (the text of a model's
 prompt_template, used instead of the chat template when present) and `stop` (a
-list). For tool calls (localrt.toolcalls): `tools` (OpenAI's list, given to the chat
+list). For tool calls (localrt.inference.toolcalls): `tools` (OpenAI's list, given to the chat
 template as Hugging Face gives it), `grammar` (GBNF that constrains the reply instead
 of response_format) and `preserved_tokens` (special tokens printed as their text, as
 a call's syntax needs). A generation's `usage` also counts `cached_tokens`: prompt
-tokens a batched model found in its cache. Log probabilities (localrt.logprobs):
+tokens a batched model found in its cache. Log probabilities (localrt.inference.logprobs):
 `logprobs` (how many alternatives each token's comes with, 0 to 20; absent or None:
 none) and `prompt_logprobs` (score the prompt's tokens too: a completion's echo); an
 engine that computes them sets the Generation's `logprobs` to a Log, and token_loop
 feeds it. Both built-in engines read the logits before sampling: gguf-cpp in
 LlamaBatch.decode, onnx-runtime with Generator.get_logits() before each
 generate_next_token() (it cannot score a prompt). A generation without a Log (a
-custom engine's) makes localrt.chat and localrt.completions answer a 400.
+custom engine's) makes localrt.inference.chat and localrt.inference.completions answer a 400.
 llama_cpp and onnxruntime_genai are imported only when a model loads.
 """
 
@@ -86,15 +86,15 @@ import random
 from pathlib import Path
 from typing import Iterator
 
-from localrt import toolcalls
-from localrt.batching import Batcher, LlamaBatch, Sampling, Sequence
+from localrt.inference import toolcalls
+from localrt.engines.batching import Batcher, LlamaBatch, Sampling, Sequence
 from localrt.errors import Conflict, InvalidField
-from localrt.logprobs import Log, TokenLogprob, scored
+from localrt.inference.logprobs import Log, TokenLogprob, scored
 
 GGUF_ENGINE, ONNX_ENGINE = "gguf-cpp", "onnx-runtime"
 
 # Model start options (schemas/model-start.json) become llama.cpp's parameters in
-# _model_params (ngl, use_mmap, mlock; rpc_servers: the devices, localrt.rpc) and
+# _model_params (ngl, use_mmap, mlock; rpc_servers: the devices, localrt.engines.rpc) and
 # _context_params (ctx_len x n_parallel, n_parallel, n_batch, cpu_threads, flash_attn,
 # cache_type); caching_enabled is the Batcher's. If you add one, also map it there.
 DEFAULT_BATCH = 512  # n_batch when not given (and the most n_ubatch is), llama-cpp-python's
@@ -122,7 +122,7 @@ class Generation:
 
     A batched model's generation (one of a model with `slots`) calls `wait()` when its
     next token is not computed yet: the model's own step() unless the scheduler sets
-    its own (localrt.scheduler.Lease.steps). `on_close` runs at close(), read or not.
+    its own (localrt.inference.scheduler.Lease.steps). `on_close` runs at close(), read or not.
     """
 
     def __init__(self, prompt_tokens: int, run, on_close=None):
@@ -130,7 +130,7 @@ class Generation:
         self.stop_sequence: str | None = None  # the stop sequence that ended it, if one did
         self.usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0}
         self.wait = None
-        self.logprobs = None  # a localrt.logprobs.Log, when asked for and computed
+        self.logprobs = None  # a localrt.inference.logprobs.Log, when asked for and computed
         self._pieces = run(self)
         self._on_close = on_close
 
@@ -189,7 +189,7 @@ def token_loop(gen: Generation, tokens, *, decode, is_end=lambda token: False,
 
     Counts completion tokens in `gen.usage` and sets `gen.finish_reason` (and
     `gen.stop_sequence`) at the end; `exhausted` is the finish reason when `tokens` runs
-    out by itself. With `gen.logprobs` (a localrt.logprobs.Log), `scores(token)` is each
+    out by itself. With `gen.logprobs` (a localrt.inference.logprobs.Log), `scores(token)` is each
     token's TokenLogprob, and the log learns which text each token made and what of it
     is sent.
     """
@@ -314,7 +314,7 @@ def generating(model):
 class GgufEngine:
     """gguf-cpp: llama.cpp through llama-cpp-python, imported at the first load.
 
-    `_rpc` is this process's use of rpc-servers (localrt.rpc.Client), shared by the
+    `_rpc` is this process's use of rpc-servers (localrt.engines.rpc.Client), shared by the
     models it loads with `rpc_servers`.
     """
 
@@ -322,7 +322,7 @@ class GgufEngine:
     description = "llama.cpp through llama-cpp-python; runs GGUF models"
 
     def __init__(self):
-        from localrt import rpc
+        from localrt.engines import rpc
 
         self._rpc = rpc.Client()
 
@@ -340,7 +340,7 @@ class GgufEngine:
 
     @staticmethod
     def check_options(options: dict) -> Iterator[tuple[str, str]]:
-        """(option, why) for each start option llama.cpp cannot take (localrt.engines
+        """(option, why) for each start option llama.cpp cannot take (localrt.engines.catalog
         checks rpc_servers against the build and rpcTrustedHosts)."""
         if options.get("grp_attn_n", 1) > 1:
             yield "grp_attn_n", "gguf-cpp has no group attention (self-extend); leave it at 1"
@@ -359,9 +359,9 @@ class GgufEngine:
 
 class LlamaModel(GeneratingModel):
     """A loaded GGUF model: one llama.cpp context whose `slots` sequences (n_parallel)
-    share each decode step (localrt.batching), and the generations read from them.
+    share each decode step (localrt.engines.batching), and the generations read from them.
 
-    It has `slots` and `step()`: localrt.scheduler lets that many requests in at once
+    It has `slots` and `step()`: localrt.inference.scheduler lets that many requests in at once
     and runs the steps.
     """
 
@@ -460,7 +460,7 @@ class LlamaModel(GeneratingModel):
         return model.tokenize(text.encode("utf-8"), add_bos=bos, special=True)
 
     def step(self) -> None:
-        """One decode for every sequence (localrt.batching.Batcher.step)."""
+        """One decode for every sequence (localrt.engines.batching.Batcher.step)."""
         self._batcher.step()
 
     def counters(self) -> dict:
@@ -497,7 +497,7 @@ class LlamaModel(GeneratingModel):
         except ValueError as exc:
             raise InvalidField(f"Invalid field '{source}': {exc}", param=source) from None
 
-    # --- for localrt.completions ----------------------------------------------
+    # --- for localrt.inference.completions ----------------------------------------------
 
     @property
     def n_vocab(self) -> int:
@@ -558,7 +558,7 @@ class LlamaModel(GeneratingModel):
         """RAM and VRAM from llama.cpp: the weights (split by offloaded layers) and the
         KV cache of every slot (`kv`, in ram or vram). A model split across rpc-servers
         offloads to them, not to a GPU here: that part is `remote`, in neither."""
-        from localrt import rpc
+        from localrt.engines import rpc
 
         llama_cpp, model = self._llama_cpp, self._model
         weights = llama_cpp.llama_model_size(model.model)
@@ -629,8 +629,8 @@ class LlamaModel(GeneratingModel):
 
 def _rpc_targets(llama_cpp, options: dict) -> list[str]:
     """The rpc-servers of the start option `rpc_servers` ("host:port" each); a 400 when
-    this llama.cpp has no RPC backend (localrt.engines names the variant that has)."""
-    from localrt import rpc
+    this llama.cpp has no RPC backend (localrt.engines.catalog names the variant that has)."""
+    from localrt.engines import rpc
 
     if not options.get("rpc_servers"):
         return []
@@ -701,7 +701,7 @@ def embedding_pooling(model_path: str, options: dict) -> int | None:
     """
     import llama_cpp
 
-    from localrt import ggufinfo
+    from localrt.models import ggufinfo
 
     try:
         meta = ggufinfo.read_metadata(model_path)
@@ -952,7 +952,7 @@ class OnnxModel(GeneratingModel):
             def tokens_out() -> Iterator[int]:
                 while not generator.is_done():
                     # The model's logits for the next token, read before the search
-                    # samples from them: its own log-probabilities (localrt.logprobs).
+                    # samples from them: its own log-probabilities (localrt.inference.logprobs).
                     logits = None if top is None else self._logits(generator)
                     generator.generate_next_token()
                     token = int(generator.get_next_tokens()[0])

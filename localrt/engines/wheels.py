@@ -36,7 +36,7 @@ from packaging.utils import (InvalidSdistFilename, InvalidWheelFilename, canonic
                              parse_sdist_filename, parse_wheel_filename)
 from packaging.version import InvalidVersion, Version
 
-from localrt.opener import open_url
+from localrt.downloads.opener import open_url
 from localrt.errors import UpstreamError
 
 JSON_TYPE = "application/vnd.pypi.simple.v1+json"
@@ -87,7 +87,7 @@ def project_files(config: Mapping, index_url: str, project: str) -> list[Dist]:
 
 def project_sdists(config: Mapping, index_url: str, project: str) -> list[Dist]:
     """Every source distribution (.tar.gz) the index lists for `project`, as Dists
-    without tags (localrt.builds compiles one into a wheel)."""
+    without tags (localrt.engines.builds compiles one into a wheel)."""
     dists = []
     for href, filename, sha256, size, requires_python, uploaded in _links(config, index_url,
                                                                           project):

@@ -3,7 +3,7 @@
   GET /api/models/{repo}/tree/{rev}       sizes, and lfs.oid, the sha256; paginated
                                           with Link: <...>; rel="next"
   GET /api/models/{repo}/refs             branches (the variants of built-ins)
-  GET /{repo}/resolve/{rev}/{path}        the bytes (see localrt.downloads); small
+  GET /{repo}/resolve/{rev}/{path}        the bytes (see localrt.downloads.tasks); small
                                           files (metadata.yml) are read here
 Hub failures become localrt errors with their own status, never a 500. The hub's
 X-Error-Code header says what a 401 or 403 means: RepoNotFound (huggingface.co answers
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Mapping
 from urllib.parse import quote, urljoin
 
-from localrt.opener import open_url, retry_after_seconds
+from localrt.downloads.opener import open_url, retry_after_seconds
 from localrt.errors import Forbidden, HTTPError, NotFound, UpstreamError
 
 log = logging.getLogger(__name__)

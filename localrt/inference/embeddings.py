@@ -2,10 +2,10 @@
 
 `Embeddings.create(body)` takes a request that passed schemas/embedding.json and
 returns OpenAI's list of embeddings (a remote model's request goes whole to
-localrt.remote, which forwards it to an upstream's /v1/embeddings). `input` is a string, an array of strings, an array
+localrt.inference.remote, which forwards it to an upstream's /v1/embeddings). `input` is a string, an array of strings, an array
 of token ids, or an array of such arrays; each is one vector, in the order given.
 
-The model must run in llama.cpp's embedding mode (localrt.adapters: a loaded model with
+The model must run in llama.cpp's embedding mode (localrt.engines.adapters: a loaded model with
 `embed`). A request for a model that is not running starts it so, with its stored
 parameters and the start option `embedding`, as a chat starts its model. A GGUF
 embedding model (BERT, nomic-bert, ...: its GGUF declares a pooling type) always runs
@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import base64
 
-from localrt.completions import read_prompt
+from localrt.inference.completions import read_prompt
 from localrt.errors import Conflict, InvalidField
-from localrt.scheduler import Admission
+from localrt.inference.scheduler import Admission
 
 
 class ModelNotEmbedding(Conflict):
@@ -48,7 +48,7 @@ class Embeddings:
         self._registry = registry
         self._engines = engines
         self._scheduler = scheduler
-        self._remotes = remotes  # localrt.remote.Remotes: forwards remote models' requests
+        self._remotes = remotes  # localrt.inference.remote.Remotes: forwards remote models' requests
         self.admission = Admission("embedding", max_requests)
 
     def create(self, body: dict) -> dict:

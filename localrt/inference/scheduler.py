@@ -4,7 +4,7 @@ A model starts with its stored parameters, overridden by the start options of th
 request (schemas/model-start.json). At most `maxRunningModels` stay loaded: starting
 one more unloads the least recently used. With `keepAlive` set, a model idle that
 long is unloaded too; `keep_for` gives one running model its own time (Ollama's
-per-request keep_alive: localrt.ollama), and 0 unloads it as soon as it is idle.
+per-request keep_alive: localrt.dialects.ollama), and 0 unloads it as soon as it is idle.
 
 The scheduler owns what runs, so it also refuses what must not happen to a running
 model: deleting it, or uninstalling its engine (`not_running`, `engine_unused`).
@@ -16,7 +16,7 @@ Compute is scheduled in two steps, so generations never fight over the CPU:
   * every step of every model is computed on a compute lane (`Scheduler.lanes`):
     `computeLanes` threads (default 1) taking steps in arrival order. A batched
     model's step is one decode that gives each of its requests its next token (see
-    localrt.batching); the first request that needs a token runs the step and the
+    localrt.engines.batching); the first request that needs a token runs the step and the
     others wait for it (`Stepper`). Any other model's step is one token of its one
     request. A lease's `steps(generation)` is how a request reads its tokens, and it
     ends with ModelStopped when the model is stopped meanwhile. Two llama.cpp
@@ -40,15 +40,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from localrt.engines import EngineNotFound
+from localrt.engines.catalog import EngineNotFound
 from localrt.errors import BadRequest, Conflict, HTTPError, InvalidField, ServiceUnavailable
-from localrt.hardware import available_cores
-from localrt.models import DEFAULT_CTX_LEN, weights_path
+from localrt.engines.hardware import available_cores
+from localrt.models.registry import DEFAULT_CTX_LEN, weights_path
 
 log = logging.getLogger(__name__)
 
 # The start options (schemas/model-start.json): they are also stored model parameters.
-# If you add one, also map it in localrt.adapters and add it to the CLI (models start).
+# If you add one, also map it in localrt.engines.adapters and add it to the CLI (models start).
 # `embedding` (llama.cpp's embedding mode) is a start option only, never stored.
 START_OPTIONS = ("prompt_template", "stop", "ngl", "ctx_len", "cpu_threads", "n_batch",
                  "n_parallel", "caching_enabled", "grp_attn_n", "grp_attn_w", "mlock",
@@ -589,7 +589,7 @@ class Scheduler:
                 measured.update(model.memory())
             except Exception:
                 log.exception("model %s: the engine could not say its memory", record["id"])
-        # A model with slots serves that many requests at once, in steps (localrt.adapters).
+        # A model with slots serves that many requests at once, in steps (localrt.engines.adapters).
         slots, stepper = getattr(model, "slots", None), None
         if isinstance(slots, int) and slots >= 1 and callable(getattr(model, "step", None)):
             stepper = Stepper(self.lanes, model.step)

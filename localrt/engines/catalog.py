@@ -2,25 +2,25 @@
 
 The built-in engines are the rows of `CATALOG`: each names its adapter (imported at
 its first use), the files it loads, its installable variants and its names in
-model.yml. Adding one is an adapter class (localrt.adapters says what one has) and a
-row. localrt.models asks the catalog which engine loads a model's files; no module
+model.yml. Adding one is an adapter class (localrt.engines.adapters says what one has) and a
+row. localrt.models.registry asks the catalog which engine loads a model's files; no module
 but the catalog and the adapters compares engine names.
 
   gguf-cpp      llama.cpp through llama-cpp-python, a base dependency ("builtin"),
                 so it is Ready on a fresh install once its probe passes.
   onnx-runtime  onnxruntime-genai, installed on request from the package index.
   remote        part of localrt: a remote model has no files, and its chats are
-                forwarded to OpenAI-compatible servers (localrt.remote); nothing to
+                forwarded to OpenAI-compatible servers (localrt.inference.remote); nothing to
                 install (`EngineSpec.forwards`).
-Custom engines come from the `localrt.engines` entry-point group (localrt.plugins).
+Custom engines come from the `localrt.engines` entry-point group (localrt.engines.plugins).
 
 Installed variants are listed in `<dataFolderPath>/engines/engines.json`, which
-localrt.installs writes (`EngineState`) and changes: installs, uninstalls and the
+localrt.engines.installs writes (`EngineState`) and changes: installs, uninstalls and the
 active variant (cortex's default, `Engines.default`). The shipped gguf-cpp build is
 installed while engines.json does not mark it uninstalled (`builtinDeactivated`).
-The machine is localrt.hardware; the check of gguf-cpp builds and its cache are
-localrt.probe. Which models are loaded, and when they compute, is
-localrt.scheduler's business. llama_cpp and onnxruntime_genai are imported only
+The machine is localrt.engines.hardware; the check of gguf-cpp builds and its cache are
+localrt.engines.probe. Which models are loaded, and when they compute, is
+localrt.inference.scheduler's business. llama_cpp and onnxruntime_genai are imported only
 when a model loads.
 """
 
@@ -36,11 +36,12 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable, Iterable
 
-from localrt import __version__, plugins
-from localrt.adapters import generating
+from localrt import __version__
+from localrt.engines import plugins
+from localrt.engines.adapters import generating
 from localrt.errors import Conflict, HTTPError, NotFound
-from localrt.hardware import CPU_LEVELS, Hardware, detect_hardware, recommended
-from localrt.probe import Probes
+from localrt.engines.hardware import CPU_LEVELS, Hardware, detect_hardware, recommended
+from localrt.engines.probe import Probes
 
 
 class EngineNotFound(NotFound):
@@ -67,7 +68,7 @@ class Variant:
     local: str | None = None  # the PEP 440 local label its wheels carry (+avx2)
     needs: str | None = None  # a CPU flag, or "cuda-12"
     # CMake options of a variant localrt compiles from the distribution's sdist when
-    # the index has no wheel of it (localrt.builds); () for one only the index has.
+    # the index has no wheel of it (localrt.engines.builds); () for one only the index has.
     cmake: tuple[str, ...] = ()
 
 
@@ -87,7 +88,7 @@ class EngineSpec:
     platforms: tuple[str, ...] = ()              # where builds exist ("" for any)
     min_python: tuple[int, int] = (3, 9)
     builtin: str | None = None                   # distribution shipped with localrt
-    probed: bool = False                         # its builds run localrt.probe first
+    probed: bool = False                         # its builds run localrt.engines.probe first
     forwards: bool = False                       # its models are served elsewhere: part of
                                                  # localrt, it loads nothing (remote)
 
@@ -102,7 +103,7 @@ class EngineSpec:
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.files)
 
 
-RPC_SUFFIX = "+rpc"  # a gguf-cpp variant built with llama.cpp's RPC backend (localrt.rpc)
+RPC_SUFFIX = "+rpc"  # a gguf-cpp variant built with llama.cpp's RPC backend (localrt.engines.rpc)
 
 
 def _gguf_variants(hw: Hardware) -> list[Variant]:
@@ -120,16 +121,16 @@ def _onnx_variants(hw: Hardware) -> list[Variant]:
             Variant(f"{hw.platform}-cuda-12", "onnxruntime-genai-cuda", None, "cuda-12")]
 
 
-REMOTE_ENGINE = "remote"  # the engine of remote models (localrt.remote writes it)
+REMOTE_ENGINE = "remote"  # the engine of remote models (localrt.inference.remote writes it)
 
 # In order of preference: a model with files of two engines is the first one's.
 CATALOG = {spec.name: spec for spec in (
     EngineSpec("gguf-cpp", "GGUF", "llama.cpp through llama-cpp-python; runs GGUF models",
-               "localrt.adapters:GgufEngine", ("*.gguf",), "llama_cpp", _gguf_variants,
+               "localrt.engines.adapters:GgufEngine", ("*.gguf",), "llama_cpp", _gguf_variants,
                aliases=("llama-cpp", "llamacpp", "llama.cpp"),
                builtin="llama-cpp-python", probed=True),
     EngineSpec("onnx-runtime", "ONNX", "onnxruntime-genai; runs ONNX models",
-               "localrt.adapters:OnnxEngine", ("*.onnx", "genai_config.json"),
+               "localrt.engines.adapters:OnnxEngine", ("*.onnx", "genai_config.json"),
                "onnxruntime_genai", _onnx_variants, aliases=("onnxruntime", "onnx"),
                folder=True,
                # onnxruntime-genai publishes wheels for these platforms, CPython 3.10+.
@@ -137,7 +138,7 @@ CATALOG = {spec.name: spec for spec in (
                min_python=(3, 10)),
     EngineSpec(REMOTE_ENGINE, "OpenAI API", "forwards chats to OpenAI-compatible servers "
                "(vLLM, llama-server, another localrt); ships with localrt",
-               "localrt.remote:RemoteEngine", (), "localrt.remote", lambda hw: [],
+               "localrt.inference.remote:RemoteEngine", (), "localrt.inference.remote", lambda hw: [],
                builtin="localrt", forwards=True),
 )}
 
@@ -201,7 +202,7 @@ class Engines:
                  rpc_trusted: Callable[[], list] = list):
         self.root = root
         self._rpc_trusted = rpc_trusted  # rpcTrustedHosts, read per start
-        self.state = state  # localrt.installs.EngineState: engines.json
+        self.state = state  # localrt.engines.installs.EngineState: engines.json
         self.hardware = hardware or detect_hardware()
         self.probes = Probes(root, self.hardware, run_probe)
         self._entry_points = entry_points or (
@@ -358,7 +359,7 @@ class Engines:
 
     def forwards(self, name: str) -> bool:
         """Whether models of this engine are served elsewhere (remote ones): their chats
-        go to localrt.remote, never to a loaded model."""
+        go to localrt.inference.remote, never to a loaded model."""
         spec = CATALOG.get(name)
         return spec is not None and spec.forwards
 
@@ -415,7 +416,7 @@ class Engines:
     def open(self, engine: str, model_path: str, options: dict):
         """Load a model file with an engine; raises 409 if the engine cannot run here.
 
-        The model always has generate() (see localrt.adapters)."""
+        The model always has generate() (see localrt.engines.adapters)."""
         return generating(self.adapter(engine).load(model_path, dict(options)))
 
     def check_options(self, name: str, options: dict) -> list[tuple[str, str]]:
@@ -479,8 +480,8 @@ class Engines:
 def _rpc_problem(engines: Engines, name: str, text: str, trusted: list) -> str | None:
     """Why a model of engine `name` cannot be split across the rpc-servers of `text`: an
     engine or an active build without llama.cpp's RPC backend, a malformed list, or a
-    host that is neither loopback nor in rpcTrustedHosts (`trusted`; localrt.rpc)."""
-    from localrt import rpc
+    host that is neither loopback nor in rpcTrustedHosts (`trusted`; localrt.engines.rpc)."""
+    from localrt.engines import rpc
 
     spec = CATALOG.get(name)
     with_rpc = [v for v in (spec.variants(engines.hardware) if spec else ())

@@ -54,10 +54,12 @@ import time
 from datetime import datetime, timedelta, timezone
 from typing import Callable, Iterator
 
-from localrt import __version__, ggufinfo, toolcalls
+from localrt import __version__
+from localrt.inference import toolcalls
+from localrt.models import ggufinfo
 from localrt.errors import Conflict, HTTPError, InternalError, InvalidField, UpstreamError
-from localrt.models import weights_path
-from localrt.scheduler import ModelNotRunning, ModelStopped
+from localrt.models.registry import weights_path
+from localrt.inference.scheduler import ModelNotRunning, ModelStopped
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +72,7 @@ FOREVER = timedelta(microseconds=(2 ** 63 - 1) // 1000)  # Go's longest Duration
 _DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|µs|μs|ms|s|m|h)")
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
           "h": 3600.0}
-# Ollama's options that are chat's fields of the same name (localrt.chat.SAMPLING).
+# Ollama's options that are chat's fields of the same name (localrt.inference.chat.SAMPLING).
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "repeat_penalty",
             "presence_penalty", "frequency_penalty", "stop")
 # Stored parameters as Ollama's Modelfile PARAMETERs name them (POST /api/show).

@@ -4,10 +4,10 @@ A file is written to `<name>.part`, resumed with a Range request after a cancel,
 dropped connection or a kill, and renamed into place only once its size and
 checksum match (`install`); an item that is in place already (an engine installed
 before) is only checked there (`check_in_place`). `Item` and `Task` are what a
-download is made of. A `Link` is how a fetch reaches the network (localrt.opener,
+download is made of. A `Link` is how a fetch reaches the network (localrt.downloads.opener,
 with the Config of the moment) and reports progress; a `Request` is one GET, its
-sockets, and what its failures mean. localrt.pieces fetches big files in pieces
-with these same parts; localrt.downloads runs the tasks.
+sockets, and what its failures mean. localrt.downloads.pieces fetches big files in pieces
+with these same parts; localrt.downloads.tasks runs the tasks.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 from localrt import security
 from localrt.errors import UpstreamError
 from localrt.fsutil import fsync_dir
-from localrt.opener import (CertificateFailed, ProxyAuthFailed, open_url, origin,
+from localrt.downloads.opener import (CertificateFailed, ProxyAuthFailed, open_url, origin,
                             retry_after_seconds)
 
 log = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ class Task:
     # requirements are known only once the wheel is there).
     after_item: Callable[["Task", "Item"], None] | None = field(default=None, repr=False)
     cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
-    # A build's progress, for an engine variant compiled from source (localrt.builds):
+    # A build's progress, for an engine variant compiled from source (localrt.engines.builds):
     # {"stage", "step", "steps", "line"}, shown as the task's `build`.
     build: dict | None = None
     # Set by Downloads.start: publishes the task as a DownloadUpdated event (a build's

@@ -1,6 +1,6 @@
 """The gguf-cpp probe: does this llama.cpp build run quantized models on this CPU?
 
-Run as a child process (`python -m localrt.probe [ENGINE_DIR]`), never in the server:
+Run as a child process (`python -m localrt.engines.probe [ENGINE_DIR]`), never in the server:
 a build that the compiler got wrong dies with SIGILL on its first quantized matmul,
 and it must not take the server with it (see the engines issue and README.rst).
 
@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Callable
 from localrt.fsutil import read_json, write_json
 
 if TYPE_CHECKING:  # only for annotations: the child never imports it
-    from localrt.hardware import Hardware
+    from localrt.engines.hardware import Hardware
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ def main(argv: list[str]) -> int:
 
 def run_probe(path: str | None, hw: Hardware) -> dict:
     """Run this module as a child on a llama.cpp build (None: the one localrt ships with)."""
-    cmd = [sys.executable, "-m", "localrt.probe"] + ([path] if path else [])
+    cmd = [sys.executable, "-m", "localrt.engines.probe"] + ([path] if path else [])
     env = dict(os.environ)
     # The child must import this localrt, wherever it is installed or checked out.
     localrt_root = str(Path(__file__).resolve().parent.parent)

@@ -1,18 +1,18 @@
 """Download tasks: `Downloads` runs each in the background, one thread a task.
 
-A task is a list of files (localrt.fetch's Item and Task). Each file is fetched
-over one connection (localrt.fetch) or, when big, in pieces over several
-(localrt.pieces); either way it is written to `<name>.part`, resumed after a
+A task is a list of files (localrt.downloads.fetch's Item and Task). Each file is fetched
+over one connection (localrt.downloads.fetch) or, when big, in pieces over several
+(localrt.downloads.pieces); either way it is written to `<name>.part`, resumed after a
 cancel, a dropped connection or a kill, and renamed into place only once its size
 and checksum match. An item already in place (`Item.files`) is only checked.
 Progress is published on the EventBus, as cortex's events: `{"type":
 "DownloadUpdated", "task": {"id", "type", "items": [{"id", "downloadUrl",
 "localPath", "checksum", "bytes", "downloadedBytes"}]}}`, with localrt's own fields
 (the task's status and error, each item's url) beside them. Outbound HTTP, with
-the proxy and TLS fields of Config, is localrt.opener. `stats()` gives GET /metrics
+the proxy and TLS fields of Config, is localrt.downloads.opener. `stats()` gives GET /metrics
 the bytes received and the running tasks.
 
-Callers take Item, Task, DownloadFailed, part_path and map_path (localrt.fetch's)
+Callers take Item, Task, DownloadFailed, part_path and map_path (localrt.downloads.fetch's)
 from here, with Downloads and check_disk_space.
 """
 
@@ -27,13 +27,13 @@ from typing import Callable, Mapping
 from localrt import security
 from localrt.errors import Conflict, InsufficientStorage, NotFound, UpstreamError
 from localrt.events import EventBus
-from localrt.fetch import (Cancelled, DownloadFailed, Item, Link, Task, check_in_place,
+from localrt.downloads.fetch import (Cancelled, DownloadFailed, Item, Link, Task, check_in_place,
                            complete, fetch_stream, map_path, part_path)
 from localrt.fsutil import fsync_dir, human_size, private_dir
-from localrt.pieces import PIECES_FROM, NoRanges, fetch_pieces, forget_pieces
+from localrt.downloads.pieces import PIECES_FROM, NoRanges, fetch_pieces, forget_pieces
 
 __all__ = ["Downloads", "DownloadFailed", "Item", "Task", "check_disk_space", "map_path",
-           "part_path", "fsync_dir"]  # fsync_dir: localrt.models takes it from here
+           "part_path", "fsync_dir"]  # fsync_dir: localrt.models.registry takes it from here
 
 log = logging.getLogger(__name__)
 

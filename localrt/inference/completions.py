@@ -7,10 +7,10 @@ chat, every check that can fail happens before either is returned.
 The prompt is raw text or tokens, never a chat template (nor a model's
 prompt_template): a string, an array of strings (one choice each, in order), an array
 of token ids, or an array of such arrays. Token prompts need a model that takes them
-(localrt.adapters: `detokenize`, params["prompt_tokens"]). `suffix` makes a
+(localrt.engines.adapters: `detokenize`, params["prompt_tokens"]). `suffix` makes a
 fill-in-the-middle prompt with the model's FIM tokens (`fim_prompt`); a model without
 them is a 400 naming `suffix`. `echo` puts the prompt's text before the completion.
-The sampling fields are chat's (localrt.chat.SAMPLING): a field left out takes the
+The sampling fields are chat's (localrt.inference.chat.SAMPLING): a field left out takes the
 model's stored parameter, and the model's own stop sequences always apply; max_tokens
 defaults to 16, as OpenAI's does. `n` and `best_of` can only be 1. The choices are
 generated one after another in one turn of the model (`Lease.steps` paces their
@@ -19,14 +19,14 @@ tokens), so a reply with several is as long as their sum.
 `logprobs` (0 to 20 alternatives) gives each choice OpenAI's legacy object: tokens,
 token_logprobs, top_logprobs (a dict per token of the alternatives and the chosen
 token) and text_offset (characters from the start of the prompt's text, echoed or
-not, as OpenAI counts them); localrt.logprobs computes and writes them. With `echo`
+not, as OpenAI counts them); localrt.inference.logprobs computes and writes them. With `echo`
 the prompt's tokens come first, the first with nulls (nothing came before it): the
 engine scores the prompt too (gguf-cpp reads it whole then, without its cached
 prefix); an engine that cannot, or a suffix (the echo is only the prefix), is a 400
 naming logprobs.
 
 Each request is timed and counted in /metrics as chat's are (localrt.metrics.Clock). A
-remote model's request goes whole to localrt.remote, which forwards it to an upstream's
+remote model's request goes whole to localrt.inference.remote, which forwards it to an upstream's
 /v1/completions (its `logprobs` too).
 """
 
@@ -39,11 +39,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Iterator
 
-from localrt import logprobs
-from localrt.chat import SAMPLING
+from localrt.inference import logprobs
+from localrt.inference.chat import SAMPLING
 from localrt.errors import InvalidField
 from localrt.metrics import Clock
-from localrt.scheduler import Admission, Lease, ModelStopped, Scheduler
+from localrt.inference.scheduler import Admission, Lease, ModelStopped, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class Completions:
         self._engines = engines
         self._scheduler = scheduler
         self._metrics = metrics
-        self._remotes = remotes  # localrt.remote.Remotes: forwards remote models' requests
+        self._remotes = remotes  # localrt.inference.remote.Remotes: forwards remote models' requests
         self.admission = Admission("completion", max_requests)
 
     def create(self, body: dict):
@@ -301,7 +301,7 @@ class Stream:
 
     def chunks(self) -> Iterator[dict]:
         """The reply as text_completion chunk dicts; one {"error": ...} dict ends a reply
-        that failed part way. Ollama's /api/generate (localrt.ollama) translates these."""
+        that failed part way. Ollama's /api/generate (localrt.dialects.ollama) translates these."""
         completion = self._completion
         try:
             for i, choice in enumerate(completion.choices):

@@ -3,7 +3,7 @@
 `detect_hardware()` reads them once (localrt.app passes a `Hardware` in, so tests can
 pretend to be another machine). `runnable` and `recommended` are the hardware rules
 of engine variants: whether this machine runs a build, and which build to install
-when none is named. The variants themselves are listed in localrt.engines.
+when none is named. The variants themselves are listed in localrt.engines.catalog.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def _cuda_driver_version() -> str | None:
 
 
 class Build(Protocol):
-    """What the rules below read of a variant (localrt.engines.Variant)."""
+    """What the rules below read of a variant (localrt.engines.catalog.Variant)."""
 
     name: str            # starts with the platform it is built for: linux-amd64-avx2
     needs: str | None    # a CPU flag, or "cuda-12"

@@ -2,10 +2,10 @@
 
 A thin translation, as Ollama's anthropic package is one: `chat_request(body)` turns a
 Messages request (schemas/anthropic-messages.json) into an OpenAI chat request for
-localrt.chat (`Chats.create`, `Chats.count_tokens`); `message(completion, body)` turns
+localrt.inference.chat (`Chats.create`, `Chats.count_tokens`); `message(completion, body)` turns
 the chat.completion back into a Message, and `MessageStream` turns the stream's
 chat.completion.chunk dicts into Anthropic's Server-Sent Events. There is no second
-generation path: models, starting them, tools (localrt.toolcalls), stop sequences and
+generation path: models, starting them, tools (localrt.inference.toolcalls), stop sequences and
 usage are chat's, for local and remote models alike. `error_body(err)` is the error
 shape of these routes (api.DIALECTS). Pure functions over plain data; nothing here
 sees an engine or the WSGI environ.
@@ -34,7 +34,7 @@ do not show ids): the id itself when it is that, else 9 hex digits of its hash, 
 same for a tool_use and its tool_result.
 
 stop_reason: chat's finish_reason "length" is max_tokens and "tool_calls" tool_use;
-"stop" is stop_sequence when the choice's `stop_reason` (vLLM's field, which localrt.chat
+"stop" is stop_sequence when the choice's `stop_reason` (vLLM's field, which localrt.inference.chat
 sets and vLLM upstreams send) is one of the request's stop_sequences, else end_turn.
 """
 

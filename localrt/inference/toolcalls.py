@@ -12,7 +12,7 @@ print as text. Add a family by adding a row.
   llama3   Llama 3.1/3.2/3.3:           {"name": ..., "parameters": {...}}  (one call)
   mistral  Mistral v0.3, Nemo, Small:   [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]
 
-The flow, as localrt.chat drives it: `ToolRequest.read(body)` checks the request's
+The flow, as localrt.inference.chat drives it: `ToolRequest.read(body)` checks the request's
 tools, tool_choice and parallel_tool_calls; the engine's check_request calls
 `check_schemas` (a tool schema that cannot become a grammar is a 400 naming it) before
 anything waits; once the model is leased, `ToolRequest.plan(template)` picks the family

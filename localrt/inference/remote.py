@@ -1,10 +1,10 @@
 """Remote models: chats forwarded to OpenAI-compatible servers, the upstreams.
 
-A remote model is a registry entry (localrt.models) with no files and a list of
+A remote model is a registry entry (localrt.models.registry) with no files and a list of
 upstreams, `{"url", "model"?, "api_key"?, "max_inflight"?}`: vLLM or SGLang on GPU
 hosts, llama.cpp's llama-server, llama-cpp-python's server, another localrt. Its
-engine is the catalog's `remote` row (localrt.engines), whose adapter is `RemoteEngine`:
-nothing is loaded, and localrt.chat hands a remote model's request here whole.
+engine is the catalog's `remote` row (localrt.engines.catalog), whose adapter is `RemoteEngine`:
+nothing is loaded, and localrt.inference.chat hands a remote model's request here whole.
 
   Remotes   registration (POST /v1/models/remote, a PATCH of the upstreams), the status
             rows, the probe thread, and forwarding a chat (`chat`)
@@ -28,9 +28,9 @@ reply (each event of a stream, passed on as it comes) carries localrt's id inste
 Errors: 502 when an upstream fails (a 401 or 403 says it refused localrt's key), 504
 when no first byte comes within upstreamTimeout, 503 when no upstream is healthy; a
 stream that breaks after its first byte ends with an error event, never silently.
-Upstream keys are secrets: records never show them (localrt.models), and `secrets()`
+Upstream keys are secrets: records never show them (localrt.models.registry), and `secrets()`
 feeds the redaction of logs and error bodies (localrt.security). Connections go
-through localrt.opener, with the Config's proxy, no_proxy and TLS flags.
+through localrt.downloads.opener, with the Config's proxy, no_proxy and TLS flags.
 """
 
 from __future__ import annotations
@@ -50,13 +50,13 @@ from typing import Callable, Iterable, Iterator, Mapping
 from urllib.parse import urlsplit
 
 from localrt import security
-from localrt.engines import REMOTE_ENGINE
+from localrt.engines.catalog import REMOTE_ENGINE
 from localrt.errors import (BadRequest, Conflict, HTTPError, InvalidField,
                             ServiceUnavailable, UpstreamError)
-from localrt.models import check_new_id, folder_name
+from localrt.models.registry import check_new_id, folder_name
 from localrt.metrics import Clock
-from localrt.opener import CertificateFailed, ProxyAuthFailed, build_opener, origin
-from localrt.scheduler import Admission
+from localrt.downloads.opener import CertificateFailed, ProxyAuthFailed, build_opener, origin
+from localrt.inference.scheduler import Admission
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class _ConnectFailed(Exception):
 
 
 class RemoteEngine:
-    """The catalog's adapter of remote models: it loads nothing (localrt.engines)."""
+    """The catalog's adapter of remote models: it loads nothing (localrt.engines.catalog)."""
 
     name = REMOTE_ENGINE
     format = "OpenAI API"
@@ -799,7 +799,7 @@ class Remotes:
                 path: str = "/chat/completions", clock: Clock | None = None):
         """Forward a request to `path` of an upstream's OpenAI API (chat completions,
         completions, embeddings): the reply dict, or a RemoteStream. It counts in the
-        calling service's `admission` (localrt.scheduler.Admission) until it ends;
+        calling service's `admission` (localrt.inference.scheduler.Admission) until it ends;
         `clock` times and counts it in /metrics."""
         pool = self._pool(record["id"])
         admission.enter()

@@ -6,18 +6,18 @@ check that can fail happens before either is returned, so a streamed reply never
 starts with an error: only a failure in the middle of generating ends up inside it.
 `Chats.count_tokens(body)` gives the token count of the prompt create() would read.
 A choice that a stop sequence ended names it as `stop_reason` (vLLM's field), so
-localrt.anthropic can give Anthropic's stop_sequence.
+localrt.dialects.anthropic can give Anthropic's stop_sequence.
 
 This module keeps only OpenAI's shapes: the engine checks what it can serve
-(localrt.engines), the scheduler gives the model and paces its tokens
-(`Lease.steps`, localrt.scheduler), and localrt.toolcalls knows each model family's
+(localrt.engines.catalog), the scheduler gives the model and paces its tokens
+(`Lease.steps`, localrt.inference.scheduler), and localrt.inference.toolcalls knows each model family's
 tool-call syntax: the grammar that forces a call and the parser whose events become
 message.tool_calls and delta.tool_calls here. A remote model's request goes whole to
-localrt.remote, which forwards it to an upstream.
+localrt.inference.remote, which forwards it to an upstream.
 
 `logprobs: true` (with `top_logprobs`, 0 to 20 alternatives; top_logprobs alone is a
 400) gives choices[0].logprobs = {"content": [...], "refusal": null}, one entry per
-generated token as localrt.logprobs writes them (the model's own log-probabilities,
+generated token as localrt.inference.logprobs writes them (the model's own log-probabilities,
 before sampling settings). A stream's chunk carries the entries of the tokens whose
 text it sends, and its last chunk those whose text was held back or was none. With
 tool calls the entries cover every generated token, the calls' included: a token can
@@ -34,16 +34,16 @@ import time
 import uuid
 from typing import Iterator
 
-from localrt import logprobs, toolcalls
+from localrt.inference import logprobs, toolcalls
 from localrt.errors import InvalidField, UpstreamError
 from localrt.metrics import Clock
-from localrt.scheduler import Admission, Lease, ModelStopped, Scheduler
+from localrt.inference.scheduler import Admission, Lease, ModelStopped, Scheduler
 
 log = logging.getLogger(__name__)
 
 # Request fields that are sampling parameters, and stored model parameters with the
 # same meaning (schemas/model-update.json). If you add one, also pass it on in
-# localrt.adapters (and add it to schemas/chat-completion.json).
+# localrt.engines.adapters (and add it to schemas/chat-completion.json).
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty",
             "presence_penalty", "repeat_penalty", "max_tokens")
 
@@ -62,7 +62,7 @@ class Chats:
         self._engines = engines
         self._scheduler = scheduler
         self._metrics = metrics
-        self._remotes = remotes  # localrt.remote.Remotes: forwards remote models' requests
+        self._remotes = remotes  # localrt.inference.remote.Remotes: forwards remote models' requests
         self.admission = Admission("chat", max_requests)
 
     def create(self, body: dict):
@@ -360,7 +360,7 @@ class Stream:
 
     def chunks(self) -> Iterator[dict]:
         """The reply as chat.completion.chunk dicts; one {"error": ...} dict ends a reply
-        that failed part way. The other dialects (localrt.anthropic, ...) translate these."""
+        that failed part way. The other dialects (localrt.dialects.anthropic, ...) translate these."""
         completion, parser = self._completion, self._completion.parser
         yield self._event({"role": "assistant", "content": ""})
         try:

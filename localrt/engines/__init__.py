@@ -1,0 +1,9 @@
+"""Inference engines: what loads a model and computes its tokens.
+
+The catalog (`catalog`) lists the built-in engines, their variants and their status;
+each engine is an adapter behind one contract (`contract`); `batching` shares a
+model's decode steps between its requests; `installs`, `builds`, `releases` and
+`wheels` install engine variants from a package index; `probe` and `hardware` say
+what this machine's build can run; `rpc` splits a model across hosts; `plugins`
+finds custom engines. Nothing here knows HTTP.
+"""
