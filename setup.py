@@ -4,4 +4,6 @@ import glob
 
 from setuptools import setup
 
-setup(data_files=[("share/man/man1", sorted(glob.glob("man/*.1")))])
+# Each page goes to its section's folder: man/localrt.1 to share/man/man1, and so on.
+setup(data_files=[(f"share/man/man{n}", sorted(glob.glob(f"man/*.{n}"))) for n in "1579"
+                  if glob.glob(f"man/*.{n}")])

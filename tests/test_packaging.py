@@ -1,4 +1,4 @@
-"""A built wheel carries the schemas and the man page, and finds the schemas installed."""
+"""A built wheel carries the schemas and every man page, and finds the schemas installed."""
 
 import shutil
 import subprocess
@@ -8,7 +8,7 @@ import zipfile
 from conftest import REPO
 
 
-def test_wheel_has_schemas_and_man_page(tmp_path):
+def test_wheel_has_schemas_and_man_pages(tmp_path):
     src = tmp_path / "src"
     for name in ("localrt", "schemas", "man"):
         shutil.copytree(REPO / name, src / name,
@@ -23,7 +23,13 @@ def test_wheel_has_schemas_and_man_page(tmp_path):
     schemas = sorted(p.name for p in (REPO / "schemas").glob("*.json"))
     for name in schemas:
         assert f"localrt/_schemas/{name}" in names
-    assert any(n.endswith(".data/data/share/man/man1/localrt.1") for n in names), names
+    pages = sorted((REPO / "man").glob("*.[1-9]"))
+    assert {p.name for p in pages} >= {"localrt.1", "localrtrc.5", "localrt-api.7",
+                                       "localrt-cortex.7"}
+    for page in pages:
+        # each page in its section's folder: localrt.1 in man1, localrtrc.5 in man5
+        where = f".data/data/share/man/man{page.suffix[1:]}/{page.name}"
+        assert any(n.endswith(where) for n in names), (where, names)
 
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
