@@ -13,11 +13,12 @@ import threading
 
 from localrt import __version__
 from localrt.dialects import anthropic, ollama
+from localrt.dialects.common import native
 from localrt.errors import Conflict, InvalidField, ServiceUnavailable
 from localrt.events import TooManyListeners
 from localrt.metrics import CONTENT_TYPE
 from localrt.models.registry import check_id
-from localrt.routing import Dialect, Reply, Request, Route
+from localrt.routing import STREAM_HEADERS, Dialect, Reply, Request, Route
 from localrt.services import Services
 
 
@@ -232,10 +233,9 @@ def embeddings(services: Services, request: Request):
 
 def anthropic_messages(services: Services, request: Request):
     """Anthropic's Messages API: a message, streamed as Anthropic's Server-Sent Events or not."""
-    body = anthropic.chat_request(request.body)
-    with anthropic.fields_named():
-        # What the translation makes is what chat's route would have let in.
-        services.validators.validate("chat-completion.json", body)
+    body = native(services.validators, "chat-completion.json",
+                  anthropic.chat_request(request.body), anthropic.FIELDS)
+    with anthropic.FIELDS.named():
         result = services.chats.create(body)
     if isinstance(result, dict):
         return anthropic.message(result, request.body)
@@ -244,9 +244,9 @@ def anthropic_messages(services: Services, request: Request):
 
 def anthropic_count_tokens(services: Services, request: Request):
     """Anthropic's token count: the prompt's tokens in the model's own chat template."""
-    body = anthropic.count_request(request.body)
-    with anthropic.fields_named():
-        services.validators.validate("chat-completion.json", body)
+    body = native(services.validators, "chat-completion.json",
+                  anthropic.count_request(request.body), anthropic.FIELDS)
+    with anthropic.FIELDS.named():
         return {"input_tokens": services.chats.count_tokens(body)}
 
 
@@ -316,8 +316,7 @@ def events(services: Services, request: Request):
     except TooManyListeners:
         raise ServiceUnavailable(f"Too many open event streams (at most "
                                  f"{services.events.max_listeners}); close one") from None
-    return Reply(stream, content_type="text/event-stream",
-                 headers=[("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")])
+    return Reply(stream, content_type="text/event-stream", headers=list(STREAM_HEADERS))
 
 
 # --- OpenAI's Responses API (localrt.dialects.responses) -----------------------------------------
@@ -398,8 +397,7 @@ def _streamed(result):
     content_type and close()) as a reply that proxies must not buffer."""
     if isinstance(result, dict):
         return result
-    return Reply(result, content_type=result.content_type,
-                 headers=[("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")])
+    return Reply(result, content_type=result.content_type, headers=list(STREAM_HEADERS))
 
 
 # Fixed paths come before `{model_id:path}` ones: model ids hold "/" and ":".

@@ -1,5 +1,6 @@
 """Routes as data, `Router.match` (a pure function of method and path), and what a
-handler takes and gives: `Request` and `Reply`.
+handler takes and gives: `Request` and `Reply`, and the framing of a Server-Sent
+Events body (`sse`), which every streamed reply and GET /v1/events use.
 
 A pattern is a path with `{name}` parts, which match one path segment, and
 `{name:path}` parts, which match one or more segments (model ids hold `/`).
@@ -7,6 +8,7 @@ A pattern is a path with `{name}` parts, which match one path segment, and
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -74,6 +76,23 @@ class Reply:
     headers: list = field(default_factory=list)
     content_type: str = "application/json"
     after: Callable[[], None] | None = None
+
+
+# The Server-Sent Events headers of a streamed reply: never cached, never buffered by a
+# proxy (nginx reads X-Accel-Buffering).
+STREAM_HEADERS = (("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no"))
+SSE_DONE = b"data: [DONE]\n\n"  # OpenAI's end of a stream
+
+
+def sse(data, event: str | None = None) -> bytes:
+    """One Server-Sent Event: `data` as compact UTF-8 JSON, named `event` when given."""
+    head = f"event: {event}\n".encode() if event else b""
+    return head + b"data: " + json.dumps(data, ensure_ascii=False).encode("utf-8") + b"\n\n"
+
+
+def sse_comment(text: str) -> bytes:
+    """A Server-Sent Events comment line, which clients ignore (a heartbeat)."""
+    return f": {text}\n\n".encode("utf-8")
 
 
 def _compile(pattern: str) -> re.Pattern:

@@ -16,8 +16,10 @@ nothing is assigned to it afterwards:
     metrics     what GET /metrics says: reads the scheduler's status and the downloads'
                 totals at scrape time; the app counts requests in it
     remotes     remote models: their upstreams' health, and forwarding their chats
-    chats       chat completions on the scheduler's models, each counted in `metrics`,
-                or through `remotes`
+    requests    the one path of chats, completions and embeddings: the model's record,
+                remote (through `remotes`) or local (a lease from the `scheduler`),
+                timed in `metrics`; dialects start models and set keep-alives here
+    chats       chat completions on the scheduler's models, each counted in `metrics`
     completions text completions (the legacy API) on the same models
     embeddings  embeddings, from models the scheduler runs in embedding mode
     responses   OpenAI's Responses API, translated onto `chats`, and its stored responses
@@ -42,6 +44,7 @@ from localrt.engines.installs import EngineState, Installs
 from localrt.metrics import Metrics
 from localrt.models.registry import Models, Registry
 from localrt.inference.remote import Remotes
+from localrt.inference.requests import RequestPath
 from localrt.dialects.responses import Responses
 from localrt.inference.scheduler import Scheduler
 from localrt.schemas import Validators
@@ -67,6 +70,7 @@ class Services:
     scheduler: Scheduler
     metrics: Metrics
     remotes: Remotes
+    requests: RequestPath
     chats: Chats
     completions: Completions
     embeddings: Embeddings
@@ -108,12 +112,14 @@ def build_services(settings: Settings, *, shutdown: Callable[[], None] | None = 
     metrics = Metrics(running=scheduler.status, downloads=downloads.stats)
     remotes = Remotes(registry, engines, config.get, lambda: settings["upstreamTimeout"],
                       lambda: security.secrets_of(settings.snapshot()))
-    chats = Chats(registry, engines, scheduler, metrics=metrics, remotes=remotes)
-    completions = Completions(registry, engines, scheduler, metrics=metrics, remotes=remotes)
-    embeddings = Embeddings(registry, engines, scheduler, remotes=remotes)
+    requests = RequestPath(registry, engines, scheduler, remotes, metrics)
+    chats = Chats(requests)
+    completions = Completions(requests)
+    embeddings = Embeddings(requests)
     responses = Responses(chats, validators)
     return Services(settings=settings, validators=validators, config=config, events=events,
                     downloads=downloads, engines=engines, installs=installs,
                     registry=registry, models=models, scheduler=scheduler,
-                    metrics=metrics, remotes=remotes, chats=chats, completions=completions,
+                    metrics=metrics, remotes=remotes, requests=requests, chats=chats,
+                    completions=completions,
                     embeddings=embeddings, responses=responses, shutdown=shutdown)

@@ -267,13 +267,16 @@ def test_unusable_upstreams_are_a_503_or_a_key_refusal():
     p = pool(None, None)
     a, b = p.upstreams
     p.failed(a, "connection refused")
-    p.probed(b, Probe(UNHEALTHY, "it refused localrt's key (HTTP 401)", True))
+    p.probed(b, Probe(UNHEALTHY, "it refused localrt's key (HTTP 401: Invalid API key)", True))
     with pytest.raises(NoHealthyUpstream):
         p.acquire((), 1)
-    p.failed(a, "it refused localrt's key (HTTP 403)", refused_key=True)
+    p.failed(a, "it refused localrt's key (HTTP 403: Forbidden here)", refused_key=True)
     with pytest.raises(UpstreamKeyRefused) as caught:
         p.acquire((), 1)
-    assert "refused localrt's key" in caught.value.message
+    # Each upstream's own words come with the refusal, not only localrt's.
+    message = caught.value.message
+    assert "refused localrt's key" in message and "Invalid API key" in message
+    assert "Forbidden here" in message
     p.probed(a, Probe(None))  # a slow probe changes nothing
     assert a.health == UNHEALTHY
     p.probed(a, Probe(HEALTHY, latency_ms=3.25, listed="served"))

@@ -40,13 +40,13 @@ sets and vLLM upstreams send) is one of the request's stop_sequences, else end_t
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import re
 import uuid
 from typing import Iterator
 
+from localrt.dialects.common import Fields, NamedEvents
 from localrt.errors import HTTPError, InvalidField, UpstreamError
 
 # Anthropic's error type for each HTTP status (its API's errors page); any other 4xx is
@@ -206,30 +206,13 @@ def tool_use_id(chat_id: str | None) -> str:
 
 
 # Chat's names for the fields of its errors, and Anthropic's (the messages' indexes differ).
-_FIELDS = ((re.compile(r"^tools\[(\d+)\]\.function\.parameters"), r"tools[\1].input_schema"),
-           (re.compile(r"^tools\[(\d+)\]\.function\.name"), r"tools[\1].name"),
-           (re.compile(r"^tool_choice\.function\.name"), "tool_choice.name"),
-           (re.compile(r"^stop\b"), "stop_sequences"),
-           (re.compile(r"^response_format\.json_schema\.schema"), "output_config.format.schema"),
-           (re.compile(r"^response_format"), "output_config.format"),
-           (re.compile(r"^messages\[\d+\][\w.\[\]]*"), "messages"))
-
-
-@contextlib.contextmanager
-def fields_named():
-    """Chat's 400s with the request's own field names (tools[0].input_schema, not
-    tools[0].function.parameters)."""
-    try:
-        yield
-    except InvalidField as err:
-        if err.param:
-            for pattern, name in _FIELDS:
-                renamed = pattern.sub(name, err.param)
-                if renamed != err.param:
-                    err.message = err.message.replace(f"'{err.param}", f"'{renamed}", 1)
-                    err.param = renamed
-                    break
-        raise
+FIELDS = Fields((r"tools\[(\d+)\]\.function\.parameters", r"tools[\1].input_schema"),
+                (r"tools\[(\d+)\]\.function\.name", r"tools[\1].name"),
+                (r"tool_choice\.function\.name", "tool_choice.name"),
+                (r"stop\b", "stop_sequences"),
+                (r"response_format\.json_schema\.schema", "output_config.format.schema"),
+                (r"response_format", "output_config.format"),
+                (r"messages\[\d+\][\w.\[\]]*", "messages"))
 
 
 # --- the reply ------------------------------------------------------------------------
@@ -289,26 +272,21 @@ def _message_id() -> str:
     return f"msg_{uuid.uuid4().hex[:24]}"
 
 
-class MessageStream:
+class MessageStream(NamedEvents):
     """A streamed Message: Anthropic's Server-Sent Events (message_start, ping, each
     content block's start, deltas and stop, message_delta, message_stop) made from a
     chat stream's chunks; a failure part way ends it with an `error` event. close()
     closes the chat stream, which frees the model."""
 
-    content_type = "text/event-stream"
-
     def __init__(self, chat_stream, body: dict):
+        super().__init__(chat_stream)
         self._chat = chat_stream
         self._body = body
 
-    def __iter__(self) -> Iterator[bytes]:
+    def named(self) -> Iterator[tuple[str, dict]]:
+        """The events, each named by its `type`."""
         for event in self.events():
-            yield (f"event: {event['type']}\ndata: "
-                   f"{json.dumps(event, ensure_ascii=False)}\n\n").encode("utf-8")
-
-    def close(self) -> None:
-        """Called by the server when the reply ends or the client goes away."""
-        self._chat.close()
+            yield event["type"], event
 
     def events(self) -> Iterator[dict]:
         """The events as dicts, each with its `type`."""

@@ -12,8 +12,8 @@ use, so there is one generation path:
                        `suffix`, a text completion (Completions.create) of the raw or
                        fill-in-the-middle prompt instead
   POST /api/embed      an embeddings request (Embeddings.create)
-  POST /api/pull       a pull (Models.pull); its task's progress is polled into
-                       {status, digest, total, completed} lines
+  POST /api/pull       a pull (Models.pull); its task's progress, from the event bus
+                       (EventBus.follow), becomes {status, digest, total, completed} lines
   DELETE /api/delete   a model delete, stopping the model first if it runs
   GET /api/tags, GET /api/ps, POST /api/show, GET /api/version
                        the registry's records, the scheduler's rows and the GGUF
@@ -57,6 +57,7 @@ from typing import Callable, Iterator
 from localrt import __version__
 from localrt.inference import toolcalls
 from localrt.models import ggufinfo
+from localrt.dialects.common import Fields, native
 from localrt.errors import Conflict, HTTPError, InternalError, InvalidField, UpstreamError
 from localrt.models.registry import weights_path
 from localrt.inference.scheduler import ModelNotRunning, ModelStopped
@@ -67,7 +68,6 @@ VERSION = "0.33.0"  # the Ollama release whose API (docs/api.md) this module fol
 LATEST = ":latest"
 HUB_PREFIXES = ("hf.co/", "huggingface.co/")  # Ollama's names for a Hugging Face repo
 UNLIMITED = 16777216  # max_tokens for "no limit but the context" (completions default to 16)
-PULL_POLL = 0.2  # seconds between looks at a pull's progress
 FOREVER = timedelta(microseconds=(2 ** 63 - 1) // 1000)  # Go's longest Duration, as Ollama
 _DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|µs|μs|ms|s|m|h)")
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
@@ -80,9 +80,10 @@ PARAMETERS = (("ctx_len", "num_ctx"), ("max_tokens", "num_predict"), *(
     (name, name) for name in SAMPLING))
 # An OpenAI field's name in a 400, as the Ollama request names it (/api/generate's
 # prompt is chat's messages).
-RENAMED = (("response_format.json_schema.schema", "format"), ("response_format", "format"),
-           ("max_tokens", "options.num_predict"))
-GENERATE_RENAMED = (("messages", "prompt"),)
+# Chat's and completions' names for the fields of their errors, and Ollama's.
+FIELDS = Fields((r"response_format.*", "format"), (r"max_tokens", "options.num_predict"))
+GENERATE_FIELDS = Fields((r"response_format.*", "format"),
+                         (r"max_tokens", "options.num_predict"), (r"messages.*", "prompt"))
 
 
 def error_body(err: HTTPError) -> dict:
@@ -282,16 +283,6 @@ def generate_request(model_id: str, body: dict, record: dict) -> tuple[str, dict
     return "chat", request
 
 
-def _renamed(exc: InvalidField, renamed=RENAMED) -> InvalidField:
-    """A 400 from chat or completions, naming the field as the Ollama request has it."""
-    for old, new in renamed:
-        if exc.param and exc.param.startswith(old):
-            param = new if new in ("format", "prompt") else new + exc.param[len(old):]
-            return InvalidField(exc.message.replace(f"'{exc.param}'", f"'{param}'"),
-                                param=param)
-    return exc
-
-
 # --- replies -----------------------------------------------------------------------
 
 
@@ -475,9 +466,10 @@ def chat(services, body: dict):
     name, model_id, record, keep, timer = _begin(services, body)
     if not body.get("messages"):
         return _load(services, record, body, keep, Translation(name, iter(()), timer, True))
-    request = chat_request(model_id, body)
+    request = native(services.validators, "chat-completion.json",
+                     chat_request(model_id, body), FIELDS)
     return _run(services, record, body, keep, timer, services.chats.create, request,
-                lambda chunks: Translation(name, chunks, timer, True))
+                lambda chunks: Translation(name, chunks, timer, True), FIELDS)
 
 
 def generate(services, body: dict):
@@ -486,10 +478,12 @@ def generate(services, body: dict):
     if not body.get("prompt"):
         return _load(services, record, body, keep, Translation(name, iter(()), timer, False))
     kind, request = generate_request(model_id, body, record)
+    schema = "chat-completion.json" if kind == "chat" else "completion.json"
+    request = native(services.validators, schema, request, GENERATE_FIELDS)
     create = services.chats.create if kind == "chat" else services.completions.create
     return _run(services, record, body, keep, timer, create, request,
                 lambda chunks: Translation(name, chunks, timer, False, kind == "completion"),
-                RENAMED + GENERATE_RENAMED)
+                GENERATE_FIELDS)
 
 
 def embed(services, body: dict) -> dict:
@@ -498,23 +492,21 @@ def embed(services, body: dict) -> dict:
     given = body.get("input")
     inputs = ([given] if given else []) if isinstance(given, str) or given is None \
         else list(given)
-    if not services.engines.forwards(record["engine"]):
-        # The embeddings request's own check, before this one starts the model.
-        for _, why in services.engines.check_options(record["engine"], {"embedding": True}):
-            raise InvalidField(f"Invalid field 'model': {why}", param="model")
+    request = {"model": model_id, "input": inputs}
+    if body.get("dimensions") is not None:
+        request["dimensions"] = body["dimensions"]
+    services.embeddings.check_mode(model_id)  # the request's own check, before a start
     try:
-        _start(services, record, {"embedding": True,
-                                  **start_options(body.get("options"), record)}, timer)
+        timer.load = services.requests.start(
+            model_id, {"embedding": True, **start_options(body.get("options"), record)})
         usage, vectors = {}, []
         if inputs:
-            request = {"model": model_id, "input": inputs}
-            if body.get("dimensions") is not None:
-                request["dimensions"] = body["dimensions"]
-            reply = services.embeddings.create(request)
+            reply = services.embeddings.create(
+                native(services.validators, "embedding.json", request, FIELDS))
             vectors = [d["embedding"] for d in sorted(reply["data"], key=lambda d: d["index"])]
             usage = reply.get("usage") or {}
     finally:
-        services.scheduler.keep_for(model_id, keep)
+        services.requests.keep_for(model_id, keep)
     return {"model": name, "embeddings": vectors,
             "total_duration": time.monotonic_ns() - timer.arrived, "load_duration": timer.load,
             "prompt_eval_count": int(usage.get("prompt_tokens") or 0)}
@@ -528,43 +520,32 @@ def _begin(services, body: dict) -> tuple:
     return body["model"], model_id, services.registry.get(model_id), keep, timer
 
 
-def _start(services, record: dict, options: dict, timer: Timer) -> None:
-    """Start a model that is not running, with these start options, timing its load; a
-    remote model has nothing to start."""
-    model_id = record["id"]
-    if services.engines.forwards(record["engine"]) or services.scheduler.is_running(model_id):
-        return
-    began = time.monotonic_ns()
-    services.scheduler.start(model_id, options)
-    timer.load = time.monotonic_ns() - began
-
-
 def _load(services, record: dict, body: dict, keep, translation: Translation) -> dict:
     """A request with nothing to generate: load the model, or with keep_alive 0 unload it
     (`translation`, of no chunks, writes the one object)."""
     if keep == 0:
-        services.scheduler.keep_for(record["id"], 0)
+        services.requests.keep_for(record["id"], 0)
         return translation.final("unload", stats=False)
-    _start(services, record, start_options(body.get("options"), record), translation.timer)
-    services.scheduler.keep_for(record["id"], keep)
+    translation.timer.load = services.requests.start(
+        record["id"], start_options(body.get("options"), record))
+    services.requests.keep_for(record["id"], keep)
     return translation.final("load", stats=False)
 
 
 def _run(services, record: dict, body: dict, keep, timer: Timer, create, request: dict,
-         translate: Callable[[Iterator[dict]], Translation], renamed=RENAMED):
+         translate: Callable[[Iterator[dict]], Translation], fields: Fields):
     """Start the model, create the streamed reply, and give it as Lines (or whole); the
     model's keep_alive is set once the reply is done."""
     model_id = record["id"]
 
     def done():
-        services.scheduler.keep_for(model_id, keep)
+        services.requests.keep_for(model_id, keep)
 
     try:
-        _start(services, record, start_options(body.get("options"), record), timer)
-        stream = create(request)
-    except InvalidField as exc:
-        done()
-        raise _renamed(exc, renamed) from None
+        timer.load = services.requests.start(model_id,
+                                             start_options(body.get("options"), record))
+        with fields.named():
+            stream = create(request)
     except BaseException:
         done()
         raise
@@ -600,7 +581,10 @@ def pull(services, body: dict):
             raise
         started = {"task": {"id": exc.extra["taskId"]}}
     task_id = (started.get("task") or {}).get("id")
-    objects = progress(services.downloads, task_id)
+    events = iter(()) if task_id is None else services.events.follow(task_id)
+    # Listening first, then the task as it stands: nothing it did is missed.
+    task = None if task_id is None else services.downloads.find(task_id)
+    objects = progress(task_id, task, events)
     if body.get("stream") is False:
         for obj in objects:
             if "error" in obj:
@@ -609,27 +593,37 @@ def pull(services, body: dict):
     return Lines(objects, lambda: None)
 
 
-def progress(downloads, task_id: str | None) -> Iterator[dict]:
+def progress(task_id: str | None, task: dict | None, events: Iterator[dict]) -> Iterator[dict]:
     """A pull's lines, as Ollama's: "pulling manifest", each file's bytes as they
-    change, then "success"; an {"error"} line ends a pull that failed."""
+    change, then "success"; an {"error"} line ends a pull that failed. `task` is the
+    task as it stood once `events` (the event bus's, of this task) began."""
     yield {"status": "pulling manifest"}
-    task, seen = None, {}
-    while task_id is not None:
-        task = next((t for t in downloads.list() if t["id"] == task_id), None)
-        if task is None:
-            yield {"error": f"The download {task_id} is no longer known"}
-            return
-        for item in task["items"]:
-            done = (item.get("downloadedBytes") or 0, item.get("bytes") or 0)
-            if seen.get(item["id"]) != done:
-                seen[item["id"]] = done
-                checksum = item.get("checksum")
-                yield {"status": f"pulling {item['id']}",
-                       "digest": f"sha256:{checksum}" if checksum else item["id"],
-                       "total": done[1], "completed": done[0]}
-        if task["status"] not in ("Pending", "Downloading"):
-            break
-        time.sleep(PULL_POLL)
+    seen: dict = {}
+    try:
+        while task_id is not None:
+            if task is None:
+                yield {"error": f"The download {task_id} is no longer known"}
+                return
+            for item in task["items"]:
+                done = (item.get("downloadedBytes") or 0, item.get("bytes") or 0)
+                if seen.get(item["id"]) != done:
+                    seen[item["id"]] = done
+                    checksum = item.get("checksum")
+                    yield {"status": f"pulling {item['id']}",
+                           "digest": f"sha256:{checksum}" if checksum else item["id"],
+                           "total": done[1], "completed": done[0]}
+            if task["status"] not in ("Pending", "Downloading"):
+                break
+            event = next(events, None)
+            if event is None:  # the server is stopping, or this listener fell behind
+                yield {"error": f"The download {task_id} is no longer followed; "
+                                f"GET /v1/models/pull shows how it goes on"}
+                return
+            task = event["task"]
+    finally:
+        close = getattr(events, "close", None)
+        if close is not None:
+            close()
     if task is not None and task["status"] != "Success":
         yield {"error": task.get("error") or f"The download ended: {task['status']}"}
         return

@@ -18,20 +18,20 @@ responses, but not its instructions, as OpenAI does) before the new input. The s
 keeps the MAX_STORED most recently used responses, and fewer when their
 conversations' JSON together passes MAX_STORED_BYTES; it empties when the server stops.
 
-Errors a chat raises name chat's fields; `_renamed` gives them this API's names
+Errors a chat raises name chat's fields; `FIELDS` gives them this API's names
 (`messages` is `input`, `tools[i].function.parameters` is `tools[i].parameters`, ...).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 import uuid
 from collections import OrderedDict
 from typing import Iterator
 
+from localrt.dialects.common import Fields, NamedEvents, native
 from localrt.errors import HTTPError, InvalidField, NotFound
 
 # The store's bounds: responses, and the bytes of their conversations as JSON (each
@@ -40,12 +40,13 @@ MAX_STORED = 1000
 MAX_STORED_BYTES = 64 * 1024 * 1024
 
 # Chat's field names in errors, and this API's names for them.
-_RENAMES = ((re.compile(r"messages(\[.*)?"), "input"),
-            (re.compile(r"tools\[(\d+)\]\.function\.(\w+)"), r"tools[\1].\2"),
-            (re.compile(r"tool_choice\.function\.name"), "tool_choice.name"),
-            (re.compile(r"max_tokens|max_completion_tokens"), "max_output_tokens"),
-            (re.compile(r"response_format\.json_schema\.schema"), "text.format.schema"),
-            (re.compile(r"response_format(\..*)?"), "text.format"))
+# Chat's names for the fields of its errors, and this API's (each the whole param).
+FIELDS = Fields((r"messages(\[.*)?$", "input"),
+                (r"tools\[(\d+)\]\.function\.(\w+)$", r"tools[\1].\2"),
+                (r"tool_choice\.function\.name$", "tool_choice.name"),
+                (r"(max_tokens|max_completion_tokens)$", "max_output_tokens"),
+                (r"response_format\.json_schema\.schema$", "text.format.schema"),
+                (r"response_format(\..*)?$", "text.format"))
 
 
 class PreviousNotFound(InvalidField):
@@ -79,11 +80,9 @@ class Responses:
         conversation = history + input_messages(body["input"])
         chat = chat_body(body, conversation)
         shell = response_shell(body)
-        try:
-            self._validators.validate("chat-completion.json", chat)
+        native(self._validators, "chat-completion.json", chat, FIELDS)
+        with FIELDS.named():
             result = self._chats.create(chat)
-        except HTTPError as err:
-            raise _renamed(err) from None
         keep = self.store.put if body.get("store") else None
         if isinstance(result, dict):
             response = finished(shell, *output_of_completion(result))
@@ -221,20 +220,6 @@ def chat_body(body: dict, conversation: list) -> dict:
     return chat
 
 
-def _renamed(err: HTTPError) -> HTTPError:
-    """A chat error with this API's field names in its param and message."""
-    if err.param is None:
-        return err
-    for pattern, name in _RENAMES:
-        if pattern.fullmatch(err.param):
-            new = pattern.sub(name, err.param)
-            err.message = err.message.replace(f"'{err.param}'", f"'{new}'")
-            err.args = (err.message,)
-            err.param = new
-            break
-    return err
-
-
 # --- replies: chat onto Responses output -----------------------------------------------
 
 
@@ -331,7 +316,7 @@ def output_messages(output: list) -> list[dict]:
 # --- streams ----------------------------------------------------------------------------
 
 
-class ResponseStream:
+class ResponseStream(NamedEvents):
     """A streamed response: the chat stream's chunks as the Responses API's typed events
     (`event:` and `data:` lines, each with its sequence_number); close() frees the model.
 
@@ -343,9 +328,8 @@ class ResponseStream:
     response.failed when generation broke part way.
     """
 
-    content_type = "text/event-stream"
-
     def __init__(self, chat_stream, shell: dict, conversation: list, keep=None):
+        super().__init__(chat_stream)
         self._chat = chat_stream
         self._shell = shell
         self._conversation = conversation
@@ -355,14 +339,9 @@ class ResponseStream:
         self._open: dict | None = None
         self._calls: dict = {}       # the chat stream's call index -> its output item
 
-    def __iter__(self) -> Iterator[bytes]:
-        for name, data in self.events():
-            yield (f"event: {name}\ndata: ".encode() +
-                   json.dumps(data, ensure_ascii=False).encode("utf-8") + b"\n\n")
-
-    def close(self) -> None:
-        """Called by the server when the reply ends or the client goes away."""
-        self._chat.close()
+    def named(self) -> Iterator[tuple[str, dict]]:
+        """The events, as (name, data)."""
+        return self.events()
 
     def events(self) -> Iterator[tuple[str, dict]]:
         """(event type, data) pairs, the data carrying its type and sequence_number."""

@@ -82,6 +82,12 @@ class Downloads:
             task = self._tasks.get(task_id)
         return task if task is not None and task.running else None
 
+    def find(self, task_id: str) -> dict | None:
+        """A task still known, as list() gives it; None for one never started or forgotten."""
+        with self._lock:
+            task = self._tasks.get(task_id)
+        return None if task is None else task.to_dict()
+
     def list(self) -> list[dict]:
         """Every task still known, running ones first."""
         with self._lock:

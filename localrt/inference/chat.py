@@ -8,12 +8,13 @@ starts with an error: only a failure in the middle of generating ends up inside 
 A choice that a stop sequence ended names it as `stop_reason` (vLLM's field), so
 localrt.dialects.anthropic can give Anthropic's stop_sequence.
 
-This module keeps only OpenAI's shapes: the engine checks what it can serve
-(localrt.engines.catalog), the scheduler gives the model and paces its tokens
-(`Lease.steps`, localrt.inference.scheduler), and localrt.inference.toolcalls knows each model family's
-tool-call syntax: the grammar that forces a call and the parser whose events become
-message.tool_calls and delta.tool_calls here. A remote model's request goes whole to
-localrt.inference.remote, which forwards it to an upstream.
+This module keeps only OpenAI's shapes: a request takes the one path of
+localrt.inference.requests (a remote model's goes whole to its upstreams there), the
+engine checks what it can serve (localrt.engines.catalog), the scheduler gives the
+model and paces its tokens (`Lease.steps`, localrt.inference.scheduler), and
+localrt.inference.toolcalls knows each model family's tool-call syntax: the grammar
+that forces a call and the parser whose events become message.tool_calls and
+delta.tool_calls here.
 
 `logprobs: true` (with `top_logprobs`, 0 to 20 alternatives; top_logprobs alone is a
 400) gives choices[0].logprobs = {"content": [...], "refusal": null}, one entry per
@@ -34,10 +35,12 @@ import time
 import uuid
 from typing import Iterator
 
-from localrt.inference import logprobs, toolcalls
 from localrt.errors import InvalidField, UpstreamError
+from localrt.inference import logprobs, toolcalls
+from localrt.inference.requests import (EventStream, Kind, Local, RequestPath, respond,
+                                        stream_error)
+from localrt.inference.scheduler import Lease
 from localrt.metrics import Clock
-from localrt.inference.scheduler import Admission, Lease, ModelStopped, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -53,25 +56,20 @@ class Chats:
 
     At most `max_requests` chats are in progress (generating or queued) at once: each
     holds a server thread, and the rest of the API needs some. Past that, a 503.
-    Each completion is timed and counted in `metrics` (localrt.metrics.Metrics).
+    Each completion is timed and counted in /metrics (its Clock). A request takes the
+    one path of localrt.inference.requests: a remote model's goes to its upstreams.
     """
 
-    def __init__(self, registry, engines, scheduler: Scheduler, max_requests: int = 16,
-                 metrics=None, remotes=None):
-        self._registry = registry
-        self._engines = engines
-        self._scheduler = scheduler
-        self._metrics = metrics
-        self._remotes = remotes  # localrt.inference.remote.Remotes: forwards remote models' requests
-        self.admission = Admission("chat", max_requests)
+    def __init__(self, path: RequestPath, max_requests: int = 16):
+        self._path = path
+        self.kind = Kind("chat", "/chat/completions", max_requests)
+        self.admission = self.kind.admission
 
     def create(self, body: dict):
         """A chat.completion dict, or a Stream when body["stream"] is true."""
-        model_id = body["model"]
-        clock = Clock(self._metrics, model_id)  # from the request's arrival
-        record = self._registry.get(model_id)  # 404 before anything starts
-        if self._engines.forwards(record["engine"]):  # a remote model: an upstream answers
-            return self._remotes.forward(record, body, self.admission, clock=clock)
+        return self._path.serve(self.kind, body, lambda local: self._create(local, body))
+
+    def _create(self, local: Local, body: dict):
         messages = [_message(i, m) for i, m in enumerate(body["messages"])]
         if body.get("n") not in (None, 1):
             raise InvalidField("Invalid field 'n': only n=1 is supported", param="n")
@@ -79,62 +77,57 @@ class Chats:
         response_format = _response_format(body.get("response_format"))
         tools = toolcalls.ToolRequest.read(body)
         # What the engine cannot serve (a schema it cannot follow): a 400 before waiting.
-        self._engines.check_request(record["engine"], {
-            "response_format": response_format, "tools": tools and tools.tools,
-            "tool_choice": body.get("tool_choice"), "logprobs": top})
-        lease = self._lease(model_id)
+        local.check_request({"response_format": response_format,
+                             "tools": tools and tools.tools,
+                             "tool_choice": body.get("tool_choice"), "logprobs": top})
+        lease = local.lease()
         try:
-            params, plan = _prompt_params(body, record, lease, messages, tools)
+            params, plan = _prompt_params(body, local.record, lease, messages, tools)
             params["response_format"], params["logprobs"] = response_format, top
             generation = lease.model.generate(messages, params)
             if top is not None and generation.logprobs is None:
                 generation.close()
-                raise InvalidField(f"Invalid field 'logprobs': model {model_id}'s engine "
-                                   f"does not give log probabilities", param="logprobs")
+                raise InvalidField(f"Invalid field 'logprobs': model {local.model_id}'s "
+                                   f"engine does not give log probabilities", param="logprobs")
         except BaseException:
             lease.release()
             raise
-        completion = Completion(model_id, generation, lease, plan and plan.parser(), clock)
-        if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return Stream(completion, include_usage)
-        try:
-            return completion.complete()
-        finally:
-            completion.close()
+        completion = Completion(local.model_id, generation, lease,
+                                plan and plan.parser(), local.clock)
+        return respond(body, completion, Stream)
 
     def count_tokens(self, body: dict) -> int:
         """How many tokens the prompt of a chat request is, rendered as create() renders
         it, without generating (Anthropic's count_tokens). The model starts if it is
         not running; a remote model's count is the prompt_tokens of a one-token reply."""
-        model_id = body["model"]
-        record = self._registry.get(model_id)
-        if self._engines.forwards(record["engine"]):
-            reply = self._remotes.forward(record, {**body, "stream": False, "max_tokens": 1},
-                                          self.admission)
-            usage = reply.get("usage") if isinstance(reply, dict) else None
-            count = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-            if not isinstance(count, int):
-                raise UpstreamError(f"The upstream of remote model {model_id} did not say "
-                                    f"how many tokens the prompt is (usage.prompt_tokens)")
-            return count
+        return self._path.serve(self.kind, body, lambda local: self._count(local, body),
+                                remote=lambda forward: _remote_count(forward, body))
+
+    def _count(self, local: Local, body: dict) -> int:
         messages = [_message(i, m) for i, m in enumerate(body["messages"])]
         tools = toolcalls.ToolRequest.read(body)
-        lease = self._lease(model_id)
+        lease = local.lease()
         try:
             count = getattr(lease.model, "count_tokens", None)
             if count is None:
-                raise InvalidField(f"Invalid field 'model': the engine of {model_id} "
-                                   f"({record['engine']}) cannot count tokens", param="model")
-            params, _ = _prompt_params(body, record, lease, messages, tools)
+                raise InvalidField(f"Invalid field 'model': the engine of {local.model_id} "
+                                   f"({local.record['engine']}) cannot count tokens",
+                                   param="model")
+            params, _ = _prompt_params(body, local.record, lease, messages, tools)
             return count(messages, params)
         finally:
             lease.release()
 
-    def _lease(self, model_id: str) -> Lease:
-        """A turn on the model (started if it is not running), counted among the chats
-        in progress until its release; a 503 when there are too many."""
-        return self.admission.lease(self._scheduler, model_id)
+
+def _remote_count(forward, body: dict) -> int:
+    """A remote model's prompt tokens: the usage of a one-token reply from its upstream."""
+    reply = forward({**body, "stream": False, "max_tokens": 1})
+    usage = reply.get("usage") if isinstance(reply, dict) else None
+    count = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    if not isinstance(count, int):
+        raise UpstreamError(f"The upstream of remote model {body['model']} did not say how "
+                            f"many tokens the prompt is (usage.prompt_tokens)")
+    return count
 
 
 def _prompt_params(body: dict, record: dict, lease: Lease, messages: list, tools):
@@ -337,20 +330,13 @@ class Completion:
                 self._clock.end(self.generation.usage)
 
 
-class Stream:
+class Stream(EventStream):
     """The reply as Server-Sent Events of chat.completion.chunk; close() frees the model."""
-
-    content_type = "text/event-stream"
 
     def __init__(self, completion: Completion, include_usage: bool):
         self._completion = completion
         self._include_usage = include_usage
         self._pending: list = []  # logprobs.content entries the next event carries
-
-    def __iter__(self) -> Iterator[bytes]:
-        for chunk in self.chunks():
-            yield _sse(chunk)
-        yield b"data: [DONE]\n\n"
 
     @property
     def prompt_tokens(self) -> int:
@@ -372,14 +358,8 @@ class Stream:
                     yield from self._deltas(parser.feed(piece))
             if parser is not None:
                 yield from self._deltas(parser.close())
-        except Exception as exc:
-            if isinstance(exc, ModelStopped):
-                error = exc.body()["error"]
-            else:
-                log.exception("generation failed in a stream of %s", completion.model_id)
-                error = {"message": f"Generation failed: {exc}", "type": "server_error",
-                         "code": "generation_failed"}
-            yield {"error": error}
+        except Exception as exc:  # noqa: BLE001 - the reply has started: say so in it
+            yield stream_error(exc, completion.model_id)
             return
         self._took(completion.logprobs())  # tokens whose text came last, or was none
         last = self._event({}, completion.finish_reason(bool(parser and parser.calls)))
@@ -430,7 +410,3 @@ class Stream:
 def _logprobs(content: list | None) -> dict | None:
     """A choice's logprobs in OpenAI's shape; None when there are none to give."""
     return None if content is None else {"content": content, "refusal": None}
-
-
-def _sse(data: dict) -> bytes:
-    return b"data: " + json.dumps(data, ensure_ascii=False).encode("utf-8") + b"\n\n"

@@ -25,27 +25,25 @@ engine scores the prompt too (gguf-cpp reads it whole then, without its cached
 prefix); an engine that cannot, or a suffix (the echo is only the prefix), is a 400
 naming logprobs.
 
-Each request is timed and counted in /metrics as chat's are (localrt.metrics.Clock). A
-remote model's request goes whole to localrt.inference.remote, which forwards it to an upstream's
-/v1/completions (its `logprobs` too).
+Each request takes chat's path (localrt.inference.requests): timed and counted in
+/metrics, and a remote model's request goes whole to an upstream's /v1/completions
+(its `logprobs` too).
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Iterator
 
+from localrt.errors import InvalidField
 from localrt.inference import logprobs
 from localrt.inference.chat import SAMPLING
-from localrt.errors import InvalidField
+from localrt.inference.requests import EventStream, Kind, Local, RequestPath, respond, stream_error
+from localrt.inference.scheduler import Lease
 from localrt.metrics import Clock
-from localrt.inference.scheduler import Admission, Lease, ModelStopped, Scheduler
 
-log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's, when neither the request nor the model says
 
@@ -54,26 +52,20 @@ class Completions:
     """Turns completion requests into generations on the scheduler's running models.
 
     At most `max_requests` are in progress (generating or queued) at once: each holds a
-    server thread (localrt.server.THREADS). Past that, a 503.
+    server thread (localrt.server.THREADS). Past that, a 503. A request takes the one
+    path of localrt.inference.requests: a remote model's goes to its upstreams.
     """
 
-    def __init__(self, registry, engines, scheduler: Scheduler, max_requests: int = 8,
-                 metrics=None, remotes=None):
-        self._registry = registry
-        self._engines = engines
-        self._scheduler = scheduler
-        self._metrics = metrics
-        self._remotes = remotes  # localrt.inference.remote.Remotes: forwards remote models' requests
-        self.admission = Admission("completion", max_requests)
+    def __init__(self, path: RequestPath, max_requests: int = 8):
+        self._path = path
+        self.kind = Kind("completion", "/completions", max_requests)
+        self.admission = self.kind.admission
 
     def create(self, body: dict):
         """A text_completion dict, or a Stream when body["stream"] is true."""
-        model_id = body["model"]
-        clock = Clock(self._metrics, model_id)  # from the request's arrival
-        record = self._registry.get(model_id)  # 404 before anything starts
-        if self._engines.forwards(record["engine"]):  # a remote model: an upstream answers
-            return self._remotes.forward(record, body, self.admission, "/completions",
-                                        clock)
+        return self._path.serve(self.kind, body, lambda local: self._create(local, body))
+
+    def _create(self, local: Local, body: dict):
         for name in ("n", "best_of"):
             if body.get(name) not in (None, 1):
                 raise InvalidField(f"Invalid field '{name}': only {name}=1 is supported",
@@ -87,10 +79,11 @@ class Completions:
             raise InvalidField("Invalid field 'logprobs': an echoed prompt's log "
                                "probabilities need a prompt without suffix (the echo is "
                                "the prefix only)", param="logprobs")
-        lease = self.admission.lease(self._scheduler, model_id, purpose="a completion request")
+        model_id = local.model_id
+        lease = local.lease(purpose="a completion request")
         choices: list = []
         try:
-            params = _params(body, record, lease.options)
+            params = _params(body, local.record, lease.options)
             for i, prompt in enumerate(prompts):
                 field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
                 choices.append(_choice(lease.model, model_id, field, prompt, body, params))
@@ -99,14 +92,7 @@ class Completions:
                 choice.generation.close()
             lease.release()
             raise
-        completion = TextCompletion(model_id, choices, lease, clock)
-        if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return Stream(completion, include_usage)
-        try:
-            return completion.complete()
-        finally:
-            completion.close()
+        return respond(body, TextCompletion(model_id, choices, lease, local.clock), Stream)
 
 
 def read_prompt(value) -> list:
@@ -278,7 +264,7 @@ class TextCompletion:
                 self._clock.end(self.usage())
 
 
-class Stream:
+class Stream(EventStream):
     """The reply as Server-Sent Events of text_completion chunks; close() frees the model.
 
     Each choice sends its echo (when asked), its pieces, then an empty text with its
@@ -288,16 +274,9 @@ class Stream:
     read, so the echo waits for the first piece), the last one those left.
     """
 
-    content_type = "text/event-stream"
-
     def __init__(self, completion: TextCompletion, include_usage: bool):
         self._completion = completion
         self._include_usage = include_usage
-
-    def __iter__(self) -> Iterator[bytes]:
-        for chunk in self.chunks():
-            yield _sse(chunk)
-        yield b"data: [DONE]\n\n"
 
     def chunks(self) -> Iterator[dict]:
         """The reply as text_completion chunk dicts; one {"error": ...} dict ends a reply
@@ -306,14 +285,8 @@ class Stream:
         try:
             for i, choice in enumerate(completion.choices):
                 yield from self._choice(i, choice)
-        except Exception as exc:
-            if isinstance(exc, ModelStopped):
-                error = exc.body()["error"]
-            else:
-                log.exception("generation failed in a stream of %s", completion.model_id)
-                error = {"message": f"Generation failed: {exc}", "type": "server_error",
-                         "code": "generation_failed"}
-            yield {"error": error}
+        except Exception as exc:  # noqa: BLE001 - the reply has started: say so in it
+            yield stream_error(exc, completion.model_id)
             return
         if self._include_usage:
             yield self._chunk([], usage=completion.usage())
@@ -352,7 +325,3 @@ class Stream:
         if self._include_usage:
             chunk["usage"] = usage
         return chunk
-
-
-def _sse(data: dict) -> bytes:
-    return b"data: " + json.dumps(data, ensure_ascii=False).encode("utf-8") + b"\n\n"

@@ -1,9 +1,10 @@
 """Embeddings, OpenAI compatible: the request's inputs, the model's mode, the reply.
 
 `Embeddings.create(body)` takes a request that passed schemas/embedding.json and
-returns OpenAI's list of embeddings (a remote model's request goes whole to
-localrt.inference.remote, which forwards it to an upstream's /v1/embeddings). `input` is a string, an array of strings, an array
-of token ids, or an array of such arrays; each is one vector, in the order given.
+returns OpenAI's list of embeddings (a remote model's request goes whole to an
+upstream's /v1/embeddings: localrt.inference.requests). `input` is a string, an array
+of strings, an array of token ids, or an array of such arrays; each is one vector, in
+the order given.
 
 The model must run in llama.cpp's embedding mode (localrt.engines.adapters: a loaded model with
 `embed`). A request for a model that is not running starts it so, with its stored
@@ -26,9 +27,9 @@ from __future__ import annotations
 
 import base64
 
-from localrt.inference.completions import read_prompt
 from localrt.errors import Conflict, InvalidField
-from localrt.inference.scheduler import Admission
+from localrt.inference.completions import read_prompt
+from localrt.inference.requests import Kind, Local, RequestPath
 
 
 class ModelNotEmbedding(Conflict):
@@ -41,28 +42,33 @@ class Embeddings:
     """Turns embedding requests into batches on the scheduler's running models.
 
     At most `max_requests` are in progress (computing or queued) at once: each holds a
-    server thread (localrt.server.THREADS). Past that, a 503.
+    server thread (localrt.server.THREADS). Past that, a 503. A request takes the one
+    path of localrt.inference.requests (untimed: /metrics counts generations only).
     """
 
-    def __init__(self, registry, engines, scheduler, max_requests: int = 8, remotes=None):
-        self._registry = registry
-        self._engines = engines
-        self._scheduler = scheduler
-        self._remotes = remotes  # localrt.inference.remote.Remotes: forwards remote models' requests
-        self.admission = Admission("embedding", max_requests)
+    def __init__(self, path: RequestPath, max_requests: int = 8):
+        self._path = path
+        self.kind = Kind("embedding", "/embeddings", max_requests, timed=False)
+        self.admission = self.kind.admission
 
     def create(self, body: dict) -> dict:
         """OpenAI's {"object": "list", "data": [embedding...], "model", "usage"}."""
-        model_id = body["model"]
-        record = self._registry.get(model_id)  # 404 before anything starts
-        if self._engines.forwards(record["engine"]):  # a remote model: an upstream answers
-            return self._remotes.forward(record, body, self.admission, "/embeddings")
+        return self._path.serve(self.kind, body, lambda local: self._create(local, body))
+
+    def check_mode(self, model_id: str) -> None:
+        """A 400 naming `model` when the model's engine has no embedding mode, before any
+        model starts (Ollama's /api/embed starts the model first). A remote model's
+        upstream says for itself."""
+        record = self._path.registry.get(model_id)
+        if not self._path.is_remote(record):
+            _refuse_without_mode(self._path.engines.check_options(record["engine"],
+                                                                  {"embedding": True}))
+
+    def _create(self, local: Local, body: dict) -> dict:
+        model_id = local.model_id
         inputs = read_prompt(body["input"])  # the shapes of a completion's prompt
-        # An engine with no embedding mode: a 400 before any model starts.
-        for _, why in self._engines.check_options(record["engine"], {"embedding": True}):
-            raise InvalidField(f"Invalid field 'model': {why}", param="model")
-        lease = self.admission.lease(self._scheduler, model_id, start={"embedding": True},
-                                     purpose="an embeddings request")
+        _refuse_without_mode(local.check_options({"embedding": True}))
+        lease = local.lease(start={"embedding": True}, purpose="an embeddings request")
         try:
             embed = getattr(lease.model, "embed", None)
             if embed is None:
@@ -77,6 +83,12 @@ class Embeddings:
                          for i, v in enumerate(vectors)],
                 "model": model_id,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def _refuse_without_mode(problems: list) -> None:
+    """A 400 before any model starts, for an engine with no embedding mode."""
+    for _, why in problems:
+        raise InvalidField(f"Invalid field 'model': {why}", param="model")
 
 
 def scaled(vectors, dimensions: int | None):

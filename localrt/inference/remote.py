@@ -36,7 +36,9 @@ through localrt.downloads.opener, with the Config's proxy, no_proxy and TLS flag
 from __future__ import annotations
 
 import collections
+import dataclasses
 import http.client
+import itertools
 import json
 import logging
 import socket
@@ -56,6 +58,7 @@ from localrt.errors import (BadRequest, Conflict, HTTPError, InvalidField,
 from localrt.models.registry import check_new_id, folder_name
 from localrt.metrics import Clock
 from localrt.downloads.opener import CertificateFailed, ProxyAuthFailed, build_opener, origin
+from localrt.inference.requests import EventStream, stream_error
 from localrt.inference.scheduler import Admission
 
 log = logging.getLogger(__name__)
@@ -67,7 +70,7 @@ PROBE_TICK = 0.25       # how often the probe thread looks for upstreams due
 FIRST_PROBE_WAIT = 1.0  # how long a registration waits for its first probes
 MESSAGE_LIMIT = 300     # characters of an upstream's own error message quoted
 ERROR_BODY_LIMIT = 65536
-DONE = b"data: [DONE]\n\n"
+DONE = b"[DONE]"  # the data of the event that ends an OpenAI stream
 
 HEALTHY, UNHEALTHY, UNKNOWN = "healthy", "unhealthy", "unknown"
 
@@ -353,9 +356,9 @@ class Pool:
         if not self.upstreams:
             return NoHealthyUpstream(f"Remote model {self.model_id} has no upstreams")
         if others and all(u.refused_key for u in others):
+            said = "; ".join(f"{u.url}: {u.error}" for u in others)
             return UpstreamKeyRefused(f"Every upstream of remote model {self.model_id} "
-                                      f"refused localrt's key "
-                                      f"({', '.join(u.url for u in others)}); set the "
+                                      f"refused localrt's key ({said}); set the "
                                       f"upstream's api_key (PATCH the model's upstreams)")
         why = "; ".join(f"{u.url}: {u.error or u.health}" for u in others)
         return NoHealthyUpstream(f"No upstream of remote model {self.model_id} is healthy "
@@ -396,9 +399,9 @@ def probe(config: Mapping, upstream: Upstream, timeout: float = PROBE_TIMEOUT) -
                                                         timeout=timeout) as resp:
             raw = resp.read(ERROR_BODY_LIMIT)
     except urllib.error.HTTPError as exc:
+        if exc.code in (401, 403):  # the upstream's own words say why (Invalid API key)
+            return Probe(UNHEALTHY, f"it refused localrt's key ({_said(exc)})", True)
         exc.close()
-        if exc.code in (401, 403):
-            return Probe(UNHEALTHY, f"it refused localrt's key (HTTP {exc.code})", True)
         if exc.code >= 500 or exc.code == 407:
             return Probe(UNHEALTHY, f"GET /models answered HTTP {exc.code}")
         return Probe(HEALTHY, latency_ms=(time.monotonic() - started) * 1000)  # it answers
@@ -432,6 +435,17 @@ def _has_text(choice) -> bool:
 def _reason(exc: BaseException) -> str:
     reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
     return str(reason) or type(reason).__name__
+
+
+def _said(exc: urllib.error.HTTPError) -> str:
+    """An upstream's error answer in a few words: "HTTP 401: Invalid API key"; closed."""
+    try:
+        message = _upstream_message(exc.read(ERROR_BODY_LIMIT))
+    except Exception:  # noqa: BLE001 - a body that cannot be read says nothing
+        message = ""
+    finally:
+        exc.close()
+    return f"HTTP {exc.code}" + (f": {message}" if message else "")
 
 
 def _upstream_message(raw: bytes) -> str:
@@ -522,32 +536,33 @@ class Exchange:
         except Exception as exc:  # noqa: BLE001
             raise self._failure(exc, timeout, "sent no first event") from None
         self._latency = (time.monotonic() - self._started) * 1000
-        return self.event(payload)
+        return payload
 
-    def events(self) -> Iterator[bytes]:
-        """The rest of the stream's events, then [DONE]. Raises what breaks it."""
+    def payloads(self) -> Iterator[bytes]:
+        """The data of the stream's events after the first, up to [DONE]. Raises what
+        breaks the stream, or ConnectionError when it ends before [DONE]."""
         for payload in self._payloads:
-            yield self.event(payload)
-            if payload == b"[DONE]":
+            yield payload
+            if payload == DONE:
                 return
         raise ConnectionError("the upstream closed the stream before [DONE]")
 
-    def event(self, payload: bytes) -> bytes:
-        """One event's data, with localrt's model id."""
-        if payload == b"[DONE]":
-            return DONE
+    def chunk(self, payload: bytes) -> dict | None:
+        """One event's data as a chunk dict with localrt's model id (None for [DONE],
+        and for an event that is not a JSON object, which is left out)."""
         try:
             data = json.loads(payload)
         except ValueError:
-            return b"data: " + payload + b"\n\n"
-        if isinstance(data, dict):
-            self._note_usage(data)
-            if any(_has_text(c) for c in data.get("choices") or ()):
-                self._clock.piece()
-                self._pieces += 1
-            if "model" in data:
-                data["model"] = self.model_id
-        return b"data: " + json.dumps(data, ensure_ascii=False).encode("utf-8") + b"\n\n"
+            return None
+        if not isinstance(data, dict):
+            return None
+        self._note_usage(data)
+        if any(_has_text(c) for c in data.get("choices") or ()):
+            self._clock.piece()
+            self._pieces += 1
+        if "model" in data:
+            data["model"] = self.model_id
+        return data
 
     def _note_usage(self, data: dict) -> None:
         usage = data.get("usage")
@@ -555,15 +570,14 @@ class Exchange:
                 "prompt_tokens", "completion_tokens")):
             self._usage = usage
 
-    def broken(self, exc: BaseException) -> bytes:
-        """The error event that ends a stream which broke after its first event."""
+    def broken(self, exc: BaseException) -> UpstreamError:
+        """What ends a stream which broke after its first event (its error event)."""
         if not _timed_out(exc):
             self.pool.failed(self.upstream, f"a stream broke: {_reason(exc)}")
         message = security.redact(f"Upstream {self.upstream.url} broke off the reply: "
                                   f"{_reason(exc)}", self._secrets())
         log.warning("remote model %s: %s", self.model_id, message)
-        error = {"message": message, "type": "server_error", "code": "upstream_error"}
-        return b"data: " + json.dumps({"error": error}).encode("utf-8") + b"\n\n"
+        return UpstreamError(message)
 
     def on_close(self, callback: Callable[[], None]) -> None:
         """Run `callback` once this exchange is closed."""
@@ -600,21 +614,16 @@ class Exchange:
                 yield data[1:] if data.startswith(b" ") else data
 
     def _refusal(self, exc: urllib.error.HTTPError, config: Mapping) -> HTTPError:
-        """The localrt error for an upstream's error answer."""
-        try:
-            message = _upstream_message(exc.read(ERROR_BODY_LIMIT))
-        except Exception:  # noqa: BLE001 - a body that cannot be read says nothing
-            message = ""
-        finally:
-            exc.close()
-        where, said = self.upstream.url, f"HTTP {exc.code}" + (f": {message}" if message else "")
+        """The localrt error for an upstream's error answer, with the upstream's own
+        words (secrets redacted: an upstream may quote the key it refused)."""
+        where, said = self.upstream.url, security.redact(_said(exc), self._secrets())
         if exc.code == 407 or (config["proxy_url"] and exc.headers is not None
                                and exc.headers.get("Proxy-Authenticate")):
             return ProxyAuthFailed(f"The proxy {origin(config['proxy_url'])} refused to "
                                    f"forward to {where} ({said}); check proxy_username and "
                                    f"proxy_password")
         if exc.code in (401, 403):
-            self.pool.failed(self.upstream, f"it refused localrt's key (HTTP {exc.code})", True)
+            self.pool.failed(self.upstream, f"it refused localrt's key ({said})", True)
             return UpstreamKeyRefused(f"Upstream {where} of remote model {self.model_id} "
                                       f"refused localrt's key ({said}); set the upstream's "
                                       f"api_key (PATCH the model's upstreams)")
@@ -644,38 +653,29 @@ class Exchange:
                              f"reached: {_reason(exc)}")
 
 
-class RemoteStream:
-    """A remote model's streamed reply: the upstream's events as they come; close() hangs up."""
-
-    content_type = "text/event-stream"
+class RemoteStream(EventStream):
+    """A remote model's streamed reply: the upstream's events as they come, with
+    localrt's model id; close() hangs up."""
 
     def __init__(self, exchange: Exchange, first: bytes):
         self._exchange = exchange
         self._first = first
 
-    def __iter__(self) -> Iterator[bytes]:
-        yield self._first
+    def chunks(self) -> Iterator[dict]:
+        """The events as chunk dicts (chat.Stream.chunks' shape); an {"error": ...} dict
+        ends a stream that broke. An event that is not a JSON object is left out."""
+        exchange = self._exchange
         if self._first == DONE:
             return
         try:
-            yield from self._exchange.events()
+            for payload in itertools.chain([self._first], exchange.payloads()):
+                if payload == DONE:
+                    return
+                chunk = exchange.chunk(payload)
+                if chunk is not None:
+                    yield chunk
         except Exception as exc:  # noqa: BLE001 - the reply has started: say so in it
-            yield self._exchange.broken(exc)
-            yield DONE
-
-    def chunks(self) -> Iterator[dict]:
-        """The events as dicts (chat.Stream.chunks' shape): [DONE] ends them, an
-        {"error": ...} dict ends a stream that broke; an event that is not JSON is left out."""
-        for event in self:
-            data = event[len(b"data: "):].strip()
-            if data == b"[DONE]":
-                return
-            try:
-                chunk = json.loads(data)
-            except ValueError:
-                continue
-            if isinstance(chunk, dict):
-                yield chunk
+            yield stream_error(exchange.broken(exc), exchange.model_id)
 
     def close(self) -> None:
         """Called by the server when the reply ends or the client goes away."""
@@ -893,5 +893,8 @@ class Remotes:
         try:
             outcome = probe(self._config(), upstream)
         except Exception as exc:  # noqa: BLE001 - a bad Config (an https proxy) says why
-            outcome = Probe(UNHEALTHY, security.redact(str(exc), self.secrets()))
+            outcome = Probe(UNHEALTHY, str(exc))
+        if outcome.error:  # an upstream's words may quote the key it refused
+            outcome = dataclasses.replace(outcome, error=security.redact(outcome.error,
+                                                                         self.secrets()))
         pool.probed(upstream, outcome)
