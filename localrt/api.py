@@ -16,7 +16,7 @@ from localrt.dialects import anthropic, ollama
 from localrt.errors import Conflict, InvalidField, ServiceUnavailable
 from localrt.events import TooManyListeners
 from localrt.metrics import CONTENT_TYPE
-from localrt.models.registry import check_id
+from localrt.models.ids import check_id
 from localrt.routing import Dialect, Reply, Request, Route
 from localrt.services import Services
 
@@ -117,19 +117,19 @@ def add_remote_model(services: Services, request: Request):
 
 def pull_model(services: Services, request: Request):
     """Spec row 9: start a background download."""
-    return services.models.pull(_path_model(request))
+    return services.pulls.pull(_path_model(request))
 
 
 def pull_model_body(services: Services, request: Request):
     """The newer cortex form of row 9: {"model", "file"?, "id"?, "name"?}."""
     body = request.body
-    return services.models.pull(body["model"], body.get("file"), body.get("id"),
-                                body.get("name"))
+    return services.pulls.pull(body["model"], body.get("file"), body.get("id"),
+                               body.get("name"))
 
 
 def model_variants(services: Services, request: Request):
     """What a pull of a built-in name or a hub repository can choose, with sizes."""
-    return services.models.variants(request.body["model"])
+    return services.pulls.variants(request.body["model"])
 
 
 def list_pulls(services: Services, request: Request):
@@ -147,10 +147,10 @@ def import_model(services: Services, request: Request):
     """Register a local GGUF file: localrt's {"path", "id"?} or cortex's {"model", "modelPath"}."""
     body = request.body
     cortex = "modelPath" in body  # the schema holds a body with model or modelPath to it
-    model = services.models.import_file(body["modelPath" if cortex else "path"],
-                                        body.get("model" if cortex else "id"),
-                                        body.get("option", "symlink"), body.get("name"),
-                                        cortex=cortex)
+    model = services.imports.import_file(body["modelPath" if cortex else "path"],
+                                         body.get("model" if cortex else "id"),
+                                         body.get("option", "symlink"), body.get("name"),
+                                         cortex=cortex)
     return {"message": f"Model {model['id']} imported", "model": _with_status(services, model)}
 
 
