@@ -166,7 +166,7 @@ def _parse_url(url: str, hub_url: str, builtin_org: str, param: str) -> ModelRef
 
 
 def folder_name(model_id: str) -> str:
-    """A folder name for an imported or remote model: the quoted id, or a digest when that is long."""
+    """A folder name for an imported or remote model: the quoted id, or a digest if long."""
     name = quote(model_id, safe="")
     if len(name) <= 120:
         return name

@@ -294,7 +294,7 @@ class Pulls:
 
 
 def _task_id(ref: ModelRef) -> str:
-    """The spec's three-part taskId: <org>:<repo>:<branch or file>."""
+    """A pull's three-part taskId: <org>:<repo>:<branch or file>."""
     return f"{ref.repo.replace('/', ':')}:{ref.file or ref.revision}"
 
 
