@@ -2,9 +2,11 @@
 
 Handlers take (services, request) and return JSON-able data or a Reply.
 They raise localrt.errors exceptions; they never build error responses.
-If you add a route, also document it in README.rst (and its CLI command in
-man/localrt.1); its request schema goes in schemas/. Ollama's routes (under /api/)
-translate in localrt.dialects.ollama; their errors take Ollama's shape (DIALECTS).
+If you add a route, also document it in man/localrt-api.7 (tests/test_man.py
+checks) and its CLI command in man/localrt.1; its request schema goes in schemas/.
+Ollama's routes (under /api/) translate in localrt.dialects.ollama; their errors
+take Ollama's shape (DIALECTS). Each handler's docstring's first line is its
+route's summary in GET /openapi.json: say what the route does.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from localrt.dialects.common import native
 from localrt.errors import Conflict, InvalidField, ServiceUnavailable
 from localrt.events import TooManyListeners
 from localrt.metrics import CONTENT_TYPE
-from localrt.models.registry import check_id
+from localrt.models.ids import check_id
 from localrt.routing import STREAM_HEADERS, Dialect, Reply, Request, Route
 from localrt.services import Services
 
@@ -28,8 +30,9 @@ def healthz(services: Services, request: Request):
 
 
 def metrics(services: Services, request: Request):
-    """Prometheus metrics in the text exposition format 0.0.4; answers without touching
-    any engine."""
+    """Prometheus metrics in the text exposition format 0.0.4.
+
+    Answers without touching any engine."""
     text = services.metrics.render().encode("utf-8")
     return Reply([text], content_type=CONTENT_TYPE,
                  headers=[("Content-Length", str(len(text))), ("Cache-Control", "no-store")])
@@ -43,12 +46,12 @@ def openapi_document(services: Services, request: Request):
 
 
 def get_configs(services: Services, request: Request):
-    """Spec row 1: the whole Config."""
+    """The whole Config: CORS, proxy, SSL flags and the hub token."""
     return services.config.get()
 
 
 def patch_configs(services: Services, request: Request):
-    """Spec row 2: change only the given fields."""
+    """Change only the given Config fields; the others keep their values."""
     config = services.config.update(request.body)
     return {"config": config, "message": "Configuration updated successfully"}
 
@@ -66,7 +69,7 @@ def stop_server(services: Services, request: Request):
 
 
 def list_models(services: Services, request: Request):
-    """Spec row 11: the downloaded models, in OpenAI's list shape."""
+    """The downloaded, imported and remote models, in OpenAI's list shape."""
     return {"object": "list",
             "data": [_with_status(services, m) for m in services.registry.list()]}
 
@@ -85,12 +88,12 @@ def _path_model(request: Request) -> str:
 
 
 def get_model(services: Services, request: Request):
-    """Spec row 12."""
+    """One model's record: its definition, files, size and status."""
     return _with_status(services, services.registry.get(_path_model(request)))
 
 
 def delete_model(services: Services, request: Request):
-    """Spec row 13: the files and the definition."""
+    """Delete a model that is not running: its files and its definition."""
     model_id = _path_model(request)
     with services.scheduler.not_running(model_id):
         services.registry.remove(model_id)
@@ -99,8 +102,9 @@ def delete_model(services: Services, request: Request):
 
 
 def update_model(services: Services, request: Request):
-    """Spec row 14: stored parameters and model.yml fields (schemas/model-update.json), and
-    a remote model's upstreams."""
+    """Change a model's stored parameters and model.yml fields, or a remote's upstreams.
+
+    The fields are schemas/model-update.json's."""
     model_id = _path_model(request)
     if "upstreams" in request.body:
         model = services.remotes.update(model_id, request.body)
@@ -117,20 +121,22 @@ def add_remote_model(services: Services, request: Request):
 
 
 def pull_model(services: Services, request: Request):
-    """Spec row 9: start a background download."""
-    return services.models.pull(_path_model(request))
+    """Pull the model the path names: start a background download, or say it is there."""
+    return services.pulls.pull(_path_model(request))
 
 
 def pull_model_body(services: Services, request: Request):
-    """The newer cortex form of row 9: {"model", "file"?, "id"?, "name"?}."""
+    """Pull the model the body names: start a background download, or say it is there.
+
+    The body is cortex's {"model", "file"?, "id"?, "name"?}."""
     body = request.body
-    return services.models.pull(body["model"], body.get("file"), body.get("id"),
-                                body.get("name"))
+    return services.pulls.pull(body["model"], body.get("file"), body.get("id"),
+                               body.get("name"))
 
 
 def model_variants(services: Services, request: Request):
     """What a pull of a built-in name or a hub repository can choose, with sizes."""
-    return services.models.variants(request.body["model"])
+    return services.pulls.variants(request.body["model"])
 
 
 def list_pulls(services: Services, request: Request):
@@ -139,19 +145,21 @@ def list_pulls(services: Services, request: Request):
 
 
 def cancel_pull(services: Services, request: Request):
-    """Spec row 10: stop a download; its part files stay so a new pull resumes."""
+    """Stop a download; its part files stay so a new pull resumes."""
     task = services.downloads.cancel(request.body["taskId"])
     return {"message": f"Download {task['id']} is stopping", "task": task}
 
 
 def import_model(services: Services, request: Request):
-    """Register a local GGUF file: localrt's {"path", "id"?} or cortex's {"model", "modelPath"}."""
+    """Register a local GGUF file or ONNX model folder, linked or copied in.
+
+    The body is localrt's {"path", "id"?} or cortex's {"model", "modelPath"}."""
     body = request.body
     cortex = "modelPath" in body  # the schema holds a body with model or modelPath to it
-    model = services.models.import_file(body["modelPath" if cortex else "path"],
-                                        body.get("model" if cortex else "id"),
-                                        body.get("option", "symlink"), body.get("name"),
-                                        cortex=cortex)
+    model = services.imports.import_file(body["modelPath" if cortex else "path"],
+                                         body.get("model" if cortex else "id"),
+                                         body.get("option", "symlink"), body.get("name"),
+                                         cortex=cortex)
     return {"message": f"Model {model['id']} imported", "model": _with_status(services, model)}
 
 
@@ -172,7 +180,7 @@ def _model_of(request: Request) -> str:
 
 
 def start_model(services: Services, request: Request):
-    """Spec row 7: load a model with its stored parameters and these start options."""
+    """Load a model with its stored parameters and these start options."""
     model_id = _model_of(request)
     options = {k: v for k, v in request.body.items() if k != "model"}
     if _remote(services, model_id):
@@ -190,7 +198,7 @@ def start_model(services: Services, request: Request):
 
 
 def stop_model(services: Services, request: Request):
-    """Spec row 8: unload a model and free its memory."""
+    """Unload a model and free its memory."""
     model_id = _model_of(request)
     if _remote(services, model_id):
         return services.remotes.stopped(model_id)
@@ -205,14 +213,15 @@ def _remote(services: Services, model_id: str) -> bool:
 
 
 def models_status(services: Services, request: Request):
-    """The running models (`localrt ps`), the remote ones with their upstreams, and the
-    machine they run on."""
+    """The running models and remote ones with their upstreams, and the machine's hardware.
+
+    What `localrt ps` shows."""
     return {"object": "list", "data": services.scheduler.status() + services.remotes.status(),
             "hardware": services.engines.hardware.status()}
 
 
 def chat_completions(services: Services, request: Request):
-    """Spec row 15: OpenAI's chat completion, streamed as Server-Sent Events or not."""
+    """OpenAI's chat completion, streamed as Server-Sent Events or not."""
     result = services.chats.create(request.body)
     return _streamed(result)
 
@@ -254,17 +263,17 @@ def anthropic_count_tokens(services: Services, request: Request):
 
 
 def list_engines(services: Services, request: Request):
-    """Spec row 3: every engine with its status, active variant and version."""
+    """Every engine with its status, active variant and version."""
     return {"data": services.engines.list(), "object": "list", "result": "OK"}
 
 
 def get_engine(services: Services, request: Request):
-    """Spec row 6: the installed variants of one engine."""
+    """The installed variants of one engine."""
     return services.engines.variants(request.params["engine"])
 
 
 def install_engine(services: Services, request: Request):
-    """Spec row 4: start installing; progress comes as Download* events of type Engine.
+    """Install an engine variant; progress comes as Download* events of type Engine.
 
     A variant installed already is checked instead of fetched, with the same events."""
     body = request.body
@@ -273,7 +282,7 @@ def install_engine(services: Services, request: Request):
 
 
 def uninstall_engine(services: Services, request: Request):
-    """Spec row 5: refused while the engine runs a model."""
+    """Uninstall an engine variant; refused while the engine runs a model."""
     body, name = request.body, request.params["engine"]
     with services.scheduler.engine_unused(name):
         return services.installs.uninstall(name, body.get("version"), body.get("variant"))
@@ -323,8 +332,9 @@ def events(services: Services, request: Request):
 
 
 def create_response(services: Services, request: Request):
-    """OpenAI's Responses API: a response with its output items, streamed as typed
-    Server-Sent Events or not."""
+    """OpenAI's Responses API: a response with its output items, streamed or not.
+
+    A stream is typed Server-Sent Events."""
     result = services.responses.create(request.body)
     return _streamed(result)
 
@@ -413,7 +423,7 @@ ROUTES = (
     Route("POST", "/v1/engines/install", install_engine_wheel, "engine-wheel.json",
           "engine-install"),
     Route("GET", "/v1/engines/{engine}", get_engine, reply="engine-variants"),
-    Route("GET", "/engines/{engine}", get_engine, reply="engine-variants"),  # row 6: no /v1
+    Route("GET", "/engines/{engine}", get_engine, reply="engine-variants"),  # also without /v1
     Route("POST", "/v1/engines/{engine}/install", install_engine, "engine-install.json",
           "engine-install"),
     Route("DELETE", "/v1/engines/{engine}/install", uninstall_engine, "engine-install.json",
@@ -440,7 +450,7 @@ ROUTES = (
           "model-started"),
     Route("POST", "/v1/models/{model_id:path}/stop", stop_model, "model-stop.json",
           "model-stopped"),
-    # spec row 8 is shown without /v1
+    # also without /v1, as the engine route above
     Route("POST", "/models/{model_id:path}/stop", stop_model, "model-stop.json",
           "model-stopped"),
     Route("GET", "/v1/models/{model_id:path}", get_model, reply="model"),

@@ -14,8 +14,8 @@ import urllib.request
 from typing import Any, Callable, Iterator
 from urllib.parse import quote
 
-# Seconds an event stream may stay silent before the server counts as gone; the
-# server sends a keep-alive comment every 15 s (localrt.events.HEARTBEAT_SECONDS).
+# Seconds an event stream may stay silent before the server counts as gone: many
+# times the server's keep-alive interval (localrt.events.HEARTBEAT_SECONDS).
 STREAM_TIMEOUT = 60.0
 # Seconds to wait for a model to load or for the next token: a big model on a slow
 # disk, or a chat queued behind others, takes minutes.
@@ -54,10 +54,6 @@ class Client:
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     # --- the API -------------------------------------------------------------
-
-    def health(self) -> dict:
-        """GET /healthz."""
-        return self._request("GET", "/healthz")
 
     def get_config(self) -> dict:
         """GET /v1/configs."""

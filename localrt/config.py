@@ -1,4 +1,4 @@
-"""The Config resource (spec 2.1): CORS, proxy, SSL flags and the hub token.
+"""The Config resource: CORS, proxy, SSL flags and the hub token.
 
 Its fields are the settings keys that carry an `api` name (localrt.settings.KEYS),
 so the rc file is the only store. Types and shapes are checked by
@@ -12,7 +12,7 @@ from typing import Any, Mapping
 from localrt.errors import Conflict, InsufficientStorage, InvalidField
 from localrt.settings import KEYS, Settings, SettingsError
 
-# API field name -> rc key, in the spec's order.
+# API field name -> rc key, sorted by field name: the order replies list them in.
 FIELDS = {k.api: k.name for k in sorted(KEYS, key=lambda k: k.api or "") if k.api}
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "0.0.0.0")
 

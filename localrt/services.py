@@ -10,7 +10,8 @@ nothing is assigned to it afterwards:
                 is shared with installs; probe results are engines.probes)
     installs    engine installs, uninstalls and defaults, which download with `downloads`
     registry    the downloaded models' definitions (localrt.models.registry.Registry)
-    models      pulls and imports, which add to the registry
+    pulls       pulls from the hub, which download with `downloads` and add to the registry
+    imports     imports of local files and folders, which add to the registry
     scheduler   what runs: loads through `engines`, reads the `registry`, and refuses
                 to delete a running model or uninstall an engine in use
     metrics     what GET /metrics says: reads the scheduler's status and the downloads'
@@ -42,7 +43,9 @@ from localrt.engines.catalog import Engines
 from localrt.events import EventBus
 from localrt.engines.installs import EngineState, Installs
 from localrt.metrics import Metrics
-from localrt.models.registry import Models, Registry
+from localrt.models.imports import Imports
+from localrt.models.pulls import Pulls
+from localrt.models.registry import Registry
 from localrt.inference.remote import Remotes
 from localrt.inference.requests import RequestPath
 from localrt.dialects.responses import Responses
@@ -66,7 +69,8 @@ class Services:
     engines: Engines
     installs: Installs
     registry: Registry
-    models: Models
+    pulls: Pulls
+    imports: Imports
     scheduler: Scheduler
     metrics: Metrics
     remotes: Remotes
@@ -105,7 +109,8 @@ def build_services(settings: Settings, *, shutdown: Callable[[], None] | None = 
     installs = Installs(engines, state, downloads, config.get,
                         lambda: settings["engineIndexUrl"])
     registry = Registry(settings.data_dir / "models", validators)
-    models = Models(settings, config, downloads, registry)
+    pulls = Pulls(settings, config, downloads, registry)
+    imports = Imports(registry)
     scheduler = Scheduler(registry, engines, max_models=settings["maxRunningModels"],
                           keep_alive=settings["keepAlive"] * 60,
                           lanes=settings["computeLanes"])
@@ -119,7 +124,7 @@ def build_services(settings: Settings, *, shutdown: Callable[[], None] | None = 
     responses = Responses(chats, validators)
     return Services(settings=settings, validators=validators, config=config, events=events,
                     downloads=downloads, engines=engines, installs=installs,
-                    registry=registry, models=models, scheduler=scheduler,
+                    registry=registry, pulls=pulls, imports=imports, scheduler=scheduler,
                     metrics=metrics, remotes=remotes, requests=requests, chats=chats,
                     completions=completions,
                     embeddings=embeddings, responses=responses, shutdown=shutdown)

@@ -149,7 +149,7 @@ class Key:
     """One settings key: its rc name, converter, default and meaning.
 
     `default` is a value, or a function of the settings read so far (keys are
-    resolved in table order). `api` is the Config field (spec 2.1) it backs.
+    resolved in table order). `api` is the Config field (localrt.config) it backs.
     """
 
     name: str
@@ -161,9 +161,11 @@ class Key:
     secret: bool = False  # never shown in logs, error messages or task payloads
 
 
-# The one table of settings. If you add a Config field (a key with `api`), also
-# add it to schemas/config.json and schemas/config-update.json (whose description
-# and x-metavar make its `localrt config` flag), and to man/localrt.1.
+# The one table of settings; man/localrtrc.5 gives every key with its default and
+# variable, in this order (tests/test_man.py checks). If you add a Config field (a key
+# with `api`), also add it to schemas/config.json and schemas/config-update.json (whose
+# description and x-metavar make its `localrt config` flag, and whose fields
+# man/localrt-api.7 lists for PATCH /v1/configs).
 KEYS: tuple[Key, ...] = (
     Key("apiServerHost", _string, "127.0.0.1", "address the API server binds"),
     Key("apiServerPort", _port, DEFAULT_PORT, "port the API server binds"),
@@ -223,8 +225,8 @@ KEYS_BY_NAME = {k.name: k for k in KEYS}
 # Hand-edited files may use the API field names; they read as the rc key.
 ALIASES = {k.api: k.name for k in KEYS if k.api}
 
-# Every environment variable localrt reads. If you add one, document it in
-# man/localrt.1 (ENVIRONMENT) and README.rst.
+# Every environment variable localrt reads. If you add one, document it in the
+# ENVIRONMENT sections of man/localrtrc.5 and man/localrt.1 (tests/test_man.py checks).
 ENVIRONMENT = {
     "LOCALRT_CONFIG": "path of the settings file, instead of ~/.localrtrc",
     **{k.env: f"overrides {k.name} for this run" for k in KEYS if k.env},
@@ -271,11 +273,6 @@ class Settings:
         """All typed values, overrides applied."""
         with self._lock:
             return {**self._values, **self._overrides}
-
-    @property
-    def unknown(self) -> dict:
-        """Keys the table does not know, kept as they were."""
-        return dict(self._unknown)
 
     def override(self, **values: Any) -> None:
         """Set values for this run only (`start --port`); they are never written."""
@@ -395,6 +392,6 @@ def _render(values: Mapping[str, Any], unknown: Mapping[str, Any]) -> bytes:
 
     data = {k.name: values[k.name] for k in KEYS if values.get(k.name) is not None}
     data.update(unknown)
-    header = "# localrt settings. See localrt(1). Unknown keys are kept.\n"
+    header = "# localrt settings. See localrtrc(5). Unknown keys are kept.\n"
     body = yaml.safe_dump(data, sort_keys=False, default_flow_style=False, allow_unicode=True)
     return (header + body).encode("utf-8")

@@ -4,7 +4,8 @@ import pytest
 
 from localrt import settings as settings_mod
 from localrt.errors import InvalidField
-from localrt.models.registry import ModelRef, parse_id, quantization
+from localrt.models.ids import ModelRef, parse_id
+from localrt.models.pulls import quantization
 
 HUB = "https://huggingface.co"
 

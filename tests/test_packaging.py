@@ -1,4 +1,4 @@
-"""A built wheel carries the schemas and every man page, and finds the schemas installed."""
+"""A built wheel carries every subpackage, the schemas and every man page, and works installed."""
 
 import shutil
 import subprocess
@@ -8,7 +8,13 @@ import zipfile
 from conftest import REPO
 
 
-def test_wheel_has_schemas_and_man_pages(tmp_path):
+def subpackages() -> list[str]:
+    """Every package under localrt/: each folder with an __init__.py, as a dotted name."""
+    return sorted(".".join(p.parent.relative_to(REPO).parts)
+                  for p in (REPO / "localrt").rglob("__init__.py"))
+
+
+def test_wheel_has_every_subpackage_the_schemas_and_man_pages(tmp_path):
     src = tmp_path / "src"
     for name in ("localrt", "schemas", "man"):
         shutil.copytree(REPO / name, src / name,
@@ -20,6 +26,10 @@ def test_wheel_has_schemas_and_man_pages(tmp_path):
                     "-q", "-w", str(dist), str(src)], check=True, capture_output=True)
     wheel = next(dist.glob("localrt-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
+    # setup.cfg finds the packages (find:); every module of each must be in the wheel
+    modules = {str(p.relative_to(REPO)) for p in (REPO / "localrt").rglob("*.py")}
+    assert modules - set(names) == set()
+    assert {"localrt.engines", "localrt.models", "localrt.dialects"} <= set(subpackages())
     schemas = sorted(p.name for p in (REPO / "schemas").glob("*.json"))
     for name in schemas:
         assert f"localrt/_schemas/{name}" in names
@@ -34,9 +44,14 @@ def test_wheel_has_schemas_and_man_pages(tmp_path):
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
                     str(target), str(wheel)], check=True, capture_output=True)
-    code = ("from localrt import schemas; print(schemas.schema_dir());"
-            "print(schemas.load('config-update.json')['title'])")
-    out = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), check=True,
-                         env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
+    # Every subpackage imports from the installed copy, not from this checkout.
+    code = ("import importlib, sys; from localrt import schemas; print(schemas.schema_dir());"
+            "print(schemas.load('config-update.json')['title']);"
+            "[print(importlib.import_module(name).__file__) for name in sys.argv[1:]]")
+    out = subprocess.run([sys.executable, "-c", code, *subpackages()], cwd=str(tmp_path),
+                         check=True, env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
                          capture_output=True, text=True).stdout.splitlines()
     assert str(target / "localrt" / "_schemas") in out[0] and out[1] == "Config update"
+    assert len(out[2:]) == len(subpackages())
+    for name, file in zip(subpackages(), out[2:]):
+        assert file == str(target.joinpath(*name.split("."), "__init__.py")), (name, file)

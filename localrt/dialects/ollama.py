@@ -575,7 +575,7 @@ def pull(services, body: dict):
     downloaded already succeeds at once. The download goes on if the client leaves."""
     model_id = pull_id(body.get("model") or body.get("name"))
     try:
-        started = services.models.pull(model_id)
+        started = services.pulls.pull(model_id)
     except Conflict as exc:
         if not exc.extra.get("taskId"):
             raise

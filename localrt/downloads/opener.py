@@ -1,6 +1,6 @@
 """Outbound HTTP: one urllib opener per request, built from the Config fields.
 
-Proxy, credentials, no_proxy and the SSL flags come only from Config (spec 2.1),
+Proxy, credentials, no_proxy and the SSL flags come only from Config (localrt.config),
 never from the environment, and are read afresh for every request, so a change
 applies to the next one without a restart. The hub token is added as an
 unredirected header, so it reaches the hub and never the host a redirect leads to.

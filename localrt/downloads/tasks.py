@@ -33,7 +33,7 @@ from localrt.fsutil import fsync_dir, human_size, private_dir
 from localrt.downloads.pieces import PIECES_FROM, NoRanges, fetch_pieces, forget_pieces
 
 __all__ = ["Downloads", "DownloadFailed", "Item", "Task", "check_disk_space", "map_path",
-           "part_path", "fsync_dir"]  # fsync_dir: localrt.models.registry takes it from here
+           "part_path", "fsync_dir"]  # fsync_dir: localrt.models takes it from here
 
 log = logging.getLogger(__name__)
 

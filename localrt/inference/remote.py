@@ -55,7 +55,7 @@ from localrt import security
 from localrt.engines.catalog import REMOTE_ENGINE
 from localrt.errors import (BadRequest, Conflict, HTTPError, InvalidField,
                             ServiceUnavailable, UpstreamError)
-from localrt.models.registry import check_new_id, folder_name
+from localrt.models.ids import check_new_id, folder_name
 from localrt.metrics import Clock
 from localrt.downloads.opener import CertificateFailed, ProxyAuthFailed, build_opener, origin
 from localrt.inference.requests import EventStream, stream_error
