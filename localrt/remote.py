@@ -55,7 +55,8 @@ from localrt.errors import (BadRequest, Conflict, HTTPError, InvalidField,
                             ServiceUnavailable, UpstreamError)
 from localrt.models import check_new_id, folder_name
 from localrt.metrics import Clock
-from localrt.opener import CertificateFailed, ProxyAuthFailed, build_opener, origin
+from localrt.opener import (CertificateFailed, ProxyAuthFailed, build_opener, origin,
+                             proxy_refused)
 from localrt.scheduler import Admission
 
 log = logging.getLogger(__name__)
@@ -608,8 +609,7 @@ class Exchange:
         finally:
             exc.close()
         where, said = self.upstream.url, f"HTTP {exc.code}" + (f": {message}" if message else "")
-        if exc.code == 407 or (config["proxy_url"] and exc.headers is not None
-                               and exc.headers.get("Proxy-Authenticate")):
+        if proxy_refused(config, exc.url or where, exc.code, exc.headers):
             return ProxyAuthFailed(f"The proxy {origin(config['proxy_url'])} refused to "
                                    f"forward to {where} ({said}); check proxy_username and "
                                    f"proxy_password")
