@@ -164,6 +164,5 @@ def make_server(app, host: str, port: int, threads: int, open_files: int,
                       connection_limit=connection_limit(open_files),
                       # select() cannot watch descriptors past 1024
                       asyncore_use_poll=True,
-                      cleanup_interval=SWEEP_INTERVAL,
-                      backlog=1024)
+                      cleanup_interval=SWEEP_INTERVAL)
     return Server(app, adj, request_timeout, keep_alive, per_client, on_refused)
