@@ -398,9 +398,12 @@ def probe(config: Mapping, upstream: Upstream, timeout: float = PROBE_TIMEOUT) -
             raw = resp.read(ERROR_BODY_LIMIT)
     except urllib.error.HTTPError as exc:
         exc.close()
+        if proxy_refused(config, upstream.url, exc.code, exc.headers):
+            return Probe(UNHEALTHY, f"the proxy {origin(config['proxy_url'])} refused its "
+                                    f"credentials (HTTP {exc.code})")
         if exc.code in (401, 403):
             return Probe(UNHEALTHY, f"it refused localrt's key (HTTP {exc.code})", True)
-        if exc.code >= 500 or exc.code == 407:
+        if exc.code >= 500:
             return Probe(UNHEALTHY, f"GET /models answered HTTP {exc.code}")
         return Probe(HEALTHY, latency_ms=(time.monotonic() - started) * 1000)  # it answers
     except Exception as exc:  # noqa: BLE001 - every way a connection fails is an outcome
