@@ -56,8 +56,10 @@ RPC_BUILD_WHEELS = ("scikit-build-core", "cmake", "ninja")
 RPC_SOURCES = Path("tests") / ".rpc-build" / "sources"
 
 # Commands the tests use when present, and the Debian packages that bring them.
-# Without them test_man.py and test_cors_browser.py skip, except under CI.
-TEST_TOOLS = {"groff": "groff-base", "chromium": "chromium", "chromedriver": "chromium-driver"}
+# Without them test_man.py, test_cors_browser.py and the tinyproxy tests (tests/proxyfix.py)
+# skip, except under CI.
+TEST_TOOLS = {"groff": "groff-base", "chromium": "chromium", "chromedriver": "chromium-driver",
+              "tinyproxy": "tinyproxy"}
 
 
 # --- the build flags --------------------------------------------------------------

@@ -148,8 +148,14 @@ class Metrics:
         self.decode_rate = Histogram("localrt_decode_tokens_per_second",
                                      "Tokens per second of each completion after its first "
                                      "token", ("model",), RATE_BUCKETS)
+        self.connections_refused = Counter(
+            "localrt_connections_refused_total",
+            "Connections closed as soon as they were accepted, their client address "
+            "holding maxConnectionsPerClient already")
         self._families = (self.requests, self.durations, self.prompt_tokens,
-                          self.generation_tokens, self.ttft, self.decode_rate)
+                          self.generation_tokens, self.ttft, self.decode_rate,
+                          self.connections_refused)
+        self.connections_refused.inc((), 0)  # a scrape shows 0 before the first
 
     def observe_request(self, method: str, route: str | None, status: int,
                         seconds: float) -> None:

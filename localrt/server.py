@@ -38,6 +38,9 @@ LOG_BACKUPS = 5
 # (localrt.inference.chat.Chats.admission), completions and embeddings (their admission)
 # each hold one while they last; the rest keep the API answering.
 THREADS = 48
+# Open files the server asks for at most: each connection is one, and poll() walks them all
+# on every turn of waitress's loop, so past this many a flood would slow every reply anyway.
+OPEN_FILES_CAP = 65536
 STOP_DELAY = 0.2  # seconds between answering DELETE /v1/system and stopping, so the reply is sent
 
 
@@ -166,6 +169,23 @@ def setup_logging(settings: Settings, console: bool,
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)
 
 
+def raise_open_files_limit() -> int:
+    """Raise this process's open-files limit from its soft to its hard limit, so a
+    machine whose default is 1024 still holds a flood of connections; the limit now."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = OPEN_FILES_CAP if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES_CAP)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return target
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-files limit from %d to %d: %s",
+                        soft, target, exc)
+    return OPEN_FILES_CAP if soft == resource.RLIM_INFINITY else soft
+
+
 class _Stop(SystemExit):
     """Raised in the main thread by SIGTERM, to leave waitress's loop.
 
@@ -181,8 +201,7 @@ def serve(settings: Settings, host: str | None = None, port: int | None = None,
     Raises PortInUse if the address is taken. Engines are unloaded and the pid
     file removed on the way out.
     """
-    from waitress.server import create_server
-
+    from localrt import connections
     from localrt.app import create_app
 
     host = settings["apiServerHost"] if host is None else host
@@ -196,9 +215,13 @@ def serve(settings: Settings, host: str | None = None, port: int | None = None,
         time.sleep(STOP_DELAY)
         os.kill(os.getpid(), signal.SIGTERM)
 
+    open_files = raise_open_files_limit()
     app = create_app(settings, shutdown=request_stop)
     try:
-        server = create_server(app, host=host, port=port, threads=THREADS, ident="localrt")
+        server = connections.make_server(
+            app, host, port, THREADS, open_files, settings["requestTimeout"],
+            settings["keepAliveTimeout"], connections.per_client_limit(settings, host),
+            app.services.metrics.connections_refused.inc)
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise PortInUse(f"Port {port} on {host} is already in use by another program") from None

@@ -195,6 +195,16 @@ KEYS: tuple[Key, ...] = (
     Key("upstreamTimeout", _seconds, 300,
         "seconds a remote model's upstream has to send the first byte of a reply (and each "
         "next one); past that, a 504"),
+    # nginx's client_header_timeout and keepalive_timeout, as two clocks (localrt.connections).
+    Key("requestTimeout", _seconds, 10,
+        "seconds a client has, from connecting or from the first byte of a request, to "
+        "send the whole request; a slower one is disconnected"),
+    Key("keepAliveTimeout", _seconds, 30,
+        "seconds an idle connection is kept open after a reply for the next request"),
+    # nginx's limit_conn: one address cannot take every connection of an exposed server.
+    Key("maxConnectionsPerClient", _positive_int, 64,
+        "connections one client address may hold when the server listens beyond "
+        "loopback; more are closed at once"),
     # rpc-server has no authentication: nothing but loopback unless the user says so.
     Key("rpcTrustedHosts", _hosts, [],
         "hosts (names, addresses or CIDR ranges) besides loopback whose rpc-server a "

@@ -1,4 +1,5 @@
-"""Test support: a real forward HTTP proxy (proxy.py) on loopback, plus small target servers.
+"""Test support: real forward HTTP proxies on loopback (proxy.py, and Debian's tinyproxy,
+which refuses a wrong password otherwise: see start_tinyproxy), plus small target servers.
 
 The proxy is `proxy.py` from PyPI (``pip install proxy.py``, module ``proxy``), run as a
 child process::
@@ -39,6 +40,7 @@ import base64
 import http.server
 import os
 import re
+import shutil
 import signal
 import socket
 import ssl
@@ -304,3 +306,91 @@ def proxy_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("proxy") is not None
+
+
+# -- Debian's tinyproxy -----------------------------------------------------------------
+
+TINYPROXY = shutil.which("tinyproxy") or "/usr/bin/tinyproxy"
+
+
+def need_tinyproxy() -> None:
+    """Skip the calling test when tinyproxy is not installed, except under CI, which
+    installs it (`python3 -m localrt.bootstrap --test`)."""
+    import pytest
+
+    if not os.path.exists(TINYPROXY):
+        if os.environ.get("CI"):
+            raise RuntimeError("CI must install tinyproxy (python3 -m localrt.bootstrap --test)")
+        pytest.skip("tinyproxy is not installed")
+
+
+@dataclass
+class Tinyproxy:
+    """A running tinyproxy; `url` has no credentials."""
+    process: subprocess.Popen
+    port: int
+    url: str
+    log_path: Path
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def __enter__(self) -> "Tinyproxy":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_tinyproxy(tmp_dir, *, username: str = None, password: str = None) -> Tinyproxy:
+    """Start Debian's tinyproxy in the foreground on a free loopback port; return once it
+    accepts connections.
+
+    With `username` its config has `BasicAuth username password`. tinyproxy 1.11 then
+    answers a request without credentials "407 Proxy Authentication Required", but a
+    plain-http request with wrong ones "401 Unauthorized" with `WWW-Authenticate: Basic
+    realm="Tinyproxy"`, and a CONNECT with wrong ones a 401 too. With no ConnectPort
+    line it tunnels to any port.
+    """
+    tmp = Path(tmp_dir) / "tinyproxy"
+    tmp.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as probe:  # tinyproxy cannot bind port 0 and say which it got
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    lines = [f"Port {port}", "Listen 127.0.0.1", "Timeout 60", "MaxClients 50",
+             "LogLevel Info", f'LogFile "{tmp / "tinyproxy.log"}"',
+             f'PidFile "{tmp / "tinyproxy.pid"}"']
+    if username is not None:
+        lines.append(f"BasicAuth {username} {password or ''}")
+    conf = tmp / "tinyproxy.conf"
+    conf.write_text("\n".join(lines) + "\n")
+    out = tmp / "tinyproxy.out"
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen([TINYPROXY, "-d", "-c", str(conf)], stdin=subprocess.DEVNULL,
+                                stdout=sink, stderr=subprocess.STDOUT, cwd=str(tmp))
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"tinyproxy exited with {proc.returncode}:\n"
+                                 f"{out.read_text(errors='replace')}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except OSError:
+            time.sleep(0.02)
+            continue
+        return Tinyproxy(proc, port, f"http://127.0.0.1:{port}", tmp / "tinyproxy.log")
+    proc.kill()
+    proc.wait()
+    raise AssertionError("tinyproxy did not start:\n" + out.read_text(errors="replace"))

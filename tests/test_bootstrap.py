@@ -110,7 +110,8 @@ def test_missing_packages_come_from_apt_through_sudo(tmp_path):
     assert commands[:2] == [
         "sudo apt-get update -q",
         "sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "
-        f"--no-install-recommends {VENV_PKG} build-essential groff-base chromium-driver",
+        f"--no-install-recommends {VENV_PKG} build-essential groff-base chromium-driver "
+        "tinyproxy",
     ]
 
 
@@ -128,7 +129,8 @@ def test_test_tools_apt_lacks_are_left_out_with_a_note(tmp_path):
                         candidate=lambda package: not package.startswith("chromium")))
     assert rc == 5  # pytest's exit code
     assert calls[1] == ["env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "install", "-y",
-                        "-q", "--no-install-recommends", "build-essential", "groff-base"]
+                        "-q", "--no-install-recommends", "build-essential", "groff-base",
+                        "tinyproxy"]
     assert "apt has no chromium chromium-driver here" in err.getvalue()
 
 

@@ -249,10 +249,11 @@ def test_other_requests_are_answered_while_a_reply_generates(server, slow):
             next(events)
         for path in ("/healthz", "/v1/models", "/v1/models/status", "/v1/models/slow",
                      "/v1/configs"):
-            started = time.monotonic()
             status, _ = api(server.url, "GET", path)
-            elapsed = time.monotonic() - started
-            assert status == 200 and elapsed < 0.5, (path, elapsed)
+            assert status == 200, path
+        # Answered while the reply generates, not after it: the model still holds it (an
+        # event, where a time limit would fail on a busy machine).
+        assert requests_of(server.url, slow) == 1
         assert next(events)["choices"][0]["finish_reason"] is None  # still generating
     finally:
         stream.close()
@@ -310,12 +311,13 @@ def test_a_second_model_answers_while_the_first_generates(server, quantized, slo
         for _ in range(5):
             next(events)
         # Its tokens take turns with the long reply's in the compute lane: no waiting for it.
-        started = time.monotonic()
         status, reply = api(server.url, "POST", "/v1/chat/completions",
                             chat_body(other, 16, stream=False))
-        elapsed = time.monotonic() - started
         assert status == 200 and reply["model"] == other, reply
-        assert reply["usage"]["completion_tokens"] == 16 and elapsed < 1, elapsed
+        assert reply["usage"]["completion_tokens"] == 16
+        # It came while the long reply still generates, not after: the first model still
+        # holds that request (an event, where a time limit fails on a busy machine).
+        assert requests_of(server.url, slow) == 1
         assert next(events)["choices"][0]["finish_reason"] is None  # still generating
     finally:
         stream.close()

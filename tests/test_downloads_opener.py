@@ -9,9 +9,9 @@ import trustme
 from conftest import outbound_config as config
 from ggufgen import write_gguf
 from hubemu import HubEmulator
-from proxyfix import start_proxy
+from proxyfix import need_tinyproxy, start_proxy, start_tinyproxy
 
-from localrt.downloads.opener import ProxyAuthFailed, no_proxy_matches, open_url
+from localrt.downloads.opener import ProxyAuthFailed, no_proxy_matches, open_url, proxy_refused
 from localrt.errors import UpstreamError
 
 @pytest.fixture
@@ -90,6 +90,69 @@ def test_https_through_an_authenticating_proxy_tunnel(tmp_path, model, monkeypat
         assert "CONNECT" in proxy.wait_for_log("CONNECT")
         with pytest.raises(ProxyAuthFailed):
             get({**ok, "proxy_password": "bad"}, f"{hub.url}/api/models/org/repo")
+
+
+def test_tinyproxys_401_for_a_wrong_password_is_the_proxys_error(tmp_path, model):
+    # tinyproxy answers a wrong password on a plain-http request with 401 and
+    # WWW-Authenticate: Basic realm="Tinyproxy", not 407: the hub never saw it.
+    need_tinyproxy()
+    with HubEmulator() as hub, \
+            start_tinyproxy(tmp_path, username="alice", password="s3cret") as proxy:
+        hub.add_repo("org/repo", {"tiny.gguf": model})
+        ok = config(proxy_url=proxy.url, proxy_username="alice", proxy_password="s3cret")
+        assert json.loads(get(ok, f"{hub.url}/api/models/org/repo"))["id"] == "org/repo"
+        assert "tinyproxy" in hub.requests_to("hub")[-1].headers["via"]
+        hub.clear_requests()
+        with pytest.raises(ProxyAuthFailed) as info:
+            get({**ok, "proxy_password": "wrong"}, f"{hub.url}/api/models/org/repo",
+                hub_url=hub.url)
+        message = info.value.message
+        assert proxy.url in message and "rejected the credentials" in message
+        assert "'alice'" in message and "proxy_username" in message \
+            and "proxy_password" in message
+        assert "wrong" not in message and "s3cret" not in message
+        with pytest.raises(ProxyAuthFailed, match="requires authentication"):  # its 407
+            get({**ok, "proxy_username": "", "proxy_password": ""},
+                f"{hub.url}/api/models/org/repo")
+        assert not hub.requests_to("hub")
+
+
+def test_tinyproxys_401_to_a_tunnel_is_the_proxys_error(tmp_path, model, monkeypatch):
+    need_tinyproxy()
+    ca, hub = tls_hub()
+    with hub, start_tinyproxy(tmp_path, username="alice", password="s3cret") as proxy, \
+            ca.cert_pem.tempfile() as ca_file:
+        monkeypatch.setenv("SSL_CERT_FILE", ca_file)
+        hub.add_repo("org/repo", {"tiny.gguf": model})
+        ok = config(proxy_url=proxy.url, proxy_username="alice", proxy_password="s3cret")
+        assert json.loads(get(ok, f"{hub.url}/api/models/org/repo"))["id"] == "org/repo"
+        hub.clear_requests()
+        with pytest.raises(ProxyAuthFailed, match="rejected the credentials"):
+            get({**ok, "proxy_password": "wrong"}, f"{hub.url}/api/models/org/repo")
+        assert not hub.requests_to("hub")
+
+
+@pytest.mark.parametrize("status, headers, url, proxys", [
+    (407, {}, "http://hub.example/x", True),
+    (401, {"WWW-Authenticate": 'Basic realm="Tinyproxy"'}, "http://hub.example/x", True),
+    (403, {"Proxy-Authenticate": "Basic"}, "http://hub.example/x", True),
+    # The hub's own refusals: a bearer challenge, its X-Error-Code, or no challenge.
+    (401, {"WWW-Authenticate": 'Bearer realm="hub"'}, "http://hub.example/x", False),
+    (401, {"WWW-Authenticate": "Basic", "X-Error-Code": "GatedRepo"},
+     "http://hub.example/x", False),
+    (401, {}, "http://hub.example/x", False),
+    (403, {"WWW-Authenticate": "Basic"}, "http://hub.example/x", False),
+    # A request no_proxy sent direct never met the proxy.
+    (401, {"WWW-Authenticate": "Basic"}, "http://direct.example/x", False),
+])
+def test_which_refusals_are_the_proxys(status, headers, url, proxys):
+    import email.message
+
+    message = email.message.Message()
+    for name, value in headers.items():
+        message[name] = value
+    cfg = config(proxy_url="http://proxy.example:3128", no_proxy="direct.example")
+    assert proxy_refused(cfg, url, status, message) is proxys
 
 
 def test_verify_peer_ssl(model):

@@ -13,7 +13,7 @@ import pytest
 from conftest import run_foreground_server, send, wait_pull
 from ggufgen import write_gguf
 from hubemu import HubEmulator
-from proxyfix import start_proxy
+from proxyfix import need_tinyproxy, start_proxy, start_tinyproxy
 
 
 @pytest.fixture(scope="module")
@@ -100,15 +100,28 @@ def test_kill_9_mid_download_then_the_pull_resumes(home, server, hub, big):
         again.stop()
 
 
-def test_pull_through_a_proxy_with_credentials(tmp_path, server, hub):
-    with start_proxy(tmp_path, username="alice", password="s3cret") as proxy:
+def start_tinyproxy_or_skip(tmp_path, **credentials):
+    need_tinyproxy()
+    return start_tinyproxy(tmp_path, **credentials)
+
+
+# proxy.py refuses a wrong password with 407; tinyproxy with 401 and a Basic challenge.
+@pytest.mark.parametrize("start", [start_proxy, start_tinyproxy_or_skip],
+                         ids=["proxy.py", "tinyproxy"])
+def test_pull_through_a_proxy_with_credentials(tmp_path, server, hub, start):
+    with start(tmp_path, username="alice", password="s3cret") as proxy:
         send(server.url, "PATCH", "/v1/configs", {"proxy_url": proxy.url,
                                                   "proxy_username": "alice",
                                                   "proxy_password": "wrong",
                                                   "no_proxy": ""})  # the hub is on loopback
         status, body = send(server.url, "POST", "/v1/models/org/big/pull")
-        assert status == 502 and body["error"]["code"] == "proxy_auth_failed"
-        assert "alice" in body["message"] and "wrong" not in body["message"]
+        assert status == 502 and body["error"]["code"] == "proxy_auth_failed", body
+        message = body["message"]
+        assert proxy.url in message and "alice" in message and "wrong" not in message
+        assert "proxy_username" in message and "proxy_password" in message
+        assert not hub.requests  # the hub was never reached ...
+        assert send(server.url, "GET", "/v1/models")[1]["data"] == []  # ... nor anything
+        assert send(server.url, "GET", "/v1/models/pull")[1]["data"] == []  # registered
 
         send(server.url, "PATCH", "/v1/configs", {"proxy_password": "s3cret"})
         status, body = send(server.url, "POST", "/v1/models/org/big/pull")

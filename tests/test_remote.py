@@ -288,3 +288,23 @@ def test_parse_upstreams_keeps_what_was_given():
     assert parse_upstreams([{"url": "HTTPS://Host:8443/openai/v1/", "api_key": "k"},
                             {"url": "http://[::1]:8000"}]) == [
         {"url": "https://Host:8443/openai/v1", "api_key": "k"}, {"url": "http://[::1]:8000/v1"}]
+
+
+def test_a_remote_upstreams_probe_names_tinyproxys_refusal_not_the_key(tmp_path):
+    # The same rule holds for remote models' upstreams, which localrt probes through
+    # the proxy: tinyproxy's 401 is not the upstream refusing localrt's key.
+    from conftest import outbound_config as config
+    from proxyfix import need_tinyproxy, start_target, start_tinyproxy
+
+    from localrt.inference.remote import Upstream, probe
+
+    need_tinyproxy()
+    with start_target(b'{"data": []}') as target, \
+            start_tinyproxy(tmp_path, username="alice", password="s3cret") as proxy:
+        cfg = config(proxy_url=proxy.url, proxy_username="alice", proxy_password="wrong")
+        found = probe(cfg, Upstream(target.url + "/v1"))
+        assert found.health == "unhealthy" and not found.refused_key, found
+        assert proxy.url in found.error and "refused its credentials" in found.error
+        assert not target.requests
+        assert probe({**cfg, "proxy_password": "s3cret"},
+                     Upstream(target.url + "/v1")).health == "healthy"

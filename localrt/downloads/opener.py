@@ -16,6 +16,7 @@ import email.utils
 import http.client
 import ipaddress
 import math
+import re
 import ssl
 import urllib.error
 import urllib.request
@@ -189,16 +190,13 @@ def open_url(config: Mapping, url: str, *, hub_url: str | None = None, headers=N
     try:
         return build_opener(config, on_socket, redirects).open(req, timeout=timeout)
     except urllib.error.HTTPError as exc:
-        # A 407 is the proxy's, and so is any answer that challenges for proxy credentials
-        # (some proxies refuse with 401 or 403 plus Proxy-Authenticate): never the hub's.
-        if exc.code == 407 or (config["proxy_url"] and exc.headers is not None
-                               and exc.headers.get("Proxy-Authenticate")):
+        if proxy_refused(config, url, exc.code, exc.headers):
             exc.close()
             raise ProxyAuthFailed(_proxy_auth_message(config)) from None
         raise  # the caller knows what a 401, 403 or 404 from the hub means
     except urllib.error.URLError as exc:
         reason = exc.reason
-        if isinstance(reason, OSError) and "407" in str(reason):
+        if isinstance(reason, OSError) and _TUNNEL_REFUSED.search(str(reason)):
             raise ProxyAuthFailed(_proxy_auth_message(config)) from None
         if isinstance(reason, ssl.SSLCertVerificationError):
             raise CertificateFailed(f"TLS certificate check failed for {origin(url)}: "
@@ -206,6 +204,30 @@ def open_url(config: Mapping, url: str, *, hub_url: str | None = None, headers=N
         raise UpstreamError(f"Cannot connect to {origin(url)}: {reason}") from None
     except (OSError, ValueError) as exc:
         raise UpstreamError(f"Cannot connect to {origin(url)}: {exc}") from None
+
+
+# http.client's words when a proxy answers CONNECT with an error; a 401 or 407 to a
+# CONNECT is the proxy's own, as the target was never reached.
+_TUNNEL_REFUSED = re.compile(r"Tunnel connection failed: 40[17]\b")
+
+
+def proxy_refused(config: Mapping, url: str, status: int, headers) -> bool:
+    """Whether an error answer to `url` is the proxy refusing its credentials, never the
+    target's: a 407; an answer that challenges for proxy credentials (some proxies refuse
+    with 401 or 403 plus Proxy-Authenticate); or, from a request that went through the
+    proxy, a 401 challenging for credentials other than a bearer token, which neither
+    the hub nor an upstream asks for (tinyproxy answers a wrong password so, with
+    `WWW-Authenticate: Basic realm="Tinyproxy"`)."""
+    if status == 407:
+        return True
+    if not config["proxy_url"] or headers is None or \
+            no_proxy_matches(urlsplit(url).hostname or "", config["no_proxy"]):
+        return False
+    if headers.get("Proxy-Authenticate"):
+        return True
+    challenge = headers.get("WWW-Authenticate", "").strip().lower()
+    return status == 401 and bool(challenge) and not challenge.startswith("bearer") \
+        and not headers.get("X-Error-Code")  # huggingface.co's own answers carry one
 
 
 def origin(url: str) -> str:

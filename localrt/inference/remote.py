@@ -57,7 +57,8 @@ from localrt.errors import (BadRequest, Conflict, HTTPError, InvalidField,
                             ServiceUnavailable, UpstreamError)
 from localrt.models.ids import check_new_id, folder_name
 from localrt.metrics import Clock
-from localrt.downloads.opener import CertificateFailed, ProxyAuthFailed, build_opener, origin
+from localrt.downloads.opener import (CertificateFailed, ProxyAuthFailed, build_opener, origin,
+                                      proxy_refused)
 from localrt.inference.requests import EventStream, stream_error
 from localrt.inference.scheduler import Admission
 
@@ -399,10 +400,14 @@ def probe(config: Mapping, upstream: Upstream, timeout: float = PROBE_TIMEOUT) -
                                                         timeout=timeout) as resp:
             raw = resp.read(ERROR_BODY_LIMIT)
     except urllib.error.HTTPError as exc:
+        if proxy_refused(config, upstream.url, exc.code, exc.headers):
+            exc.close()
+            return Probe(UNHEALTHY, f"the proxy {origin(config['proxy_url'])} refused its "
+                                    f"credentials (HTTP {exc.code})")
         if exc.code in (401, 403):  # the upstream's own words say why (Invalid API key)
             return Probe(UNHEALTHY, f"it refused localrt's key ({_said(exc)})", True)
         exc.close()
-        if exc.code >= 500 or exc.code == 407:
+        if exc.code >= 500:
             return Probe(UNHEALTHY, f"GET /models answered HTTP {exc.code}")
         return Probe(HEALTHY, latency_ms=(time.monotonic() - started) * 1000)  # it answers
     except Exception as exc:  # noqa: BLE001 - every way a connection fails is an outcome
@@ -617,8 +622,7 @@ class Exchange:
         """The localrt error for an upstream's error answer, with the upstream's own
         words (secrets redacted: an upstream may quote the key it refused)."""
         where, said = self.upstream.url, security.redact(_said(exc), self._secrets())
-        if exc.code == 407 or (config["proxy_url"] and exc.headers is not None
-                               and exc.headers.get("Proxy-Authenticate")):
+        if proxy_refused(config, exc.url or where, exc.code, exc.headers):
             return ProxyAuthFailed(f"The proxy {origin(config['proxy_url'])} refused to "
                                    f"forward to {where} ({said}); check proxy_username and "
                                    f"proxy_password")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Mapping
 from urllib.parse import quote, urljoin
 
-from localrt.downloads.opener import open_url, retry_after_seconds
+from localrt.downloads.opener import ProxyAuthFailed, open_url, retry_after_seconds
 from localrt.errors import Forbidden, HTTPError, NotFound, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class Hub:
             with self._open(self.file_url(repo, revision, path), repo, revision,
                             method="HEAD", redirects=False):
                 pass
-        except (HubTokenRequired, HubTokenRejected):
+        except (HubTokenRequired, HubTokenRejected, ProxyAuthFailed):
             raise
         except (HTTPError, http.client.HTTPException, OSError) as exc:
             log.info("checking access to %s/%s: %s; the download will tell", repo, path, exc)

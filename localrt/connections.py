@@ -1,0 +1,168 @@
+"""The connections the API server holds: a waitress server and channel that bound them.
+
+waitress closes a connection after one idle time (channel_timeout), and any byte
+counts as activity, so a client that sends its request line a byte a second is never
+closed. Here each connection has one of two clocks, as nginx has
+(client_header_timeout and keepalive_timeout):
+
+- ``requestTimeout``: from the accept, or from the first byte of a later request, to
+  the end of that request. A client slower than that is closed, however many bytes
+  it dribbles.
+- ``keepAliveTimeout``: from the end of a reply (its last byte sent) to the first
+  byte of the next request.
+
+A connection whose request is being served has no clock: a stream lasts as long as
+its reply (its kind's admission bounds how many there are).
+
+When the server listens beyond loopback, one client address may hold at most
+``maxConnectionsPerClient`` connections; a connection past that is closed as soon as
+it is accepted, and counted (`on_refused`).
+
+Everything here runs in waitress's loop thread (accept, read, the sweep), except
+`Channel.service`, which runs in a worker thread. waitress is imported only by the
+server, so the CLI stays light.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from waitress.adjustments import Adjustments
+from waitress.channel import HTTPChannel
+from waitress.parser import HTTPRequestParser
+from waitress.server import TcpWSGIServer
+
+from localrt import security
+from localrt.settings import Settings
+
+log = logging.getLogger(__name__)
+
+SWEEP_INTERVAL = 1  # seconds between sweeps for timed-out connections (waitress wants an int)
+FD_RESERVE = 512    # open files kept for models, logs, downloads and engines, not connections
+MIN_CONNECTIONS = 100  # waitress's own default, for a process stuck with a tiny files limit
+
+
+def per_client_limit(settings: Settings, host: str) -> int | None:
+    """How many connections one client address may hold: None (no limit) on loopback,
+    where every client is this machine; maxConnectionsPerClient beyond it."""
+    return None if security.is_loopback(host) else settings["maxConnectionsPerClient"]
+
+
+def connection_limit(open_files: int) -> int:
+    """waitress's connection_limit for a process that may hold `open_files` files."""
+    return max(MIN_CONNECTIONS, open_files - FD_RESERVE)
+
+
+class _Request(HTTPRequestParser):
+    """waitress's request parser, knowing when the request's first byte came."""
+
+    def __init__(self, adj):
+        super().__init__(adj)
+        self.started = time.time()
+
+
+class Channel(HTTPChannel):
+    """One client connection, closed by `Server.sweep` when its clock runs out."""
+
+    parser_class = _Request
+    replied = False  # whether a reply has ended on it: keep-alive's clock applies from then
+
+    def __init__(self, server, sock, addr, adj, map=None):
+        super().__init__(server, sock, addr, adj, map=map)
+        self._client = server.connected(addr)
+
+    def service(self):
+        # Set first: once the request is popped the sweep must see the keep-alive clock.
+        self.replied = True  # a plain bool, read by the loop thread's sweep
+        super().service()
+
+    def deadline(self, request_timeout: float, keep_alive: float) -> float | None:
+        """When this connection is closed unless a request completes first; None while
+        a request of it is being served."""
+        if self.requests:
+            return None
+        if not self.replied:
+            return self.creation_time + request_timeout
+        if self.request is not None:  # the next request has begun
+            return self.request.started + request_timeout
+        return self.last_activity + keep_alive  # the end of the reply, or its last byte sent
+
+    def del_channel(self, map=None):
+        client, self._client = getattr(self, "_client", None), None
+        super().del_channel(map)
+        if client is not None:
+            self.server.disconnected(client)
+
+
+class Server(TcpWSGIServer):
+    """waitress's TCP server with the two clocks of `Channel` and a per-address limit.
+
+    `_clients` (client address -> connections it holds) is touched only in the loop
+    thread, so it needs no lock.
+    """
+
+    channel_class = Channel
+
+    def __init__(self, application, adj: Adjustments, request_timeout: float,
+                 keep_alive: float, per_client: int | None = None,
+                 on_refused: Callable[[], None] = lambda: None):
+        self.request_timeout, self.keep_alive = request_timeout, keep_alive
+        self.per_client, self.on_refused = per_client, on_refused
+        self._clients: dict[str, int] = {}
+        super().__init__(application, adj=adj)
+
+    def handle_accept(self):
+        try:
+            pair = self.accept()
+        except OSError:  # the client left before its accept
+            return
+        if pair is None:
+            return
+        conn, addr = pair
+        if self.per_client is not None and \
+                self._clients.get(addr[0], 0) >= self.per_client:
+            conn.close()
+            self.on_refused()
+            return
+        try:
+            self.set_socket_options(conn)
+        except OSError:
+            conn.close()
+            return
+        self.channel_class(self, conn, self.fix_addr(addr), self.adj, map=self._map)
+
+    def connected(self, addr) -> str:
+        """Count a connection of this client address; the key to give `disconnected`."""
+        client = addr[0] if isinstance(addr, tuple) else str(addr)
+        self._clients[client] = self._clients.get(client, 0) + 1
+        return client
+
+    def disconnected(self, client: str) -> None:
+        """A connection `connected` counted has closed."""
+        left = self._clients.get(client, 0) - 1
+        if left > 0:
+            self._clients[client] = left
+        else:
+            self._clients.pop(client, None)
+
+    def maintenance(self, now):
+        """Close each connection whose clock ran out (replaces waitress's idle sweep)."""
+        for channel in list(self.active_channels.values()):
+            deadline = channel.deadline(self.request_timeout, self.keep_alive)
+            if deadline is not None and now > deadline:
+                channel.will_close = True
+
+
+def make_server(app, host: str, port: int, threads: int, open_files: int,
+                request_timeout: float, keep_alive: float, per_client: int | None = None,
+                on_refused: Callable[[], None] = lambda: None) -> Server:
+    """The API server bound to `host`:`port` (its first address, if it has several),
+    accepting as many connections as `open_files` allows, polled with poll(2)."""
+    adj = Adjustments(host=host, port=port, threads=threads, ident="localrt",
+                      connection_limit=connection_limit(open_files),
+                      # select() cannot watch descriptors past 1024
+                      asyncore_use_poll=True,
+                      cleanup_interval=SWEEP_INTERVAL)
+    return Server(app, adj, request_timeout, keep_alive, per_client, on_refused)
