@@ -537,7 +537,7 @@ def test_custom_engine_wheel_installs_lists_and_chats(api, app, index_dir, tmp_p
     out = loaded.chat([{"role": "user", "content": "hello there"}], {}, False)
     assert out["content"] == "echo: hello there"
     # Chat completions stream an engine without generate(), counting pieces as tokens.
-    from localrt.engines.adapters import generation_of_pieces
+    from localrt.engines.generation import generation_of_pieces
 
     def generation(params):
         pieces = loaded.chat([{"role": "user", "content": "a b c"}], params, True)
