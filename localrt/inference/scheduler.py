@@ -88,7 +88,7 @@ class Running:
 
     model_id: str
     engine: str
-    model: object
+    model: contract.Model
     options: dict
     ram: int
     vram: int
