@@ -378,7 +378,7 @@ def generate(app, model_id, messages, params):
     """A generation through the scheduler, as chat does it: (text, usage)."""
     lease = app.services.scheduler.lease(model_id)
     try:
-        generation = lease.model.generate(messages, {"temperature": 0, **params})
+        generation = lease.generate(messages, {"temperature": 0, **params})
         try:
             return "".join(lease.steps(generation)), generation.usage
         finally:

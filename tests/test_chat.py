@@ -20,7 +20,7 @@ from localrt import settings as settings_mod
 from localrt.api import ROUTES
 from localrt.app import create_app
 from localrt.inference.chat import render_template
-from localrt.inference.scheduler import FairLock
+from localrt.inference.lanes import FairLock
 
 NO_EOS = {"2": -100}
 USER = [{"role": "user", "content": "hello"}]

@@ -18,7 +18,7 @@ import pytest
 from conftest import call
 from ggufgen import write_bert_gguf, write_gguf
 
-from localrt.engines.adapters import OnnxEngine
+from localrt.engines.onnx import OnnxEngine
 
 TEXTS = ["the quick brown fox", "jumps over", "the lazy dog", "a"]
 N_EMBD = 64

@@ -69,6 +69,57 @@ def test_each_catalog_row_says_what_its_adapter_says():
             (spec.name, spec.format, spec.description)
 
 
+def test_the_contract_is_checked_where_engines_and_models_come_in():
+    """A custom engine object is checked against contract.Engine when its entry point
+    loads; a loaded model's capabilities are found once, a chat-only model's through
+    its wrapper, which cannot batch."""
+    from localrt.engines import contract, plugins
+
+    class EntryPoint:
+        value = "half:ENGINE"
+
+        def load(self):
+            return type("Half", (), {"name": "half"})
+
+    with pytest.raises(plugins.PluginError, match=r"\(half:ENGINE\) lacks format, "
+                                                  r"description, load$"):
+        plugins.load("half", EntryPoint(), None)
+
+    class ChatOnly:
+        slots = 4
+
+        def chat(self, messages, params, stream):
+            return iter(["a", "b"])
+
+        def step(self):
+            pass
+
+        def memory(self):
+            return {"ram": 1, "vram": 0}
+
+        def count_tokens(self, messages, params):
+            return 3
+
+        def unload(self):
+            pass
+
+    model = contract.generating(ChatOnly())
+    assert isinstance(model, contract.Model) and model.count_tokens([], {}) == 3
+    assert contract.capabilities(model) == {contract.Measured, contract.Counting}
+    assert "".join(model.generate([], {})) == "ab"
+
+    class Batching(ChatOnly):
+        def generate(self, messages, params, wait=None):
+            return iter(())
+
+    batching = Batching()
+    assert contract.generating(batching) is batching
+    assert contract.capabilities(batching) == {contract.Batched, contract.Measured,
+                                               contract.Counting}
+    batching.slots = 0  # no slots: one request at a time
+    assert contract.Batched not in contract.capabilities(batching)
+
+
 def test_the_catalog_says_which_engine_loads_a_model():
     assert engines_mod.engine_for_files(["a/Model.Q8_0.GGUF", "genai_config.json"]) == \
         "gguf-cpp"
@@ -537,7 +588,7 @@ def test_custom_engine_wheel_installs_lists_and_chats(api, app, index_dir, tmp_p
     out = loaded.chat([{"role": "user", "content": "hello there"}], {}, False)
     assert out["content"] == "echo: hello there"
     # Chat completions stream an engine without generate(), counting pieces as tokens.
-    from localrt.engines.adapters import generation_of_pieces
+    from localrt.engines.generation import generation_of_pieces
 
     def generation(params):
         pieces = loaded.chat([{"role": "user", "content": "a b c"}], params, True)

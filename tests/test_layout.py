@@ -1,7 +1,8 @@
 """The package's shape stays what the README's design notes say.
 
-No import cycles (lazy imports inside functions count too), no class over 300 lines,
-and only the adapters and the engine catalog know engines by name.
+No import cycles (lazy imports inside functions count too), no module over 600 lines
+but the few listed with their reason, and only the adapters and the engine catalog
+know engines by name.
 """
 
 from __future__ import annotations
@@ -12,9 +13,25 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "localrt"
-MAX_CLASS_LINES = 300
-# The only modules that may compare or spell out the built-in engines' names.
-ENGINE_NAME_OWNERS = {"localrt.engines.adapters", "localrt.engines.catalog"}
+# A module does one job; one longer than this probably does more than one.
+MAX_MODULE_LINES = 600
+# The modules allowed past it, and why. Shorten the list, never lengthen it lightly.
+LONG_MODULES = {
+    # Being split (issue 24, item 1): ids, the registry, pull planning and imports.
+    "localrt.models.registry",
+    # Being restructured onto the one request path (issue 24, item 2).
+    "localrt.inference.remote",
+    # One job, each of its parts a table entry per model family (llama.cpp's
+    # common/chat.cpp): the families' templates, grammars and incremental parsers.
+    "localrt.inference.toolcalls",
+    # Ollama's nine routes; it shrinks as its model starts, keep-alive and pull
+    # progress move to the services and the event bus (issue 24, item 1).
+    "localrt.dialects.ollama",
+}
+# The only modules that may compare or spell out the built-in engines' names: the
+# engines' adapters and the catalog.
+ENGINE_NAME_OWNERS = {"localrt.engines.catalog", "localrt.engines.llama",
+                      "localrt.engines.embedding", "localrt.engines.onnx"}
 ENGINE_NAMES = ("gguf-cpp", "onnx-runtime")
 ENGINE_CONSTANTS = ("GGUF_ENGINE", "ONNX_ENGINE")
 
@@ -73,15 +90,12 @@ def test_the_import_graph_has_no_cycles():
     assert cycles == []
 
 
-def test_no_class_is_longer_than_300_lines():
-    long = []
-    for name, path in modules().items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ClassDef):
-                lines = node.end_lineno - node.lineno + 1
-                if lines > MAX_CLASS_LINES:
-                    long.append((name, node.name, lines))
-    assert long == []
+def test_no_module_is_longer_than_600_lines_but_the_listed_ones():
+    lines = {name: len(path.read_text().splitlines()) for name, path in modules().items()}
+    long = {n: count for n, count in lines.items() if count > MAX_MODULE_LINES}
+    assert set(long) - LONG_MODULES == set(), f"split them, each into its jobs: {long}"
+    # A listed module that is gone, or got short enough, leaves the list.
+    assert LONG_MODULES - set(long) == set()
 
 
 @pytest.mark.parametrize("name", sorted(set(modules()) - ENGINE_NAME_OWNERS))

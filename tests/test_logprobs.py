@@ -488,7 +488,7 @@ def test_onnx_runtime_gives_the_models_own_logprobs(engines_api, tmp_path):
 def test_an_engine_without_logprobs_gives_none(engines_api, index_dir, tmp_path):
     """A custom engine's model with only chat() gives text, no logprobs: its Generation
     has none, which Chats and Completions answer with a 400 naming logprobs."""
-    from localrt.engines.adapters import generating
+    from localrt.engines.contract import generating
 
     api = engines_api
     install(api, "/v1/engines/install",

@@ -1,6 +1,6 @@
 """Continuous batching: the generations of one model share each decode step.
 
-A batched model (localrt.engines.adapters' LlamaModel) keeps `slots` sequences in one llama.cpp
+A batched model (localrt.engines.llama's LlamaModel) keeps `slots` sequences in one llama.cpp
 context, each with its own KV cache of ctx_len tokens. `Batcher` decides what each
 step computes; `LlamaBatch` computes it with llama.cpp:
 
@@ -30,7 +30,7 @@ step computes; `LlamaBatch` computes it with llama.cpp:
     (`leave`: its reply is done, or its client hung up) frees its slot at the end of
     the step under way, or at once when none is.
 
-Who calls step(), and when, is localrt.inference.scheduler's business (`Stepper`): one step
+Who calls step(), and when, is localrt.inference.lanes' business (`Stepper`): one step
 at a time, on a compute lane, when a generation needs its next token. llama_cpp is
 imported only when a LlamaBatch is made.
 """
@@ -315,7 +315,8 @@ def common_prefix(a: list, b: list) -> int:
 
 @dataclass(frozen=True)
 class Sampling:
-    """How one sequence picks its tokens (localrt.engines.adapters fills in the defaults)."""
+    """How one sequence picks its tokens (localrt.engines.generation.SAMPLING_DEFAULTS
+    fills in the defaults)."""
 
     temperature: float
     top_k: int

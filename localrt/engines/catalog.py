@@ -2,9 +2,10 @@
 
 The built-in engines are the rows of `CATALOG`: each names its adapter (imported at
 its first use), the files it loads, its installable variants and its names in
-model.yml. Adding one is an adapter class (localrt.engines.adapters says what one has) and a
-row. localrt.models.registry asks the catalog which engine loads a model's files; no module
-but the catalog and the adapters compares engine names.
+model.yml. Adding one is an adapter module (an Engine of localrt.engines.contract, as
+localrt.engines.llama and localrt.engines.onnx are) and a row. localrt.models.registry
+asks the catalog which engine loads a model's files; no module but the catalog and the
+adapters compares engine names.
 
   gguf-cpp      llama.cpp through llama-cpp-python, a base dependency ("builtin"),
                 so it is Ready on a fresh install once its probe passes.
@@ -37,8 +38,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from localrt import __version__
-from localrt.engines import plugins
-from localrt.engines.adapters import generating
+from localrt.engines import contract, plugins
 from localrt.errors import Conflict, HTTPError, NotFound
 from localrt.engines.hardware import CPU_LEVELS, Hardware, detect_hardware, recommended
 from localrt.engines.probe import Probes
@@ -92,10 +92,16 @@ class EngineSpec:
     forwards: bool = False                       # its models are served elsewhere: part of
                                                  # localrt, it loads nothing (remote)
 
-    def adapter(self):
-        """A new adapter object, its module imported now."""
+    def adapter(self) -> contract.Engine:
+        """A new adapter object, its module imported now; a TypeError for one that is
+        not an Engine of localrt.engines.contract."""
         module, _, attr = self.factory.partition(":")
-        return getattr(importlib.import_module(module), attr)()
+        engine = getattr(importlib.import_module(module), attr)()
+        lacks = contract.missing(engine, contract.Engine)
+        if lacks:
+            raise TypeError(f"{self.factory}, the adapter of engine {self.name}, lacks "
+                            f"{', '.join(lacks)}")
+        return engine
 
     def loads(self, path: str) -> bool:
         """Whether this engine loads a file of this name (a path's last part counts)."""
@@ -126,11 +132,11 @@ REMOTE_ENGINE = "remote"  # the engine of remote models (localrt.inference.remot
 # In order of preference: a model with files of two engines is the first one's.
 CATALOG = {spec.name: spec for spec in (
     EngineSpec("gguf-cpp", "GGUF", "llama.cpp through llama-cpp-python; runs GGUF models",
-               "localrt.engines.adapters:GgufEngine", ("*.gguf",), "llama_cpp", _gguf_variants,
+               "localrt.engines.llama:GgufEngine", ("*.gguf",), "llama_cpp", _gguf_variants,
                aliases=("llama-cpp", "llamacpp", "llama.cpp"),
                builtin="llama-cpp-python", probed=True),
     EngineSpec("onnx-runtime", "ONNX", "onnxruntime-genai; runs ONNX models",
-               "localrt.engines.adapters:OnnxEngine", ("*.onnx", "genai_config.json"),
+               "localrt.engines.onnx:OnnxEngine", ("*.onnx", "genai_config.json"),
                "onnxruntime_genai", _onnx_variants, aliases=("onnxruntime", "onnx"),
                folder=True,
                # onnxruntime-genai publishes wheels for these platforms, CPython 3.10+.
@@ -413,16 +419,17 @@ class Engines:
 
     # --- loading ---------------------------------------------------------------
 
-    def open(self, engine: str, model_path: str, options: dict):
+    def open(self, engine: str, model_path: str, options: dict) -> contract.Model:
         """Load a model file with an engine; raises 409 if the engine cannot run here.
 
-        The model always has generate() (see localrt.engines.adapters)."""
-        return generating(self.adapter(engine).load(model_path, dict(options)))
+        The model is always a contract.Model (contract.generating)."""
+        return contract.generating(self.adapter(engine).load(model_path, dict(options)))
 
     def check_options(self, name: str, options: dict) -> list[tuple[str, str]]:
         """(option, why) for each start option the engine cannot take."""
-        check = getattr(self._rules(name), "check_options", None)
-        found = list(check(options)) if check else []
+        rules = self._rules(name)
+        found = (list(rules.check_options(options))
+                 if isinstance(rules, contract.ChecksOptions) else [])
         if options.get("rpc_servers") and "rpc_servers" not in dict(found):
             why = _rpc_problem(self, name, options["rpc_servers"], self._rpc_trusted())
             if why:
@@ -431,9 +438,9 @@ class Engines:
 
     def check_request(self, name: str, params: dict) -> None:
         """Raise InvalidField for a chat request the engine cannot serve."""
-        check = getattr(self._rules(name), "check_request", None)
-        if check:
-            check(params)
+        rules = self._rules(name)
+        if isinstance(rules, contract.ChecksRequests):
+            rules.check_request(params)
 
     def _rules(self, name: str):
         """What holds an engine's own checks, installed or not: a built-in's adapter, or a

@@ -134,8 +134,7 @@ class Installs:
         ver = dist.version.public
         if (chosen.name, ver) in installed:
             return self._check(name, installed[chosen.name, ver])
-        task = self._install_task(name, chosen.name, ver,
-                                  [index_item(self._config(), self.root, dist)])
+        task = self._install_task(name, chosen.name, ver, [self._item(dist)])
         self._downloads.start(task)
         reply = {"message": f"Engine {name} starts installing", "engine": name,
                  "task": task.to_dict()}
@@ -152,7 +151,7 @@ class Installs:
             return self._check(name, installed[chosen.name, plan.version])
         if plan.build is not None:
             builds.check_can_build(plan.build.what)
-        items = [index_item(self._config(), self.root, plan.sdist)] if plan.build else []
+        items = [self._item(plan.sdist)] if plan.build else []
         task = self._install_task(name, chosen.name, plan.version, items, local=plan.wheel,
                                   build=plan.build)
         self._downloads.start(task)
@@ -310,6 +309,16 @@ class Installs:
                              f"variant; restart the server to use this one")
         return reply
 
+    def _item(self, dist: wheels.Dist) -> Item:
+        """A wheel (or sdist) of the index as a task item, checked against its sha256."""
+        if not dist.sha256:
+            raise wheels.PackageIndexError(f"The package index gives no sha256 for "
+                                           f"{dist.filename}; refusing an unchecked wheel")
+        size = dist.size if dist.size is not None else \
+            wheels.content_length(self._config(), dist.url)
+        return Item(dist.filename, dist.url, self.root / DOWNLOADS_DIR / dist.filename,
+                    size, sha256=dist.sha256.lower())
+
     def _install_task(self, name: str | None, variant: str, version: str | None,
                       items: list[Item], local: Path | None = None,
                       build: builds.Build | None = None) -> Task:
@@ -331,7 +340,7 @@ class Installs:
                     raise DownloadFailed(f"{meta['Name']} needs {req}, and the package "
                                          f"index {index} has no wheel of it for this Python")
                 planned[wheels.canonicalize_name(req.name)] = dist.version.public
-                task.items.append(index_item(config, self.root, dist))
+                task.items.append(self._item(dist))
 
         def after_item(task: Task, item: Item) -> None:
             wheel = item.local_path
@@ -404,17 +413,6 @@ def dist_infos(target: dict) -> list[tuple[str, Path]]:
     folder = Path(target["path"])
     return [(wheel, folder / ("-".join(wheel.split("-")[:2]) + ".dist-info"))
             for wheel in target.get("wheels", [])]
-
-
-def index_item(config: Mapping, root: Path, dist: wheels.Dist) -> Item:
-    """A wheel (or sdist) of the index as a task item, checked against its sha256."""
-    if not dist.sha256:
-        raise wheels.PackageIndexError(f"The package index gives no sha256 for "
-                                       f"{dist.filename}; refusing an unchecked wheel")
-    size = dist.size if dist.size is not None else \
-        wheels.content_length(config, dist.url)
-    return Item(dist.filename, dist.url, root / DOWNLOADS_DIR / dist.filename,
-                size, sha256=dist.sha256.lower())
 
 
 def _refuse_part_of_localrt(spec: EngineSpec) -> None:

@@ -3,7 +3,8 @@
 One comes from a package in localrt's own Python, or from a wheel that
 localrt.engines.installs unpacked into its engine folder (`<engines>/<name>/<variant>/<version>/`,
 listed in engines.json as custom). `find` finds both kinds, and `load` imports one
-and checks that it has what an engine needs (`CONTRACT`; README "Custom engines").
+and checks that it is an Engine (localrt.engines.contract; localrt-api(7), "Custom
+engines").
 localrt.engines.catalog lists and loads them beside the built-in engines of its catalog.
 """
 
@@ -15,8 +16,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Iterable
 
+from localrt.engines import contract
+
 ENTRY_POINT_GROUP = "localrt.engines"
-CONTRACT = ("name", "format", "description", "load")  # what an engine object has
 
 
 class PluginError(Exception):
@@ -54,7 +56,7 @@ def load(name: str, ep, folder: str | None):
     except Exception as exc:
         raise PluginError(f"Engine {name} failed to load: "
                           f"{exc.__class__.__name__}: {exc}") from None
-    missing = [a for a in CONTRACT if not hasattr(engine, a)]
+    missing = contract.missing(engine, contract.Engine)
     if missing:
         raise PluginError(f"Engine {name} ({ep.value}) lacks {', '.join(missing)}")
     return engine

@@ -35,6 +35,7 @@ import time
 import uuid
 from typing import Iterator
 
+from localrt.engines import contract
 from localrt.errors import InvalidField, UpstreamError
 from localrt.inference import logprobs, toolcalls
 from localrt.inference.requests import (EventStream, Kind, Local, RequestPath, respond,
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 
 # Request fields that are sampling parameters, and stored model parameters with the
 # same meaning (schemas/model-update.json). If you add one, also pass it on in
-# localrt.engines.adapters (and add it to schemas/chat-completion.json).
+# localrt.engines.llama and localrt.engines.onnx (and add it to schemas/chat-completion.json).
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty",
             "presence_penalty", "repeat_penalty", "max_tokens")
 
@@ -84,7 +85,7 @@ class Chats:
         try:
             params, plan = _prompt_params(body, local.record, lease, messages, tools)
             params["response_format"], params["logprobs"] = response_format, top
-            generation = lease.model.generate(messages, params)
+            generation = lease.generate(messages, params)
             if top is not None and generation.logprobs is None:
                 generation.close()
                 raise InvalidField(f"Invalid field 'logprobs': model {local.model_id}'s "
@@ -108,13 +109,12 @@ class Chats:
         tools = toolcalls.ToolRequest.read(body)
         lease = local.lease()
         try:
-            count = getattr(lease.model, "count_tokens", None)
-            if count is None:
+            if not lease.can(contract.Counting):
                 raise InvalidField(f"Invalid field 'model': the engine of {local.model_id} "
                                    f"({local.record['engine']}) cannot count tokens",
                                    param="model")
             params, _ = _prompt_params(body, local.record, lease, messages, tools)
-            return count(messages, params)
+            return lease.model.count_tokens(messages, params)
         finally:
             lease.release()
 
@@ -134,7 +134,8 @@ def _prompt_params(body: dict, record: dict, lease: Lease, messages: list, tools
     """(params, plan): the generation's parameters from the request, the model's stored
     ones and the leased model's template, and the tool plan (None without tools)."""
     params = _params(body, record, lease.options)
-    plan = tools and tools.plan(getattr(lease.model, "chat_template", None))
+    plan = tools and tools.plan(lease.model.chat_template if lease.can(contract.Templated)
+                                else None)
     if plan:
         params.update(plan.params())
     template = lease.options.get("prompt_template")

@@ -7,7 +7,7 @@ chat, every check that can fail happens before either is returned.
 The prompt is raw text or tokens, never a chat template (nor a model's
 prompt_template): a string, an array of strings (one choice each, in order), an array
 of token ids, or an array of such arrays. Token prompts need a model that takes them
-(localrt.engines.adapters: `detokenize`, params["prompt_tokens"]). `suffix` makes a
+(localrt.engines.contract.Tokenizing, params["prompt_tokens"]). `suffix` makes a
 fill-in-the-middle prompt with the model's FIM tokens (`fim_prompt`); a model without
 them is a 400 naming `suffix`. `echo` puts the prompt's text before the completion.
 The sampling fields are chat's (localrt.inference.chat.SAMPLING): a field left out takes the
@@ -37,6 +37,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Iterator
 
+from localrt.engines import contract
 from localrt.errors import InvalidField
 from localrt.inference import logprobs
 from localrt.inference.chat import SAMPLING
@@ -86,7 +87,7 @@ class Completions:
             params = _params(body, local.record, lease.options)
             for i, prompt in enumerate(prompts):
                 field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-                choices.append(_choice(lease.model, model_id, field, prompt, body, params))
+                choices.append(_choice(lease, model_id, field, prompt, body, params))
         except BaseException:
             for choice in choices:
                 choice.generation.close()
@@ -128,34 +129,35 @@ def _params(body: dict, record: dict, options: dict) -> dict:
     return params
 
 
-def _choice(model, model_id: str, field: str, prompt, body: dict, params: dict) -> "Choice":
+def _choice(lease: Lease, model_id: str, field: str, prompt, body: dict,
+            params: dict) -> "Choice":
     """One prompt's Choice; a 400 naming `field` for a prompt the model cannot take,
     and one naming logprobs when its engine cannot give what they ask."""
     params = dict(params)
+    model, tokenizing = lease.model, lease.can(contract.Tokenizing)
     suffix, tokens = body.get("suffix"), None
     if suffix is not None:
-        fim = getattr(model, "fim_prompt", None)
-        tokens = fim(prompt, suffix) if fim else None
+        tokens = model.fim_prompt(prompt, suffix) if tokenizing else None
         if tokens is None:
             raise InvalidField(f"Invalid field 'suffix': model {model_id} has no "
                                f"fill-in-the-middle tokens, so it cannot take a suffix",
                                param="suffix")
     elif isinstance(prompt, list):
-        if not hasattr(model, "detokenize"):
+        if not tokenizing:
             raise InvalidField(f"Invalid field '{field}': model {model_id}'s engine takes "
                                f"text prompts only", param="prompt")
-        n_vocab = getattr(model, "n_vocab", None)
+        n_vocab = model.n_vocab
         bad = next((t for t in prompt if n_vocab and not 0 <= t < n_vocab), None)
         if bad is not None:
             raise InvalidField(f"Invalid field '{field}': token {bad} is not in the model's "
                                f"vocabulary of {n_vocab}", param="prompt")
         tokens = prompt
     text = prompt if isinstance(prompt, str) else model.detokenize(prompt)
-    if tokens is None and hasattr(model, "tokenize"):
+    if tokens is None and tokenizing:
         count = len(model.tokenize(text))
     else:
         count = None if tokens is None else len(tokens)
-    context = getattr(model, "context", None)
+    context = model.context if tokenizing else None
     if count == 0:
         raise InvalidField(f"Invalid field '{field}': the prompt is empty", param="prompt")
     if count is not None and isinstance(context, int) and count >= context:
@@ -167,7 +169,7 @@ def _choice(model, model_id: str, field: str, prompt, body: dict, params: dict) 
     else:
         params["prompt_tokens"] = tokens
     # Engines that honour params["prompt"] never read the messages; others chat it.
-    generation = model.generate([{"role": "user", "content": text}], params)
+    generation = lease.generate([{"role": "user", "content": text}], params)
     log = generation.logprobs
     if params.get("logprobs") is not None and (
             log is None or (params["prompt_logprobs"] and not log.scores_prompt)):

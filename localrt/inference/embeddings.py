@@ -6,8 +6,8 @@ upstream's /v1/embeddings: localrt.inference.requests). `input` is a string, an 
 of strings, an array of token ids, or an array of such arrays; each is one vector, in
 the order given.
 
-The model must run in llama.cpp's embedding mode (localrt.engines.adapters: a loaded model with
-`embed`). A request for a model that is not running starts it so, with its stored
+The model must run in llama.cpp's embedding mode (localrt.engines.embedding: a loaded
+model that is localrt.engines.contract.Embedding). A request for a model that is not running starts it so, with its stored
 parameters and the start option `embedding`, as a chat starts its model. A GGUF
 embedding model (BERT, nomic-bert, ...: its GGUF declares a pooling type) always runs
 so and pools its own way; any other model is pooled by the mean of its tokens. A model
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 
+from localrt.engines import contract
 from localrt.errors import Conflict, InvalidField
 from localrt.inference.completions import read_prompt
 from localrt.inference.requests import Kind, Local, RequestPath
@@ -70,10 +71,9 @@ class Embeddings:
         _refuse_without_mode(local.check_options({"embedding": True}))
         lease = local.lease(start={"embedding": True}, purpose="an embeddings request")
         try:
-            embed = getattr(lease.model, "embed", None)
-            if embed is None:
+            if not lease.can(contract.Embedding):
                 raise _not_embedding(model_id, lease)
-            vectors, tokens = lease.run(embed, inputs)
+            vectors, tokens = lease.run(lease.model.embed, inputs)
         finally:
             lease.release()
         vectors = scaled(vectors, body.get("dimensions"))

@@ -10,7 +10,7 @@ server (with post_sampling_probs off) report them. A greedy reply's tokens are
 therefore its top-1 alternatives, and a logit bias does not change what is reported.
 
   TokenLogprob  one scored token: its id, its log-probability, the alternatives
-  Log           a Generation's scores as its text goes out (localrt.engines.adapters'
+  Log           a Generation's scores as its text goes out (localrt.engines.generation's
                 token_loop feeds it): a token is released once the text it made has
                 been sent, and a stop sequence drops the tokens that made only it
   Entry         a released token as text: its bytes, its log-probability, the

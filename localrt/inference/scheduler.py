@@ -9,46 +9,47 @@ per-request keep_alive: localrt.dialects.ollama), and 0 unloads it as soon as it
 The scheduler owns what runs, so it also refuses what must not happen to a running
 model: deleting it, or uninstalling its engine (`not_running`, `engine_unused`).
 
-Compute is scheduled in two steps, so generations never fight over the CPU:
+Compute is scheduled in two steps (localrt.inference.lanes), so generations never
+fight over the CPU:
   * a model serves as many requests at once as it has slots (a gguf-cpp model's
     n_parallel; one for an engine that cannot batch); more requests queue for it in
     arrival order (`Running.turn`), and `lease(model_id)` waits for a slot;
   * every step of every model is computed on a compute lane (`Scheduler.lanes`):
     `computeLanes` threads (default 1) taking steps in arrival order. A batched
-    model's step is one decode that gives each of its requests its next token (see
-    localrt.engines.batching); the first request that needs a token runs the step and the
-    others wait for it (`Stepper`). Any other model's step is one token of its one
-    request. A lease's `steps(generation)` is how a request reads its tokens, and it
-    ends with ModelStopped when the model is stopped meanwhile. Two llama.cpp
-    computations that share the cores are both many times slower than one after the
-    other, so on a machine with cores for several models, raise computeLanes and give
-    each model `cpu_threads` = cores / lanes.
+    model's step is one decode that gives each of its requests its next token
+    (localrt.engines.batching); the first request that needs a token runs the step
+    and the others wait for it (`Stepper`). Any other model's step is one token of
+    its one request. `Lease.generate` gives a batched model's generation the wait for
+    a step, and `Lease.steps` reads its tokens, ending with ModelStopped when the
+    model is stopped meanwhile. Two llama.cpp computations that share the cores are
+    both many times slower than one after the other, so on a machine with cores for
+    several models, raise computeLanes and give each model `cpu_threads` = cores / lanes.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import json
 import logging
 import math
 import os
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from localrt.engines import contract
 from localrt.engines.catalog import EngineNotFound
 from localrt.errors import BadRequest, Conflict, HTTPError, InvalidField, ServiceUnavailable
 from localrt.engines.hardware import available_cores
+from localrt.inference.lanes import ComputeLanes, FairLock, Stepper
 from localrt.models.registry import DEFAULT_CTX_LEN, weights_path
 
 log = logging.getLogger(__name__)
 
 # The start options (schemas/model-start.json): they are also stored model parameters.
-# If you add one, also map it in localrt.engines.adapters and add it to the CLI (models start).
+# If you add one, also map it in localrt.engines.llama and add it to the CLI (models start).
 # `embedding` (llama.cpp's embedding mode) is a start option only, never stored.
 START_OPTIONS = ("prompt_template", "stop", "ngl", "ctx_len", "cpu_threads", "n_batch",
                  "n_parallel", "caching_enabled", "grp_attn_n", "grp_attn_w", "mlock",
@@ -81,147 +82,20 @@ class ModelLoadFailed(HTTPError):
     code = "model_load_failed"
 
 
-class FairLock:
-    """A semaphore with `slots` that lets waiters in strictly in arrival order."""
-
-    def __init__(self, slots: int = 1):
-        self._cond = threading.Condition(threading.Lock())  # guards _free and _queue
-        self._free = slots
-        self._queue: collections.deque = collections.deque()
-
-    def acquire(self) -> None:
-        """Wait for a slot; earlier callers get theirs first."""
-        with self._cond:
-            if self._free and not self._queue:
-                self._free -= 1
-                return
-            me = object()
-            self._queue.append(me)
-            while not (self._free and self._queue[0] is me):
-                self._cond.wait()
-            self._queue.popleft()
-            self._free -= 1
-            if self._free and self._queue:
-                self._cond.notify_all()
-
-    def release(self) -> None:
-        """Give a slot back."""
-        with self._cond:
-            self._free += 1
-            if self._queue:
-                self._cond.notify_all()
-
-    def __enter__(self) -> "FairLock":
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.release()
-
-    @property
-    def waiting(self) -> int:
-        """How many callers are queued."""
-        with self._cond:
-            return len(self._queue)
-
-
-class ComputeLanes:
-    """Threads that run every token step, so llama.cpp always computes on the same threads.
-
-    llama.cpp's OpenMP keeps a pool of helper threads per thread that calls it, and
-    once several threads have called it each decode is about twice as slow (measured
-    with tests/bench/bench_chat.py: 150 tokens/s fell to 79 when each request decoded
-    on its own server thread). Steps are taken in arrival order.
-    """
-
-    def __init__(self, lanes: int = 1):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()  # guards _closed and the end markers' place in _queue
-        self._closed = False
-        self._threads = [threading.Thread(target=self._work, name=f"localrt-compute-{i}",
-                                          daemon=True) for i in range(lanes)]
-        for thread in self._threads:
-            thread.start()
-
-    def run(self, fn, *args):
-        """fn(*args) on a compute thread: its result, or its exception raised here."""
-        done, box = threading.Event(), {}
-        with self._lock:  # no step is queued behind the threads' ends
-            if self._closed:
-                raise ServiceUnavailable("The server is stopping")
-            self._queue.put((fn, args, box, done))
-        done.wait()
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
-
-    def _work(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            fn, args, box, done = job
-            try:
-                box["value"] = fn(*args)
-            except BaseException as exc:  # handed to the caller, who raises it
-                box["error"] = exc
-            finally:
-                done.set()
-
-    def close(self) -> None:
-        """End the threads once the steps already queued are done."""
-        with self._lock:
-            self._closed = True
-            for _ in self._threads:
-                self._queue.put(None)
-
-
-class Stepper:
-    """A batched model's steps, one at a time on a compute lane.
-
-    The first request that needs its next token runs the model's next step; those
-    that need one meanwhile wait for that step to end and look again, so one step
-    serves them all, and a request that arrived during a step joins the next one.
-    """
-
-    def __init__(self, lanes: ComputeLanes, step):
-        self._lanes = lanes
-        self._step = step
-        self._cond = threading.Condition(threading.Lock())  # guards _busy and _done
-        self._busy = False  # a step is under way
-        self._done = 0  # steps ended
-
-    def next(self) -> None:
-        """Run the next step, or wait for the one under way to end."""
-        with self._cond:
-            if self._busy:
-                done = self._done
-                while self._done == done:
-                    self._cond.wait()
-                return
-            self._busy = True
-        try:
-            self._lanes.run(self._step)
-        finally:
-            with self._cond:
-                self._busy = False
-                self._done += 1
-                self._cond.notify_all()
-
-
 @dataclass
 class Running:
     """A loaded model and what `ps` shows about it."""
 
     model_id: str
     engine: str
-    model: object
+    model: contract.Model
     options: dict
     ram: int
     vram: int
     kv: int = 0  # bytes of KV cache, in ram or vram
     slots: int = 1  # requests served at once
     stepper: Stepper | None = None  # a batched model's steps; None: one request at a time
+    capabilities: frozenset = frozenset()  # its contract.OPTIONAL protocols (Lease.can)
     started_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
     turn: FairLock = field(default_factory=FairLock)  # a slot per request, in order
@@ -266,10 +140,8 @@ class Admission:
 
 
 class Lease:
-    """A request's turn on a running model: the `model`, its `options`, and `steps()`.
-
-    `release()` exactly once when done.
-    """
+    """A request's turn on a running model: the `model`, its `options`, what it `can`
+    do, `generate()` and `steps()`. `release()` exactly once when done."""
 
     def __init__(self, scheduler: "Scheduler", running: Running):
         self.running = running
@@ -279,10 +151,22 @@ class Lease:
         self._released = False
         self._callbacks: list = []
 
+    def can(self, protocol: type) -> bool:
+        """Whether the model has one of localrt.engines.contract's OPTIONAL protocols
+        (contract.Tokenizing, contract.Embedding, ...), as found when it loaded."""
+        return protocol in self.running.capabilities
+
+    def generate(self, messages: list, params: dict):
+        """The model's Generation of a reply (contract.Model.generate); a batched
+        model's waits for its tokens on the scheduler's steps. Read it with steps()."""
+        if self.running.stepper is None:
+            return self.model.generate(messages, params)
+        return self.model.generate(messages, params, wait=self._wait_step)
+
     def steps(self, generation) -> Iterator[str]:
-        """The generation's text pieces, computed on a compute lane: each token in its
-        turn, or for a batched model by the steps that serve all its requests;
-        ModelStopped if the model is stopped before the generation ends."""
+        """The pieces of a generation made by generate(), computed on a compute lane:
+        each token in its turn, or for a batched model by the steps that serve all its
+        requests; ModelStopped if the model is stopped before the generation ends."""
         running = self.running
         if running.stepper is None:
             lanes, pieces = self._scheduler.lanes, iter(generation)
@@ -290,8 +174,7 @@ class Lease:
             def read():
                 return lanes.run(next, pieces, None)
         else:
-            generation.wait = self._wait_step
-            pieces = iter(generation)
+            pieces = iter(generation)  # its waits run the steps (_wait_step)
 
             def read():
                 return next(pieces, None)
@@ -339,12 +222,11 @@ class Lease:
 class Scheduler:
     """Owns the running models.
 
-    `_lock` guards `_running` (model id -> Running), each Running's `active`,
-    `last_used` and `keep_alive`, and the reaper's thread; `_idle` (on the same lock)
-    is notified when a model's last request ends. `_start_lock` lets one load happen at
-    a time, so a model is never loaded twice and the RSS measured around a load is that
-    model's. Neither is held while a model computes.
-    """
+    `_lock` guards `_running` (model id -> Running) and each Running's `active`,
+    `last_used` and `keep_alive`; `_idle` (on the same lock) is notified when a model's
+    last request ends. `_start_lock` lets one load happen at a time, so a model is never
+    loaded twice and the RSS measured around a load is that model's. Neither is held
+    while a model computes."""
 
     def __init__(self, registry, engines, max_models: int = 2, keep_alive: float = 0.0,
                  lanes: int = 1, cores: int | None = None):
@@ -363,8 +245,7 @@ class Scheduler:
         self._running: dict[str, Running] = {}
         self._closed = threading.Event()
         if keep_alive > 0:
-            with self._lock:
-                self.reaper.need()
+            self.reaper.need()
 
     # --- queries ---------------------------------------------------------------
 
@@ -413,15 +294,69 @@ class Scheduler:
                      "vram": r.vram, "kvCache": r.kv, "slots": r.slots,
                      "startedAt": int(r.started_at), "uptime": round(now - r.started_at, 1),
                      "requests": r.active, "options": dict(r.options),
-                     "expiresAt": self.reaper.expires_at(r, now)}
+                     "expiresAt": self._expires_at(r, now)}
                     for r in self._running.values()]
+
+    @property
+    def closed(self) -> bool:
+        """Whether the scheduler is closed (the server is stopping)."""
+        return self._closed.is_set()
+
+    # --- keep-alive ------------------------------------------------------------
 
     def keep_for(self, model_id: str, seconds: float | None) -> None:
         """Keep a running model loaded `seconds` once idle, instead of keepAlive (Ollama's
         keep_alive): None is keepAlive again, math.inf until it is stopped (or evicted
         by maxRunningModels), 0 unloads it now if idle, else when its requests end. A
         model that is not running is left alone."""
-        self.reaper.keep_for(model_id, seconds)
+        with self._lock:
+            running = self._running.get(model_id)
+            if running is None:
+                return
+            running.keep_alive = seconds
+            now = seconds == 0 and running.active == 0
+            if now:
+                del self._running[model_id]
+        if not now and seconds is not None and seconds < math.inf:
+            self.reaper.need()
+        self.reaper.wake()
+        if now:
+            self._unload(running, "after its request (keep_alive 0)")
+
+    def reap(self) -> None:
+        """Unload the models idle past their keep-alive (the Reaper's thread calls this)."""
+        now = time.monotonic()
+        with self._lock:
+            idle = [(r, self._keep_of(r)) for r in self._running.values()
+                    if r.active == 0 and now - r.last_used >= self._keep_of(r)]
+            for r, _ in idle:
+                del self._running[r.model_id]
+        for r, keep in idle:
+            self._unload(r, f"after {keep:g} s idle (" +
+                         ("keepAlive)" if r.keep_alive is None else "keep_alive)"))
+
+    def reap_interval(self) -> float:
+        """How long the Reaper sleeps between reaps: a quarter of the shortest
+        keep-alive, 0.05 to 30 s."""
+        with self._lock:
+            keeps = [self._keep_of(r) for r in self._running.values()]
+        keeps = [k for k in keeps + [self.keep_alive or math.inf] if k < math.inf]
+        return min(30.0, max(min(keeps, default=120.0) / 4, 0.05))
+
+    def _keep_of(self, r: Running) -> float:
+        """Seconds a model stays loaded once idle; math.inf: until stopped. Under the lock."""
+        if r.keep_alive is not None:
+            return r.keep_alive
+        return self.keep_alive if self.keep_alive > 0 else math.inf
+
+    def _expires_at(self, r: Running, now: float) -> float | None:
+        """When a model will be unloaded if no request comes (Unix seconds; counted from
+        now while it is busy), or None when it stays until stopped. Under the lock."""
+        keep = self._keep_of(r)
+        if keep == math.inf:
+            return None
+        idle = 0.0 if r.active else time.monotonic() - r.last_used
+        return round(now + max(keep - idle, 0.0), 3)
 
     # --- start and stop --------------------------------------------------------
 
@@ -584,19 +519,19 @@ class Scheduler:
                                   f"{options.get('ctx_len')} x n_parallel "
                                   f"{options.get('n_parallel')})", param="model") from None
         measured = {"ram": max(_rss() - before, 0), "vram": 0, "kv": 0}
-        if hasattr(model, "memory"):
+        can = contract.capabilities(model)
+        if contract.Measured in can:
             try:
                 measured.update(model.memory())
             except Exception:
                 log.exception("model %s: the engine could not say its memory", record["id"])
-        # A model with slots serves that many requests at once, in steps (localrt.engines.adapters).
-        slots, stepper = getattr(model, "slots", None), None
-        if isinstance(slots, int) and slots >= 1 and callable(getattr(model, "step", None)):
-            stepper = Stepper(self.lanes, model.step)
-        else:
-            slots = 1
+        # A Batched model serves `slots` requests at once, in steps (localrt.engines.contract).
+        slots, stepper = 1, None
+        if contract.Batched in can:
+            slots, stepper = model.slots, Stepper(self.lanes, model.step)
         return Running(record["id"], engine, model, options, measured["ram"], measured["vram"],
-                       kv=measured["kv"], slots=slots, stepper=stepper, turn=FairLock(slots))
+                       kv=measured["kv"], slots=slots, stepper=stepper, turn=FairLock(slots),
+                       capabilities=can)
 
     def _model_path(self, record: dict) -> Path:
         path = weights_path(record)
@@ -622,55 +557,23 @@ class Scheduler:
 
 
 class Reaper:
-    """Unloads a scheduler's models once idle past their keep-alive: its keepAlive, or
-    the one `Scheduler.keep_for` gave a model. The thread starts with the first
-    keep-alive and sleeps a quarter of the shortest one (0.05 to 30 s), or until woken
-    because one changed. It takes the scheduler's lock (which guards its thread)."""
+    """A scheduler's keep-alive thread, started with the first keep-alive (`need`): it
+    asks the scheduler to unload what was idle too long (Scheduler.reap), then sleeps
+    as long as the scheduler says or until woken because a keep-alive changed."""
 
     def __init__(self, scheduler: Scheduler):
         self._scheduler = scheduler
         self._wake = threading.Event()
+        self._lock = threading.Lock()  # guards _thread
         self._thread: threading.Thread | None = None
 
-    def keep_of(self, r: Running) -> float:
-        """Seconds a model stays loaded once idle; math.inf: until stopped. Under the lock."""
-        if r.keep_alive is not None:
-            return r.keep_alive
-        keep = self._scheduler.keep_alive
-        return keep if keep > 0 else math.inf
-
-    def expires_at(self, r: Running, now: float) -> float | None:
-        """When a model will be unloaded if no request comes (Unix seconds; counted from
-        now while it is busy), or None when it stays until stopped. Under the lock."""
-        keep = self.keep_of(r)
-        if keep == math.inf:
-            return None
-        idle = 0.0 if r.active else time.monotonic() - r.last_used
-        return round(now + max(keep - idle, 0.0), 3)
-
-    def keep_for(self, model_id: str, seconds: float | None) -> None:
-        """Scheduler.keep_for."""
-        scheduler = self._scheduler
-        with scheduler._lock:
-            running = scheduler._running.get(model_id)
-            if running is None:
-                return
-            running.keep_alive = seconds
-            now = seconds == 0 and running.active == 0
-            if now:
-                del scheduler._running[model_id]
-            elif seconds is not None and seconds < math.inf:
-                self.need()
-        self.wake()
-        if now:
-            scheduler._unload(running, "after its request (keep_alive 0)")
-
     def need(self) -> None:
-        """Start the thread, unless it runs. Under the lock."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="localrt-keep-alive",
-                                            daemon=True)
-            self._thread.start()
+        """Start the thread, unless it runs."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="localrt-keep-alive",
+                                                daemon=True)
+                self._thread.start()
 
     def wake(self) -> None:
         """Look again now: a keep-alive changed, or the scheduler is closing."""
@@ -678,27 +581,12 @@ class Reaper:
 
     def _run(self) -> None:
         scheduler = self._scheduler
-        while not scheduler._closed.is_set():
-            self._wake.wait(self._interval())
+        while not scheduler.closed:
+            self._wake.wait(scheduler.reap_interval())
             self._wake.clear()
-            if scheduler._closed.is_set():
+            if scheduler.closed:
                 return
-            now = time.monotonic()
-            with scheduler._lock:
-                idle = [(r, self.keep_of(r)) for r in scheduler._running.values()
-                        if r.active == 0 and now - r.last_used >= self.keep_of(r)]
-                for r, _ in idle:
-                    del scheduler._running[r.model_id]
-            for r, keep in idle:
-                scheduler._unload(r, f"after {keep:g} s idle (" +
-                                  ("keepAlive)" if r.keep_alive is None else "keep_alive)"))
-
-    def _interval(self) -> float:
-        scheduler = self._scheduler
-        with scheduler._lock:
-            keeps = [self.keep_of(r) for r in scheduler._running.values()]
-        keeps = [k for k in keeps + [scheduler.keep_alive or math.inf] if k < math.inf]
-        return min(30.0, max(min(keeps, default=120.0) / 4, 0.05))
+            scheduler.reap()
 
 
 def _rss() -> int:

@@ -1,0 +1,213 @@
+"""The engine contract: what an engine object and the models it loads have.
+
+Each part is a runtime-checkable `typing.Protocol`, checked where it matters and
+nowhere else:
+
+  * an engine object is an `Engine` (localrt.engines.catalog checks a built-in
+    adapter when it makes it, localrt.engines.plugins a custom engine when it loads
+    its entry point); `ChecksOptions` and `ChecksRequests` are the engine's own rules,
+    which the catalog asks before anything waits;
+  * the model it loads is a `Model`, or a `ChatModel` of the older contract that
+    `generating` wraps into one (localrt.engines.generation.ChatOnlyModel);
+  * what else a model can do (`OPTIONAL`: `Batched`, `Measured`, `Tokenizing`,
+    `Counting`, `Embedding`, `Templated`) is found once, by `capabilities`, when
+    localrt.inference.scheduler loads it, and recorded in its Running record; the
+    inference modules ask that record (Lease.can), never the model.
+
+Every model's generate() raises InvalidField before it computes anything (a prompt
+longer than the context, a bad response_format or grammar), so a streamed reply never
+starts with an error. It does no locking of its own: localrt.inference.scheduler lets
+one request at a time use a model (`slots` at a time for a Batched one), and runs
+each token, or each step, on a compute lane. gguf-cpp batches (localrt.engines.llama);
+onnx-runtime serves one request at a time (localrt.engines.onnx). llama_cpp and
+onnxruntime_genai are imported only when a model loads.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional, Protocol, runtime_checkable
+
+from localrt.engines.generation import ChatOnlyModel, Generation
+
+# --- engines ---------------------------------------------------------------------------
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """An engine: its `name`, the `format` of the models it runs (GGUF, ONNX, ...), a
+    one-line `description`, and load(). A custom engine may also have a `version`."""
+
+    name: str
+    format: str
+    description: str
+
+    def load(self, model_path: str, options: dict) -> object:
+        """A loaded Model (or ChatModel) of the file or folder at `model_path`, with the
+        start options `options` (schemas/model-start.json's names)."""
+
+
+@runtime_checkable
+class ChecksOptions(Protocol):
+    """An engine's own rule on start options, asked before a model starts."""
+
+    def check_options(self, options: dict) -> Iterable[tuple[str, str]]:
+        """(option, why) for each start option the engine cannot take."""
+
+
+@runtime_checkable
+class ChecksRequests(Protocol):
+    """An engine's own rule on chat requests, asked before a request waits."""
+
+    def check_request(self, params: dict) -> None:
+        """Raise InvalidField for a chat request the engine cannot serve (its
+        response_format, tools, tool_choice and logprobs)."""
+
+
+# --- models ----------------------------------------------------------------------------
+
+
+@runtime_checkable
+class Model(Protocol):
+    """A loaded model: generate() and unload().
+
+    `params` come from localrt.inference.chat and localrt.inference.completions:
+    OpenAI's sampling fields (`response_format` as {"type": "json_object"} or
+    {"type": "json_schema", "schema"}) plus `prompt` (the text of a model's
+    prompt_template, or a completion's prompt, used instead of the chat template when
+    present) and `stop` (a list). For tool calls (localrt.inference.toolcalls): `tools`
+    (OpenAI's list, given to the chat template as Hugging Face gives it), `grammar`
+    (GBNF that constrains the reply instead of response_format) and `preserved_tokens`
+    (special tokens printed as their text, as a call's syntax needs). For log
+    probabilities (localrt.inference.logprobs): `logprobs` (how many alternatives each
+    token's comes with, 0 to 20; absent or None: none) and `prompt_logprobs` (score
+    the prompt's tokens too: a completion's echo). A Tokenizing model's generate()
+    also takes `prompt_tokens` (a completion's own tokens).
+    """
+
+    def generate(self, messages: list, params: dict) -> Generation:
+        """A Generation: an iterator of text pieces, one per token (or fewer while a
+        stop sequence might be starting); its `finish_reason`, `usage` and
+        `stop_sequence` (the one of params["stop"] that ended it) are set once it is
+        exhausted, and close() stops it. Its `usage` may also count `cached_tokens`
+        (prompt tokens a batched model found in its cache). An engine that computes
+        log probabilities gives the Generation a Log when params["logprobs"] asks; a
+        Generation without one makes chat and completions answer a 400."""
+
+    def unload(self) -> None:
+        """Free the model; it is never used again."""
+
+
+@runtime_checkable
+class ChatModel(Protocol):
+    """The older contract custom engines may keep: chat() and unload(). `generating`
+    wraps such a model, so its chats are generated like any other's."""
+
+    def chat(self, messages: list, params: dict, stream: bool):
+        """A dict {"content", "finish_reason", "usage": {"prompt_tokens",
+        "completion_tokens"}}, or with `stream` an iterator of text pieces."""
+
+    def unload(self) -> None:
+        """Free the model."""
+
+
+@runtime_checkable
+class Batched(Protocol):
+    """A model that serves `slots` generations at once, in steps: each step() gives
+    every generation its next token (gguf-cpp's n_parallel sequences in one context,
+    localrt.engines.batching). localrt.inference.scheduler lets `slots` requests in
+    at once and runs the steps on a compute lane, one at a time."""
+
+    slots: int
+
+    def step(self) -> None:
+        """One decode for every generation that needs a token."""
+
+    def generate(self, messages: list, params: dict,
+                 wait: Optional[Callable[[], None]] = None) -> Generation:
+        """As Model.generate; the Generation calls `wait()` whenever its next token is
+        not computed yet (the scheduler's wait for the next step; the model's own
+        step() when None)."""
+
+
+@runtime_checkable
+class Measured(Protocol):
+    """A model that knows its memory better than the RSS delta measured around its load."""
+
+    def memory(self) -> dict:
+        """{"ram", "vram"[, "kv"][, "remote"]} in bytes (kv: its KV cache, part of ram or
+        vram; remote: what rpc-servers hold)."""
+
+
+@runtime_checkable
+class Tokenizing(Protocol):
+    """A model whose tokens localrt.inference.completions can see: it checks token
+    prompts, counts text prompts and builds fill-in-the-middle prompts, and passes
+    params["prompt_tokens"] to generate()."""
+
+    n_vocab: int  # how many token ids there are: each is below it
+    context: int  # the tokens a prompt and its reply may fill
+
+    def tokenize(self, text: str) -> list:
+        """A prompt text's tokens, as generate() reads params["prompt"]."""
+
+    def detokenize(self, tokens) -> str:
+        """The text of tokens."""
+
+    def fim_prompt(self, prefix: str, suffix: str) -> Optional[list]:
+        """A fill-in-the-middle prompt's tokens; None without the vocabulary's FIM tokens."""
+
+
+@runtime_checkable
+class Counting(Protocol):
+    """A model that counts a chat's prompt tokens without generating (Anthropic's
+    count_tokens)."""
+
+    def count_tokens(self, messages: list, params: dict) -> int:
+        """The prompt's tokens as generate() would read them, computing nothing."""
+
+
+@runtime_checkable
+class Embedding(Protocol):
+    """A model loaded in embedding mode (localrt.engines.embedding): its generate() is
+    a 409."""
+
+    def embed(self, inputs: list) -> tuple:
+        """(vectors, tokens read): one vector per input, a text or a token list."""
+
+
+@runtime_checkable
+class Templated(Protocol):
+    """A model with a Jinja chat template (localrt.inference.toolcalls reads its call
+    format from it)."""
+
+    chat_template: Optional[str]  # None when the model has none after all
+
+
+# What a loaded model may have besides Model's: `capabilities` finds these.
+OPTIONAL = (Batched, Measured, Tokenizing, Counting, Embedding, Templated)
+
+
+def missing(obj, protocol: type) -> list[str]:
+    """The members of `protocol` that `obj` lacks, in the protocol's order."""
+    names = list(getattr(protocol, "__annotations__", {}))
+    names += [n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")]
+    return [n for n in names if not hasattr(obj, n)]
+
+
+def generating(model) -> Model:
+    """A loaded model as a Model: the model itself, or a ChatOnlyModel around one of
+    the older ChatModel contract."""
+    return model if isinstance(model, Model) else ChatOnlyModel(model)
+
+
+def capabilities(model) -> frozenset:
+    """The OPTIONAL protocols a loaded model has, found once when it loads. A
+    ChatOnlyModel has its engine model's (it passes their calls on), but it cannot
+    batch: its generations read chat()'s pieces."""
+    wrapped = isinstance(model, ChatOnlyModel)
+    own = model.model if wrapped else model
+    found = {p for p in OPTIONAL if isinstance(own, p)}
+    if Batched in found and (wrapped or not isinstance(own.slots, int) or own.slots < 1
+                             or not callable(own.step)):
+        found.discard(Batched)
+    return frozenset(found)

@@ -1,0 +1,441 @@
+"""gguf-cpp: llama.cpp through llama-cpp-python, for GGUF models.
+
+`GgufEngine` loads a GGUF as a `LlamaModel`, localrt.engines.contract's Batched,
+Measured, Tokenizing, Counting and Templated model: one llama.cpp context whose
+n_parallel sequences share each decode step (localrt.engines.batching), with the
+prompt cache. An embedding model, or one started with the start option `embedding`,
+loads in llama.cpp's embedding mode instead (localrt.engines.embedding). A JSON
+response_format becomes a grammar (localrt.engines.grammar); log probabilities
+(localrt.inference.logprobs) are read from the logits before sampling, in
+LlamaBatch.decode, for the prompt too. llama_cpp is imported only when a model loads.
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import logging
+from pathlib import Path
+from typing import Callable, Iterator
+
+from localrt.engines.batching import Batcher, LlamaBatch, Sampling, Sequence
+from localrt.engines.embedding import LlamaEmbedder, embedding_pooling
+from localrt.engines.generation import (GeneratingModel, Generation, check_room, seed_of,
+                                        sampling_value, token_loop)
+from localrt.engines.grammar import json_grammar
+from localrt.errors import InvalidField
+from localrt.inference import toolcalls
+from localrt.inference.logprobs import Log, TokenLogprob
+
+GGUF_ENGINE = "gguf-cpp"
+
+# Model start options (schemas/model-start.json) become llama.cpp's parameters in
+# _model_params (ngl, use_mmap, mlock; rpc_servers: the devices, localrt.engines.rpc) and
+# _context_params (ctx_len x n_parallel, n_parallel, n_batch, cpu_threads, flash_attn,
+# cache_type); caching_enabled is the Batcher's. If you add one, also map it there.
+DEFAULT_BATCH = 512  # n_batch when not given (and the most n_ubatch is), llama-cpp-python's
+# cache_type -> ggml_type, for the context's type_k and type_v (ggml.h's enum ggml_type),
+# and the bytes each value of the KV cache takes in it (ggml's block size / block length).
+# If you add one, also add it to the cache_type enum of schemas/model-update.json.
+CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
+               "iq4_nl": 20, "bf16": 30}
+CACHE_TYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 34 / 32, "q4_0": 18 / 32,
+                    "q4_1": 20 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32, "iq4_nl": 18 / 32}
+# Start options -> llama_cpp.Llama arguments, for the embedding mode's Llama
+# (llama_arguments; the batched LlamaModel makes its own llama.cpp parameters:
+# _model_params, _context_params). If you add a start option, also map it here.
+LLAMA_OPTIONS = {"ctx_len": "n_ctx", "ngl": "n_gpu_layers", "cpu_threads": "n_threads",
+                 "n_batch": "n_batch", "mlock": "use_mlock", "use_mmap": "use_mmap",
+                 "flash_attn": "flash_attn"}
+# Quantized V caches need flash attention in llama.cpp.
+QUANTIZED_CACHE = tuple(k for k in CACHE_TYPES if k not in ("f32", "f16", "bf16"))
+
+
+class GgufEngine:
+    """gguf-cpp: llama.cpp through llama-cpp-python, imported at the first load.
+
+    `_rpc` is this process's use of rpc-servers (localrt.engines.rpc.Client), shared by the
+    models it loads with `rpc_servers`.
+    """
+
+    name, format = GGUF_ENGINE, "GGUF"
+    description = "llama.cpp through llama-cpp-python; runs GGUF models"
+
+    def __init__(self):
+        from localrt.engines import rpc
+
+        self._rpc = rpc.Client()
+
+    def load(self, model_path: str, options: dict) -> "LlamaModel":
+        """Load a GGUF file and make its context: n_parallel sequences of ctx_len tokens,
+        or, for an embedding model or the start option `embedding`, llama.cpp's embedding
+        mode (`LlamaEmbedder`)."""
+        pooling = embedding_pooling(model_path, options)
+        if pooling is not None:
+            if options.get("rpc_servers"):
+                raise InvalidField("Invalid field 'rpc_servers': an embedding model loads "
+                                   "on this machine only", param="rpc_servers")
+            return LlamaEmbedder.open(model_path, llama_arguments(options),
+                                      options.get("ctx_len"), pooling)
+        return LlamaModel(model_path, options, self._rpc)
+
+    @staticmethod
+    def check_options(options: dict) -> Iterator[tuple[str, str]]:
+        """(option, why) for each start option llama.cpp cannot take (localrt.engines.catalog
+        checks rpc_servers against the build and rpcTrustedHosts)."""
+        if options.get("grp_attn_n", 1) > 1:
+            yield "grp_attn_n", "gguf-cpp has no group attention (self-extend); leave it at 1"
+        if options.get("cache_type") in QUANTIZED_CACHE and not options.get("flash_attn"):
+            yield "cache_type", f"a {options['cache_type']} KV cache needs flash_attn: true"
+        if options.get("rpc_servers") and options.get("embedding"):
+            yield "rpc_servers", "an embedding model loads on this machine only"
+
+    @staticmethod
+    def check_request(params: dict) -> None:
+        """A 400 for a JSON Schema (a response format's or a forced tool's) that cannot
+        become a grammar."""
+        json_grammar(params.get("response_format"))
+        toolcalls.check_schemas(params.get("tools"), params.get("tool_choice"))
+
+
+class LlamaModel(GeneratingModel):
+    """A loaded GGUF model: one llama.cpp context whose `slots` sequences (n_parallel)
+    share each decode step (localrt.engines.batching), and the generations read from them.
+
+    It is Batched (localrt.engines.contract): localrt.inference.scheduler lets `slots`
+    requests in at once and runs the steps.
+    """
+
+    def __init__(self, model_path: str, options: dict, rpc_client=None):
+        import llama_cpp
+        from llama_cpp import _internals
+
+        # llama.cpp logs through llama-cpp-python's logger; errors only, as Llama(verbose=False).
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+        self._llama_cpp = llama_cpp
+        params = _model_params(llama_cpp, options)
+        self._rpc, self._rpc_targets = rpc_client, _rpc_targets(llama_cpp, options)
+        if self._rpc_targets:
+            devices = rpc_client.devices(self._rpc_targets, _engine_dir(llama_cpp))
+            params.devices = ctypes.cast(devices, ctypes.c_void_p)  # kept until loaded
+        try:
+            self._model = _internals.LlamaModel(path_model=model_path, verbose=False,
+                                                params=params)
+        except BaseException:
+            self._release_rpc()
+            raise
+        try:
+            self.slots = options.get("n_parallel") or 1  # the scheduler's default is 4
+            # Each sequence has ctx_len tokens of KV; llama.cpp may round the context up.
+            self.context = options.get("ctx_len") or self._model.n_ctx_train()
+            params = _context_params(llama_cpp, options, self.slots * self.context,
+                                     self.slots)
+            self._batch = LlamaBatch(llama_cpp, self._model.model, params)
+        except BaseException:
+            self._model.close()
+            self._release_rpc()
+            raise
+        self._batcher = Batcher(self.slots, params.n_batch, self._batch,
+                                caching=options.get("caching_enabled", True))
+        self._cache_type = options.get("cache_type") or "f16"
+        self._metadata = self._model.metadata()
+        self._formatter = None  # the GGUF's chat template, compiled at the first chat
+        self._pieces: dict[int, bytes] = {}  # token -> its bytes; the vocabulary is fixed
+        self._special_pieces: dict[int, bytes] = {}  # the same, special tokens printed
+
+    @property
+    def chat_template(self) -> str | None:
+        """The GGUF's Jinja chat template (tokenizer.chat_template), if it has one."""
+        return self._metadata.get("tokenizer.chat_template")
+
+    def generate(self, messages: list, params: dict,
+                 wait: Callable[[], None] | None = None) -> Generation:
+        """Tokenize and check now; the tokens come as steps compute them: the generation
+        calls `wait()` for its next one (the scheduler's wait for a step; step() itself
+        when None)."""
+        tokens = self._prompt_tokens(messages, params)
+        if not tokens:
+            raise InvalidField("Invalid field 'messages': the prompt is empty",
+                               param="messages")
+        room = check_room(len(tokens), self.context)
+        max_tokens = min(params.get("max_tokens") or room, room)
+        keep = self._preserved(params.get("preserved_tokens"))
+        top, echo = params.get("logprobs"), bool(params.get("prompt_logprobs"))
+        seq = Sequence(tokens, max_tokens, self._sampler(params, tokens), top_logprobs=top,
+                       prompt_logprobs=echo and top is not None)
+        batcher, wait = self._batcher, wait or self.step
+
+        def run(gen: Generation) -> Iterator[str]:
+            batcher.join(seq)
+            decoder = codecs.getincrementaldecoder("utf-8")("replace")
+            try:
+                yield from token_loop(
+                    gen, batcher.tokens(seq, wait),
+                    decode=lambda t: decoder.decode(self._piece(t, t in keep)),
+                    is_end=self._batch.is_end, final=lambda: decoder.decode(b"", final=True),
+                    stops=params.get("stop"), max_tokens=max_tokens,
+                    scores=lambda t: seq.scores.popleft())
+            finally:
+                batcher.leave(seq)
+                gen.usage["cached_tokens"] = seq.cached
+
+        log = None
+        if top is not None:
+            log = Log(self._piece, prompt=(
+                (lambda: [TokenLogprob(tokens[0], None), *seq.prompt_scores])
+                if seq.prompt_logprobs else None))
+        return Generation(len(tokens), run, on_close=lambda: batcher.leave(seq),
+                          logprobs=log)
+
+    def count_tokens(self, messages: list, params: dict) -> int:
+        """The prompt's tokens as generate() reads them; nothing is computed."""
+        return len(self._prompt_tokens(messages, params))
+
+    def _prompt_tokens(self, messages: list, params: dict) -> list[int]:
+        """The prompt: a completion's own tokens, its prompt text, or the chat template's
+        rendering of the messages (and tools)."""
+        model = self._model
+        if params.get("prompt_tokens") is not None:  # a completion's own tokens
+            return list(params["prompt_tokens"])
+        if params.get("prompt") is not None:
+            text, bos = params["prompt"], model.add_bos_token()
+        else:
+            text, bos = self._format(messages, params.get("tools"))
+        return model.tokenize(text.encode("utf-8"), add_bos=bos, special=True)
+
+    def step(self) -> None:
+        """One decode for every sequence (localrt.engines.batching.Batcher.step)."""
+        self._batcher.step()
+
+    def counters(self) -> dict:
+        """Decode steps so far, and the prompt tokens they read: as the batcher counted
+        them, and as llama.cpp did (it counts the tokens of decodes of more than one)."""
+        return {"decodes": self._batcher.decodes, "prompt_read": self._batcher.prompt_read,
+                "prompt_evaluated": self._batch.prompt_evaluated()}
+
+    def _sampler(self, params: dict, tokens: list[int]):
+        """The request's sampler chain; a 400 for a logit_bias token not in the
+        vocabulary, or a grammar llama.cpp cannot parse."""
+        n_vocab = self._model.n_vocab()
+        bias = []
+        for key, value in (params.get("logit_bias") or {}).items():
+            token = int(key)
+            if not 0 <= token < n_vocab:
+                raise InvalidField(f"Invalid field 'logit_bias': token {key} is not in the "
+                                   f"model's vocabulary of {n_vocab}", param="logit_bias")
+            bias.append((token, float(value)))
+        # A grammar of the caller's own (GBNF: a forced tool call's) goes before
+        # response_format's.
+        grammar, source = params.get("grammar"), "grammar"
+        if not grammar:
+            grammar, source = json_grammar(params.get("response_format")), "response_format"
+        def value(name: str) -> float:
+            return sampling_value(params, name)
+
+        sampling = Sampling(
+            temperature=value("temperature"), top_k=int(value("top_k")), top_p=value("top_p"),
+            min_p=value("min_p"), repeat_penalty=value("repeat_penalty"),
+            frequency_penalty=value("frequency_penalty"),
+            presence_penalty=value("presence_penalty"),
+            seed=seed_of(params, 32), bias=tuple(bias), grammar=grammar)
+        try:
+            return self._batch.sampler(sampling, tokens)
+        except ValueError as exc:
+            raise InvalidField(f"Invalid field '{source}': {exc}", param=source) from None
+
+    # --- for localrt.inference.completions ----------------------------------------------
+
+    @property
+    def n_vocab(self) -> int:
+        """The vocabulary's size: token ids are below it."""
+        return self._model.n_vocab()
+
+    def tokenize(self, text: str) -> list[int]:
+        """A prompt text's tokens, as generate() reads params["prompt"]."""
+        model = self._model
+        return model.tokenize(text.encode("utf-8"), add_bos=model.add_bos_token(),
+                              special=True)
+
+    def detokenize(self, tokens) -> str:
+        """The text of tokens (special ones render as nothing)."""
+        return self._model.detokenize(list(tokens)).decode("utf-8", errors="replace")
+
+    def fim_prompt(self, prefix: str, suffix: str) -> list[int] | None:
+        """The fill-in-the-middle prompt llama.cpp's server writes (BOS when the model
+        adds one, then FIM_PRE prefix FIM_SUF suffix FIM_MID); None when the vocabulary
+        has no FIM tokens."""
+        model = self._model
+        pre, suf, mid = model.token_prefix(), model.token_suffix(), model.token_middle()
+        if min(pre, suf, mid) < 0:
+            return None
+
+        def text(t: str) -> list[int]:
+            return model.tokenize(t.encode("utf-8"), add_bos=False, special=False)
+
+        bos = [model.token_bos()] if model.add_bos_token() and model.token_bos() >= 0 else []
+        return bos + [pre] + text(prefix) + [suf] + text(suffix) + [mid]
+
+    def _piece(self, token: int, special: bool = False) -> bytes:
+        """A token's bytes (special tokens render as nothing, as in llama-cpp-python,
+        unless `special`)."""
+        pieces = self._special_pieces if special else self._pieces
+        piece = pieces.get(token)
+        if piece is None:
+            vocab, size = self._model.vocab, 64
+            while True:
+                buf = ctypes.create_string_buffer(size)
+                n = self._llama_cpp.llama_token_to_piece(vocab, token, buf, size, 0, special)
+                if n >= 0:
+                    break
+                size = -n
+            piece = pieces[token] = buf.raw[:n]
+        return piece
+
+    def _preserved(self, texts) -> frozenset:
+        """The ids of the special tokens spelled `texts`, to print as text."""
+        ids = set()
+        for text in texts or ():
+            tokens = self._model.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+            if len(tokens) == 1:
+                ids.add(tokens[0])
+        return frozenset(ids)
+
+    def memory(self) -> dict:
+        """RAM and VRAM from llama.cpp: the weights (split by offloaded layers) and the
+        KV cache of every slot (`kv`, in ram or vram). A model split across rpc-servers
+        offloads to them, not to a GPU here: that part is `remote`, in neither."""
+        from localrt.engines import rpc
+
+        llama_cpp, model = self._llama_cpp, self._model
+        weights = llama_cpp.llama_model_size(model.model)
+        kv = self.kv_bytes()
+        layers = llama_cpp.llama_model_n_layer(model.model)
+        offloaded = 0
+        if self._rpc_targets or rpc.local_gpu(llama_cpp):
+            ngl = model.params.n_gpu_layers
+            offloaded = layers + 1 if ngl < 0 else min(ngl, layers + 1)
+        # The offloaded layers' weights go to the GPU, and so does the KV cache
+        # (llama.cpp's offload_kqv) once any layer is offloaded.
+        away = weights * offloaded // (layers + 1) + (kv if offloaded else 0)
+        if self._rpc_targets:
+            return {"ram": weights + kv - away, "vram": 0, "kv": kv, "remote": away}
+        return {"ram": weights + kv - away, "vram": away, "kv": kv}
+
+    def kv_bytes(self) -> int:
+        """The KV cache's size: keys and values of every layer for every token of every slot."""
+        llama_cpp, model, meta = self._llama_cpp, self._model.model, self._metadata
+        arch = meta.get("general.architecture", "")
+        heads = llama_cpp.llama_model_n_head(model) or 1
+        head = llama_cpp.llama_model_n_embd(model) // heads
+        key = int(meta.get(f"{arch}.attention.key_length", head))
+        value = int(meta.get(f"{arch}.attention.value_length", head))
+        width = (key + value) * llama_cpp.llama_model_n_head_kv(model)
+        cells = llama_cpp.llama_n_ctx(self._batch.ctx)
+        return int(llama_cpp.llama_model_n_layer(model) * cells * width
+                   * CACHE_TYPE_BYTES[self._cache_type])
+
+    def _format(self, messages: list, tools: list | None = None) -> tuple[str, bool]:
+        """The prompt from the GGUF's chat template (llama-2's format if it has none),
+        given `tools` as Hugging Face's apply_chat_template gives them."""
+        from llama_cpp import llama_chat_format
+
+        if self._formatter is None:
+            template = self._metadata.get("tokenizer.chat_template")
+            if template:
+                model = self._model
+
+                def text(token: int) -> str:
+                    return model.token_get_text(token) if token >= 0 else ""
+
+                self._formatter = llama_chat_format.Jinja2ChatFormatter(
+                    template=template, eos_token=text(model.token_eos()),
+                    bos_token=text(model.token_bos()))
+            else:
+                self._formatter = llama_chat_format.format_llama2
+        try:
+            out = self._formatter(messages=messages, tools=tools)
+        except Exception as exc:  # jinja2 errors, and the template's raise_exception()
+            raise InvalidField(f"Invalid field 'messages': the model's chat template "
+                               f"refused them: {exc}", param="messages") from None
+        return out.prompt, not out.added_special
+
+    def unload(self) -> None:
+        """Free the sequences, the context and the model (no step runs any more)."""
+        with self._batcher.stepping():
+            self._batcher.close()
+            self._batch.close()
+            self._model.close()
+        self._release_rpc()
+
+    def _release_rpc(self) -> None:
+        if self._rpc_targets:
+            self._rpc.release(self._rpc_targets)
+            self._rpc_targets = []
+
+
+def _rpc_targets(llama_cpp, options: dict) -> list[str]:
+    """The rpc-servers of the start option `rpc_servers` ("host:port" each); a 400 when
+    this llama.cpp has no RPC backend (localrt.engines.catalog names the variant that has)."""
+    from localrt.engines import rpc
+
+    if not options.get("rpc_servers"):
+        return []
+    if not llama_cpp.llama_supports_rpc():
+        raise InvalidField("Invalid field 'rpc_servers': the llama.cpp this server loaded "
+                           "has no RPC backend; install a gguf-cpp +rpc variant (localrt "
+                           "engines install gguf-cpp --variant ...+rpc), or, if it is the "
+                           "active one already, restart the server to load it",
+                           param="rpc_servers")
+    try:
+        return rpc.endpoints(rpc.parse_servers(options["rpc_servers"]))
+    except ValueError as exc:
+        raise InvalidField(f"Invalid field 'rpc_servers': {exc}", param="rpc_servers") \
+            from None
+
+
+def _engine_dir(llama_cpp) -> str:
+    """The folder llama_cpp was imported from (an engine variant's, or site-packages)."""
+    return str(Path(llama_cpp.__file__).resolve().parent.parent)
+
+
+def _model_params(llama_cpp, options: dict):
+    """llama_model_params for the start options (ngl, use_mmap, mlock)."""
+    params = llama_cpp.llama_model_default_params()
+    ngl = options.get("ngl")
+    if ngl is not None:
+        params.n_gpu_layers = 0x7FFFFFFF if ngl < 0 else ngl  # INT32_MAX: every layer
+    mmap, mlock = options.get("use_mmap", True) is not False, bool(options.get("mlock"))
+    params.load_mode = {(True, True): llama_cpp.LLAMA_LOAD_MODE_MMAP_MLOCK,
+                        (False, True): llama_cpp.LLAMA_LOAD_MODE_MLOCK,
+                        (True, False): llama_cpp.LLAMA_LOAD_MODE_MMAP,
+                        (False, False): llama_cpp.LLAMA_LOAD_MODE_NONE}[mmap, mlock]
+    return params
+
+
+def _context_params(llama_cpp, options: dict, n_ctx: int, slots: int):
+    """llama_context_params: `slots` sequences of their own (no unified KV) in n_ctx."""
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx, params.n_seq_max, params.kv_unified = n_ctx, slots, False
+    n_batch = max(options.get("n_batch") or DEFAULT_BATCH, slots)
+    params.n_batch, params.n_ubatch = n_batch, min(n_batch, DEFAULT_BATCH)
+    threads = options.get("cpu_threads")
+    if threads:
+        params.n_threads = params.n_threads_batch = threads
+    params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if options.get("flash_attn")
+                              else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+    if options.get("cache_type"):
+        params.type_k = params.type_v = CACHE_TYPES[options["cache_type"]]
+    params.no_perf = False  # keeps llama.cpp's count of evaluated prompt tokens
+    return params
+
+
+def llama_arguments(options: dict) -> dict:
+    """llama_cpp.Llama's arguments for the start options (LLAMA_OPTIONS), for the
+    embedding mode's Llama."""
+    arguments = {LLAMA_OPTIONS[k]: v for k, v in options.items()
+                 if k in LLAMA_OPTIONS and v is not None}
+    if options.get("cache_type"):
+        arguments["type_k"] = arguments["type_v"] = CACHE_TYPES[options["cache_type"]]
+    if "n_threads" in arguments:
+        arguments["n_threads_batch"] = arguments["n_threads"]
+    return arguments
