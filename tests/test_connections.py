@@ -27,6 +27,9 @@ from localrt.app import create_app
 FLOOD = 1000
 PATIENCE = 30.0  # seconds any one event may take on a busy machine; none should take long
 LONG = 3600      # seconds: a timeout no test outlives
+# Descriptors the baseline reading may hold that a later one does not (its own
+# connection, a log file rotating): the flood counts as accepted within these.
+SLACK = 8
 REQUEST = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 
 
@@ -138,7 +141,7 @@ def test_a_thousand_idle_connections_do_not_deny_service(home, settings, many_fi
     try:
         baseline = open_fds(srv.url)
         flood = [connect(srv.port) for _ in range(FLOOD)]
-        wait_held(srv.url, baseline + FLOOD)
+        wait_held(srv.url, baseline + FLOOD - SLACK)
         times = answer_times(srv.url, 20)
         print(f"\nGET /v1/models with {FLOOD} idle connections: worst {max(times):.3f} s, "
               f"median {sorted(times)[len(times) // 2]:.3f} s")
@@ -163,7 +166,7 @@ def test_a_thousand_slow_clients_do_not_deny_service(home, settings, many_files)
     try:
         baseline = open_fds(srv.url)
         flood = [connect(srv.port) for _ in range(FLOOD)]
-        wait_held(srv.url, baseline + FLOOD)
+        wait_held(srv.url, baseline + FLOOD - SLACK)
         sender = threading.Thread(target=dribble, daemon=True)
         sender.start()
         times = answer_times(srv.url, 40)

@@ -1,4 +1,4 @@
-"""localrt.models.ggufinfo reads GGUF headers the way the gguf package does, without its deps."""
+"""localrt.engines.ggufinfo reads GGUF headers the way the gguf package does, without its deps."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import gguf
 import pytest
 from ggufgen import CHATML_TEMPLATE, read_gguf_metadata, write_gguf
 
-from localrt.models.ggufinfo import (
+from localrt.engines.ggufinfo import (
     QUANTIZATION_NAMES,
     ArrayInfo,
     GGUFError,

@@ -1,8 +1,8 @@
-"""The package's shape stays what the README's design notes say.
+"""The package's shape stays what README.rst's Development section says.
 
-No import cycles (lazy imports inside functions count too), no module over 600 lines
-but the few listed with their reason, and only the adapters and the engine catalog
-know engines by name.
+Which package may import which (LAYERS), no import cycles (lazy imports inside
+functions count too), no module over 600 lines but the few listed with their reason,
+and only the adapters and the engine catalog know engines by name.
 """
 
 from __future__ import annotations
@@ -17,15 +17,13 @@ PACKAGE = Path(__file__).resolve().parent.parent / "localrt"
 MAX_MODULE_LINES = 600
 # The modules allowed past it, and why. Shorten the list, never lengthen it lightly.
 LONG_MODULES = {
-    # Being split (issue 24, item 1): ids, the registry, pull planning and imports.
-    "localrt.models.registry",
-    # Being restructured onto the one request path (issue 24, item 2).
-    "localrt.inference.remote",
     # One job, each of its parts a table entry per model family (llama.cpp's
     # common/chat.cpp): the families' templates, grammars and incremental parsers.
-    "localrt.inference.toolcalls",
-    # Ollama's nine routes; it shrinks as its model starts, keep-alive and pull
-    # progress move to the services and the event bus (issue 24, item 1).
+    "localrt.engines.toolcalls",
+    # Ollama's nine routes, one API as anthropic and responses are one each: its
+    # requests as native ones, its NDJSON replies with their statistics, and its
+    # listings of the models (tags, ps, show). Starting models, keep-alive and pull
+    # progress are the services' and the event bus's.
     "localrt.dialects.ollama",
 }
 # The only modules that may compare or spell out the built-in engines' names: the
@@ -34,6 +32,45 @@ ENGINE_NAME_OWNERS = {"localrt.engines.catalog", "localrt.engines.llama",
                       "localrt.engines.embedding", "localrt.engines.onnx"}
 ENGINE_NAMES = ("gguf-cpp", "onnx-runtime")
 ENGINE_CONSTANTS = ("GGUF_ENGINE", "ONNX_ENGINE")
+
+
+# Who may import whom. Each part of the package, top down, with the parts it may import
+# besides itself: a request comes in through the server and the app, the route table
+# and its services, and goes down through the dialects to the one request path
+# (inference), which uses models and engines; downloads serve models and engines; the
+# HTTP core's leaves (CORE) serve everyone. The CLI talks to the server only through
+# the client (it may start the server). If an arrow is new, decide it here.
+CORE = {"localrt", "localrt.errors", "localrt.fsutil", "localrt.settings", "localrt.security",
+        "localrt.config", "localrt.routing", "localrt.schemas", "localrt.events",
+        "localrt.metrics", "localrt.bootstrap"}
+LAYERS = {
+    "localrt.__main__": {"localrt.cli"},
+    "localrt.cli": {"localrt.client", "localrt.server"} | CORE,
+    "localrt.client": CORE,
+    "localrt.server": {"localrt.app", "localrt.connections"} | CORE,
+    "localrt.connections": CORE,
+    "localrt.app": {"localrt.api", "localrt.services", "localrt.openapi"} | CORE,
+    "localrt.api": {"localrt.services", "localrt.openapi", "localrt.dialects",
+                    "localrt.models"} | CORE,
+    "localrt.openapi": CORE,
+    "localrt.services": {"localrt.dialects", "localrt.inference", "localrt.models",
+                         "localrt.engines", "localrt.downloads"} | CORE,
+    "localrt.dialects": {"localrt.inference", "localrt.models", "localrt.engines"} | CORE,
+    "localrt.inference": {"localrt.models", "localrt.engines", "localrt.downloads"} | CORE,
+    "localrt.models": {"localrt.engines", "localrt.downloads"} | CORE,
+    "localrt.engines": {"localrt.downloads"} | CORE,
+    "localrt.downloads": CORE,
+}
+# The core's leaves, bottom up: each may import those before it.
+CORE_ORDER = ("localrt.errors", "localrt.fsutil", "localrt.settings", "localrt.security",
+              "localrt.config", "localrt.routing", "localrt.schemas", "localrt.events",
+              "localrt.metrics", "localrt.bootstrap")
+
+
+def part_of(name: str) -> str:
+    """The part of the package a module belongs to: its subpackage, or itself."""
+    parts = name.split(".")
+    return ".".join(parts[:2])
 
 
 def modules() -> dict[str, Path]:
@@ -67,6 +104,27 @@ def imports_of(name: str, path: Path, known: dict) -> set[str]:
             if target and target not in (name, "localrt"):
                 found.add(target)
     return found
+
+
+def test_each_part_imports_only_the_parts_below_it():
+    known = modules()
+    assert {part_of(n) for n in known} == set(LAYERS) | CORE, \
+        "a new part of the package: give it its place in LAYERS (or CORE)"
+    wrong = []
+    for name, path in known.items():
+        part = part_of(name)
+        for dep in sorted(imports_of(name, path, known)):
+            target = part_of(dep)
+            if target == part:
+                continue
+            if part in CORE:
+                allowed = set(CORE_ORDER[:CORE_ORDER.index(part)]) | {"localrt"} \
+                    if part in CORE_ORDER else set()
+            else:
+                allowed = LAYERS[part]
+            if target not in allowed:
+                wrong.append(f"{name} -> {dep}")
+    assert wrong == []
 
 
 def test_the_import_graph_has_no_cycles():

@@ -1,4 +1,4 @@
-"""Log probabilities on chat and text completions, on real llama.cpp (localrt.inference.logprobs).
+"""Log probabilities on chat and text completions, on real llama.cpp (localrt.engines.logprobs).
 
 The model is conftest's tiny random llama (Q8_0), started with the prompt cache off so
 that the same request computes bit for bit the same logits every time: random weights
@@ -105,11 +105,11 @@ def text_of(entries: list) -> str:
 
 @pytest.mark.parametrize("n", [100, 320, 32000, 32001, 151936])
 def test_score_is_a_log_softmax_and_its_top_tokens(n):
-    """localrt.inference.logprobs.score against a plain float64 log-softmax and a full sort, ties
+    """localrt.engines.logprobs.score against a plain float64 log-softmax and a full sort, ties
     (to the lower id, as a greedy sampler) and a flat row included."""
     import numpy as np
 
-    from localrt.inference.logprobs import score
+    from localrt.engines.logprobs import score
 
     rng = np.random.default_rng(n)
     rows = [rng.standard_normal(n).astype(np.float32) * scale for scale in (1, 8)]

@@ -17,8 +17,8 @@ import time
 import pytest
 from localrt.app import create_app
 from localrt.cli import ExitCode, main
-from localrt.inference.remote import (HEALTHY, UNHEALTHY, NoHealthyUpstream, Pool, Probe, UpstreamKeyRefused,
-                            UpstreamTimeout, parse_upstreams)
+from localrt.inference.upstreams import (HEALTHY, UNHEALTHY, NoHealthyUpstream, Pool, Probe,
+                                         UpstreamKeyRefused, UpstreamTimeout, parse_upstreams)
 
 KEY = "sk-upstream-1234567890"
 
@@ -296,7 +296,7 @@ def test_a_remote_upstreams_probe_names_tinyproxys_refusal_not_the_key(tmp_path)
     from conftest import outbound_config as config
     from proxyfix import need_tinyproxy, start_target, start_tinyproxy
 
-    from localrt.inference.remote import Upstream, probe
+    from localrt.inference.upstreams import Upstream, probe
 
     need_tinyproxy()
     with start_target(b'{"data": []}') as target, \

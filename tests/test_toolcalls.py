@@ -1,4 +1,4 @@
-"""localrt.inference.toolcalls without a model: families from real chat templates, the request's
+"""localrt.engines.toolcalls without a model: families from real chat templates, the request's
 tool fields, the grammars, and the parser on recorded outputs of each family.
 
 The recorded outputs are what the models write (the shapes their model cards and chat
@@ -16,7 +16,7 @@ import pytest
 from chattemplates import LLAMA31, MISTRAL_NEMO, QWEN25
 from ggufgen import CHATML_TEMPLATE
 
-from localrt.inference import toolcalls
+from localrt.engines import toolcalls
 from localrt.errors import InvalidField
 
 FAMILY = {f.name: f for f in toolcalls.FAMILIES}

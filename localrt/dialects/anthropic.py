@@ -5,7 +5,7 @@ Messages request (schemas/anthropic-messages.json) into an OpenAI chat request f
 localrt.inference.chat (`Chats.create`, `Chats.count_tokens`); `message(completion, body)` turns
 the chat.completion back into a Message, and `MessageStream` turns the stream's
 chat.completion.chunk dicts into Anthropic's Server-Sent Events. There is no second
-generation path: models, starting them, tools (localrt.inference.toolcalls), stop sequences and
+generation path: models, starting them, tools (localrt.engines.toolcalls), stop sequences and
 usage are chat's, for local and remote models alike. `error_body(err)` is the error
 shape of these routes (api.DIALECTS). Pure functions over plain data; nothing here
 sees an engine or the WSGI environ.

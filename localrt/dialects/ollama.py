@@ -55,8 +55,8 @@ from datetime import datetime, timedelta, timezone
 from typing import Callable, Iterator
 
 from localrt import __version__
-from localrt.inference import toolcalls
-from localrt.models import ggufinfo
+from localrt.engines import toolcalls
+from localrt.engines import ggufinfo
 from localrt.dialects.common import Fields, native
 from localrt.errors import Conflict, HTTPError, InternalError, InvalidField, UpstreamError
 from localrt.models.registry import weights_path

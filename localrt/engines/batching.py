@@ -21,7 +21,7 @@ step computes; `LlamaBatch` computes it with llama.cpp:
     half, or whose cache holds at least half the prompt, is chosen that way;
     otherwise the least recently used slot is, so other conversations keep theirs.
     With caching off, every prompt is read whole.
-  * Log-probabilities (localrt.inference.logprobs), only for a sequence that asks: each token it
+  * Log-probabilities (localrt.engines.logprobs), only for a sequence that asks: each token it
     samples is scored from its row of logits before its sampler chain sees them, and
     with `prompt_logprobs` (a completion's echo) so is every prompt token, which takes
     logits for each: such a prompt is read whole (its cached prefix has no logits
@@ -44,7 +44,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from localrt.inference import logprobs
+from localrt.engines import logprobs
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class Sequence:
         self.prompt = prompt
         self.max_tokens = max_tokens
         self.sampler = sampler  # the engine's, handed to its decode(); freed by release()
-        # Log-probabilities (localrt.inference.logprobs), for a request that asks: each sampled
+        # Log-probabilities (localrt.engines.logprobs), for a request that asks: each sampled
         # token's, with this many alternatives (None: none computed), and with
         # prompt_logprobs the prompt's too, which is then read whole (no cached
         # prefix: its logits are gone). The engine's decode() appends a TokenLogprob to

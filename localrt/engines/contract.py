@@ -74,11 +74,11 @@ class Model(Protocol):
     OpenAI's sampling fields (`response_format` as {"type": "json_object"} or
     {"type": "json_schema", "schema"}) plus `prompt` (the text of a model's
     prompt_template, or a completion's prompt, used instead of the chat template when
-    present) and `stop` (a list). For tool calls (localrt.inference.toolcalls): `tools`
+    present) and `stop` (a list). For tool calls (localrt.engines.toolcalls): `tools`
     (OpenAI's list, given to the chat template as Hugging Face gives it), `grammar`
     (GBNF that constrains the reply instead of response_format) and `preserved_tokens`
     (special tokens printed as their text, as a call's syntax needs). For log
-    probabilities (localrt.inference.logprobs): `logprobs` (how many alternatives each
+    probabilities (localrt.engines.logprobs): `logprobs` (how many alternatives each
     token's comes with, 0 to 20; absent or None: none) and `prompt_logprobs` (score
     the prompt's tokens too: a completion's echo). A Tokenizing model's generate()
     also takes `prompt_tokens` (a completion's own tokens).
@@ -177,7 +177,7 @@ class Embedding(Protocol):
 
 @runtime_checkable
 class Templated(Protocol):
-    """A model with a Jinja chat template (localrt.inference.toolcalls reads its call
+    """A model with a Jinja chat template (localrt.engines.toolcalls reads its call
     format from it)."""
 
     chat_template: Optional[str]  # None when the model has none after all

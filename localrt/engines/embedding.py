@@ -32,7 +32,7 @@ def embedding_pooling(model_path: str, options: dict) -> int | None:
     """
     import llama_cpp
 
-    from localrt.models import ggufinfo
+    from localrt.engines import ggufinfo
 
     try:
         meta = ggufinfo.read_metadata(model_path)

@@ -3,7 +3,7 @@
 A Generation is an iterator of text pieces, one per token (or fewer while a stop
 sequence might be starting). `token_loop` turns an engine's tokens into those pieces:
 it cuts the text at a stop sequence (`StopText`), an end token or max_tokens, counts
-the tokens in `usage`, feeds the Generation's Log (localrt.inference.logprobs) when
+the tokens in `usage`, feeds the Generation's Log (localrt.engines.logprobs) when
 the request asked for log probabilities, and sets `finish_reason` and
 `stop_sequence` at the end. A custom engine's model with only the older chat() is
 wrapped in `ChatOnlyModel`, whose generations count chat()'s streamed pieces as
@@ -32,7 +32,7 @@ class Generation:
     """Text pieces as they are generated; `finish_reason` and `usage` once it ends.
 
     `run(generation)` makes the iterator of pieces (read lazily); `on_close` runs at
-    close(), read or not; `logprobs` is a localrt.inference.logprobs.Log when the
+    close(), read or not; `logprobs` is a localrt.engines.logprobs.Log when the
     request asked for log probabilities and the engine computes them (token_loop
     feeds it). A batched model's generation is given how to wait for its next token
     when the model builds it (localrt.engines.contract.Batched).
@@ -102,7 +102,7 @@ def token_loop(gen: Generation, tokens, *, decode, is_end=lambda token: False,
 
     Counts completion tokens in `gen.usage` and sets `gen.finish_reason` (and
     `gen.stop_sequence`) at the end; `exhausted` is the finish reason when `tokens` runs
-    out by itself. With `gen.logprobs` (a localrt.inference.logprobs.Log), `scores(token)` is each
+    out by itself. With `gen.logprobs` (a localrt.engines.logprobs.Log), `scores(token)` is each
     token's TokenLogprob, and the log learns which text each token made and what of it
     is sent.
     """

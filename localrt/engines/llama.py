@@ -6,7 +6,7 @@ n_parallel sequences share each decode step (localrt.engines.batching), with the
 prompt cache. An embedding model, or one started with the start option `embedding`,
 loads in llama.cpp's embedding mode instead (localrt.engines.embedding). A JSON
 response_format becomes a grammar (localrt.engines.grammar); log probabilities
-(localrt.inference.logprobs) are read from the logits before sampling, in
+(localrt.engines.logprobs) are read from the logits before sampling, in
 LlamaBatch.decode, for the prompt too. llama_cpp is imported only when a model loads.
 """
 
@@ -24,8 +24,8 @@ from localrt.engines.generation import (GeneratingModel, Generation, check_room,
                                         sampling_value, token_loop)
 from localrt.engines.grammar import json_grammar
 from localrt.errors import InvalidField
-from localrt.inference import toolcalls
-from localrt.inference.logprobs import Log, TokenLogprob
+from localrt.engines import toolcalls
+from localrt.engines.logprobs import Log, TokenLogprob
 
 GGUF_ENGINE = "gguf-cpp"
 

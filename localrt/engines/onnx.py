@@ -2,7 +2,7 @@
 
 `OnnxEngine` loads a folder as an `OnnxModel`, which serves one request at a time (a
 fresh Generator per request) and counts a chat's tokens (localrt.engines.contract's
-Counting). Log probabilities (localrt.inference.logprobs) come from
+Counting). Log probabilities (localrt.engines.logprobs) come from
 Generator.get_logits() before each generate_next_token(); it cannot score a prompt.
 onnxruntime_genai is imported only when a model loads, from its engine folder.
 """
@@ -17,7 +17,7 @@ from typing import Iterator
 from localrt.engines.generation import (GeneratingModel, Generation, check_room, seed_of,
                                         sampling_value, token_loop)
 from localrt.errors import InvalidField
-from localrt.inference.logprobs import Log, scored
+from localrt.engines.logprobs import Log, scored
 
 ONNX_ENGINE = "onnx-runtime"
 
@@ -100,7 +100,7 @@ class OnnxModel(GeneratingModel):
             def tokens_out() -> Iterator[int]:
                 while not generator.is_done():
                     # The model's logits for the next token, read before the search
-                    # samples from them: its own log-probabilities (localrt.inference.logprobs).
+                    # samples from them: its own log-probabilities (localrt.engines.logprobs).
                     logits = None if top is None else self._logits(generator)
                     generator.generate_next_token()
                     token = int(generator.get_next_tokens()[0])

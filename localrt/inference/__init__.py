@@ -1,8 +1,8 @@
 """Inference: running models and the one request path of generation.
 
-`scheduler` loads and unloads models, and `lanes` paces who computes when; `requests` is the
-skeleton every chat, completion and embedding takes (local or remote, decided once);
-`chat`, `completions` and `embeddings` are OpenAI's native APIs on it; `remote`
-forwards a remote model's requests to its upstreams; `toolcalls` and `logprobs` are
-what chat and completions add to a reply.
+`scheduler` loads and unloads models, and `lanes` paces who computes when; `requests`
+is the path every chat, completion and embedding takes (local or remote, decided
+once); `chat`, `completions` and `embeddings` are OpenAI's native APIs on it; `remote`
+forwards a remote model's requests to its upstreams, whose health and routing are
+`upstreams`.
 """

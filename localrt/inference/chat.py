@@ -12,13 +12,13 @@ This module keeps only OpenAI's shapes: a request takes the one path of
 localrt.inference.requests (a remote model's goes whole to its upstreams there), the
 engine checks what it can serve (localrt.engines.catalog), the scheduler gives the
 model and paces its tokens (`Lease.steps`, localrt.inference.scheduler), and
-localrt.inference.toolcalls knows each model family's tool-call syntax: the grammar
+localrt.engines.toolcalls knows each model family's tool-call syntax: the grammar
 that forces a call and the parser whose events become message.tool_calls and
 delta.tool_calls here.
 
 `logprobs: true` (with `top_logprobs`, 0 to 20 alternatives; top_logprobs alone is a
 400) gives choices[0].logprobs = {"content": [...], "refusal": null}, one entry per
-generated token as localrt.inference.logprobs writes them (the model's own log-probabilities,
+generated token as localrt.engines.logprobs writes them (the model's own log-probabilities,
 before sampling settings). A stream's chunk carries the entries of the tokens whose
 text it sends, and its last chunk those whose text was held back or was none. With
 tool calls the entries cover every generated token, the calls' included: a token can
@@ -37,7 +37,7 @@ from typing import Iterator
 
 from localrt.engines import contract
 from localrt.errors import InvalidField, UpstreamError
-from localrt.inference import logprobs, toolcalls
+from localrt.engines import logprobs, toolcalls
 from localrt.inference.requests import (EventStream, Kind, Local, RequestPath, respond,
                                         stream_error)
 from localrt.inference.scheduler import Lease

@@ -19,7 +19,7 @@ tokens), so a reply with several is as long as their sum.
 `logprobs` (0 to 20 alternatives) gives each choice OpenAI's legacy object: tokens,
 token_logprobs, top_logprobs (a dict per token of the alternatives and the chosen
 token) and text_offset (characters from the start of the prompt's text, echoed or
-not, as OpenAI counts them); localrt.inference.logprobs computes and writes them. With `echo`
+not, as OpenAI counts them); localrt.engines.logprobs computes and writes them. With `echo`
 the prompt's tokens come first, the first with nulls (nothing came before it): the
 engine scores the prompt too (gguf-cpp reads it whole then, without its cached
 prefix); an engine that cannot, or a suffix (the echo is only the prefix), is a 400
@@ -39,7 +39,7 @@ from typing import Iterator
 
 from localrt.engines import contract
 from localrt.errors import InvalidField
-from localrt.inference import logprobs
+from localrt.engines import logprobs
 from localrt.inference.chat import SAMPLING
 from localrt.inference.requests import EventStream, Kind, Local, RequestPath, respond, stream_error
 from localrt.inference.scheduler import Lease

@@ -2,6 +2,6 @@
 
 `ids` parses and checks model ids before any I/O; `registry` owns the model
 definitions on disk; `pulls` plans what a pull downloads (candidates,
-quantizations, split files) and `imports` registers local files; `hub` is the
-Hugging Face hub's API and `ggufinfo` reads a GGUF file's header.
+quantizations, split files) and starts it; `imports` registers local files; `hub` is
+the Hugging Face hub's API.
 """

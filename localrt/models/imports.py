@@ -17,7 +17,7 @@ from pathlib import Path
 from localrt.downloads.tasks import Item, check_disk_space, fsync_dir
 from localrt.errors import Conflict, InvalidField
 from localrt.fsutil import private_dir
-from localrt.models import ggufinfo
+from localrt.engines import ggufinfo
 from localrt.models.ids import check_new_id, folder_name
 from localrt.models.registry import ONNX_CONFIG, Registry, new_definition
 

@@ -27,7 +27,7 @@ from localrt.downloads.tasks import fsync_dir
 from localrt.engines.catalog import engine_alias, engine_for_files, weights_file
 from localrt.errors import Conflict, HTTPError, InvalidField, NotFound
 from localrt.fsutil import atomic_write
-from localrt.models import ggufinfo
+from localrt.engines import ggufinfo
 
 log = logging.getLogger(__name__)
 

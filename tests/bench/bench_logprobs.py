@@ -122,7 +122,7 @@ def score_cost(n_vocab: int = 32000, times: int = 2000) -> float:
     logprobs take in localrt: scoring a row of n_vocab logits, the entry, its JSON."""
     import numpy as np
 
-    from localrt.inference import logprobs
+    from localrt.engines import logprobs
 
     row = np.random.default_rng(0).standard_normal(n_vocab).astype(np.float32)
     log = logprobs.Log(lambda token, special: b" piece")

@@ -164,7 +164,7 @@ def stream(port: int, request: dict) -> dict:
 
 def parser_cost(pieces: list, times: int = 200) -> float:
     """Seconds localrt's parser takes per piece of a streamed reply, in this process."""
-    from localrt.inference import toolcalls
+    from localrt.engines import toolcalls
 
     family = toolcalls.family_of("<tool_call>")
     started = time.perf_counter()
