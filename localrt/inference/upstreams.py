@@ -328,6 +328,7 @@ class Pool:
 # --- probes and what upstreams say ---------------------------------------------------
 
 
+@dataclass(frozen=True)
 class Probe:
     """What a probe found: `health` None is a slow answer, which changes nothing."""
 
