@@ -616,25 +616,37 @@ def test_custom_engine_wheel_from_a_url(api, index, clean_sys_path):
 def test_a_gguf_cpp_variant_installs_from_the_index_and_is_probed(app, api, index_dir,
                                                                   tmp_path, quantized):
     """gguf-cpp variants are llama-cpp-python wheels labelled +<variant feature>. This
-    one crashes, so after its install it is Incompatible and models are refused."""
-    build_wheel(index_dir, "llama-cpp-python", "0.3.99+avx2",
+    one crashes, so after its install it is Incompatible and models are refused.
+
+    The variant is one this CPU runs other than the shipped build's (on an AVX2-only
+    machine the shipped build is the avx2 variant, which an install only checks)."""
+    from localrt.engines.hardware import CPU_LEVELS
+
+    hw = app.services.engines.hardware
+    shipped = app.services.engines.default("gguf-cpp")["variant"]
+    level = next((level for level, flag in CPU_LEVELS if flag in hw.cpu_flags
+                  and f"{hw.platform}-{level}" != shipped), None)
+    if level is None or hw.platform != "linux-amd64":
+        pytest.skip("no x86-64 CPU level here besides the shipped build's")
+    variant, wheel = f"linux-amd64-{level}", f"llama_cpp_python-0.3.99+{level}-py3-none-any.whl"
+    build_wheel(index_dir, "llama-cpp-python", f"0.3.99+{level}",
                 {"llama_cpp/__init__.py": CRASHING_LLAMA_CPP})
     try:
-        r = api("POST", "/v1/engines/gguf-cpp/install", {"variant": "linux-amd64-avx2"})
+        r = api("POST", "/v1/engines/gguf-cpp/install", {"variant": variant})
         assert r.status == 200, r.body
         assert wait_install(api, r.json["task"]["id"])["status"] == "Success"
         gguf = engine(api, "gguf-cpp")
         assert gguf["status"] == "Incompatible"
         assert "illegal instruction" in gguf["reason"]
         rows = {row["name"]: row for row in api("GET", "/engines/gguf-cpp").json}
-        assert rows["linux-amd64-avx2"]["status"] == "Incompatible"
-        assert rows["linux-amd64-avx2"]["version"] == "v0.3.99"
+        assert rows[variant]["status"] == "Incompatible"
+        assert rows[variant]["version"] == "v0.3.99"
         with pytest.raises(engines_mod.EngineIncompatible) as refused:
             app.services.engines.open("gguf-cpp", str(quantized["Q8_0"]), {})
         assert refused.value.status == 409 and "illegal instruction" in refused.value.message
         # Uninstalling the variant brings the shipped build back.
-        r = api("DELETE", "/v1/engines/gguf-cpp/install", {"variant": "linux-amd64-avx2"})
+        r = api("DELETE", "/v1/engines/gguf-cpp/install", {"variant": variant})
         assert r.status == 200
         assert engine(api, "gguf-cpp")["status"] == "Ready"
     finally:
-        (index_dir / "llama_cpp_python-0.3.99+avx2-py3-none-any.whl").unlink()
+        (index_dir / wheel).unlink()

@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+import localrt
 from localrt.fsutil import read_json, write_json
 
 if TYPE_CHECKING:  # only for annotations: the child never imports it
@@ -200,7 +201,8 @@ def run_probe(path: str | None, hw: Hardware) -> dict:
     cmd = [sys.executable, "-m", "localrt.engines.probe"] + ([path] if path else [])
     env = dict(os.environ)
     # The child must import this localrt, wherever it is installed or checked out.
-    localrt_root = str(Path(__file__).resolve().parent.parent)
+    # (the folder that holds the localrt package, however deep this module sits in it)
+    localrt_root = str(Path(localrt.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [localrt_root, env.get("PYTHONPATH")]))
     started = time.monotonic()
     try:

@@ -46,6 +46,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Iterable
 
+import localrt
 from localrt.errors import UpstreamError
 
 log = logging.getLogger(__name__)
@@ -140,7 +141,8 @@ def preflight(targets: list[str], engine_dir: str | None,
     """
     cmd = [sys.executable, "-m", "localrt.engines.rpc", engine_dir or "", *targets]
     env = dict(os.environ)
-    localrt_root = str(Path(__file__).resolve().parent.parent)
+    # (the folder that holds the localrt package, however deep this module sits in it)
+    localrt_root = str(Path(localrt.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [localrt_root, env.get("PYTHONPATH")]))
     # Files, not pipes: a child left running writes on without anyone reading.
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
