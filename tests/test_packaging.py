@@ -5,7 +5,7 @@ import subprocess
 import sys
 import zipfile
 
-from conftest import REPO
+from support import REPO
 
 
 def test_wheel_has_schemas_and_man_pages(tmp_path):
