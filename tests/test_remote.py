@@ -16,20 +16,11 @@ import time
 import pytest
 from support.cli import run
 
-from localrt.app import create_app
 from localrt.cli import ExitCode
 from localrt.inference.remote import (HEALTHY, UNHEALTHY, NoHealthyUpstream, Pool, Probe, UpstreamKeyRefused,
                             UpstreamTimeout, parse_upstreams)
 
 KEY = "sk-upstream-1234567890"
-
-
-@pytest.fixture
-def app(settings):
-    """The app, closed after the test: its probe thread ends."""
-    app = create_app(settings)
-    yield app
-    app.close()
 
 
 def dead_url() -> str:

@@ -25,7 +25,9 @@ KEY = "sk-local-1234567890abcdef"
 def keyed(home):
     """An app whose settings file holds two API keys."""
     (home / ".localrtrc").write_text(f"apiKeys: [{KEY}, second-key-xyz]\n")
-    return create_app(settings_mod.load())
+    app = create_app(settings_mod.load())
+    yield app
+    app.close()
 
 
 def test_without_keys_no_authorization_is_needed(api):
