@@ -35,7 +35,7 @@ def server(live_server):
 
 
 def api(url, method, path, body=None, timeout=30):
-    """conftest.send, with time for a reply from the slower model."""
+    """support.servers.send, with time for a reply from the slower model."""
     return send(url, method, path, body, timeout)
 
 
