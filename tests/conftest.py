@@ -1,50 +1,33 @@
-"""Shared test fixtures: a temporary home per test, in-process WSGI calls, real servers.
+"""The fixtures the tests share: a temporary home per test, the app in process (`app`,
+`api`), real servers, and generated models. Helpers that are not fixtures live in
+tests/support/; these are built from them.
 
-No test touches the real home directory or a fixed port.
+No test touches the real home directory or a fixed port. Every fixture that builds an
+app closes it (its download tasks, probes and models end with the test).
 """
 
 from __future__ import annotations
 
 import io
-import json
 import os
 import signal
-import subprocess
-import sys
 import threading
-import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
-from socketserver import ThreadingMixIn
 from types import SimpleNamespace
-from pathlib import Path
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
-from wsgiref.util import setup_testing_defaults
-from wsgiref.validate import validator
+from wsgiref.simple_server import make_server
 
 import pytest
+from ggufgen import write_gguf
+from support import REPO, WHEELS
+from support.apps import bind
+from support.models import quantize, write_family_models
+from support.servers import (QuietHandler, ThreadingWSGIServer, free_port,
+                             run_foreground_server)
 
 from localrt import settings as settings_mod
-from localrt.app import App, create_app
-from localrt.errors import HTTPError
-from localrt.routing import dialect_of
-from ggufgen import write_gguf
-
-REPO = Path(__file__).resolve().parent.parent
-
+from localrt.app import create_app
 
 PROXY_ENV = ("http_proxy", "https_proxy", "no_proxy", "all_proxy",
              "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY")
-
-# Config fields for outbound requests, as GET /v1/configs gives them, minus the proxy.
-OUTBOUND = {"proxy_url": "", "proxy_username": "", "proxy_password": "", "no_proxy": "",
-            "verify_host_ssl": True, "verify_peer_ssl": True, "verify_proxy_host_ssl": True,
-            "verify_proxy_ssl": True, "modelhub_token": ""}
-
-
-def outbound_config(**changes) -> dict:
-    return {**OUTBOUND, **changes}
 
 
 @pytest.fixture(autouse=True)
@@ -73,136 +56,10 @@ def settings(home):
 
 @pytest.fixture
 def app(settings):
-    return create_app(settings)
-
-
-@dataclass
-class Response:
-    status: int
-    headers: dict
-    body: bytes
-
-    @property
-    def json(self):
-        return json.loads(self.body)
-
-
-def call(app, method, path, json_body=None, body=None, headers=None, query="") -> Response:
-    """Drive the app through wsgiref.validate, with no socket."""
-    environ = {"REQUEST_METHOD": method, "PATH_INFO": path, "SCRIPT_NAME": "",
-               "QUERY_STRING": query}
-    headers = dict(headers or {})
-    if json_body is not None:
-        body = json.dumps(json_body).encode()
-        headers.setdefault("Content-Type", "application/json")
-    if body is not None:
-        environ["CONTENT_LENGTH"] = str(len(body))
-        environ["wsgi.input"] = io.BytesIO(body)
-    for name, value in headers.items():
-        key = name.upper().replace("-", "_")
-        if key in ("CONTENT_TYPE", "CONTENT_LENGTH"):
-            environ[key] = value
-        else:
-            environ["HTTP_" + key] = value
-    setup_testing_defaults(environ)
-    captured = {}
-
-    def start_response(status, response_headers, exc_info=None):
-        captured["status"] = int(status.split()[0])
-        captured["headers"] = response_headers
-        return lambda data: None
-
-    result = validator(app)(environ, start_response)
-    try:
-        data = b"".join(result)
-    finally:
-        result.close()
-    names = [k.lower() for k, _ in captured["headers"]]
-    assert len(names) == len(set(names)), f"duplicate headers: {captured['headers']}"
-    response = Response(captured["status"], {k.lower(): v for k, v in captured["headers"]},
-                        data)
-    check_documented(app, method, path, response)
-    return response
-
-
-def check_documented(app, method, path, response) -> None:
-    """Every JSON reply a test sees matches the schema GET /openapi.json documents for it:
-    the route's reply schema for a 200, schemas/error.json (or its dialect's error
-    schema) for an error."""
-    if not isinstance(app, App) or method in ("HEAD", "OPTIONS") or \
-            not response.headers.get("content-type", "").startswith("application/json"):
-        return
-    if response.status >= 400:
-        dialect = dialect_of(path, app.dialects)
-        problems = app.validators.reply_errors(dialect.error_reply if dialect else "error",
-                                               response.json)
-    else:
-        try:
-            route, _ = app.router.match(method, path)
-        except HTTPError:  # a path this app's table does not have: nothing documents it
-            return
-        if route.reply is None:
-            return
-        problems = app.validators.reply_errors(route.reply, response.json)
-    assert not problems, f"{method} {path} replied {response.status} against its " \
-        f"documented schema: {problems[:3]}"
-
-
-def send(url, method, path, body=None, timeout=10):
-    """One JSON request to a real server, as curl users make them: (status, decoded
-    reply), error replies included."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data=data, method=method,
-                                 headers={"Content-Type": "application/json"} if data else {})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        with exc:
-            return exc.code, json.loads(exc.read())
-
-
-def wait_task(api, task_id, timeout=20.0):
-    """Poll GET /v1/models/pull until the task is no longer running; return it."""
-    return _wait_ended(lambda: api("GET", "/v1/models/pull").json["data"], task_id, timeout,
-                       0.02)
-
-
-def wait_pull(url, task_id, timeout=30.0):
-    """wait_task for a real server at `url`."""
-    return _wait_ended(lambda: send(url, "GET", "/v1/models/pull")[1]["data"], task_id,
-                       timeout, 0.05)
-
-
-def _wait_ended(list_tasks, task_id, timeout, interval):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        task = {t["id"]: t for t in list_tasks()}.get(task_id)
-        if task and task["status"] not in ("Pending", "Downloading"):
-            return task
-        time.sleep(interval)
-    raise AssertionError(f"task {task_id} still running after {timeout}s")
-
-
-def wait_bytes(api, task_id, at_least, timeout=20.0):
-    """Poll GET /v1/models/pull until the task has at least `at_least` bytes; return it."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        tasks = {t["id"]: t for t in api("GET", "/v1/models/pull").json["data"]}
-        task = tasks.get(task_id)
-        if task and sum(i["downloadedBytes"] for i in task["items"]) >= at_least:
-            return task
-        time.sleep(0.01)
-    raise AssertionError(f"task {task_id} did not reach {at_least} bytes")
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on now."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """The app for this test's settings, closed after the test."""
+    app = create_app(settings)
+    yield app
+    app.close()
 
 
 @pytest.fixture
@@ -231,55 +88,9 @@ def hub_app(settings, hub):
 
 
 @pytest.fixture
-def wsgi(app):
-    """call(...) bound to this test's app."""
-    return lambda *args, **kwargs: call(app, *args, **kwargs)
-
-
-def subprocess_env(home: Path) -> dict:
-    """The environment for a localrt child process: this checkout, this test's HOME."""
-    env = dict(os.environ)
-    env["HOME"] = str(home)
-    env.pop("LOCALRT_CONFIG", None)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
-@dataclass
-class Server:
-    process: subprocess.Popen
-    url: str
-    port: int
-    settings: settings_mod.Settings
-
-    def stop(self, sig=signal.SIGTERM, timeout=15):
-        """Signal the server, wait for it, and close its output pipes; its exit code."""
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-        try:
-            return self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()  # never leave a server behind
-            self.process.wait()
-            raise
-        finally:
-            self.process.stdout.close()
-            self.process.stderr.close()
-
-
-def run_foreground_server(home: Path, extra=()) -> Server:
-    """`localrt start --foreground --port 0` as a child; returns once /healthz answers."""
-    from localrt import server
-
-    settings = settings_mod.load(environ={"HOME": str(home)})
-    cmd = [sys.executable, "-m", "localrt", "start", "--foreground", "--port", "0", *extra]
-    process = subprocess.Popen(cmd, env=subprocess_env(home), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE)
-    try:
-        address = server.wait_started(settings, process)
-    except RuntimeError as exc:
-        raise AssertionError(f"{exc}: {process.stderr.read().decode()}") from None
-    return Server(process, address.url, address.port, settings)
+def api(app):
+    """support.apps.call bound to this test's app (a module's own `app` fixture too)."""
+    return bind(app)
 
 
 @pytest.fixture
@@ -288,15 +99,6 @@ def live_server(home):
     srv = run_foreground_server(home)
     yield srv
     srv.stop()
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, *args):
-        pass
-
-
-class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
 
 
 @pytest.fixture
@@ -309,8 +111,8 @@ def thread_server(settings):
         calls.append((environ["REQUEST_METHOD"], environ["PATH_INFO"]))
         return app(environ, start_response)
 
-    httpd = make_server("127.0.0.1", 0, counting, server_class=_ThreadingWSGIServer,
-                        handler_class=_QuietHandler)
+    httpd = make_server("127.0.0.1", 0, counting, server_class=ThreadingWSGIServer,
+                        handler_class=QuietHandler)
     port = httpd.server_address[1]
     settings.update({"apiServerPort": port})
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
@@ -319,17 +121,7 @@ def thread_server(settings):
                           settings=settings)
     httpd.shutdown()
     httpd.server_close()
-
-
-def quantize(source: Path, target: Path, ftype_name: str) -> Path:
-    """Quantize a GGUF file with llama.cpp itself (ftype_name: "Q8_0", "Q4_0")."""
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype_name}")
-    assert llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(),
-                                          params) == 0
-    return target
+    app.close()
 
 
 @pytest.fixture(scope="session")
@@ -351,9 +143,6 @@ def slow_gguf(tmp_path_factory):
     return quantize(source, root / "slow-Q8_0.gguf", "Q8_0")
 
 
-WHEELS = REPO / "tests" / ".engine-wheels"
-
-
 @pytest.fixture(scope="session")
 def index_dir(tmp_path_factory):
     """The real onnxruntime-genai wheels (the bootstrap's pip download) and the echo wheel."""
@@ -368,3 +157,19 @@ def index_dir(tmp_path_factory):
 
     build_echo_engine_wheel(root)
     return root
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory):
+    """One tiny GGUF per chat-template family (support.models.write_family_models)."""
+    return write_family_models(tmp_path_factory.mktemp("families"))
+
+
+@pytest.fixture
+def models(api, family_models):
+    """The family models imported into this test's app, each under its family's name."""
+    for family, path in family_models.items():
+        r = api("POST", "/v1/models/import", {"path": str(path), "id": family,
+                                              "option": "symlink"})
+        assert r.status == 200, r.body
+    return family_models

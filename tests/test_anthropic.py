@@ -18,17 +18,14 @@ import re
 from urllib.parse import urlsplit
 
 import anthropic
-import gguf
 import jsonschema
 import pytest
-from chattemplates import TEMPLATES, TOKENS
-from conftest import call, send
-from ggufgen import write_gguf
+from support.apps import call
+from support.models import FAMILIES
+from support.servers import send
 
 from localrt.dialects import anthropic as dialect
 
-KINDS = {"control": gguf.TokenType.CONTROL, "user": gguf.TokenType.USER_DEFINED}
-FAMILIES = sorted(TEMPLATES)  # llama31, mistral_nemo, qwen25
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
            "input_schema": {"type": "object", "required": ["city", "metric"],
                             "properties": {"city": {"enum": ["Paris", "Rome"]},
@@ -44,30 +41,6 @@ ONE_CALL = {"type": "any", "disable_parallel_tool_use": True}
 ID_OF = {"mistral_nemo": r"toolu_[a-zA-Z0-9]{9}", "qwen25": r"toolu_call_\w{24}",
          "llama31": r"toolu_call_\w{24}"}
 KEY = "anthropic-test-key-5d2c"
-
-
-@pytest.fixture(scope="session")
-def family_models(tmp_path_factory):
-    """One tiny GGUF per family, carrying its real chat template and added tokens."""
-    root = tmp_path_factory.mktemp("anthropic-families")
-    return {family: write_gguf(root / f"{family}.gguf", name=family, vocab_size=400,
-                               context_length=4096, chat_template=TEMPLATES[family],
-                               added_tokens=[(t, KINDS[k]) for t, k in TOKENS[family]])
-            for family in FAMILIES}
-
-
-@pytest.fixture
-def api(app):
-    return lambda *args, **kwargs: call(app, *args, **kwargs)
-
-
-@pytest.fixture
-def models(api, family_models):
-    for family, path in family_models.items():
-        r = api("POST", "/v1/models/import", {"path": str(path), "id": family,
-                                              "option": "symlink"})
-        assert r.status == 200, r.body
-    return family_models
 
 
 def create(api, model="qwen25", **body):
@@ -520,7 +493,7 @@ def test_the_sdk_tool_use_round_trip(live_server, family_models):
 
 
 def test_the_sdk_with_x_api_key(home, family_models):
-    from conftest import run_foreground_server
+    from support.servers import run_foreground_server
 
     (home / ".localrtrc").write_text(f"apiKeys: [{KEY}]\n")
     srv = run_foreground_server(home)

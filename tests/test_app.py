@@ -4,7 +4,7 @@ import json
 import logging
 
 import pytest
-from conftest import call
+from support.apps import call
 
 from localrt.app import MAX_BODY, create_app
 from localrt.errors import BadRequest
@@ -23,8 +23,8 @@ def assert_error(resp, status, code=None):
     return body
 
 
-def test_healthz(wsgi):
-    resp = wsgi("GET", "/healthz")
+def test_healthz(api):
+    resp = api("GET", "/healthz")
     assert resp.status == 200
     assert resp.json["status"] == "ok" and resp.json["version"]
 
@@ -33,9 +33,9 @@ def test_healthz_imports_no_engine(home):
     import subprocess
     import sys
 
-    from conftest import subprocess_env
+    from support.servers import subprocess_env
     code = ("import sys, io; from localrt import settings, app;"
-            "from conftest import call;"
+            "from support.apps import call;"
             "a = app.create_app(settings.load()); r = call(a, 'GET', '/healthz');"
             "assert r.status == 200;"
             "bad = [m for m in ('llama_cpp', 'onnxruntime_genai') if m in sys.modules];"
@@ -46,59 +46,59 @@ def test_healthz_imports_no_engine(home):
     assert out.stdout.strip() == "[]"
 
 
-def test_unknown_path_is_json_404(wsgi):
-    body = assert_error(wsgi("GET", "/v1/nothing"), 404, "not_found")
+def test_unknown_path_is_json_404(api):
+    body = assert_error(api("GET", "/v1/nothing"), 404, "not_found")
     assert "/v1/nothing" in body["message"]
 
 
-def test_wrong_method_is_405_with_allow(wsgi):
-    resp = wsgi("DELETE", "/v1/configs")
+def test_wrong_method_is_405_with_allow(api):
+    resp = api("DELETE", "/v1/configs")
     assert_error(resp, 405, "method_not_allowed")
     assert set(resp.headers["allow"].split(", ")) == {"GET", "HEAD", "PATCH"}
 
 
-def test_head_has_no_body(wsgi):
-    resp = wsgi("HEAD", "/v1/configs")
+def test_head_has_no_body(api):
+    resp = api("HEAD", "/v1/configs")
     assert resp.status == 200 and resp.body == b""
 
 
 @pytest.mark.parametrize("ctype", [None, "text/plain", "application/x-www-form-urlencoded",
                                    "multipart/form-data; boundary=x"])
-def test_body_without_json_content_type_is_415(wsgi, ctype):
+def test_body_without_json_content_type_is_415(api, ctype):
     headers = {"Content-Type": ctype} if ctype else {}
-    resp = wsgi("PATCH", "/v1/configs", body=b'{"cors": false}', headers=headers)
+    resp = api("PATCH", "/v1/configs", body=b'{"cors": false}', headers=headers)
     assert_error(resp, 415, "unsupported_media_type")
-    assert wsgi("GET", "/v1/configs").json["cors"] is True
+    assert api("GET", "/v1/configs").json["cors"] is True
 
 
-def test_cross_site_form_post_without_body_is_415(wsgi):
-    resp = wsgi("DELETE", "/v1/system", body=b"",
+def test_cross_site_form_post_without_body_is_415(api):
+    resp = api("DELETE", "/v1/system", body=b"",
                 headers={"Content-Type": "application/x-www-form-urlencoded"})
     assert_error(resp, 415)
 
 
-def test_json_content_type_with_charset_is_accepted(wsgi):
-    resp = wsgi("PATCH", "/v1/configs", body=b'{"cors": false}',
+def test_json_content_type_with_charset_is_accepted(api):
+    resp = api("PATCH", "/v1/configs", body=b'{"cors": false}',
                 headers={"Content-Type": "application/json; charset=utf-8"})
     assert resp.status == 200
 
 
-def test_body_over_limit_is_413(wsgi):
+def test_body_over_limit_is_413(api):
     big = json.dumps({"no_proxy": "x" * MAX_BODY}).encode()
-    assert_error(wsgi("PATCH", "/v1/configs", body=big,
+    assert_error(api("PATCH", "/v1/configs", body=big,
                       headers={"Content-Type": "application/json"}), 413, "payload_too_large")
 
 
 @pytest.mark.parametrize("raw", [b"{", b'{"cors": tru}', b"\xff\xfe", b'{"cors": NaN}',
                                  b"\n\n", b" "])
-def test_malformed_json_is_400(wsgi, raw):
-    body = assert_error(wsgi("PATCH", "/v1/configs", body=raw,
+def test_malformed_json_is_400(api, raw):
+    body = assert_error(api("PATCH", "/v1/configs", body=raw,
                              headers={"Content-Type": "application/json"}), 400, "invalid_json")
     assert "JSON" in body["message"] or "UTF-8" in body["message"]
 
 
-def test_body_on_a_route_that_takes_none_is_400(wsgi):
-    assert_error(wsgi("GET", "/v1/configs", json_body={"a": 1}), 400)
+def test_body_on_a_route_that_takes_none_is_400(api):
+    assert_error(api("GET", "/v1/configs", json_body={"a": 1}), 400)
 
 
 def test_unexpected_exception_is_generic_500_and_logged(settings, caplog):
@@ -147,22 +147,22 @@ def test_two_apps_in_one_process_are_independent(tmp_path):
     assert call(b, "GET", "/v1/configs").json["cors"] is True
 
 
-def test_stop_without_a_server_is_a_clear_error(wsgi):
-    assert_error(wsgi("DELETE", "/v1/system"), 409)
+def test_stop_without_a_server_is_a_clear_error(api):
+    assert_error(api("DELETE", "/v1/system"), 409)
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.1:39281", "localhost:8080",
                                   "LOCALHOST", "[::1]:39281", "::1", "app.localhost:1",
                                   "127.1.2.3"])
-def test_loopback_host_headers_are_served(wsgi, host):
-    assert wsgi("GET", "/healthz", headers={"Host": host}).status == 200
+def test_loopback_host_headers_are_served(api, host):
+    assert api("GET", "/healthz", headers={"Host": host}).status == 200
 
 
 @pytest.mark.parametrize("host", ["evil.example", "evil.example:39281", "10.0.0.5",
                                   "127.0.0.1.evil.example", "localhost.evil.example:1"])
-def test_other_host_headers_are_refused_on_loopback(wsgi, host):
+def test_other_host_headers_are_refused_on_loopback(api, host):
     """DNS rebinding: a page whose name now points at 127.0.0.1 still sends its own name."""
-    r = wsgi("POST", "/v1/models/pull", {"model": "x"}, headers={"Host": host})
+    r = api("POST", "/v1/models/pull", {"model": "x"}, headers={"Host": host})
     assert r.status == 403 and r.json["error"]["code"] == "forbidden"
     assert "loopback" in r.json["message"]
 

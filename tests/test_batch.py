@@ -21,13 +21,12 @@ from wsgiref.util import setup_testing_defaults
 from wsgiref.validate import validator
 
 import pytest
-from conftest import call
 from ggufgen import write_gguf
+from support.models import NO_EOS
 
 from localrt.engines.batching import Batcher, Entry, Sequence
 from localrt.errors import InvalidField
 
-NO_EOS = {"2": -100}
 LETTERS = "etao"  # tokens 262.. of the tiny vocabulary
 PROMPTS = ["hello", "how are you", "tell me a story", "what is two plus two"]
 
@@ -44,11 +43,6 @@ def user(text: str) -> list:
 def body(model="tiny", **extra) -> dict:
     return {"model": model, "messages": user("hello"), "max_tokens": 8, "temperature": 0,
             "logit_bias": NO_EOS, **extra}
-
-
-@pytest.fixture
-def api(app):
-    return lambda *args, **kwargs: call(app, *args, **kwargs)
 
 
 def add_model(api, path, model_id="tiny", **start):

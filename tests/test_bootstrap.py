@@ -5,7 +5,7 @@ import io
 import subprocess
 import sys
 
-from conftest import REPO
+from support import REPO
 
 from localrt.bootstrap import AMX_OFF, Host, build_env, compiler_accepts, main
 

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import call
+from support.apps import bind, events
+from support.models import NO_EOS
 
 from localrt import settings as settings_mod
 from localrt.api import ROUTES
@@ -22,13 +23,7 @@ from localrt.app import create_app
 from localrt.inference.chat import render_template
 from localrt.inference.lanes import FairLock
 
-NO_EOS = {"2": -100}
 USER = [{"role": "user", "content": "hello"}]
-
-
-@pytest.fixture
-def api(app):
-    return lambda *args, **kwargs: call(app, *args, **kwargs)
 
 
 def add_model(api, path, model_id="tiny", option="symlink"):
@@ -46,16 +41,6 @@ def tiny(api, quantized):
 def chat(api, **body):
     body = {"model": "tiny", "messages": USER, "max_tokens": 8, "temperature": 0, **body}
     return api("POST", "/v1/chat/completions", body)
-
-
-def events(r) -> list:
-    """The data of each Server-Sent Event in a reply, [DONE] included."""
-    out = []
-    for block in r.body.decode().split("\n\n"):
-        if block.startswith("data: "):
-            data = block[6:]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 # --- start, stop, status ------------------------------------------------------------
@@ -348,8 +333,7 @@ def make_app(home, **overrides):
 def test_past_max_running_models_the_least_recently_used_is_unloaded(home, quantized):
     app = make_app(home, maxRunningModels=2)
     try:
-        def api(*args, **kwargs):
-            return call(app, *args, **kwargs)
+        api = bind(app)
         for name in ("a", "b", "c"):
             add_model(api, quantized["Q8_0"], name)
         api("POST", "/v1/models/a/start")
@@ -367,8 +351,7 @@ def test_past_max_running_models_the_least_recently_used_is_unloaded(home, quant
 def test_keep_alive_unloads_idle_models(home, quantized):
     app = make_app(home, keepAlive="1s")
     try:
-        def api(*args, **kwargs):
-            return call(app, *args, **kwargs)
+        api = bind(app)
         add_model(api, quantized["Q8_0"])
         assert chat(api).status == 200
         assert api("GET", "/v1/models/status").json["data"]

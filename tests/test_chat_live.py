@@ -21,10 +21,9 @@ from urllib.parse import urlsplit
 
 import openai
 import pytest
-from conftest import run_foreground_server, send
-from ggufgen import EOS_ID
+from support.models import NO_EOS
+from support.servers import RawStream, run_foreground_server, send, wait_for
 
-NO_EOS = {str(EOS_ID): -100}  # the model never ends a reply: exactly max_tokens come
 HELLO = [{"role": "user", "content": "Hello there"}]
 LONG = 3000  # tokens of a reply that would take seconds
 
@@ -36,7 +35,7 @@ def server(live_server):
 
 
 def api(url, method, path, body=None, timeout=30):
-    """conftest.send, with time for a reply from the slower model."""
+    """support.servers.send, with time for a reply from the slower model."""
     return send(url, method, path, body, timeout)
 
 
@@ -77,39 +76,6 @@ def requests_of(url, model_id):
     status, body = api(url, "GET", "/v1/models/status")
     assert status == 200, body
     return {row["id"]: row["requests"] for row in body["data"]}[model_id]
-
-
-def wait_for(condition, timeout, what):
-    """Poll `condition` until it is true; the seconds it took."""
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > timeout:
-            raise AssertionError(f"{what}: still not the case after {timeout} s")
-        time.sleep(0.01)
-    return time.monotonic() - started
-
-
-class RawStream:
-    """A streamed chat on its own connection, read one Server-Sent Event at a time."""
-
-    def __init__(self, url, body, timeout=30):
-        parts = urlsplit(url)
-        self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
-        self.conn.request("POST", "/v1/chat/completions", json.dumps(body),
-                          {"Content-Type": "application/json"})
-        self.resp = self.conn.getresponse()
-
-    def __iter__(self):
-        """Each event's data: a decoded chunk, or the string "[DONE]"."""
-        for line in self.resp:
-            if line.startswith(b"data: "):
-                data = line[6:].strip()
-                yield "[DONE]" if data == b"[DONE]" else json.loads(data)
-
-    def close(self):
-        """Hang up without reading the rest."""
-        self.resp.close()
-        self.conn.close()
 
 
 # --- the openai package ------------------------------------------------------------

@@ -10,16 +10,12 @@ import urllib.request
 
 import pytest
 import yaml
-from conftest import REPO, run_foreground_server, subprocess_env
+from support import REPO
+from support.cli import run
+from support.servers import run_foreground_server, subprocess_env
 
 from localrt import server
 from localrt.cli import ExitCode, build_parser, main
-
-
-def run(*argv):
-    out, err = io.StringIO(), io.StringIO()
-    code = main(list(argv), stdout=out, stderr=err)
-    return code, out.getvalue(), err.getvalue()
 
 
 

@@ -3,19 +3,13 @@ on a tiny generated llama: each text's vector as a JSON array, one line each."""
 
 from __future__ import annotations
 
-import io
 import json
 
 import pytest
 from ggufgen import write_gguf
+from support.cli import run
 
-from localrt.cli import ExitCode, main
-
-
-def run(*argv):
-    out, err = io.StringIO(), io.StringIO()
-    code = main(list(argv), stdout=out, stderr=err, stdin=io.StringIO())
-    return code, out.getvalue(), err.getvalue()
+from localrt.cli import ExitCode
 
 
 @pytest.fixture

@@ -3,26 +3,19 @@ package index emulator (serving the real onnxruntime-genai wheels) behind it."""
 
 from __future__ import annotations
 
-import io
-
 import pytest
-from conftest import WHEELS
 from enginepkg import build_echo_engine_wheel
 from pkgindex import PackageIndex
+from support import WHEELS
+from support.cli import run
 
-from localrt.cli import ExitCode, main
+from localrt.cli import ExitCode
 
 
 def rows(out):
     """The cells of a bordered table's lines: [["#", "Name", ...], ["1", ...]]."""
     return [[c.strip() for c in line.strip("|").split("|")]
             for line in out.splitlines() if line.startswith("|")]
-
-
-def run(*argv):
-    out, err = io.StringIO(), io.StringIO()
-    code = main(list(argv), stdout=out, stderr=err, stdin=io.StringIO())
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture

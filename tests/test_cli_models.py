@@ -11,13 +11,13 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from conftest import subprocess_env
 from ggufgen import write_gguf
 from hubemu import HubEmulator
+from support.cli import run
+from support.servers import subprocess_env
 
 from localrt import cli
-from localrt.cli import ExitCode, main
-from localrt.cli import follow, output
+from localrt.cli import ExitCode, follow, output
 from localrt.fsutil import human_size
 from localrt.client import Client
 
@@ -29,12 +29,6 @@ class Terminal(io.StringIO):
 
     def isatty(self):
         return True
-
-
-def run(*argv, stdin=None, stderr=None):
-    out, err = io.StringIO(), stderr or io.StringIO()
-    code = main(list(argv), stdout=out, stderr=err, stdin=stdin or io.StringIO())
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")

@@ -3,17 +3,10 @@ real port (thread_server), on a tiny quantized GGUF model."""
 
 from __future__ import annotations
 
-import io
-
 import pytest
+from support.cli import run
 
-from localrt.cli import ExitCode, main
-
-
-def run(*argv):
-    out, err = io.StringIO(), io.StringIO()
-    code = main(list(argv), stdout=out, stderr=err, stdin=io.StringIO())
-    return code, out.getvalue(), err.getvalue()
+from localrt.cli import ExitCode
 
 
 @pytest.fixture

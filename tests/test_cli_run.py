@@ -11,7 +11,6 @@ greedy (temperature 0), hence the same every time.
 from __future__ import annotations
 
 import codecs
-import io
 import os
 import pty
 import select
@@ -20,15 +19,15 @@ import sys
 import time
 
 import pytest
-from conftest import run_foreground_server, subprocess_env
-from ggufgen import EOS_ID
 from hubemu import HubEmulator
+from support.cli import run
+from support.models import NO_EOS
+from support.servers import run_foreground_server, subprocess_env
 
-from localrt.cli import ExitCode, main
+from localrt.cli import ExitCode
 from localrt.client import Client
 
 PROMPT = ">>> "
-NO_EOS = {str(EOS_ID): -100}  # a reply that never ends by itself
 
 
 class Terminal:
@@ -238,13 +237,6 @@ def test_ctrl_d_leaves(home, server, quantized, terminals):
 
 
 # --- messages on stdin -----------------------------------------------------------
-
-
-def run(*argv, stdin=""):
-    """main(argv) with `stdin` as the typed lines; (exit code, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    code = main(list(argv), stdout=out, stderr=err, stdin=io.StringIO(stdin))
-    return code, out.getvalue(), err.getvalue()
 
 
 def test_run_keeps_the_conversation(thread_server, quantized):

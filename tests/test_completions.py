@@ -10,19 +10,12 @@ time, so one request's text can be compared with another's.
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from conftest import call
 from ggufgen import FIM_TOKENS, write_gguf
+from support.apps import events
+from support.models import NO_EOS, tokens_of
 
-NO_EOS = {"2": -100}
 PROMPT = "Once upon a time"
-
-
-@pytest.fixture
-def api(app):
-    return lambda *args, **kwargs: call(app, *args, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -54,26 +47,6 @@ def complete(api, **body):
     r = api("POST", "/v1/completions", body)
     assert r.status == 200, r.body
     return r.json
-
-
-def events(r) -> list:
-    """The data of each Server-Sent Event in a reply, [DONE] included."""
-    out = []
-    for block in r.body.decode().split("\n\n"):
-        if block.startswith("data: "):
-            data = block[6:]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
-
-
-def tokens_of(path, text, bos=True):
-    import llama_cpp
-
-    vocab = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
-    try:
-        return vocab.tokenize(text.encode(), add_bos=bos, special=False)
-    finally:
-        vocab.close()
 
 
 def test_a_completion_in_openai_shape(api, tiny, quantized):

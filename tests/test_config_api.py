@@ -15,8 +15,8 @@ FIELDS = {"allowed_origins", "cors", "modelhub_token", "no_proxy", "proxy_url",
           "verify_proxy_host_ssl", "verify_proxy_ssl"}
 
 
-def test_defaults(wsgi):
-    resp = wsgi("GET", "/v1/configs")
+def test_defaults(api):
+    resp = api("GET", "/v1/configs")
     assert resp.status == 200 and resp.headers["content-type"] == "application/json"
     config = resp.json
     assert set(config) == FIELDS
@@ -33,7 +33,7 @@ def test_defaults(wsgi):
 
 
 def test_default_origins_follow_the_port(home):
-    from conftest import call
+    from support.apps import call
 
     from localrt import settings as settings_mod
     from localrt.app import create_app
@@ -42,31 +42,31 @@ def test_default_origins_follow_the_port(home):
     assert config["allowed_origins"][0] == "http://localhost:4123"
 
 
-def test_patch_changes_only_given_fields_and_persists(wsgi, home):
-    before = wsgi("GET", "/v1/configs").json
-    resp = wsgi("PATCH", "/v1/configs", json_body={"cors": False, "proxy_url": "http://p:3128"})
+def test_patch_changes_only_given_fields_and_persists(api, home):
+    before = api("GET", "/v1/configs").json
+    resp = api("PATCH", "/v1/configs", json_body={"cors": False, "proxy_url": "http://p:3128"})
     assert resp.status == 200
     assert resp.json["message"] == "Configuration updated successfully"
     after = resp.json["config"]
     assert after == {**before, "cors": False, "proxy_url": "http://p:3128"}
-    assert wsgi("GET", "/v1/configs").json == after
+    assert api("GET", "/v1/configs").json == after
     rc = yaml.safe_load((home / ".localrtrc").read_text())
     assert rc["cors"] is False and rc["proxyUrl"] == "http://p:3128"
 
 
-def test_patch_every_field(wsgi):
+def test_patch_every_field(api):
     change = {"allowed_origins": ["https://app.example:8443", "*"], "cors": False,
               "modelhub_token": "hf_abc", "no_proxy": "example.com,.internal",
               "proxy_url": "http://proxy.example:3129", "proxy_username": "u",
               "proxy_password": "p@ss word", "verify_host_ssl": False, "verify_peer_ssl": False,
               "verify_proxy_host_ssl": False, "verify_proxy_ssl": False}
-    assert wsgi("PATCH", "/v1/configs", json_body=change).json["config"] == change
-    assert wsgi("GET", "/v1/configs").json == change
+    assert api("PATCH", "/v1/configs", json_body=change).json["config"] == change
+    assert api("GET", "/v1/configs").json == change
 
 
-def test_empty_patch_changes_nothing(wsgi):
-    before = wsgi("GET", "/v1/configs").json
-    resp = wsgi("PATCH", "/v1/configs", json_body={})
+def test_empty_patch_changes_nothing(api):
+    before = api("GET", "/v1/configs").json
+    resp = api("PATCH", "/v1/configs", json_body={})
     assert resp.status == 200 and resp.json["config"] == before
 
 
@@ -86,29 +86,29 @@ def test_empty_patch_changes_nothing(wsgi):
     ({"proxy_url": None}, "proxy_url"),
     ({"modelhub_token": 5}, "modelhub_token"),
 ])
-def test_invalid_input_is_400_naming_the_field_and_changes_nothing(wsgi, home, body, field):
+def test_invalid_input_is_400_naming_the_field_and_changes_nothing(api, home, body, field):
     rc = home / ".localrtrc"
     before_file = rc.read_bytes()
-    before = wsgi("GET", "/v1/configs").json
-    resp = wsgi("PATCH", "/v1/configs", json_body=body)
+    before = api("GET", "/v1/configs").json
+    resp = api("PATCH", "/v1/configs", json_body=body)
     err = assert_error(resp, 400, "invalid_field")
     assert f"'{field}'" in err["message"]
     assert err["error"]["param"] == field
-    assert wsgi("GET", "/v1/configs").json == before
+    assert api("GET", "/v1/configs").json == before
     assert rc.read_bytes() == before_file
 
 
 @pytest.mark.parametrize("body", [[], "cors", 1, None])
-def test_body_must_be_an_object(wsgi, body):
-    resp = wsgi("PATCH", "/v1/configs", body=json.dumps(body).encode(),
+def test_body_must_be_an_object(api, body):
+    resp = api("PATCH", "/v1/configs", body=json.dumps(body).encode(),
                 headers={"Content-Type": "application/json"})
     assert_error(resp, 400)
 
 
 @pytest.mark.parametrize("origin", ["*", "http://localhost:3000", "https://app.example.com",
                                     "http://[::1]:39281", "app://local"])
-def test_valid_origins(wsgi, origin):
-    assert wsgi("PATCH", "/v1/configs", json_body={"allowed_origins": [origin]}).status == 200
+def test_valid_origins(api, origin):
+    assert api("PATCH", "/v1/configs", json_body={"allowed_origins": [origin]}).status == 200
 
 
 def test_concurrent_patches_of_different_fields_are_all_kept(live_server):
@@ -144,16 +144,16 @@ def test_concurrent_patches_of_different_fields_are_all_kept(live_server):
     assert rc["proxyUsername"] == "u" and rc["verifyPeerSsl"] is False and rc["cors"] is False
 
 
-def test_patch_while_rc_is_corrupt_is_a_clear_409_and_leaves_it(wsgi, home):
+def test_patch_while_rc_is_corrupt_is_a_clear_409_and_leaves_it(api, home):
     rc = home / ".localrtrc"
     rc.write_text("cors: [oops\n")
-    body = assert_error(wsgi("PATCH", "/v1/configs", json_body={"cors": False}), 409)
+    body = assert_error(api("PATCH", "/v1/configs", json_body={"cors": False}), 409)
     assert str(rc) in body["message"] and "Nothing was changed" in body["message"]
     assert rc.read_text() == "cors: [oops\n"
 
 
 def test_patch_when_rc_cannot_be_written_is_507(home):
-    from conftest import call
+    from support.apps import call
 
     from localrt import settings as settings_mod
     from localrt.app import create_app

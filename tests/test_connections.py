@@ -19,7 +19,7 @@ import time
 import urllib.request
 
 import pytest
-from conftest import run_foreground_server
+from support.servers import run_foreground_server
 
 from localrt import connections, server, settings as settings_mod
 from localrt.app import create_app
@@ -76,7 +76,7 @@ def wait_held(url: str, at_least: int) -> None:
     """Wait until the server holds `at_least` open files: the flood is accepted."""
     deadline = time.monotonic() + PATIENCE
     while open_fds(url) < at_least:
-        assert time.monotonic() < deadline, f"the server never accepted the flood"
+        assert time.monotonic() < deadline, "the server never accepted the flood"
         time.sleep(0.1)
 
 

@@ -6,27 +6,27 @@ from test_app import assert_error
 ALLOWED = "http://localhost:39281"
 
 
-def test_allowed_origin_gets_acao_and_vary(wsgi):
-    resp = wsgi("GET", "/v1/configs", headers={"Origin": ALLOWED})
+def test_allowed_origin_gets_acao_and_vary(api):
+    resp = api("GET", "/v1/configs", headers={"Origin": ALLOWED})
     assert resp.status == 200
     assert resp.headers["access-control-allow-origin"] == ALLOWED
     assert "Origin" in resp.headers["vary"]
 
 
-def test_errors_carry_cors_headers_too(wsgi):
-    resp = wsgi("GET", "/v1/none", headers={"Origin": ALLOWED})
+def test_errors_carry_cors_headers_too(api):
+    resp = api("GET", "/v1/none", headers={"Origin": ALLOWED})
     assert resp.status == 404
     assert resp.headers["access-control-allow-origin"] == ALLOWED
 
 
-def test_disallowed_origin_gets_no_acao(wsgi):
-    resp = wsgi("GET", "/v1/configs", headers={"Origin": "http://evil.example"})
+def test_disallowed_origin_gets_no_acao(api):
+    resp = api("GET", "/v1/configs", headers={"Origin": "http://evil.example"})
     assert resp.status == 200
     assert "access-control-allow-origin" not in resp.headers
 
 
-def test_preflight_allowed(wsgi):
-    resp = wsgi("OPTIONS", "/v1/configs", headers={
+def test_preflight_allowed(api):
+    resp = api("OPTIONS", "/v1/configs", headers={
         "Origin": ALLOWED, "Access-Control-Request-Method": "PATCH",
         "Access-Control-Request-Headers": "content-type"})
     assert resp.status == 204 and resp.body == b""
@@ -36,63 +36,63 @@ def test_preflight_allowed(wsgi):
     assert "content-type" in resp.headers["access-control-allow-headers"].lower()
 
 
-def test_preflight_disallowed_is_403(wsgi):
-    resp = wsgi("OPTIONS", "/v1/configs", headers={
+def test_preflight_disallowed_is_403(api):
+    resp = api("OPTIONS", "/v1/configs", headers={
         "Origin": "http://evil.example", "Access-Control-Request-Method": "PATCH"})
     assert_error(resp, 403)
     assert "access-control-allow-origin" not in resp.headers
 
 
-def test_preflight_on_unknown_path_is_404(wsgi):
-    resp = wsgi("OPTIONS", "/v1/nothing", headers={
+def test_preflight_on_unknown_path_is_404(api):
+    resp = api("OPTIONS", "/v1/nothing", headers={
         "Origin": ALLOWED, "Access-Control-Request-Method": "GET"})
     assert_error(resp, 404)
 
 
-def test_star_allows_any_origin(wsgi):
-    assert wsgi("PATCH", "/v1/configs", json_body={"allowed_origins": ["*"]}).status == 200
-    resp = wsgi("GET", "/v1/configs", headers={"Origin": "https://anything.example"})
+def test_star_allows_any_origin(api):
+    assert api("PATCH", "/v1/configs", json_body={"allowed_origins": ["*"]}).status == 200
+    resp = api("GET", "/v1/configs", headers={"Origin": "https://anything.example"})
     assert resp.headers["access-control-allow-origin"] == "https://anything.example"
 
 
-def test_changes_apply_at_once(wsgi):
+def test_changes_apply_at_once(api):
     origin = "http://localhost:3000"
-    assert "access-control-allow-origin" not in wsgi(
+    assert "access-control-allow-origin" not in api(
         "GET", "/v1/configs", headers={"Origin": origin}).headers
-    wsgi("PATCH", "/v1/configs", json_body={"allowed_origins": [origin]})
-    assert wsgi("GET", "/v1/configs", headers={"Origin": origin}).headers[
+    api("PATCH", "/v1/configs", json_body={"allowed_origins": [origin]})
+    assert api("GET", "/v1/configs", headers={"Origin": origin}).headers[
         "access-control-allow-origin"] == origin
-    assert "access-control-allow-origin" not in wsgi(
+    assert "access-control-allow-origin" not in api(
         "GET", "/v1/configs", headers={"Origin": ALLOWED}).headers
 
 
 @pytest.mark.parametrize("origins", [[ALLOWED], ["*"]])
-def test_cors_off_sends_no_cors_headers_at_all(wsgi, origins):
-    wsgi("PATCH", "/v1/configs", json_body={"cors": False, "allowed_origins": origins})
+def test_cors_off_sends_no_cors_headers_at_all(api, origins):
+    api("PATCH", "/v1/configs", json_body={"cors": False, "allowed_origins": origins})
     for method, headers in (("GET", {"Origin": ALLOWED}),
                             ("OPTIONS", {"Origin": ALLOWED,
                                          "Access-Control-Request-Method": "PATCH"})):
-        resp = wsgi(method, "/v1/configs", headers=headers)
+        resp = api(method, "/v1/configs", headers=headers)
         assert not any(h.startswith("access-control-") for h in resp.headers), resp.headers
         assert "vary" not in resp.headers
 
 
-def test_cross_site_unsafe_requests_without_preflight_are_refused(wsgi):
+def test_cross_site_unsafe_requests_without_preflight_are_refused(api):
     # A form or a no-body fetch() from another site needs no preflight.
     for headers in ({"Origin": "http://evil.example"}, {"Origin": "null"}):
-        resp = wsgi("POST", "/v1/models/tiny/pull", headers=headers)
+        resp = api("POST", "/v1/models/tiny/pull", headers=headers)
         assert resp.status == 403 and "allowed_origins" in resp.json["message"]
-    resp = wsgi("DELETE", "/v1/system", headers={"Origin": "http://evil.example"})
+    resp = api("DELETE", "/v1/system", headers={"Origin": "http://evil.example"})
     assert resp.status == 403
-    wsgi("PATCH", "/v1/configs", json_body={"cors": False})
-    resp = wsgi("POST", "/v1/models/tiny/pull", headers={"Origin": ALLOWED})
+    api("PATCH", "/v1/configs", json_body={"cors": False})
+    resp = api("POST", "/v1/models/tiny/pull", headers={"Origin": ALLOWED})
     assert resp.status == 403  # with cors off no other origin may act
 
 
-def test_same_origin_and_allowed_origins_may_act(wsgi):
-    resp = wsgi("PATCH", "/v1/configs", json_body={"cors": True},
+def test_same_origin_and_allowed_origins_may_act(api):
+    resp = api("PATCH", "/v1/configs", json_body={"cors": True},
                 headers={"Origin": ALLOWED})
     assert resp.status == 200
-    resp = wsgi("PATCH", "/v1/configs", json_body={"cors": True},
+    resp = api("PATCH", "/v1/configs", json_body={"cors": True},
                 headers={"Origin": "http://127.0.0.1", "Host": "127.0.0.1"})
     assert resp.status == 200

@@ -18,7 +18,7 @@ import shutil
 import threading
 
 import pytest
-from conftest import send
+from support.servers import send
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"

@@ -9,9 +9,10 @@ import json
 import os
 
 import pytest
-from conftest import run_foreground_server, send, wait_pull
 from ggufgen import write_gguf
 from hubemu import HubEmulator
+from support.servers import run_foreground_server, send
+from support.tasks import wait_pull
 
 from localrt.api import ROUTES
 from localrt.routing import Router

@@ -15,13 +15,14 @@ import subprocess
 import sys
 
 import pytest
-from conftest import subprocess_env
 from enginepkg import build_wheel
 from ggufgen import write_gguf
 from hubemu import HubEmulator
 from pkgindex import PackageIndex
+from support.cli import run
+from support.servers import subprocess_env
 
-from localrt.cli import ExitCode, main
+from localrt.cli import ExitCode
 from localrt.client import Client
 
 
@@ -30,13 +31,6 @@ class Terminal(io.StringIO):
 
     def isatty(self):
         return True
-
-
-def run(*argv, stdin=""):
-    out, err = io.StringIO(), io.StringIO()
-    stdin = stdin if isinstance(stdin, io.StringIO) else io.StringIO(stdin)
-    code = main(list(argv), stdout=out, stderr=err, stdin=stdin)
-    return code, out.getvalue(), err.getvalue()
 
 
 def rows(out):

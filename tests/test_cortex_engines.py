@@ -16,9 +16,10 @@ import urllib.request
 from importlib import metadata
 
 import pytest
-from conftest import WHEELS, run_foreground_server, send
 from enginepkg import build_echo_engine_wheel, build_wheel
 from pkgindex import PackageIndex
+from support import WHEELS
+from support.servers import run_foreground_server, send
 
 from localrt import settings as settings_mod
 

@@ -22,10 +22,11 @@ import zipfile
 
 import pytest
 import yaml
-from conftest import run_foreground_server, send, wait_pull
 from ggufgen import write_gguf
 from hubemu import HubEmulator
 from pkgindex import PackageIndex
+from support.servers import run_foreground_server, send
+from support.tasks import wait_pull
 
 SEED = 20261121
 

@@ -15,7 +15,7 @@ import re
 import sys
 from pathlib import Path
 
-from conftest import REPO
+from support import REPO
 
 from localrt.engines.catalog import CATALOG
 

@@ -4,7 +4,7 @@ short, and it points at the man pages that hold the reference."""
 import re
 
 import docutils.core
-from conftest import REPO
+from support import REPO
 
 README = REPO / "README.rst"
 

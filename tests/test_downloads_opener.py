@@ -6,10 +6,10 @@ import urllib.error
 
 import pytest
 import trustme
-from conftest import outbound_config as config
 from ggufgen import write_gguf
 from hubemu import HubEmulator
 from proxyfix import need_tinyproxy, start_proxy, start_tinyproxy
+from support.config import outbound_config as config
 
 from localrt.downloads.opener import ProxyAuthFailed, no_proxy_matches, open_url, proxy_refused
 from localrt.errors import UpstreamError

@@ -19,10 +19,10 @@ import urllib.request
 import numpy as np
 import openai
 import pytest
-from conftest import send
-from ggufgen import EOS_ID, write_bert_gguf, write_gguf
+from ggufgen import write_bert_gguf, write_gguf
+from support.models import NO_EOS
+from support.servers import send
 
-NO_EOS = {str(EOS_ID): -100}
 TEXTS = ["the quick brown fox", "jumps over the lazy dog", "a"]
 
 

@@ -15,8 +15,8 @@ import base64
 import gguf
 import numpy as np
 import pytest
-from conftest import call
 from ggufgen import write_bert_gguf, write_gguf
+from support.models import tokens_of
 
 from localrt.engines.onnx import OnnxEngine
 
@@ -33,11 +33,6 @@ def ggufs(tmp_path_factory):
             "bert": write_bert_gguf(root / "bert.gguf", pooling_type=gguf.PoolingType.MEAN),
             "bert-cls": write_bert_gguf(root / "bert-cls.gguf",
                                         pooling_type=gguf.PoolingType.CLS)}
-
-
-@pytest.fixture
-def api(app):
-    return lambda *args, **kwargs: call(app, *args, **kwargs)
 
 
 @pytest.fixture
@@ -60,17 +55,6 @@ def vectors(reply) -> np.ndarray:
     assert [d["index"] for d in reply["data"]] == list(range(len(reply["data"])))
     assert all(d["object"] == "embedding" for d in reply["data"])
     return np.array([d["embedding"] for d in reply["data"]], dtype=np.float32)
-
-
-def tokens_of(path, text):
-    """The tokens llama.cpp gives a text with the model's BOS, from its vocabulary alone."""
-    import llama_cpp
-
-    vocab = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
-    try:
-        return vocab.tokenize(text.encode(), add_bos=True, special=False)
-    finally:
-        vocab.close()
 
 
 def running(api, model_id):

@@ -14,10 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import call, wait_bytes, wait_task
 from enginepkg import build_wheel, write_echo_model
 from onnxgen import write_onnx_model
 from pkgindex import PackageIndex
+from support.apps import bind, call
+from support.tasks import wait_bytes, wait_task
 
 from localrt.engines import catalog as engines_mod
 from localrt.engines import probe as probe_mod
@@ -173,11 +174,6 @@ def app(settings, index, probe_result):
 
 
 @pytest.fixture
-def api(app):
-    return lambda *args, **kwargs: call(app, *args, **kwargs)
-
-
-@pytest.fixture
 def clean_sys_path():
     """Engine folders that a test puts on sys.path are taken off again."""
     before = list(sys.path)
@@ -243,7 +239,7 @@ def test_the_probe_runs_in_a_child_and_is_cached(settings, probe_result):
     assert result["decodeTokensPerSecond"] > 0
     app = create_app(settings, hardware=hw)  # no cached result: this one probes
     try:
-        assert engine(lambda *a, **k: call(app, *a, **k), "gguf-cpp")["status"] == "Ready"
+        assert engine(bind(app), "gguf-cpp")["status"] == "Ready"
         probes = json.loads((settings.data_dir / "engines" / "probes.json").read_text())
         assert list(probes.values())[0]["variant"] == result["variant"]
     finally:
@@ -531,7 +527,7 @@ def test_a_killed_unpack_does_not_count_as_installed(app, api, settings):
     (root / "0.18.0" / "onnxruntime_genai").mkdir(parents=True)
     fresh = create_app(settings, hardware=app.services.engines.hardware)
     try:
-        assert engine(lambda *a, **k: call(fresh, *a, **k), "onnx-runtime")["status"] == \
+        assert engine(bind(fresh), "onnx-runtime")["status"] == \
             "Not Installed"
     finally:
         fresh.close()

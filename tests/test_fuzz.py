@@ -23,12 +23,12 @@ import signal
 
 import pytest
 import schemathesis  # a test dependency (setup.cfg's test extra)
-from conftest import run_foreground_server
 from ggufgen import FIM_TOKENS, write_bert_gguf, write_gguf
 from hubemu import HubEmulator
 from hypothesis import HealthCheck, given, settings
 from pkgindex import PackageIndex
 from schemathesis import checks
+from support.servers import run_foreground_server
 
 from localrt.api import DIALECTS, ROUTES
 from localrt.openapi import NDJSON, document_path

@@ -4,9 +4,9 @@ import hashlib
 import time
 
 import pytest
-from conftest import outbound_config as config
 from ggufgen import write_gguf
 from hubemu import HubEmulator
+from support.config import outbound_config as config
 
 from localrt.models.hub import (RATE_LIMIT_TRIES, Hub, HubTokenRejected, HubTokenRequired, NotOnHub,
                          RateLimited)

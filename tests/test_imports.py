@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from conftest import subprocess_env
+from support.servers import subprocess_env
 
 HEAVY = ("llama_cpp", "onnxruntime_genai", "jsonschema", "waitress")
 

@@ -20,23 +20,20 @@ import gguf
 import openai
 import pytest
 from chattemplates import TEMPLATES, TOKENS
-from conftest import call, send, wait_task
 from enginepkg import write_echo_model
 from ggufgen import write_gguf
 from onnxgen import write_onnx_model
 from pkgindex import PackageIndex
+from support.apps import bind
+from support.models import NO_EOS, tokens_of
+from support.servers import send
+from support.tasks import wait_task
 from test_batch import Events
 
 from localrt.app import create_app
 
-NO_EOS = {"2": -100}
 USER = [{"role": "user", "content": "hello"}]
 PROMPT = "Once upon a time"
-
-
-@pytest.fixture
-def api(app):
-    return lambda *args, **kwargs: call(app, *args, **kwargs)
 
 
 def add(api, path, model_id, **start):
@@ -290,16 +287,6 @@ def test_a_tool_calls_logprobs_cover_every_generated_token(app, api, qwen_gguf):
 # --- text completions ---------------------------------------------------------------------
 
 
-def tokens_of(path, text: str) -> list[int]:
-    import llama_cpp
-
-    vocab = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
-    try:
-        return vocab.tokenize(text.encode(), add_bos=True, special=False)
-    finally:
-        vocab.close()
-
-
 def check_legacy(logprobs: dict, alternatives: int) -> None:
     assert set(logprobs) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
     n = len(logprobs["tokens"])
@@ -437,8 +424,7 @@ def engines_api(settings, index_dir):
         settings.update({"engineIndexUrl": index.url})
         app = create_app(settings)
         try:
-            def api(*args, **kwargs):
-                return call(app, *args, **kwargs)
+            api = bind(app)
 
             api.app = app
             yield api

@@ -17,7 +17,7 @@ import shutil
 import subprocess
 
 import pytest
-from conftest import REPO
+from support import REPO
 
 from localrt import settings
 from localrt.api import ROUTES

@@ -13,10 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import call, outbound_config, subprocess_env, wait_task
 from ggufgen import write_gguf
 from hubemu import HubEmulator
 from prometheus_client.parser import text_string_to_metric_families  # a test dependency
+from support.apps import call
+from support.config import outbound_config
+from support.models import NO_EOS
+from support.servers import subprocess_env
+from support.tasks import wait_task
 
 from localrt import settings as settings_mod
 from localrt.app import create_app
@@ -25,7 +29,6 @@ from localrt.events import EventBus
 from localrt.metrics import CONTENT_TYPE, Metrics
 from localrt.engines.probe import run_probe
 
-NO_EOS = {"2": -100}  # the tiny model's end-of-sequence token never comes (tests/test_chat.py)
 USER = [{"role": "user", "content": "hello"}]
 FAMILIES = {  # every family, by the name the parser gives it, and its type
     "localrt_http_requests": "counter", "localrt_http_request_duration_seconds": "histogram",
@@ -157,7 +160,7 @@ def test_the_api_key_applies(home):
 
 
 def test_a_scrape_imports_no_engine(home):
-    code = ("import sys; from localrt import settings, app; from conftest import call;"
+    code = ("import sys; from localrt import settings, app; from support.apps import call;"
             "a = app.create_app(settings.load()); r = call(a, 'GET', '/metrics');"
             "assert r.status == 200, r.body;"
             "print([m for m in ('llama_cpp', 'onnxruntime_genai') if m in sys.modules])")

@@ -20,9 +20,10 @@ import gguf
 import ollama
 import pytest
 from chattemplates import TEMPLATES
-from conftest import call, run_foreground_server, send
 from ggufgen import FIM_TOKENS, write_bert_gguf, write_gguf
 from hubemu import HubEmulator
+from support.apps import bind, call
+from support.servers import run_foreground_server, send
 
 USER = [{"role": "user", "content": "Why is the sky blue?"}]
 CALL_NAME = '{"name": "get_weather", '
@@ -58,9 +59,7 @@ def ggufs(tmp_path_factory):
 @pytest.fixture
 def api(app, ggufs):
     """call(...) bound to an app with every generated model imported."""
-    def api(*args, **kwargs):
-        return call(app, *args, **kwargs)
-
+    api = bind(app)
     for model_id, path in ggufs.items():
         r = api("POST", "/v1/models/import", {"path": str(path), "id": model_id})
         assert r.status == 200, r.body

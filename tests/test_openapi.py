@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from conftest import call
+from support.apps import call
 
 from localrt.api import ROUTES
 from localrt.openapi import document_path

@@ -5,7 +5,7 @@ import subprocess
 import sys
 import zipfile
 
-from conftest import REPO
+from support import REPO
 
 
 def subpackages() -> list[str]:

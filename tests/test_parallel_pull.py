@@ -15,10 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import call, outbound_config, wait_task
 from ggufgen import write_fake_blob, write_gguf
 from hubemu import HubEmulator
 from loopback import LoopbackHandler, LoopbackServer
+from support.apps import call
+from support.config import outbound_config
+from support.tasks import wait_task
 
 from localrt.app import create_app
 from localrt.downloads.tasks import Downloads, Item, Task, map_path, part_path

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import hashlib
-import time
 from collections import namedtuple
 from pathlib import Path
 
 import pytest
-from conftest import call, wait_bytes, wait_task
 from ggufgen import write_gguf
 from hubemu import HubEmulator
+from support.apps import bind, call
+from support.tasks import wait_bytes, wait_task
 
 from localrt.app import create_app
 
@@ -44,7 +44,7 @@ def hub(weights):
 
 @pytest.fixture
 def api(hub_app):
-    return lambda *args, **kwargs: call(hub_app, *args, **kwargs)
+    return bind(hub_app)
 
 
 def test_builtin_variant_is_pulled_and_registered(api, hub, settings, weights):

@@ -8,9 +8,11 @@ import hashlib
 from collections import namedtuple
 
 import pytest
-from conftest import call, send, wait_task
 from ggufgen import write_gguf
 from hubemu import HubEmulator
+from support.apps import bind
+from support.servers import send
+from support.tasks import wait_task
 
 
 MODEL_YML = (b"name: TinyLlama Chat\nmodel: tinyllama:1b\nversion: 2\nengine: llama.cpp\n"
@@ -63,7 +65,7 @@ def hub(weights):
 
 @pytest.fixture
 def api(hub_app):
-    return lambda *args, **kwargs: call(hub_app, *args, **kwargs)
+    return bind(hub_app)
 
 
 def fetched(hub):

@@ -10,10 +10,11 @@ import urllib.error
 import urllib.request
 
 import pytest
-from conftest import run_foreground_server, send, wait_pull
 from ggufgen import write_gguf
 from hubemu import HubEmulator
 from proxyfix import need_tinyproxy, start_proxy, start_tinyproxy
+from support.servers import run_foreground_server, send
+from support.tasks import wait_pull
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ Upstreams here are addresses nothing listens on, or a socket that never answers.
 
 from __future__ import annotations
 
-import io
 import json
 import socket
 import stat
@@ -15,26 +14,13 @@ import threading
 import time
 
 import pytest
-from localrt.app import create_app
-from localrt.cli import ExitCode, main
+from support.cli import run
+
+from localrt.cli import ExitCode
 from localrt.inference.upstreams import (HEALTHY, UNHEALTHY, NoHealthyUpstream, Pool, Probe,
                                          UpstreamKeyRefused, UpstreamTimeout, parse_upstreams)
 
 KEY = "sk-upstream-1234567890"
-
-
-@pytest.fixture
-def app(settings):
-    """The app, closed after the test: its probe thread ends."""
-    app = create_app(settings)
-    yield app
-    app.close()
-
-
-def run(*argv):
-    out, err = io.StringIO(), io.StringIO()
-    code = main(list(argv), stdout=out, stderr=err, stdin=io.StringIO())
-    return code, out.getvalue(), err.getvalue()
 
 
 def dead_url() -> str:
@@ -45,17 +31,17 @@ def dead_url() -> str:
     return f"http://127.0.0.1:{port}/v1"
 
 
-def add(wsgi, model_id="far", upstreams=None, **extra):
+def add(api, model_id="far", upstreams=None, **extra):
     upstreams = upstreams or [{"url": dead_url(), "api_key": KEY}]
-    return wsgi("POST", "/v1/models/remote", {"id": model_id, "upstreams": upstreams, **extra})
+    return api("POST", "/v1/models/remote", {"id": model_id, "upstreams": upstreams, **extra})
 
 
 # --- registration --------------------------------------------------------------------
 
 
-def test_a_remote_model_is_listed_read_updated_and_deleted_like_any(wsgi, settings):
+def test_a_remote_model_is_listed_read_updated_and_deleted_like_any(api, settings):
     url = dead_url()
-    r = add(wsgi, upstreams=[{"url": url.removesuffix("/v1"), "api_key": KEY, "max_inflight": 2,
+    r = add(api, upstreams=[{"url": url.removesuffix("/v1"), "api_key": KEY, "max_inflight": 2,
                               "model": "big-model"}])
     assert r.status == 200, r.json
     model = r.json["model"]
@@ -66,9 +52,9 @@ def test_a_remote_model_is_listed_read_updated_and_deleted_like_any(wsgi, settin
     assert (model["upstreams_healthy"], model["upstreams_total"]) == (0, 1)
     assert model["status"] == "unavailable"
 
-    listed = wsgi("GET", "/v1/models").json["data"]
+    listed = api("GET", "/v1/models").json["data"]
     assert [m["id"] for m in listed] == ["far"] and listed[0]["upstreams_total"] == 1
-    got = wsgi("GET", "/v1/models/far").json
+    got = api("GET", "/v1/models/far").json
     assert got["upstreams"] == model["upstreams"] and KEY not in json.dumps(got)
 
     definition = settings.data_dir / "models" / "remote" / "far" / "model.json"
@@ -77,20 +63,20 @@ def test_a_remote_model_is_listed_read_updated_and_deleted_like_any(wsgi, settin
     assert json.loads(definition.read_text())["upstreams"][0]["api_key"] == KEY
 
     other = dead_url()
-    r = wsgi("PATCH", "/v1/models/far", {"upstreams": [{"url": url}, {"url": other}],
+    r = api("PATCH", "/v1/models/far", {"upstreams": [{"url": url}, {"url": other}],
                                           "name": "Far away"})
     assert r.status == 200, r.json
     assert [u["url"] for u in r.json["model"]["upstreams"]] == [url, other]
     assert not any(u["api_key_set"] for u in r.json["model"]["upstreams"])  # replaced
     assert r.json["model"]["name"] == "Far away" and r.json["model"]["upstreams_total"] == 2
-    r = wsgi("PATCH", "/v1/models/far", {"temperature": 0.5})
+    r = api("PATCH", "/v1/models/far", {"temperature": 0.5})
     assert r.status == 200 and r.json["model"]["upstreams_total"] == 2
 
-    r = wsgi("DELETE", "/v1/models/far")
+    r = api("DELETE", "/v1/models/far")
     assert r.status == 200 and r.json["deleted"] is True
-    assert wsgi("GET", "/v1/models").json["data"] == []
+    assert api("GET", "/v1/models").json["data"] == []
     assert not definition.parent.exists()
-    assert wsgi("GET", "/v1/models/status").json["data"] == []
+    assert api("GET", "/v1/models/status").json["data"] == []
 
 
 @pytest.mark.parametrize("upstream,field,says", [
@@ -102,46 +88,46 @@ def test_a_remote_model_is_listed_read_updated_and_deleted_like_any(wsgi, settin
     ({"url": "http://host/v1", "max_inflight": 0}, "upstreams[0].max_inflight", ""),
     ({"url": "http://host/v1", "weight": 2}, "upstreams[0].weight", "Unknown field"),
 ])
-def test_bad_upstreams_are_a_400_naming_the_field(wsgi, upstream, field, says):
-    r = add(wsgi, upstreams=[upstream])
+def test_bad_upstreams_are_a_400_naming_the_field(api, upstream, field, says):
+    r = add(api, upstreams=[upstream])
     assert r.status == 400 and r.json["error"]["param"] == field, r.json
     assert says in r.json["message"]
     assert "has space" not in r.json["message"] or field.endswith("api_key")
 
 
-def test_registration_refusals(wsgi, tmp_path, quantized):
-    r = add(wsgi, upstreams=[{"url": "http://h/v1"}, {"url": "http://h/v1/"}])
+def test_registration_refusals(api, tmp_path, quantized):
+    r = add(api, upstreams=[{"url": "http://h/v1"}, {"url": "http://h/v1/"}])
     assert r.status == 400 and r.json["error"]["param"] == "upstreams[1]"
-    r = wsgi("POST", "/v1/models/remote", {"id": "none", "upstreams": []})
+    r = api("POST", "/v1/models/remote", {"id": "none", "upstreams": []})
     assert r.status == 400 and r.json["error"]["param"] == "upstreams"
-    r = add(wsgi, "remote")  # /v1/models/remote is another endpoint
+    r = add(api, "remote")  # /v1/models/remote is another endpoint
     assert r.status == 400 and r.json["error"]["param"] == "id"
-    assert add(wsgi, "a/../b").status == 400
-    assert add(wsgi, "twice").status == 200
-    r = add(wsgi, "twice")
+    assert add(api, "a/../b").status == 400
+    assert add(api, "twice").status == 200
+    r = add(api, "twice")
     assert r.status == 409 and r.json["error"]["param"] == "id"
     # A model that has files has no upstreams.
-    assert wsgi("POST", "/v1/models/import", {"path": str(quantized["Q8_0"]),
+    assert api("POST", "/v1/models/import", {"path": str(quantized["Q8_0"]),
                                               "id": "local"}).status == 200
-    r = wsgi("PATCH", "/v1/models/local", {"upstreams": [{"url": "http://h/v1"}]})
+    r = api("PATCH", "/v1/models/local", {"upstreams": [{"url": "http://h/v1"}]})
     assert r.status == 400 and r.json["error"]["param"] == "upstreams"
     assert "not a remote model" in r.json["message"]
 
 
-def test_start_and_stop_have_nothing_to_do(wsgi):
-    add(wsgi)
-    r = wsgi("POST", "/v1/models/start", {"model": "far"})
+def test_start_and_stop_have_nothing_to_do(api):
+    add(api)
+    r = api("POST", "/v1/models/start", {"model": "far"})
     assert r.status == 200 and r.json["alreadyRunning"] is True and r.json["engine"] == "remote"
     assert "is remote" in r.json["message"]
-    r = wsgi("POST", "/v1/models/far/start", {"ctx_len": 512})
+    r = api("POST", "/v1/models/far/start", {"ctx_len": 512})
     assert r.status == 400 and r.json["error"]["param"] == "ctx_len"
-    r = wsgi("POST", "/v1/models/far/stop", {})
+    r = api("POST", "/v1/models/far/stop", {})
     assert r.status == 200 and "nothing was stopped" in r.json["message"]
 
 
-def test_status_shows_each_upstream(wsgi):
-    add(wsgi, upstreams=[{"url": dead_url(), "max_inflight": 3}, {"url": dead_url()}])
-    [row] = wsgi("GET", "/v1/models/status").json["data"]
+def test_status_shows_each_upstream(api):
+    add(api, upstreams=[{"url": dead_url(), "max_inflight": 3}, {"url": dead_url()}])
+    [row] = api("GET", "/v1/models/status").json["data"]
     assert row["id"] == "far" and row["engine"] == "remote" and row["requests"] == 0
     assert (row["upstreams_healthy"], row["upstreams_total"]) == (0, 2)
     first = row["upstreams"][0]
@@ -149,27 +135,27 @@ def test_status_shows_each_upstream(wsgi):
     assert (first["inflight"], first["max_inflight"], first["requests"]) == (0, 3, 0)
 
 
-def test_no_healthy_upstream_is_a_503_and_the_key_stays_out(wsgi):
-    add(wsgi)
+def test_no_healthy_upstream_is_a_503_and_the_key_stays_out(api):
+    add(api)
     body = {"model": "far", "messages": [{"role": "user", "content": "hi"}]}
     for stream in (False, True):
-        r = wsgi("POST", "/v1/chat/completions", {**body, "stream": stream})
+        r = api("POST", "/v1/chat/completions", {**body, "stream": stream})
         assert r.status == 503 and r.json["error"]["code"] == "no_healthy_upstream", r.json
         assert r.headers["retry-after"] and KEY not in r.body.decode()
 
 
-def test_an_upstream_that_never_answers_is_a_504(wsgi, settings):
+def test_an_upstream_that_never_answers_is_a_504(api, settings):
     settings.update({"upstreamTimeout": 0.5})
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)  # connections are accepted by the kernel, and never answered
     try:
         port = silent.getsockname()[1]
-        r = add(wsgi, upstreams=[{"url": f"http://127.0.0.1:{port}/v1"}])
+        r = add(api, upstreams=[{"url": f"http://127.0.0.1:{port}/v1"}])
         # Its probe is slow, not failed: the upstream stays usable.
         assert r.json["model"]["status"] == "running"
         started = time.monotonic()
-        r = wsgi("POST", "/v1/chat/completions",
+        r = api("POST", "/v1/chat/completions",
                  {"model": "far", "messages": [{"role": "user", "content": "hi"}]})
         assert r.status == 504 and r.json["error"]["code"] == "upstream_timeout", r.json
         assert "upstreamTimeout" in r.json["message"]
@@ -178,11 +164,11 @@ def test_an_upstream_that_never_answers_is_a_504(wsgi, settings):
         silent.close()
 
 
-def test_the_engine_row_is_part_of_localrt(wsgi):
-    engines = {e["name"]: e for e in wsgi("GET", "/v1/engines").json["data"]}
+def test_the_engine_row_is_part_of_localrt(api):
+    engines = {e["name"]: e for e in api("GET", "/v1/engines").json["data"]}
     assert engines["remote"]["status"] == "Ready" and engines["remote"]["format"] == "OpenAI API"
     for method in ("POST", "DELETE"):
-        r = wsgi(method, "/v1/engines/remote/install", {})
+        r = api(method, "/v1/engines/remote/install", {})
         assert r.status == 400 and "part of localrt" in r.json["message"]
 
 
@@ -293,7 +279,7 @@ def test_parse_upstreams_keeps_what_was_given():
 def test_a_remote_upstreams_probe_names_tinyproxys_refusal_not_the_key(tmp_path):
     # The same rule holds for remote models' upstreams, which localrt probes through
     # the proxy: tinyproxy's 401 is not the upstream refusing localrt's key.
-    from conftest import outbound_config as config
+    from support.config import outbound_config as config
     from proxyfix import need_tinyproxy, start_target, start_tinyproxy
 
     from localrt.inference.upstreams import Upstream, probe

@@ -16,20 +16,18 @@ Requests ban every token but the ordinary word pieces (TEXT_ONLY).
 
 from __future__ import annotations
 
-import http.client
 import json
 import stat
 import subprocess
 import sys
 import threading
 import time
-from urllib.parse import urlsplit
 
 import openai
 import pytest
-from conftest import send, subprocess_env
 from ggufgen import MIN_VOCAB_SIZE, write_bert_gguf
 from prometheus_client.parser import text_string_to_metric_families
+from support.servers import RawStream, send, subprocess_env, wait_for
 from upstreams import start_replica
 
 from localrt import server as server_mod
@@ -143,36 +141,6 @@ def pair(localrt, replicas):
     model = add_remote(localrt, "pair", [r.url for r in replicas])
     assert model["upstreams_healthy"] == model["upstreams_total"] == 2, model
     return "pair"
-
-
-class RawStream:
-    """A streamed chat on its own connection, read one event at a time (with arrival times)."""
-
-    def __init__(self, url, body, timeout=60):
-        parts = urlsplit(url)
-        self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
-        self.conn.request("POST", "/v1/chat/completions", json.dumps(body),
-                          {"Content-Type": "application/json"})
-        self.resp = self.conn.getresponse()
-
-    def __iter__(self):
-        for line in self.resp:
-            if line.startswith(b"data: "):
-                data = line[6:].strip()
-                yield "[DONE]" if data == b"[DONE]" else json.loads(data)
-
-    def close(self):
-        self.resp.close()
-        self.conn.close()
-
-
-def wait_for(condition, timeout, what):
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > timeout:
-            raise AssertionError(f"{what}: still not the case after {timeout} s")
-        time.sleep(0.02)
-    return time.monotonic() - started
 
 
 def inflight(srv, model_id) -> list:

@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 import threading
 
-import gguf
 import jsonschema
 import pytest
 from chattemplates import TEMPLATES, TOKENS
-from conftest import call, run_foreground_server, send
 from ggufgen import write_gguf
+from support.apps import bind, call
+from support.models import KINDS
+from support.servers import run_foreground_server, send
 
 from localrt.dialects.responses import Store
 
@@ -36,7 +37,6 @@ SCHEMAS = {t["name"]: t["parameters"] for t in TOOLS}
 # The same tools as chat takes them.
 CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
               for t in TOOLS]
-KINDS = {"control": gguf.TokenType.CONTROL, "user": gguf.TokenType.USER_DEFINED}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def api(app, weights):
     for model_id, path in weights.items():
         r = call(app, "POST", "/v1/models/import", {"path": str(path), "id": model_id})
         assert r.status == 200, r.body
-    return lambda *args, **kwargs: call(app, *args, **kwargs)
+    return bind(app)
 
 
 def respond(api, **body):

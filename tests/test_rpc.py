@@ -7,16 +7,11 @@ no RPC backend). The model split across two real rpc-servers is test_rpc_live.py
 from __future__ import annotations
 
 import pytest
+from support.apps import bind, call
 
-from conftest import call
 from localrt.engines import rpc
 from localrt.engines.catalog import RPC_SUFFIX
 from localrt.errors import HTTPError
-
-
-@pytest.fixture
-def api(app):
-    return lambda *args, **kwargs: call(app, *args, **kwargs)
 
 
 @pytest.fixture
@@ -209,7 +204,7 @@ def write_sdist(folder, version="9.9.9"):
 def test_a_build_that_fails_fails_its_task_with_the_end_of_its_output(settings, tmp_path):
     import shutil
 
-    from conftest import wait_task
+    from support.tasks import wait_task
     from localrt.app import create_app
     from localrt.engines.hardware import detect_hardware
     from pkgindex import PackageIndex
@@ -227,7 +222,7 @@ def test_a_build_that_fails_fails_its_task_with_the_end_of_its_output(settings, 
         settings.update({"engineIndexUrl": index.url})
         app = create_app(settings)
         try:
-            api = lambda *a, **k: call(app, *a, **k)  # noqa: E731
+            api = bind(app)
             r = api("POST", "/v1/engines/gguf-cpp/install", {"variant": variant})
             assert r.status == 200, r.body
             assert "localrt compiles llama_cpp_python-9.9.9.tar.gz" in r.json["note"]

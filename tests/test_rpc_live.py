@@ -29,14 +29,17 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-from conftest import REPO, call, free_port, run_foreground_server, send, wait_task
 from ggufgen import write_gguf
+from pkgindex import PackageIndex
+from support import REPO
+from support.apps import call
+from support.servers import free_port, run_foreground_server, send
+from support.tasks import wait_task
+
 from localrt import settings as settings_mod
 from localrt.app import create_app
 from localrt.bootstrap import AMX_OFF
 from localrt.engines.hardware import detect_hardware
-from pkgindex import PackageIndex
 
 RPC_DIR = REPO / "tests" / ".rpc-build"
 SOURCES, BUILT = RPC_DIR / "sources", RPC_DIR / "built"

@@ -10,7 +10,8 @@ import urllib.error
 import urllib.request
 
 import pytest
-from conftest import call, run_foreground_server, subprocess_env
+from support.apps import call
+from support.servers import run_foreground_server, subprocess_env
 
 from localrt import security
 from localrt import settings as settings_mod
@@ -24,11 +25,13 @@ KEY = "sk-local-1234567890abcdef"
 def keyed(home):
     """An app whose settings file holds two API keys."""
     (home / ".localrtrc").write_text(f"apiKeys: [{KEY}, second-key-xyz]\n")
-    return create_app(settings_mod.load())
+    app = create_app(settings_mod.load())
+    yield app
+    app.close()
 
 
-def test_without_keys_no_authorization_is_needed(wsgi):
-    assert wsgi("GET", "/v1/models").status == 200
+def test_without_keys_no_authorization_is_needed(api):
+    assert api("GET", "/v1/models").status == 200
 
 
 @pytest.mark.parametrize("path", ["/v1/models", "/v1/configs", "/v1/engines", "/openapi.json",

@@ -15,15 +15,12 @@ from __future__ import annotations
 import json
 import re
 
-import gguf
 import jsonschema
 import pytest
-from chattemplates import TEMPLATES, TOKENS
-from conftest import call
-from ggufgen import EOS_ID, write_gguf
+from chattemplates import TOKENS
+from ggufgen import EOS_ID
+from support.models import FAMILIES
 
-KINDS = {"control": gguf.TokenType.CONTROL, "user": gguf.TokenType.USER_DEFINED}
-FAMILIES = sorted(TEMPLATES)  # llama31, mistral_nemo, qwen25
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "required": ["city", "metric"],
@@ -43,30 +40,6 @@ ID_OF = {"mistral_nemo": r"[a-zA-Z0-9]{9}", "qwen25": r"call_\w{24}", "llama31":
 def token_id(family: str, text: str) -> int:
     """The id write_gguf gives an added token: after <unk> <s> </s>, 256 bytes, ChatML's 2."""
     return 261 + [t for t, _ in TOKENS[family]].index(text)
-
-
-@pytest.fixture(scope="session")
-def family_models(tmp_path_factory):
-    """One tiny GGUF per family, carrying its real chat template and added tokens."""
-    root = tmp_path_factory.mktemp("families")
-    return {family: write_gguf(root / f"{family}.gguf", name=family, vocab_size=400,
-                               context_length=4096, chat_template=TEMPLATES[family],
-                               added_tokens=[(t, KINDS[k]) for t, k in TOKENS[family]])
-            for family in FAMILIES}
-
-
-@pytest.fixture
-def api(app):
-    return lambda *args, **kwargs: call(app, *args, **kwargs)
-
-
-@pytest.fixture
-def models(api, family_models):
-    for family, path in family_models.items():
-        r = api("POST", "/v1/models/import", {"path": str(path), "id": family,
-                                              "option": "symlink"})
-        assert r.status == 200, r.body
-    return family_models
 
 
 def chat(api, model, **body):
@@ -329,7 +302,7 @@ def test_the_openai_sdk_tools_round_trip(live_server, family_models):
     """Call, tool result, final answer, as the SDK's users write it, for each family."""
     import openai
 
-    from conftest import send
+    from support.servers import send
 
     client = openai.OpenAI(base_url=live_server.url + "/v1", api_key="unused", max_retries=0,
                            timeout=120)

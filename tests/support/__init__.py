@@ -1,0 +1,21 @@
+"""What the tests share that is not a pytest fixture, one module a topic:
+
+- `apps`: the app in process, through WSGI (`call`, `bind`, `events`);
+- `servers`: real servers and sockets (`send`, `run_foreground_server`, `RawStream`);
+- `tasks`: waiting for download tasks (`wait_task`, `wait_pull`, `wait_bytes`);
+- `cli`: the CLI through `main([...])` (`run`);
+- `models`: generated models and their constants (`NO_EOS`, `quantize`, `tokens_of`);
+- `config`: the Config fields for outbound requests (`outbound_config`).
+
+Tests import them (`from support.apps import call`). tests/conftest.py holds the
+fixtures and builds them from these modules. The generators and emulators
+(ggufgen, hubemu, pkgindex, ...) stay in tests/: the benchmarks in tests/bench and the
+emulators' child processes import them by those names.
+"""
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+# The real engine wheels the tests' package index serves (localrt.bootstrap --test
+# downloads them).
+WHEELS = REPO / "tests" / ".engine-wheels"

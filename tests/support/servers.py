@@ -1,0 +1,137 @@
+"""Real servers and sockets: requests as curl makes them, `localrt start --foreground`
+as a child process, a free port, and a stream read one event at a time."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from socketserver import ThreadingMixIn
+from urllib.parse import urlsplit
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+
+from localrt import settings as settings_mod
+
+from support import REPO
+
+
+def send(url, method, path, body=None, timeout=10):
+    """One JSON request to a real server, as curl users make them: (status, decoded
+    reply), error replies included."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json"} if data else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, json.loads(exc.read())
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env(home: Path) -> dict:
+    """The environment for a localrt child process: this checkout, this test's HOME."""
+    env = dict(os.environ)
+    env["HOME"] = str(home)
+    env.pop("LOCALRT_CONFIG", None)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    url: str
+    port: int
+    settings: settings_mod.Settings
+
+    def stop(self, sig=signal.SIGTERM, timeout=15):
+        """Signal the server, wait for it, and close its output pipes; its exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()  # never leave a server behind
+            self.process.wait()
+            raise
+        finally:
+            self.process.stdout.close()
+            self.process.stderr.close()
+
+
+def run_foreground_server(home: Path, extra=()) -> Server:
+    """`localrt start --foreground --port 0` as a child; returns once /healthz answers."""
+    from localrt import server
+
+    settings = settings_mod.load(environ={"HOME": str(home)})
+    cmd = [sys.executable, "-m", "localrt", "start", "--foreground", "--port", "0", *extra]
+    process = subprocess.Popen(cmd, env=subprocess_env(home), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    try:
+        address = server.wait_started(settings, process)
+    except RuntimeError as exc:
+        raise AssertionError(f"{exc}: {process.stderr.read().decode()}") from None
+    return Server(process, address.url, address.port, settings)
+
+
+class QuietHandler(WSGIRequestHandler):
+    """wsgiref's handler without its access log on stderr."""
+
+    def log_message(self, *args):
+        pass
+
+
+class ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    """wsgiref's server, a thread a request, as the real server answers them."""
+
+    daemon_threads = True
+
+
+class RawStream:
+    """A streamed chat on its own connection, read one Server-Sent Event at a time."""
+
+    def __init__(self, url, body, timeout=60):
+        parts = urlsplit(url)
+        self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+        self.conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                          {"Content-Type": "application/json"})
+        self.resp = self.conn.getresponse()
+
+    def __iter__(self):
+        """Each event's data: a decoded chunk, or the string "[DONE]"."""
+        for line in self.resp:
+            if line.startswith(b"data: "):
+                data = line[6:].strip()
+                yield "[DONE]" if data == b"[DONE]" else json.loads(data)
+
+    def close(self):
+        """Hang up without reading the rest."""
+        self.resp.close()
+        self.conn.close()
+
+
+def wait_for(condition, timeout, what):
+    """Poll `condition` until it is true; the seconds it took."""
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"{what}: still not the case after {timeout} s")
+        time.sleep(0.01)
+    return time.monotonic() - started

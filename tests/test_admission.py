@@ -1,0 +1,227 @@
+"""Too many requests in progress: the 503 of each kind, through the WSGI app.
+
+Chats, completions and embeddings each admit at most a fixed number of requests at once
+(localrt.inference.scheduler.Admission); past that a request is a 503 that names its kind
+and the limit, with Retry-After. A remote model's request counts in the same admission
+as a local one, and the dialect routes that go through chat, completion or embedding
+give that 503 in their own error shape. GET /v1/events has its own limit, on open
+event streams (localrt.events.EventBus).
+
+A test takes every slot but the ones it needs by entering the real admission itself,
+as that many requests in progress would, and gives them back after, so no test has to
+hold sixteen requests open. The model is a tiny random llama (tests/ggufgen.py); the
+remote model's upstream is an address nothing listens on, so only the admission can
+answer its 503 with these words.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from contextlib import contextmanager
+from wsgiref.util import setup_testing_defaults
+from wsgiref.validate import validator
+
+import pytest
+from ggufgen import write_gguf
+from support.apps import events
+from support.models import NO_EOS
+from support.servers import free_port
+
+from localrt.services import MAX_EVENT_LISTENERS
+
+USER = [{"role": "user", "content": "hello"}]
+# Each native route, the admission its requests count in, and a body for it.
+NATIVE = {
+    "chat": ("/v1/chat/completions", "chats",
+             {"messages": USER, "max_tokens": 4}),
+    "completion": ("/v1/completions", "completions",
+                   {"prompt": "Once upon a time", "max_tokens": 4}),
+    "embedding": ("/v1/embeddings", "embeddings", {"input": "the quick brown fox"}),
+    "response": ("/v1/responses", "chats", {"input": "hello", "max_output_tokens": 4}),
+}
+# Each dialect route, the kind of request it makes, and a body for it.
+DIALECTS = {
+    "anthropic-messages": ("/v1/messages", "chats",
+                           {"messages": USER, "max_tokens": 4}),
+    "ollama-chat": ("/api/chat", "chats", {"messages": USER, "options": {"num_predict": 4}}),
+    "ollama-generate": ("/api/generate", "chats",
+                        {"prompt": "hello", "options": {"num_predict": 4}}),
+    "ollama-generate-raw": ("/api/generate", "completions",
+                            {"prompt": "hello", "raw": True, "options": {"num_predict": 4}}),
+    "ollama-embed": ("/api/embed", "embeddings", {"input": "the quick brown fox"}),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return write_gguf(tmp_path_factory.mktemp("admission") / "tiny.gguf", context_length=512)
+
+
+@pytest.fixture
+def tiny(api, tiny_gguf):
+    r = api("POST", "/v1/models/import", {"path": str(tiny_gguf), "id": "tiny"})
+    assert r.status == 200, r.body
+    return "tiny"
+
+
+@pytest.fixture
+def far(api):
+    """A remote model whose one upstream nothing listens on."""
+    r = api("POST", "/v1/models/remote",
+            {"id": "far", "upstreams": [{"url": f"http://127.0.0.1:{free_port()}/v1"}]})
+    assert r.status == 200, r.body
+    return "far"
+
+
+@contextmanager
+def taken(admission, leave_free=0):
+    """Every slot of `admission` but `leave_free` taken, as by requests in progress."""
+    count = admission.limit - leave_free
+    for _ in range(count):
+        admission.enter()
+    try:
+        yield
+    finally:
+        for _ in range(count):
+            admission.leave()
+
+
+def too_many(kind: str, limit: int) -> str:
+    return f"Too many {kind} requests in progress (at most {limit}); retry shortly"
+
+
+def admission_of(app, service: str):
+    return getattr(app.services, service).admission
+
+
+def assert_too_many(r, message: str) -> None:
+    """A 503 in localrt's own (OpenAI's) error shape, with Retry-After."""
+    assert r.status == 503, r.body
+    assert r.json["error"]["code"] == "unavailable", r.json
+    assert r.json["error"]["message"] == r.json["message"] == message
+    assert r.headers["retry-after"] == "1"
+
+
+@pytest.mark.parametrize("route, stream", [(route, stream) for route in sorted(NATIVE)
+                                           for stream in (False, True)
+                                           if not (stream and route == "embedding")])
+def test_past_the_limit_a_request_is_a_503_naming_its_kind(app, api, tiny, route, stream):
+    path, service, body = NATIVE[route]
+    admission = admission_of(app, service)
+    with taken(admission):
+        r = api("POST", path, {"model": tiny, **body, **({"stream": True} if stream else {})})
+    assert_too_many(r, too_many(admission.what, admission.limit))
+    assert (admission.what, admission.limit) == {
+        "chats": ("chat", 16), "completions": ("completion", 8),
+        "embeddings": ("embedding", 8)}[service]
+    # Nothing was started for it, and the slots it did not get are free again.
+    assert api("GET", "/v1/models/status").json["data"] == []
+    with taken(admission, leave_free=1):
+        assert api("POST", path, {"model": tiny, **body}).status == 200
+
+
+def test_a_request_in_progress_holds_its_slot_until_its_reply_ends(app, api, tiny):
+    admission = admission_of(app, "chats")
+    body = {"model": tiny, "messages": USER, "max_tokens": 8, "logit_bias": NO_EOS}
+    with taken(admission, leave_free=1):
+        status, _, reply = open_stream(app, "/v1/chat/completions", {**body, "stream": True})
+        assert status == 200
+        next(iter(reply))  # generating: it holds the last slot
+        try:
+            assert_too_many(api("POST", "/v1/chat/completions", body),
+                            too_many("chat", admission.limit))
+        finally:
+            reply.close()  # the reply ends (or the client hangs up): its slot is free
+        r = api("POST", "/v1/chat/completions", {**body, "stream": True})
+        assert r.status == 200 and events(r)[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize("route", sorted(NATIVE))
+def test_a_remote_models_request_counts_in_its_kinds_admission(app, api, far, route):
+    path, service, body = NATIVE[route]
+    admission = admission_of(app, service)
+    with taken(admission):
+        r = api("POST", path, {"model": far, **body})
+    assert_too_many(r, too_many(admission.what, admission.limit))
+    # With a slot free it goes on to the upstream, which is not there: another 503.
+    with taken(admission, leave_free=1):
+        r = api("POST", path, {"model": far, **body})
+    assert r.status == 503 and r.json["error"]["code"] == "no_healthy_upstream", r.json
+
+
+@pytest.mark.parametrize("route", sorted(DIALECTS))
+def test_a_dialect_gives_the_503_in_its_own_shape(app, api, tiny, route):
+    path, service, body = DIALECTS[route]
+    admission = admission_of(app, service)
+    message = too_many(admission.what, admission.limit)
+    with taken(admission):
+        r = api("POST", path, {"model": tiny, **body})
+    assert r.status == 503, r.body
+    assert r.headers["retry-after"] == "1"
+    if path == "/v1/messages":
+        assert r.json == {"type": "error",
+                          "error": {"type": "overloaded_error", "message": message}}
+    else:
+        assert r.json == {"error": message}
+
+
+def test_a_remote_model_through_a_dialect_gives_the_503_in_its_shape(app, api, far):
+    admission = admission_of(app, "chats")
+    with taken(admission):
+        r = api("POST", "/v1/messages", {"model": far, "messages": USER, "max_tokens": 4})
+        counted = api("POST", "/v1/messages/count_tokens", {"model": far, "messages": USER})
+    message = too_many("chat", admission.limit)
+    for reply in (r, counted):  # a remote model's count is a one-token chat upstream
+        assert reply.status == 503, reply.body
+        assert reply.json == {"type": "error",
+                              "error": {"type": "overloaded_error", "message": message}}
+        assert reply.headers["retry-after"] == "1"
+
+
+def test_past_the_open_event_streams_limit_events_is_a_503(app, api):
+    assert app.services.events.max_listeners == MAX_EVENT_LISTENERS == 4
+    streams = [listening(app) for _ in range(MAX_EVENT_LISTENERS)]
+    try:
+        # Not through call(): a stream that opened would never end.
+        status, headers, reply = open_stream(app, "/v1/events", method="GET")
+        try:
+            assert status == 503, f"event stream {MAX_EVENT_LISTENERS + 1} opened"
+            body = json.loads(b"".join(reply))
+        finally:
+            reply.close()
+        assert headers["content-type"] == "application/json"
+        assert body["error"]["code"] == "unavailable", body
+        assert body["error"]["message"] == body["message"] == \
+            f"Too many open event streams (at most {MAX_EVENT_LISTENERS}); close one"
+        streams.pop().close()  # a client hangs up: one more may listen
+        streams.append(listening(app))
+    finally:
+        for stream in streams:
+            stream.close()
+
+
+def listening(app):
+    """GET /v1/events through the WSGI app, read up to its first line and left open."""
+    status, _, reply = open_stream(app, "/v1/events", method="GET")
+    assert status == 200 and next(iter(reply)) == b": listening\n\n"
+    return reply
+
+
+def open_stream(app, path, body=None, method="POST"):
+    """A request through the WSGI app whose reply is left open: (status, headers, the
+    reply's iterable), which the caller reads and closes, as the server does."""
+    data = b"" if body is None else json.dumps(body).encode()
+    environ = {"REQUEST_METHOD": method, "PATH_INFO": path, "SCRIPT_NAME": "",
+               "QUERY_STRING": "", "CONTENT_TYPE": "application/json",
+               "CONTENT_LENGTH": str(len(data)), "wsgi.input": io.BytesIO(data)}
+    setup_testing_defaults(environ)
+    started = []
+
+    def start_response(line, headers, exc_info=None):
+        started.append((int(line.split()[0]), {k.lower(): v for k, v in headers}))
+        return lambda _: None
+
+    reply = validator(app)(environ, start_response)
+    status, headers = started[0]
+    return status, headers, reply
