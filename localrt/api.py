@@ -324,7 +324,8 @@ def events(services: Services, request: Request):
         stream = services.events.listen()
     except TooManyListeners:
         raise ServiceUnavailable(f"Too many open event streams (at most "
-                                 f"{services.events.max_listeners}); close one") from None
+                                 f"{services.events.max_listeners}); close one",
+                                 headers=[("Retry-After", "1")]) from None
     return Reply(stream, content_type="text/event-stream", headers=list(STREAM_HEADERS))
 
 

@@ -65,7 +65,7 @@ class EventBus:
             if sum(1 for x in self._listeners if x.counted) >= self.max_listeners:
                 raise TooManyListeners()
             self._listeners.append(q)
-        return self._stream(q)
+        return _Body(self._stream(q), lambda: self._remove(q))
 
     def follow(self, task_id: str) -> Iterator[dict]:
         """The events of one download task, as dicts, from now on: an in-process
@@ -86,6 +86,11 @@ class EventBus:
             listeners, self._listeners = self._listeners, []
         for q in listeners:
             _put_close(q)
+
+    def _remove(self, q: _Listener) -> None:
+        with self._lock:
+            if q in self._listeners:
+                self._listeners.remove(q)
 
     def _drop(self, q: queue.Queue) -> None:
         with self._lock:
@@ -117,6 +122,24 @@ class EventBus:
             with self._lock:
                 if q in self._listeners:
                     self._listeners.remove(q)
+
+
+class _Body:
+    """A GET /v1/events body whose close() gives its listener slot back, even when the
+    server closes it before reading it (a generator's `finally` would never run then)."""
+
+    def __init__(self, stream: Iterator[bytes], remove):
+        self._stream, self._remove = stream, remove
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self._stream
+
+    def close(self) -> None:
+        """End the stream and free its listener slot."""
+        try:
+            self._stream.close()
+        finally:
+            self._remove()
 
 
 def _put_close(q: queue.Queue) -> None:

@@ -194,11 +194,21 @@ def test_past_the_open_event_streams_limit_events_is_a_503(app, api):
         assert body["error"]["code"] == "unavailable", body
         assert body["error"]["message"] == body["message"] == \
             f"Too many open event streams (at most {MAX_EVENT_LISTENERS}); close one"
+        assert headers["retry-after"] == "1"
         streams.pop().close()  # a client hangs up: one more may listen
         streams.append(listening(app))
     finally:
         for stream in streams:
             stream.close()
+
+
+def test_an_event_stream_closed_before_its_first_read_frees_its_place(app):
+    """A server may close a reply it never read (the client left at once)."""
+    for _ in range(MAX_EVENT_LISTENERS + 2):
+        status, _, reply = open_stream(app, "/v1/events", method="GET")
+        assert status == 200
+        reply.close()
+    listening(app).close()
 
 
 def listening(app):
