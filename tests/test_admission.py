@@ -33,8 +33,9 @@ from support.models import NO_EOS
 from support.servers import free_port, send, wait_for
 
 from localrt import connections, server
-from localrt.admission import LIMITS, SPARE_THREADS, threads_for
+from localrt.admission import LIMITS, SPARE_THREADS, ClientGone, never, threads_for
 from localrt.app import create_app
+from localrt.inference.lanes import FairLock
 from localrt.services import MAX_EVENT_LISTENERS
 
 USER = [{"role": "user", "content": "hello"}]
@@ -391,3 +392,85 @@ def test_a_client_that_leaves_frees_its_place_within_a_second(crowded):
     # The requests that left wait no more: only this test's leases are on the models.
     assert all(r["requests"] == r["slots"] for r in app.services.scheduler.status())
     assert max(times.values()) < 5  # DISCONNECT_POLL is 0.2 s; 5 s leaves a busy machine room
+
+
+# --- giving up: the waits and a generation, in process ----------------------------------
+
+
+class Leaving:
+    """A `disconnected()` that turns true once `leave()` is called."""
+
+    def __init__(self):
+        self.gone = threading.Event()
+
+    def __call__(self) -> bool:
+        return self.gone.is_set()
+
+    def leave(self):
+        self.gone.set()
+
+
+def test_a_waiter_whose_client_leaves_gives_up_its_place_in_line():
+    lock, order = FairLock(), []
+    lock.acquire()  # the model is busy
+    leaving, errors = Leaving(), []
+
+    def wait(name, disconnected):
+        try:
+            lock.acquire(disconnected, "its turn")
+        except ClientGone as exc:
+            errors.append(exc)
+            return
+        order.append(name)
+        lock.release()
+
+    first = threading.Thread(target=wait, args=("first", leaving))
+    first.start()
+    wait_for(lambda: lock.waiting == 1, PATIENCE, "the first waits")
+    second = threading.Thread(target=wait, args=("second", never))
+    second.start()
+    wait_for(lambda: lock.waiting == 2, PATIENCE, "the second waits behind it")
+    leaving.leave()
+    took = wait_for(lambda: errors, PATIENCE, "the first gave up")
+    assert lock.waiting == 1 and "its turn" in errors[0].message
+    lock.release()
+    second.join(PATIENCE)
+    first.join(PATIENCE)
+    assert order == ["second"]  # the one that left never had the turn
+    assert took < 5 and errors[0].status == 499
+
+
+def test_a_reply_whose_client_leaves_stops_generating_and_frees_its_place(app, api, tiny):
+    admission = app.services.admissions["chat"]
+    calls = []
+
+    def disconnected():  # gone after a few looks: part way through the reply
+        calls.append(1)
+        return len(calls) > 5
+
+    body = {"model": tiny, "messages": USER, "max_tokens": 200, "logit_bias": NO_EOS}
+    with pytest.raises(ClientGone):
+        app.services.chats.create(body, disconnected)
+    assert admission.in_progress == 0
+    assert [r["requests"] for r in app.services.scheduler.status()] == [0]
+    assert api("POST", "/v1/chat/completions", {**body, "max_tokens": 4}).status == 200
+
+
+def test_a_closed_pull_reply_frees_its_place_read_or_not(settings, slow_hub):
+    """An Ollama pull following a download that lasts: each reply closed, unread or
+    after its first line, gives its place and its follower back; the download goes on."""
+    settings.update({"modelHubUrl": slow_hub.url})
+    app = create_app(settings)
+    try:
+        admission, bus = app.services.admissions["pull"], app.services.events
+        for n in range(admission.limit + 2):
+            status, _, reply = open_stream(app, "/api/pull", {"model": "org/big"})
+            assert status == 200 and admission.in_progress == 1
+            if n % 2:
+                assert json.loads(next(iter(reply))) == {"status": "pulling manifest"}
+            reply.close()
+            assert admission.in_progress == 0 and bus._listeners == []
+        tasks = bind(app)("GET", "/v1/models/pull").json["data"]
+        assert len(tasks) == 1 and tasks[0]["status"] in ("Pending", "Downloading")
+    finally:
+        app.close()
