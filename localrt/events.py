@@ -73,11 +73,9 @@ class EventBus:
         q = _Listener()
         self.admission.enter()
         with self._lock:
-            if not self._closed:
+            closed = self._closed
+            if not closed:
                 self._listeners.append(q)
-                closed = False
-            else:
-                closed = True
         if closed:
             self.admission.leave()
             return iter(())

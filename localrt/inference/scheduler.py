@@ -24,6 +24,9 @@ fight over the CPU:
     model is stopped meanwhile. Two llama.cpp computations that share the cores are
     both many times slower than one after the other, so on a machine with cores for
     several models, raise computeLanes and give each model `cpu_threads` = cores / lanes.
+
+A request's `disconnected()` (localrt.admission) ends its wait for a turn or for room
+under maxRunningModels, and its generation at the next token, once its client has gone.
 """
 
 from __future__ import annotations
