@@ -12,6 +12,12 @@ as that many requests in progress would, and gives them back after, so no test h
 hold sixteen requests open. The model is a tiny random llama (tests/ggufgen.py); the
 remote model's upstream is an address nothing listens on, so only the admission can
 answer its 503 with these words.
+
+Against a real server (localrt.connections in a thread, every kind's limit set to one
+through create_app): with every kind at its limit, each holding a worker thread, GET
+/v1/models still answers; and a client that closes its socket, while its request
+waits for its turn or while its stream runs, frees its place at once (waited for as
+an event, within a generous limit). Ollama's /api/pull has its own kind.
 """
 
 from __future__ import annotations
