@@ -16,8 +16,7 @@ import threading
 from localrt import __version__
 from localrt.dialects import anthropic, ollama
 from localrt.dialects.common import native
-from localrt.errors import Conflict, InvalidField, ServiceUnavailable
-from localrt.events import TooManyListeners
+from localrt.errors import Conflict, InvalidField
 from localrt.metrics import CONTENT_TYPE
 from localrt.models.ids import check_id
 from localrt.routing import STREAM_HEADERS, Dialect, Reply, Request, Route
@@ -222,19 +221,19 @@ def models_status(services: Services, request: Request):
 
 def chat_completions(services: Services, request: Request):
     """OpenAI's chat completion, streamed as Server-Sent Events or not."""
-    result = services.chats.create(request.body)
+    result = services.chats.create(request.body, request.disconnected)
     return _streamed(result)
 
 
 def completions(services: Services, request: Request):
     """OpenAI's text completion (the legacy API), streamed as Server-Sent Events or not."""
-    result = services.completions.create(request.body)
+    result = services.completions.create(request.body, request.disconnected)
     return _streamed(result)
 
 
 def embeddings(services: Services, request: Request):
     """OpenAI's embeddings: one vector per input, from a model in embedding mode."""
-    return services.embeddings.create(request.body)
+    return services.embeddings.create(request.body, request.disconnected)
 
 
 # --- Anthropic's Messages API (localrt.dialects.anthropic, on chat) ------------------------------
@@ -245,7 +244,7 @@ def anthropic_messages(services: Services, request: Request):
     body = native(services.validators, "chat-completion.json",
                   anthropic.chat_request(request.body), anthropic.FIELDS)
     with anthropic.FIELDS.named():
-        result = services.chats.create(body)
+        result = services.chats.create(body, request.disconnected)
     if isinstance(result, dict):
         return anthropic.message(result, request.body)
     return _streamed(anthropic.MessageStream(result, request.body))
@@ -256,7 +255,7 @@ def anthropic_count_tokens(services: Services, request: Request):
     body = native(services.validators, "chat-completion.json",
                   anthropic.count_request(request.body), anthropic.FIELDS)
     with anthropic.FIELDS.named():
-        return {"input_tokens": services.chats.count_tokens(body)}
+        return {"input_tokens": services.chats.count_tokens(body, request.disconnected)}
 
 
 # --- engines -------------------------------------------------------------------------
@@ -320,12 +319,7 @@ def events(services: Services, request: Request):
 
     cortex sends the same events on a WebSocket at /events; here they are `data:`
     lines of an SSE stream. No /events alias: a WebSocket client could not read it."""
-    try:
-        stream = services.events.listen()
-    except TooManyListeners:
-        raise ServiceUnavailable(f"Too many open event streams (at most "
-                                 f"{services.events.max_listeners}); close one",
-                                 headers=[("Retry-After", "1")]) from None
+    stream = services.events.listen(request.disconnected)  # a 503 past max_listeners
     return Reply(stream, content_type="text/event-stream", headers=list(STREAM_HEADERS))
 
 
@@ -336,7 +330,7 @@ def create_response(services: Services, request: Request):
     """OpenAI's Responses API: a response with its output items, streamed or not.
 
     A stream is typed Server-Sent Events."""
-    result = services.responses.create(request.body)
+    result = services.responses.create(request.body, request.disconnected)
     return _streamed(result)
 
 
@@ -375,22 +369,22 @@ def ollama_show(services: Services, request: Request):
 
 def ollama_chat(services: Services, request: Request):
     """Ollama's chat, streamed as newline-delimited JSON or not."""
-    return _ollama_reply(ollama.chat(services, request.body))
+    return _ollama_reply(ollama.chat(services, request.body, request.disconnected))
 
 
 def ollama_generate(services: Services, request: Request):
     """Ollama's completion of a prompt, streamed as newline-delimited JSON or not."""
-    return _ollama_reply(ollama.generate(services, request.body))
+    return _ollama_reply(ollama.generate(services, request.body, request.disconnected))
 
 
 def ollama_embed(services: Services, request: Request):
     """Ollama's embeddings: one vector per input."""
-    return ollama.embed(services, request.body)
+    return ollama.embed(services, request.body, request.disconnected)
 
 
 def ollama_pull(services: Services, request: Request):
     """Ollama's pull: a download from the model hub, its progress streamed or not."""
-    return _ollama_reply(ollama.pull(services, request.body))
+    return _ollama_reply(ollama.pull(services, request.body, request.disconnected))
 
 
 def ollama_delete(services: Services, request: Request):

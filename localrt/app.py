@@ -16,6 +16,7 @@ from typing import Iterable
 from urllib.parse import parse_qsl
 
 from localrt import security
+from localrt.admission import ClientGone, never
 from localrt.errors import (BadRequest, Forbidden, HTTPError, InternalError, InvalidJSON,
                             PayloadTooLarge, Unauthorized, UnsupportedMediaType)
 from localrt.openapi import document_path
@@ -37,7 +38,7 @@ class App:
     """The localrt WSGI callable."""
 
     def __init__(self, settings: Settings, routes=None, shutdown=None, hardware=None,
-                 run_probe=None, dialects=None):
+                 run_probe=None, dialects=None, limits=None):
         if routes is None:
             from localrt.api import DIALECTS, ROUTES as routes
             dialects = DIALECTS if dialects is None else dialects
@@ -46,7 +47,7 @@ class App:
         # Each route's label in the request metrics: its path as the OpenAPI document writes it.
         self._route_labels = {r.pattern: document_path(r.pattern) for r in self.router.routes}
         self.services = build_services(settings, shutdown=shutdown, hardware=hardware,
-                                       run_probe=run_probe)
+                                       run_probe=run_probe, limits=limits)
         self.validators = self.services.validators
 
     def __call__(self, environ, start_response):
@@ -133,9 +134,12 @@ class App:
             body = None
         else:
             raise BadRequest(f"{route.method} {path} takes no request body")
+        # waitress's look at the connection (localrt.connections reads ahead for it);
+        # another server's request cannot be seen to end early.
+        disconnected = environ.get("waitress.client_disconnected") or never
         request = Request(method=method, path=path, params=params,
                           query=_query(environ),
-                          headers=_headers(environ), body=body)
+                          headers=_headers(environ), body=body, disconnected=disconnected)
         result = route.handler(self.services, request)
         return result if isinstance(result, Reply) else Reply(result)
 
@@ -202,6 +206,7 @@ class _Body:
 
 
 _STATUS_LINES = {s.value: f"{s.value} {s.phrase}" for s in HTTPStatus}
+_STATUS_LINES[ClientGone.status] = f"{ClientGone.status} Client Closed Request"  # nginx's
 
 
 def _query(environ) -> dict:

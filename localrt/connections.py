@@ -12,7 +12,11 @@ closed. Here each connection has one of two clocks, as nginx has
   byte of the next request.
 
 A connection whose request is being served has no clock: a stream lasts as long as
-its reply (its kind's admission bounds how many there are).
+its reply (its kind's admission bounds how many there are). waitress keeps reading
+such a connection (`channel_request_lookahead`), so a client that hangs up is seen at
+once: the app's `disconnected()` (waitress.client_disconnected) turns true, and a
+request waiting for its turn gives its place back (localrt.admission). A client that
+half-closes its side after its request is taken as gone too.
 
 When the server listens beyond loopback, one client address may hold at most
 ``maxConnectionsPerClient`` connections; a connection past that is closed as soon as
@@ -164,5 +168,7 @@ def make_server(app, host: str, port: int, threads: int, open_files: int,
                       connection_limit=connection_limit(open_files),
                       # select() cannot watch descriptors past 1024
                       asyncore_use_poll=True,
+                      # read on while a request is served, to see its client hang up
+                      channel_request_lookahead=1,
                       cleanup_interval=SWEEP_INTERVAL)
     return Server(app, adj, request_timeout, keep_alive, per_client, on_refused)

@@ -4,41 +4,51 @@
 to in-process followers of one task (`follow`: Ollama's pull progress). A slow
 listener never slows a download: its queue is bounded, and when it overflows
 the listener is disconnected (it can reconnect and read GET /v1/models/pull).
+Open streams count in the bus's `admission` (the "events" kind of localrt.admission)
+until the server closes them; a stream or follower whose client has gone
+(`disconnected()`) ends within DISCONNECT_POLL seconds.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Callable, Iterator
 
+from localrt.admission import DISCONNECT_POLL, Admission, Disconnected, never
+from localrt.errors import ServiceUnavailable
 from localrt.routing import sse, sse_comment
 
-# An SSE comment this often: a listener that went away is only noticed on a write,
-# and until then it holds a server thread and a listener slot.
+# An SSE comment this often: where the server cannot tell that a listener went away
+# (no disconnected()), it is noticed only on a write, and until then it holds a server
+# thread and a listener slot.
 HEARTBEAT_SECONDS = 2.0
 QUEUE_SIZE = 1000
 _CLOSE = object()
 
 
-class TooManyListeners(Exception):
-    """Every listener slot is taken."""
+class TooManyListeners(ServiceUnavailable):
+    """Every listener slot is taken: a 503 with Retry-After."""
 
 
 class _Listener(queue.Queue):
     """One listener's bounded queue; `wants(event)` says which events it takes."""
 
-    def __init__(self, wants: Callable[[dict], bool] | None = None, counted: bool = True):
+    def __init__(self, wants: Callable[[dict], bool] | None = None):
         super().__init__(QUEUE_SIZE)
         self.wants = wants or (lambda event: True)
-        self.counted = counted  # a GET /v1/events stream, under max_listeners
 
 
 class EventBus:
-    """Publishes events to listeners; each listener is a bounded queue."""
+    """Publishes events to listeners; each listener is a bounded queue. At most
+    `max_listeners` GET /v1/events streams are open at once (`admission`)."""
 
     def __init__(self, max_listeners: int):
         self.max_listeners = max_listeners
+        self.admission = Admission("events", max_listeners,
+                                   "Too many open event streams (at most {limit}); close one",
+                                   TooManyListeners)
         self._lock = threading.Lock()  # guards _listeners and _closed
         self._listeners: list[_Listener] = []
         self._closed = False
@@ -56,28 +66,37 @@ class EventBus:
             except queue.Full:
                 self._drop(q)
 
-    def listen(self) -> Iterator[bytes]:
-        """A Server-Sent Events body: one `data:` line of JSON per event."""
+    def listen(self, disconnected: Disconnected = never) -> Iterator[bytes]:
+        """A Server-Sent Events body: one `data:` line of JSON per event; counted in
+        `admission` (TooManyListeners past it) until closed, and ended once
+        `disconnected()`."""
         q = _Listener()
+        self.admission.enter()
         with self._lock:
-            if self._closed:
-                return iter(())
-            if sum(1 for x in self._listeners if x.counted) >= self.max_listeners:
-                raise TooManyListeners()
-            self._listeners.append(q)
-        return _Body(self._stream(q), lambda: self._remove(q))
+            closed = self._closed
+            if not closed:
+                self._listeners.append(q)
+        if closed:
+            self.admission.leave()
+            return iter(())
 
-    def follow(self, task_id: str) -> Iterator[dict]:
+        def remove():
+            self._remove(q)
+            self.admission.leave()
+
+        return _Body(self._stream(q, disconnected), remove)
+
+    def follow(self, task_id: str, disconnected: Disconnected = never) -> Iterator[dict]:
         """The events of one download task, as dicts, from now on: an in-process
         listener (not a GET /v1/events stream, so not under max_listeners). It ends
-        when the bus closes or the listener falls behind, and is dropped when closed."""
-        q = _Listener(lambda event: (event.get("task") or {}).get("id") == task_id,
-                      counted=False)
+        when the bus closes, the listener falls behind or `disconnected()`, and is
+        dropped when closed."""
+        q = _Listener(lambda event: (event.get("task") or {}).get("id") == task_id)
         with self._lock:
             if self._closed:
                 return iter(())
             self._listeners.append(q)
-        return self._events(q)
+        return _Body(self._events(q, disconnected=disconnected), lambda: self._remove(q))
 
     def close(self) -> None:
         """End every stream (the server is stopping)."""
@@ -98,25 +117,31 @@ class EventBus:
                 self._listeners.remove(q)
         _put_close(q)
 
-    def _stream(self, q: _Listener) -> Iterator[bytes]:
+    def _stream(self, q: _Listener, disconnected: Disconnected) -> Iterator[bytes]:
         # Sent at once, so a client knows it is listening before it starts a task.
         yield sse_comment("listening")
-        for event in self._events(q, heartbeat=True):
+        for event in self._events(q, heartbeat=True, disconnected=disconnected):
             yield sse_comment("keep-alive") if event is None else sse(event)
 
-    def _events(self, q: _Listener, heartbeat: bool = False) -> Iterator[dict | None]:
-        """The listener's events until it is closed; None every HEARTBEAT_SECONDS
-        without one when `heartbeat`."""
+    def _events(self, q: _Listener, heartbeat: bool = False,
+                disconnected: Disconnected = never) -> Iterator[dict | None]:
+        """The listener's events until it is closed or `disconnected()`; None every
+        HEARTBEAT_SECONDS without one when `heartbeat`."""
+        # A client that can be seen leaving is looked at every DISCONNECT_POLL seconds.
+        poll = HEARTBEAT_SECONDS if disconnected is never else DISCONNECT_POLL
+        quiet_since = time.monotonic()
         try:
-            while True:
+            while not disconnected():
                 try:
-                    event = q.get(timeout=HEARTBEAT_SECONDS)
+                    event = q.get(timeout=poll)
                 except queue.Empty:
-                    if heartbeat:
+                    if heartbeat and time.monotonic() - quiet_since >= HEARTBEAT_SECONDS:
+                        quiet_since = time.monotonic()
                         yield None
                     continue
                 if event is _CLOSE:
                     return
+                quiet_since = time.monotonic()
                 yield event
         finally:
             with self._lock:
@@ -125,17 +150,25 @@ class EventBus:
 
 
 class _Body:
-    """A GET /v1/events body whose close() gives its listener slot back, even when the
-    server closes it before reading it (a generator's `finally` would never run then)."""
+    """A GET /v1/events body (or a follower) whose close() gives its listener slot back,
+    once, even when the server closes it before reading it (a generator's `finally`
+    would never run then)."""
 
-    def __init__(self, stream: Iterator[bytes], remove):
+    def __init__(self, stream: Iterator, remove):
         self._stream, self._remove = stream, remove
+        self._closed = False
 
-    def __iter__(self) -> Iterator[bytes]:
+    def __iter__(self) -> Iterator:
         return self._stream
+
+    def __next__(self):
+        return next(self._stream)
 
     def close(self) -> None:
         """End the stream and free its listener slot."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self._stream.close()
         finally:

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from localrt.admission import Disconnected, never
 from localrt.errors import MethodNotAllowed, NotFound
 
 _PART = re.compile(r"\{(\w+)(?::(path))?\}")
@@ -53,7 +54,9 @@ def dialect_of(path: str, dialects) -> Dialect | None:
 
 @dataclass
 class Request:
-    """What a handler sees: plain data, never the WSGI environ."""
+    """What a handler sees: plain data, never the WSGI environ. `disconnected()` says
+    whether the client has closed its connection: a long request passes it down, so
+    its waits give up (localrt.admission)."""
 
     method: str
     path: str
@@ -61,6 +64,7 @@ class Request:
     query: dict = field(default_factory=dict)
     headers: dict = field(default_factory=dict)
     body: Any = None
+    disconnected: Disconnected = never
 
 
 @dataclass

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from localrt import security
+from localrt.admission import LIMITS, threads_for
 from localrt.fsutil import atomic_write, private_dir
 from localrt.settings import Settings
 
@@ -34,10 +35,11 @@ LOG_NAME = "localrt.log"
 STDERR_NAME = "server-stderr.log"  # a detached server's raw stderr: crashes before logging starts
 LOG_MAX_BYTES = 10 * 1024 * 1024
 LOG_BACKUPS = 5
-# Waitress worker threads. Event streams (localrt.services.MAX_EVENT_LISTENERS), chats
-# (localrt.inference.chat.Chats.admission), completions and embeddings (their admission)
-# each hold one while they last; the rest keep the API answering.
-THREADS = 48
+# Waitress worker threads: one for each request the kinds' limits admit (chats,
+# completions, embeddings, event streams, Ollama pulls: localrt.admission.LIMITS), each
+# holding its thread while it lasts, and SPARE_THREADS that keep the rest of the API
+# answering when every kind is at its limit. Derived, so a limit raised raises it too.
+THREADS = threads_for(LIMITS)
 # Open files the server asks for at most: each connection is one, and poll() walks them all
 # on every turn of waitress's loop, so past this many a flood would slow every reply anyway.
 OPEN_FILES_CAP = 65536

@@ -24,6 +24,8 @@ nothing is assigned to it afterwards:
     completions text completions (the legacy API) on the same models
     embeddings  embeddings, from models the scheduler runs in embedding mode
     responses   OpenAI's Responses API, translated onto `chats`, and its stored responses
+    admissions  each long-lived kind's Admission by name (localrt.admission.LIMITS): the
+                chats', completions', embeddings' and event bus's own, and Ollama's pulls'
 
 Handlers (localrt.api) get the `Services` and call these objects directly.
 """
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from localrt import security
+from localrt.admission import LIMITS, Admission
 from localrt.inference.chat import Chats
 from localrt.inference.completions import Completions
 from localrt.config import Config
@@ -54,7 +57,7 @@ from localrt.schemas import Validators
 from localrt.settings import Settings
 
 # Each open GET /v1/events stream holds a server thread (see localrt.server.THREADS).
-MAX_EVENT_LISTENERS = 4
+MAX_EVENT_LISTENERS = LIMITS["events"]
 
 
 @dataclass
@@ -79,6 +82,7 @@ class Services:
     completions: Completions
     embeddings: Embeddings
     responses: Responses
+    admissions: dict[str, Admission]
     shutdown: Callable[[], None] | None = None
 
     def close(self) -> None:
@@ -95,13 +99,19 @@ class Services:
 
 
 def build_services(settings: Settings, *, shutdown: Callable[[], None] | None = None,
-                   hardware=None, run_probe=None) -> Services:
+                   hardware=None, run_probe=None,
+                   limits: dict[str, int] | None = None) -> Services:
     """Every domain object for these settings. `shutdown` stops the server (None when
     it cannot stop itself); `hardware` replaces detection and `run_probe(path, hw)` the
-    gguf-cpp build check (tests pass them in)."""
+    gguf-cpp build check; `limits` replaces some of localrt.admission.LIMITS, for a
+    server run with threads_for(them) threads (tests pass them in)."""
+    unknown = set(limits or {}) - set(LIMITS)
+    if unknown:
+        raise ValueError(f"no such kind of request: {', '.join(sorted(unknown))}")
+    limits = {**LIMITS, **(limits or {})}
     validators = Validators()
     config = Config(settings)
-    events = EventBus(MAX_EVENT_LISTENERS)
+    events = EventBus(limits["events"])
     downloads = Downloads(config.get, events, lambda: settings["downloadConnections"])
     state = EngineState(settings.data_dir / "engines")
     engines = Engines(settings.data_dir / "engines", state, hardware=hardware,
@@ -118,13 +128,18 @@ def build_services(settings: Settings, *, shutdown: Callable[[], None] | None = 
     remotes = Remotes(registry, engines, config.get, lambda: settings["upstreamTimeout"],
                       lambda: security.secrets_of(settings.snapshot()))
     requests = RequestPath(registry, engines, scheduler, remotes, metrics)
-    chats = Chats(requests)
-    completions = Completions(requests)
-    embeddings = Embeddings(requests)
+    chats = Chats(requests, limits["chat"])
+    completions = Completions(requests, limits["completion"])
+    embeddings = Embeddings(requests, limits["embedding"])
     responses = Responses(chats, validators)
+    # If you add a kind to localrt.admission.LIMITS, add its admission here.
+    admissions = {"chat": chats.admission, "completion": completions.admission,
+                  "embedding": embeddings.admission, "events": events.admission,
+                  "pull": Admission("pull", limits["pull"])}
     return Services(settings=settings, validators=validators, config=config, events=events,
                     downloads=downloads, engines=engines, installs=installs,
                     registry=registry, pulls=pulls, imports=imports, scheduler=scheduler,
                     metrics=metrics, remotes=remotes, requests=requests, chats=chats,
                     completions=completions,
-                    embeddings=embeddings, responses=responses, shutdown=shutdown)
+                    embeddings=embeddings, responses=responses, admissions=admissions,
+                    shutdown=shutdown)

@@ -12,22 +12,36 @@ as that many requests in progress would, and gives them back after, so no test h
 hold sixteen requests open. The model is a tiny random llama (tests/ggufgen.py); the
 remote model's upstream is an address nothing listens on, so only the admission can
 answer its 503 with these words.
+
+Against a real server (localrt.connections in a thread, every kind's limit set to one
+through create_app): with every kind at its limit, each holding a worker thread, GET
+/v1/models still answers; and a client that closes its socket, while its request
+waits for its turn or while its stream runs, frees its place at once (waited for as
+an event, within a generous limit). Ollama's /api/pull has its own kind.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import socket
+import threading
+import time
 from contextlib import contextmanager
 from wsgiref.util import setup_testing_defaults
 from wsgiref.validate import validator
 
 import pytest
 from ggufgen import write_gguf
-from support.apps import events
+from hubemu import HubEmulator
+from support.apps import bind, events
 from support.models import NO_EOS
-from support.servers import free_port
+from support.servers import free_port, send, wait_for
 
+from localrt import connections, server
+from localrt.admission import LIMITS, SPARE_THREADS, ClientGone, never, threads_for
+from localrt.app import create_app
+from localrt.inference.lanes import FairLock
 from localrt.services import MAX_EVENT_LISTENERS
 
 USER = [{"role": "user", "content": "hello"}]
@@ -235,3 +249,234 @@ def open_stream(app, path, body=None, method="POST"):
     reply = validator(app)(environ, start_response)
     status, headers = started[0]
     return status, headers, reply
+
+
+# --- against a real server: threads, and clients that leave ----------------------------
+
+LOW = {kind: 1 for kind in LIMITS}  # every kind at its limit with one request each
+PATIENCE = 30.0  # seconds any one event may take on a busy machine; none should take long
+LONG = 3600  # seconds: a connection timeout no test outlives
+
+
+def test_the_limits_leave_threads_for_short_requests(app):
+    assert server.THREADS == threads_for(LIMITS) == sum(LIMITS.values()) + SPARE_THREADS
+    assert SPARE_THREADS >= 4
+    assert {kind: a.limit for kind, a in app.services.admissions.items()} == LIMITS
+    assert LIMITS == {"chat": 16, "completion": 8, "embedding": 8, "events": 4, "pull": 4}
+    assert {kind: a.what for kind, a in app.services.admissions.items()} == \
+        {kind: kind for kind in LIMITS}
+
+
+def test_past_the_pull_limit_an_ollama_pull_is_a_503_in_ollamas_shape(app, api):
+    admission = app.services.admissions["pull"]
+    with taken(admission):
+        for stream in (True, False):
+            r = api("POST", "/api/pull", {"model": "org/anything", "stream": stream})
+            assert r.status == 503, r.body
+            assert r.json == {"error": too_many("pull", 4)}
+            assert r.headers["retry-after"] == "1"
+    assert api("GET", "/v1/models/pull").json["data"] == []  # no download started
+    assert admission.in_progress == 0
+
+
+@pytest.fixture(scope="module")
+def slow_hub():
+    """A hub whose one repo downloads at 2 KB/s: a pull of it lasts the test."""
+    with HubEmulator() as emu:
+        emu.add_repo("org/big", {"big.gguf": b"GGUF" + bytes(2_000_000)})
+        emu.max_bytes_per_second = 2000
+        yield emu
+
+
+@contextmanager
+def real_server(app, limits):
+    """localrt.connections' server for `app` on loopback, in a thread, with the threads
+    those limits need (localrt.server derives THREADS the same way)."""
+    from waitress import wasyncore
+
+    srv = connections.make_server(app, "127.0.0.1", 0, threads_for(limits), 1024, LONG, LONG)
+    loop = threading.Thread(target=srv.run, daemon=True)
+    loop.start()
+    try:
+        yield f"http://127.0.0.1:{srv.effective_port}", int(srv.effective_port)
+    finally:
+        srv.trigger.pull_trigger(lambda: wasyncore.close_all(srv._map))  # ends the loop
+        loop.join(PATIENCE)
+        srv.task_dispatcher.shutdown()
+
+
+def raw_request(port, method, path, body=None) -> socket.socket:
+    """A request sent on its own connection, its reply left unread."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=PATIENCE)
+    data = b"" if body is None else json.dumps(body).encode()
+    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(data)}\r\n"
+    if body is not None:
+        head += "Content-Type: application/json\r\n"
+    sock.sendall(head.encode() + b"\r\n" + data)
+    return sock
+
+
+@pytest.fixture
+def crowded(settings, slow_hub, tiny_gguf):
+    """A real server whose every kind is at its limit of one: a chat, a completion and
+    an embedding waiting for their turn (this test holds both models' turns), an open
+    event stream and an Ollama pull following a slow download, each on its own
+    connection. Yields (app, port, {kind: its socket})."""
+    settings.update({"modelHubUrl": slow_hub.url})
+    app = create_app(settings, limits=LOW)
+    api = bind(app)
+    for model_id in ("tiny", "tiny-embed"):
+        r = api("POST", "/v1/models/import", {"path": str(tiny_gguf), "id": model_id})
+        assert r.status == 200, r.body
+    scheduler = app.services.scheduler
+    scheduler.start("tiny", {"cpu_threads": 1})
+    scheduler.start("tiny-embed", {"cpu_threads": 1, "embedding": True})
+    slots = {row["id"]: row["slots"] for row in scheduler.status()}
+    leases = [scheduler.lease(m) for m in slots for _ in range(slots[m])]  # every turn
+    clients = {}
+    try:
+        with real_server(app, LOW) as (url, port):
+            clients["chat"] = raw_request(port, "POST", "/v1/chat/completions", {
+                "model": "tiny", "messages": USER, "max_tokens": 4, "stream": True})
+            clients["completion"] = raw_request(port, "POST", "/v1/completions", {
+                "model": "tiny", "prompt": "Once", "max_tokens": 4})
+            clients["embedding"] = raw_request(port, "POST", "/v1/embeddings", {
+                "model": "tiny-embed", "input": "the quick brown fox"})
+            clients["events"] = raw_request(port, "GET", "/v1/events")
+            clients["pull"] = raw_request(port, "POST", "/api/pull", {"model": "org/big"})
+            for kind in ("events", "pull"):  # their replies have begun
+                assert clients[kind].recv(4096).startswith(b"HTTP/1.1 200")
+            admissions = app.services.admissions
+            wait_for(lambda: all(a.in_progress == 1 for a in admissions.values()), PATIENCE,
+                     "every kind at its limit")
+            yield app, url, port, clients
+    finally:
+        for sock in clients.values():
+            sock.close()
+        for lease in leases:
+            lease.release()
+        app.close()
+
+
+def test_models_answer_while_every_kind_is_at_its_limit(crowded):
+    app, url, port, _ = crowded
+    started = time.monotonic()
+    status, body = send(url, "GET", "/v1/models", timeout=PATIENCE)
+    answered = time.monotonic() - started
+    assert status == 200 and {m["id"] for m in body["data"]} == {"tiny", "tiny-embed"}
+    assert send(url, "GET", "/healthz", timeout=PATIENCE)[0] == 200
+    print(f"GET /v1/models answered in {answered * 1000:.0f} ms with every kind at its limit")
+    # One more of each kind is the 503 naming it, in its route's shape.
+    more = {"chat": ("POST", "/v1/chat/completions", {"model": "tiny", "messages": USER}),
+            "completion": ("POST", "/v1/completions", {"model": "tiny", "prompt": "a"}),
+            "embedding": ("POST", "/v1/embeddings", {"model": "tiny-embed", "input": "a"}),
+            "pull": ("POST", "/api/pull", {"model": "org/big"})}
+    for kind, (method, path, body) in more.items():
+        status, reply = send(url, method, path, body, timeout=PATIENCE)
+        message = too_many(kind, 1)
+        assert status == 503, (kind, reply)
+        assert reply == {"error": message} if path.startswith("/api/") else \
+            reply["error"]["message"] == message
+    status, reply = send(url, "GET", "/v1/events", timeout=PATIENCE)
+    assert status == 503
+    assert reply["message"] == "Too many open event streams (at most 1); close one"
+
+
+def test_a_client_that_leaves_frees_its_place_within_a_second(crowded):
+    """Waiting for a turn (chat, completion, embedding) or streaming (events, a pull):
+    the client closes its socket, and its kind has a place free again."""
+    app, url, port, clients = crowded
+    times = {}
+    for kind, sock in list(clients.items()):
+        admission = app.services.admissions[kind]
+        assert admission.in_progress == 1
+        sock.close()
+        times[kind] = wait_for(lambda: admission.in_progress == 0, PATIENCE,
+                               f"the {kind} request's place is free")
+    print("place freed after the client left: " +
+          ", ".join(f"{kind} {t * 1000:.0f} ms" for kind, t in times.items()))
+    # The requests that left wait no more: only this test's leases are on the models.
+    assert all(r["requests"] == r["slots"] for r in app.services.scheduler.status())
+    assert max(times.values()) < 5  # DISCONNECT_POLL is 0.2 s; 5 s leaves a busy machine room
+
+
+# --- giving up: the waits and a generation, in process ----------------------------------
+
+
+class Leaving:
+    """A `disconnected()` that turns true once `leave()` is called."""
+
+    def __init__(self):
+        self.gone = threading.Event()
+
+    def __call__(self) -> bool:
+        return self.gone.is_set()
+
+    def leave(self):
+        self.gone.set()
+
+
+def test_a_waiter_whose_client_leaves_gives_up_its_place_in_line():
+    lock, order = FairLock(), []
+    lock.acquire()  # the model is busy
+    leaving, errors = Leaving(), []
+
+    def wait(name, disconnected):
+        try:
+            lock.acquire(disconnected, "its turn")
+        except ClientGone as exc:
+            errors.append(exc)
+            return
+        order.append(name)
+        lock.release()
+
+    first = threading.Thread(target=wait, args=("first", leaving))
+    first.start()
+    wait_for(lambda: lock.waiting == 1, PATIENCE, "the first waits")
+    second = threading.Thread(target=wait, args=("second", never))
+    second.start()
+    wait_for(lambda: lock.waiting == 2, PATIENCE, "the second waits behind it")
+    leaving.leave()
+    took = wait_for(lambda: errors, PATIENCE, "the first gave up")
+    assert lock.waiting == 1 and "its turn" in errors[0].message
+    lock.release()
+    second.join(PATIENCE)
+    first.join(PATIENCE)
+    assert order == ["second"]  # the one that left never had the turn
+    assert took < 5 and errors[0].status == 499
+
+
+def test_a_reply_whose_client_leaves_stops_generating_and_frees_its_place(app, api, tiny):
+    admission = app.services.admissions["chat"]
+    calls = []
+
+    def disconnected():  # gone after a few looks: part way through the reply
+        calls.append(1)
+        return len(calls) > 5
+
+    body = {"model": tiny, "messages": USER, "max_tokens": 200, "logit_bias": NO_EOS}
+    with pytest.raises(ClientGone):
+        app.services.chats.create(body, disconnected)
+    assert admission.in_progress == 0
+    assert [r["requests"] for r in app.services.scheduler.status()] == [0]
+    assert api("POST", "/v1/chat/completions", {**body, "max_tokens": 4}).status == 200
+
+
+def test_a_closed_pull_reply_frees_its_place_read_or_not(settings, slow_hub):
+    """An Ollama pull following a download that lasts: each reply closed, unread or
+    after its first line, gives its place and its follower back; the download goes on."""
+    settings.update({"modelHubUrl": slow_hub.url})
+    app = create_app(settings)
+    try:
+        admission, bus = app.services.admissions["pull"], app.services.events
+        for n in range(admission.limit + 2):
+            status, _, reply = open_stream(app, "/api/pull", {"model": "org/big"})
+            assert status == 200 and admission.in_progress == 1
+            if n % 2:
+                assert json.loads(next(iter(reply))) == {"status": "pulling manifest"}
+            reply.close()
+            assert admission.in_progress == 0 and bus._listeners == []
+        tasks = bind(app)("GET", "/v1/models/pull").json["data"]
+        assert len(tasks) == 1 and tasks[0]["status"] in ("Pending", "Downloading")
+    finally:
+        app.close()

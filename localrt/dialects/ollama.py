@@ -13,7 +13,8 @@ use, so there is one generation path:
                        fill-in-the-middle prompt instead
   POST /api/embed      an embeddings request (Embeddings.create)
   POST /api/pull       a pull (Models.pull); its task's progress, from the event bus
-                       (EventBus.follow), becomes {status, digest, total, completed} lines
+                       (EventBus.follow), becomes {status, digest, total, completed} lines;
+                       each reply counts in the "pull" admission until it is closed
   DELETE /api/delete   a model delete, stopping the model first if it runs
   GET /api/tags, GET /api/ps, POST /api/show, GET /api/version
                        the registry's records, the scheduler's rows and the GGUF
@@ -55,6 +56,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Callable, Iterator
 
 from localrt import __version__
+from localrt.admission import ClientGone, Disconnected, never
 from localrt.engines import toolcalls
 from localrt.engines import ggufinfo
 from localrt.dialects.common import Fields, native
@@ -461,7 +463,7 @@ class Lines:
 # --- chat, generate, embed ---------------------------------------------------------
 
 
-def chat(services, body: dict):
+def chat(services, body: dict, disconnected: Disconnected = never):
     """POST /api/chat: Lines, or one dict with stream false (or for no messages)."""
     name, model_id, record, keep, timer = _begin(services, body)
     if not body.get("messages"):
@@ -469,10 +471,10 @@ def chat(services, body: dict):
     request = native(services.validators, "chat-completion.json",
                      chat_request(model_id, body), FIELDS)
     return _run(services, record, body, keep, timer, services.chats.create, request,
-                lambda chunks: Translation(name, chunks, timer, True), FIELDS)
+                lambda chunks: Translation(name, chunks, timer, True), FIELDS, disconnected)
 
 
-def generate(services, body: dict):
+def generate(services, body: dict, disconnected: Disconnected = never):
     """POST /api/generate: Lines, or one dict with stream false (or for no prompt)."""
     name, model_id, record, keep, timer = _begin(services, body)
     if not body.get("prompt"):
@@ -483,10 +485,10 @@ def generate(services, body: dict):
     create = services.chats.create if kind == "chat" else services.completions.create
     return _run(services, record, body, keep, timer, create, request,
                 lambda chunks: Translation(name, chunks, timer, False, kind == "completion"),
-                GENERATE_FIELDS)
+                GENERATE_FIELDS, disconnected)
 
 
-def embed(services, body: dict) -> dict:
+def embed(services, body: dict, disconnected: Disconnected = never) -> dict:
     """POST /api/embed: one vector per input; none (the model is loaded) for no input."""
     name, model_id, record, keep, timer = _begin(services, body)
     given = body.get("input")
@@ -502,7 +504,7 @@ def embed(services, body: dict) -> dict:
         usage, vectors = {}, []
         if inputs:
             reply = services.embeddings.create(
-                native(services.validators, "embedding.json", request, FIELDS))
+                native(services.validators, "embedding.json", request, FIELDS), disconnected)
             vectors = [d["embedding"] for d in sorted(reply["data"], key=lambda d: d["index"])]
             usage = reply.get("usage") or {}
     finally:
@@ -533,9 +535,11 @@ def _load(services, record: dict, body: dict, keep, translation: Translation) ->
 
 
 def _run(services, record: dict, body: dict, keep, timer: Timer, create, request: dict,
-         translate: Callable[[Iterator[dict]], Translation], fields: Fields):
+         translate: Callable[[Iterator[dict]], Translation], fields: Fields,
+         disconnected: Disconnected = never):
     """Start the model, create the streamed reply, and give it as Lines (or whole); the
-    model's keep_alive is set once the reply is done."""
+    model's keep_alive is set once the reply is done. The reply holds its place in its
+    kind's admission until it is closed."""
     model_id = record["id"]
 
     def done():
@@ -545,7 +549,7 @@ def _run(services, record: dict, body: dict, keep, timer: Timer, create, request
         timer.load = services.requests.start(model_id,
                                              start_options(body.get("options"), record))
         with fields.named():
-            stream = create(request)
+            stream = create(request, disconnected)
     except BaseException:
         done()
         raise
@@ -569,28 +573,50 @@ def _run(services, record: dict, body: dict, keep, timer: Timer, create, request
 # --- pull and delete ---------------------------------------------------------------
 
 
-def pull(services, body: dict):
+def pull(services, body: dict, disconnected: Disconnected = never):
     """POST /api/pull: Lines of progress, or {"status": "success"} once done with
     stream false. A pull of a model downloading already follows that download; one
-    downloaded already succeeds at once. The download goes on if the client leaves."""
+    downloaded already succeeds at once. The download goes on if the client leaves.
+    The reply holds a place in the "pull" admission (a 503 past its limit) until it
+    is closed, and stops following once `disconnected()`."""
     model_id = pull_id(body.get("model") or body.get("name"))
+    admission = services.admissions["pull"]
+    admission.enter()  # before the download starts: a refused pull starts nothing
     try:
-        started = services.pulls.pull(model_id)
-    except Conflict as exc:
-        if not exc.extra.get("taskId"):
-            raise
-        started = {"task": {"id": exc.extra["taskId"]}}
-    task_id = (started.get("task") or {}).get("id")
-    events = iter(()) if task_id is None else services.events.follow(task_id)
-    # Listening first, then the task as it stands: nothing it did is missed.
-    task = None if task_id is None else services.downloads.find(task_id)
+        try:
+            started = services.pulls.pull(model_id)
+        except Conflict as exc:
+            if not exc.extra.get("taskId"):
+                raise
+            started = {"task": {"id": exc.extra["taskId"]}}
+        task_id = (started.get("task") or {}).get("id")
+        events = iter(()) if task_id is None else \
+            services.events.follow(task_id, disconnected)
+        # Listening first, then the task as it stands: nothing it did is missed.
+        task = None if task_id is None else services.downloads.find(task_id)
+    except BaseException:
+        admission.leave()
+        raise
+
+    def close():
+        try:
+            getattr(events, "close", lambda: None)()
+        finally:
+            admission.leave()
+
     objects = progress(task_id, task, events)
     if body.get("stream") is False:
-        for obj in objects:
-            if "error" in obj:
-                raise _pull_error(obj["error"])
-        return {"status": "success"}
-    return Lines(objects, lambda: None)
+        try:
+            for obj in objects:
+                if "error" in obj:
+                    if disconnected():
+                        raise ClientGone(f"The client disconnected while it followed the "
+                                         f"pull of {model_id}")
+                    raise _pull_error(obj["error"])
+            return {"status": "success"}
+        finally:
+            close()
+    return Lines(objects, close)
 
 
 def progress(task_id: str | None, task: dict | None, events: Iterator[dict]) -> Iterator[dict]:

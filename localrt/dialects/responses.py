@@ -31,6 +31,7 @@ import uuid
 from collections import OrderedDict
 from typing import Iterator
 
+from localrt.admission import Disconnected, never
 from localrt.dialects.common import Fields, NamedEvents, native
 from localrt.errors import HTTPError, InvalidField, NotFound
 
@@ -67,8 +68,9 @@ class Responses:
         self._validators = validators
         self.store = store or Store()
 
-    def create(self, body: dict):
-        """The response dict, or a ResponseStream when body["stream"] is true."""
+    def create(self, body: dict, disconnected: Disconnected = never):
+        """The response dict, or a ResponseStream when body["stream"] is true; a chat,
+        in chat's admission (`disconnected`: localrt.admission)."""
         history = []
         previous = body.get("previous_response_id")
         if previous is not None:
@@ -82,7 +84,7 @@ class Responses:
         shell = response_shell(body)
         native(self._validators, "chat-completion.json", chat, FIELDS)
         with FIELDS.named():
-            result = self._chats.create(chat)
+            result = self._chats.create(chat, disconnected)
         keep = self.store.put if body.get("store") else None
         if isinstance(result, dict):
             response = finished(shell, *output_of_completion(result))

@@ -38,6 +38,7 @@ from typing import Iterator
 from localrt.engines import contract
 from localrt.errors import InvalidField, UpstreamError
 from localrt.engines import logprobs, toolcalls
+from localrt.admission import LIMITS, Disconnected, never
 from localrt.inference.requests import (EventStream, Kind, Local, RequestPath, respond,
                                         stream_error)
 from localrt.inference.scheduler import Lease
@@ -61,14 +62,15 @@ class Chats:
     one path of localrt.inference.requests: a remote model's goes to its upstreams.
     """
 
-    def __init__(self, path: RequestPath, max_requests: int = 16):
+    def __init__(self, path: RequestPath, max_requests: int = LIMITS["chat"]):
         self._path = path
         self.kind = Kind("chat", "/chat/completions", max_requests)
         self.admission = self.kind.admission
 
-    def create(self, body: dict):
+    def create(self, body: dict, disconnected: Disconnected = never):
         """A chat.completion dict, or a Stream when body["stream"] is true."""
-        return self._path.serve(self.kind, body, lambda local: self._create(local, body))
+        return self._path.serve(self.kind, body, lambda local: self._create(local, body),
+                                disconnected=disconnected)
 
     def _create(self, local: Local, body: dict):
         messages = [_message(i, m) for i, m in enumerate(body["messages"])]
@@ -97,12 +99,13 @@ class Chats:
                                 plan and plan.parser(), local.clock)
         return respond(body, completion, Stream)
 
-    def count_tokens(self, body: dict) -> int:
+    def count_tokens(self, body: dict, disconnected: Disconnected = never) -> int:
         """How many tokens the prompt of a chat request is, rendered as create() renders
         it, without generating (Anthropic's count_tokens). The model starts if it is
         not running; a remote model's count is the prompt_tokens of a one-token reply."""
         return self._path.serve(self.kind, body, lambda local: self._count(local, body),
-                                remote=lambda forward: _remote_count(forward, body))
+                                remote=lambda forward: _remote_count(forward, body),
+                                disconnected=disconnected)
 
     def _count(self, local: Local, body: dict) -> int:
         messages = [_message(i, m) for i, m in enumerate(body["messages"])]

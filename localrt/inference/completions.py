@@ -41,6 +41,7 @@ from localrt.engines import contract
 from localrt.errors import InvalidField
 from localrt.engines import logprobs
 from localrt.inference.chat import SAMPLING
+from localrt.admission import LIMITS, Disconnected, never
 from localrt.inference.requests import EventStream, Kind, Local, RequestPath, respond, stream_error
 from localrt.inference.scheduler import Lease
 from localrt.metrics import Clock
@@ -57,14 +58,15 @@ class Completions:
     path of localrt.inference.requests: a remote model's goes to its upstreams.
     """
 
-    def __init__(self, path: RequestPath, max_requests: int = 8):
+    def __init__(self, path: RequestPath, max_requests: int = LIMITS["completion"]):
         self._path = path
         self.kind = Kind("completion", "/completions", max_requests)
         self.admission = self.kind.admission
 
-    def create(self, body: dict):
+    def create(self, body: dict, disconnected: Disconnected = never):
         """A text_completion dict, or a Stream when body["stream"] is true."""
-        return self._path.serve(self.kind, body, lambda local: self._create(local, body))
+        return self._path.serve(self.kind, body, lambda local: self._create(local, body),
+                                disconnected=disconnected)
 
     def _create(self, local: Local, body: dict):
         for name in ("n", "best_of"):

@@ -30,6 +30,7 @@ import base64
 from localrt.engines import contract
 from localrt.errors import Conflict, InvalidField
 from localrt.inference.completions import read_prompt
+from localrt.admission import LIMITS, Disconnected, never
 from localrt.inference.requests import Kind, Local, RequestPath
 
 
@@ -47,14 +48,15 @@ class Embeddings:
     path of localrt.inference.requests (untimed: /metrics counts generations only).
     """
 
-    def __init__(self, path: RequestPath, max_requests: int = 8):
+    def __init__(self, path: RequestPath, max_requests: int = LIMITS["embedding"]):
         self._path = path
         self.kind = Kind("embedding", "/embeddings", max_requests, timed=False)
         self.admission = self.kind.admission
 
-    def create(self, body: dict) -> dict:
+    def create(self, body: dict, disconnected: Disconnected = never) -> dict:
         """OpenAI's {"object": "list", "data": [embedding...], "model", "usage"}."""
-        return self._path.serve(self.kind, body, lambda local: self._create(local, body))
+        return self._path.serve(self.kind, body, lambda local: self._create(local, body),
+                                disconnected=disconnected)
 
     def check_mode(self, model_id: str) -> None:
         """A 400 naming `model` when the model's engine has no embedding mode, before any

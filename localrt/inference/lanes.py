@@ -13,6 +13,7 @@ import collections
 import queue
 import threading
 
+from localrt.admission import Disconnected, never, wait
 from localrt.errors import ServiceUnavailable
 
 
@@ -24,16 +25,22 @@ class FairLock:
         self._free = slots
         self._queue: collections.deque = collections.deque()
 
-    def acquire(self) -> None:
-        """Wait for a slot; earlier callers get theirs first."""
+    def acquire(self, disconnected: Disconnected = never, why: str = "a slot") -> None:
+        """Wait for a slot; earlier callers get theirs first. A caller whose client has
+        gone (`disconnected()`) leaves the queue with ClientGone, saying `why` it waited."""
         with self._cond:
             if self._free and not self._queue:
                 self._free -= 1
                 return
             me = object()
             self._queue.append(me)
-            while not (self._free and self._queue[0] is me):
-                self._cond.wait()
+            try:
+                while not (self._free and self._queue[0] is me):
+                    wait(self._cond, disconnected, None, why)
+            except BaseException:
+                self._queue.remove(me)
+                self._cond.notify_all()  # the next in line may be first now
+                raise
             self._queue.popleft()
             self._free -= 1
             if self._free and self._queue:

@@ -52,7 +52,7 @@ from localrt.metrics import Clock
 from localrt.downloads.opener import (CertificateFailed, ProxyAuthFailed, build_opener, origin,
                                       proxy_refused)
 from localrt.inference.requests import EventStream, stream_error
-from localrt.inference.scheduler import Admission
+from localrt.admission import Admission, Disconnected, never
 from localrt.inference.upstreams import (FIRST_PROBE_WAIT, PROBE_TICK, UNHEALTHY, Pool, Probe,
                                          Upstream, UpstreamKeyRefused, UpstreamRejected,
                                          UpstreamTimeout, parse_upstreams, probe, reason_of,
@@ -427,15 +427,18 @@ class Remotes:
     # --- forwarding ------------------------------------------------------------------
 
     def forward(self, record: dict, body: dict, admission: Admission,
-                path: str = "/chat/completions", clock: Clock | None = None):
+                path: str = "/chat/completions", clock: Clock | None = None,
+                disconnected: Disconnected = never):
         """Forward a request to `path` of an upstream's OpenAI API (chat completions,
         completions, embeddings): the reply dict, or a RemoteStream. It counts in the
-        calling service's `admission` (localrt.inference.scheduler.Admission) until it ends;
-        `clock` times and counts it in /metrics."""
+        calling service's `admission` (localrt.admission.Admission) until it ends;
+        `clock` times and counts it in /metrics; a wait for an upstream with room ends
+        when `disconnected()` says the client has gone."""
         pool = self._pool(record["id"])
         admission.enter()
         try:
-            exchange, first = self._exchange(pool, record["id"], body, path, clock)
+            exchange, first = self._exchange(pool, record["id"], body, path, clock,
+                                             disconnected)
         except BaseException:
             admission.leave()
             raise
@@ -445,7 +448,8 @@ class Remotes:
         exchange.close()
         return first
 
-    def _exchange(self, pool: Pool, model_id: str, body: dict, path: str, clock):
+    def _exchange(self, pool: Pool, model_id: str, body: dict, path: str, clock,
+                  disconnected: Disconnected = never):
         """(Exchange, its first event or whole reply); a connection that fails before the
         first byte is retried once on another upstream."""
         timeout = float(self._timeout())
@@ -453,7 +457,7 @@ class Remotes:
         failure = None
         while len(tried) < 2:
             try:
-                upstream = pool.acquire(tried, timeout)
+                upstream = pool.acquire(tried, timeout, disconnected)
             except HTTPError:
                 if failure is None:
                     raise

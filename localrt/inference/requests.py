@@ -10,6 +10,11 @@ Each of the three kinds takes the same steps, written here once:
              running model (`Local.lease`: the kind's admission, then the scheduler's
              lease) and makes the reply: a dict, or an `EventStream`
 
+A request holds its place in the kind's admission (localrt.admission) until its reply
+is closed: a streamed one until the server closes it. `disconnected()`, the app's
+look at the client's connection, ends a wait for a turn or an upstream, and a
+generation, once the client has gone (localrt.admission.ClientGone).
+
 A streamed reply never starts with an error: what fails before its first event is an
 HTTP error. What fails part way ends the stream with one error event (`stream_error`),
 which carries the error's code and a message, never an exception's raw text.
@@ -26,7 +31,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from localrt.errors import HTTPError
-from localrt.inference.scheduler import Admission, Lease
+from localrt.admission import Admission, Disconnected, never
+from localrt.inference.scheduler import Lease
 from localrt.metrics import Clock
 from localrt.routing import SSE_DONE, sse
 
@@ -36,7 +42,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class Kind:
     """One kind of generation request: its name in messages, its path under an
-    upstream's /v1, whether /metrics counts it, and the limit on those in progress."""
+    upstream's /v1, whether /metrics counts it, and the limit on those in progress
+    (localrt.admission.LIMITS by default)."""
 
     name: str
     path: str
@@ -57,11 +64,14 @@ class Local:
     clock: Clock
     kind: Kind
     _path: "RequestPath"
+    disconnected: Disconnected = never
 
     def lease(self, **kwargs) -> Lease:
         """A turn on the model (started if it is not running; Scheduler.lease's
-        `kwargs`), counted in the kind's admission until the lease's release."""
-        return self.kind.admission.lease(self._path.scheduler, self.model_id, **kwargs)
+        `kwargs`), counted in the kind's admission until the lease's release; given up
+        when the client leaves while it waits."""
+        return self.kind.admission.lease(self._path.scheduler, self.model_id,
+                                         disconnected=self.disconnected, **kwargs)
 
     def check_request(self, params: dict) -> None:
         """A 400 for what the model's engine cannot serve, before any wait."""
@@ -83,19 +93,21 @@ class RequestPath:
         self.metrics = metrics
 
     def serve(self, kind: Kind, body: dict, local: Callable[[Local], object],
-              remote: Callable[[Callable[[dict], object]], object] | None = None):
+              remote: Callable[[Callable[[dict], object]], object] | None = None,
+              disconnected: Disconnected = never):
         """The reply to `body`: local(request) for a model loaded here; for a remote
         model its upstream's reply, or remote(forward) where the kind asks the upstream
-        something else (`forward(body)` sends a body of its own)."""
+        something else (`forward(body)` sends a body of its own). `disconnected()` says
+        the client has gone (localrt.admission)."""
         model_id = body["model"]
         clock = Clock(self.metrics if kind.timed else None, model_id)  # from the arrival
         record = self.registry.get(model_id)  # 404 before anything starts
         if self.is_remote(record):
             def forward(sent: dict):
                 return self.remotes.forward(record, sent, kind.admission, kind.path,
-                                            clock if kind.timed else None)
+                                            clock if kind.timed else None, disconnected)
             return forward(body) if remote is None else remote(forward)
-        return local(Local(model_id, record, clock, kind, self))
+        return local(Local(model_id, record, clock, kind, self, disconnected))
 
     def is_remote(self, record: dict) -> bool:
         """Whether a model is served by upstreams: nothing loads here."""

@@ -24,6 +24,9 @@ fight over the CPU:
     model is stopped meanwhile. Two llama.cpp computations that share the cores are
     both many times slower than one after the other, so on a machine with cores for
     several models, raise computeLanes and give each model `cpu_threads` = cores / lanes.
+
+A request's `disconnected()` (localrt.admission) ends its wait for a turn or for room
+under maxRunningModels, and its generation at the next token, once its client has gone.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from localrt.admission import ClientGone, Disconnected, never, wait
 from localrt.engines import contract
 from localrt.engines.catalog import EngineNotFound
 from localrt.errors import BadRequest, Conflict, HTTPError, InvalidField, ServiceUnavailable
@@ -106,45 +110,15 @@ class Running:
     keep_alive: float | None = None
 
 
-class Admission:
-    """At most `limit` requests of one kind (`what`: "chat", "completion", ...) in
-    progress at once, generating or queued: each holds a server thread
-    (localrt.server.THREADS), and the rest of the API needs some. Past that, a 503."""
-
-    def __init__(self, what: str, limit: int):
-        self.what, self.limit = what, limit
-        self._slots = threading.BoundedSemaphore(limit)
-
-    def enter(self) -> None:
-        """Count one more request in progress; a 503 when `limit` are."""
-        if not self._slots.acquire(blocking=False):
-            raise ServiceUnavailable(f"Too many {self.what} requests in progress (at most "
-                                     f"{self.limit}); retry shortly",
-                                     headers=[("Retry-After", "1")])
-
-    def leave(self) -> None:
-        """One request fewer in progress."""
-        self._slots.release()
-
-    def lease(self, scheduler: "Scheduler", model_id: str, **kwargs) -> "Lease":
-        """A turn on the model (Scheduler.lease with `kwargs`), counted here until the
-        lease's release."""
-        self.enter()
-        try:
-            lease = scheduler.lease(model_id, **kwargs)
-        except BaseException:
-            self.leave()
-            raise
-        lease.on_release(self.leave)
-        return lease
-
-
 class Lease:
     """A request's turn on a running model: the `model`, its `options`, what it `can`
-    do, `generate()` and `steps()`. `release()` exactly once when done."""
+    do, `generate()` and `steps()`. `release()` exactly once when done. `disconnected()`
+    says the request's client has gone: its generation stops at the next token."""
 
-    def __init__(self, scheduler: "Scheduler", running: Running):
+    def __init__(self, scheduler: "Scheduler", running: Running,
+                 disconnected: Disconnected = never):
         self.running = running
+        self.disconnected = disconnected
         self.model = running.model
         self.options = running.options
         self._scheduler = scheduler
@@ -180,6 +154,9 @@ class Lease:
                 return next(pieces, None)
         try:
             while not running.stopping.is_set():
+                if self.disconnected():  # nobody would read the rest
+                    raise ClientGone(f"The client disconnected during a reply of "
+                                     f"{running.model_id}")
                 piece = read()
                 if piece is None:
                     return
@@ -360,8 +337,10 @@ class Scheduler:
 
     # --- start and stop --------------------------------------------------------
 
-    def start(self, model_id: str, options: dict | None = None) -> tuple[Running, bool]:
-        """Load a model; (running, False) if it was running already."""
+    def start(self, model_id: str, options: dict | None = None,
+              disconnected: Disconnected = never) -> tuple[Running, bool]:
+        """Load a model; (running, False) if it was running already. A request's start
+        waiting for room (maxRunningModels) gives up once `disconnected()`."""
         record = self._registry.get(model_id)  # 404 when it is not downloaded
         effective = self.effective_options(record, options or {})  # 400s before waiting
         with self._lock:
@@ -373,7 +352,7 @@ class Scheduler:
                     return self._running[model_id], False
             if self._closed.is_set():
                 raise ServiceUnavailable("The server is stopping")
-            self._make_room()
+            self._make_room(disconnected)
             running = self._load(record, effective)
             with self._lock:
                 if not self._closed.is_set():
@@ -406,10 +385,11 @@ class Scheduler:
     # --- leases, for chat ------------------------------------------------------
 
     def lease(self, model_id: str, start: dict | None = None,
-              purpose: str = "a chat request") -> Lease:
+              purpose: str = "a chat request", disconnected: Disconnected = never) -> Lease:
         """Wait for this model's turn, starting the model with its stored parameters (and
         the start options `start`, as embeddings start a model in embedding mode);
-        `purpose` is what the log says the model started for."""
+        `purpose` is what the log says the model started for. ClientGone, with nothing
+        held, once `disconnected()` says the client left while it waited."""
         for _ in range(MAX_TURN_RETRIES):
             if self._closed.is_set():
                 raise ServiceUnavailable("The server is stopping")
@@ -420,25 +400,33 @@ class Scheduler:
             if running is None:  # start() answers a 404 for a model that is not there
                 log.info("starting model %s for %s, with its stored parameters%s",
                          model_id, purpose, f" and {start}" if start else "")
-                self.start(model_id, start)
+                self.start(model_id, start, disconnected)
                 continue
-            running.turn.acquire()
+            try:
+                running.turn.acquire(disconnected, f"its turn on model {model_id}")
+            except BaseException:  # the client left: it never had the turn
+                self._gave_up(running)
+                raise
             if running.stopping.is_set():  # stopped or evicted while we waited
                 self._release(running)
                 continue
             with self._lock:
                 running.last_used = time.monotonic()
-            return Lease(self, running)
+            return Lease(self, running, disconnected)
         raise Conflict(f"Model {model_id} kept being stopped while this request waited; "
                        f"raise maxRunningModels or send fewer models at once", param="model")
 
     def _release(self, running: Running) -> None:
+        self._gave_up(running)
+        running.turn.release()
+
+    def _gave_up(self, running: Running) -> None:
+        """A request no longer holds or waits for a turn on `running`."""
         with self._lock:
             running.active -= 1
             running.last_used = time.monotonic()
             if running.active == 0:
                 self._idle.notify_all()
-        running.turn.release()
 
     # --- internals -------------------------------------------------------------
 
@@ -486,7 +474,7 @@ class Scheduler:
             refuse("prompt_template", "it needs a {prompt} placeholder")
         return options
 
-    def _make_room(self) -> None:
+    def _make_room(self, disconnected: Disconnected = never) -> None:
         """Unload least recently used models until one more fits under max_models.
 
         Only an idle model is unloaded: with every model busy, this waits for one to
@@ -498,7 +486,8 @@ class Scheduler:
                     return
                 idle = [r for r in self._running.values() if r.active == 0]
                 if not idle:
-                    self._idle.wait(1.0)
+                    wait(self._idle, disconnected, 1.0,
+                         f"room for one more model (maxRunningModels {self.max_models})")
                     continue
                 victim = min(idle, key=lambda r: r.last_used)
                 del self._running[victim.model_id]

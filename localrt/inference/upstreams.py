@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 from urllib.parse import urlsplit
 
+from localrt.admission import Disconnected, never, wait
 from localrt.downloads.opener import build_opener, origin, proxy_refused
 from localrt.engines.catalog import REMOTE_ENGINE
 from localrt.errors import BadRequest, HTTPError, InvalidField, ServiceUnavailable, UpstreamError
@@ -197,10 +198,11 @@ class Pool:
             self.upstreams, self._specs = fresh, wanted
             self._cond.notify_all()
 
-    def acquire(self, exclude: Iterable[Upstream], timeout: float) -> Upstream:
+    def acquire(self, exclude: Iterable[Upstream], timeout: float,
+                disconnected: Disconnected = never) -> Upstream:
         """The usable upstream with room and the fewest requests in flight, once this
         request's turn comes; 503 (or 502: keys refused) when none is usable, 504 when
-        none had room for `timeout` seconds."""
+        none had room for `timeout` seconds, ClientGone once `disconnected()`."""
         exclude = list(exclude)
         deadline = time.monotonic() + timeout
         me = object()
@@ -226,7 +228,8 @@ class Pool:
                         raise UpstreamTimeout(f"Every upstream of remote model {self.model_id} "
                                               f"stayed full (max_inflight) for {timeout:g} s "
                                               f"(upstreamTimeout)")
-                    self._cond.wait(left)
+                    wait(self._cond, disconnected, left,
+                         f"an upstream of remote model {self.model_id} with room")
             finally:
                 self._queue.remove(me)
                 self._cond.notify_all()
