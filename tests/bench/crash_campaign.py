@@ -5,7 +5,8 @@ runs a short one in CI):
 
     .venv/bin/python tests/bench/crash_campaign.py --points 1000 [--seed 1] [--keep DIR]
 
-Each point draws an operation: pull (one stream, or pieces for a file of 64 MiB and
+Each point draws an operation (from shuffled decks of all ten, so that every ten
+points cover them all): pull (one stream, or pieces for a file of 64 MiB and
 more), resume (a pull cancelled part-way, started again), cancel, import (a copy),
 delete, config PATCH (a stream of them), engine install (onnx-runtime from the
 loopback package index), model start, remote add and model settings (a stream of
@@ -243,8 +244,11 @@ class Campaign:
         """Run `points` kill points, printing a line each."""
         self.srv = self.start_server()
         self.check(Point(0, "first start"))
+        deck: list[str] = []
         for n in range(1, points + 1):
-            op = self.rng.choice(OPERATIONS)
+            if not deck:  # shuffled decks: every ten points cover the ten operations
+                deck = self.rng.sample(OPERATIONS, len(OPERATIONS))
+            op = deck.pop()
             point = Point(n, op)
             began = time.monotonic()
             try:
