@@ -46,7 +46,6 @@ import itertools
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -79,6 +78,8 @@ VICTIM = "victim"    # the imported model a delete removes
 COPIED = "copied"    # the id an import gives its copy
 WINDOW = 1.2         # a kill lands in [0, WINDOW x the operation's measured duration]
 PATIENCE = 120.0     # seconds any wait of the campaign may take on a busy machine
+# What a model's record says about the running server, not its definition.
+RUNTIME_FIELDS = ("status", "upstreams_healthy", "upstreams_total")
 
 
 class Corrupt(Exception):
@@ -240,12 +241,16 @@ class Campaign:
 
     # --- the campaign ---------------------------------------------------------------
 
-    def run(self, points: int) -> None:
-        """Run `points` kill points, printing a line each."""
+    def run(self, points: int, minutes: float | None = None) -> None:
+        """Run `points` kill points, printing a line each; none starts after `minutes`."""
+        deadline = time.monotonic() + 60 * minutes if minutes else None
         self.srv = self.start_server()
         self.check(Point(0, "first start"))
         deck: list[str] = []
         for n in range(1, points + 1):
+            if deadline and time.monotonic() > deadline:
+                self.say(f"the {minutes} minutes are up: {n - 1} points of {points}")
+                break
             if not deck:  # shuffled decks: every ten points cover the ten operations
                 deck = self.rng.sample(OPERATIONS, len(OPERATIONS))
             op = deck.pop()
@@ -261,9 +266,10 @@ class Campaign:
             except Exception as exc:  # the campaign's own failure: say so, go on
                 point.problems.append(f"campaign error: {exc!r}")
             self.points.append(point)
-            self.say(f"#{n:<5} {time.monotonic() - began:5.1f} s {op:<15} kill at {point.delay:5.2f} s "
-                     f"{'after the end' if point.ended else 'inside' if point.ended is False else '?':<14}"
-                     f" {point.note}{'  CORRUPT: ' + '; '.join(point.problems) if point.problems else ''}")
+            where = {True: "after the end", False: "inside", None: "?"}[point.ended]
+            corrupt = "  CORRUPT: " + "; ".join(point.problems) if point.problems else ""
+            self.say(f"#{n:<5} {time.monotonic() - began:5.1f} s {op:<15} kill at "
+                     f"{point.delay:5.2f} s {where:<14} {point.note}{corrupt}")
             if self.srv is None or self.srv.process.poll() is not None:
                 try:
                     self.srv = self.start_server()
@@ -361,8 +367,10 @@ class Campaign:
                 if allowed is not None and got not in allowed | {before}:
                     raise Corrupt(f"model {model_id} holds (seed, top_k) {got}, neither "
                                   f"as before nor one PATCH's")
-            elif now[1] != definition:
-                raise Corrupt(f"model {model_id}'s definition changed: {now[1]} != {definition}")
+            elif _stored(now[1]) != _stored(definition):
+                changed = sorted(k for k in {**now[1], **definition}
+                                 if now[1].get(k) != definition.get(k))
+                raise Corrupt(f"model {model_id}'s definition changed: {changed}")
             self.definitions[model_id] = now[1]
         for model_id in models:
             if model_id not in self.definitions:
@@ -515,19 +523,30 @@ class Campaign:
         act = getattr(self, "op_" + op.replace(" ", "_"))(self.srv.url)
         context = {}
         started = time.monotonic()
-        act.start(context)
+        thread = threading.Thread(target=act.start, args=(context,), daemon=True)
+        thread.start()
+        ended = act.ended or (lambda ctx: not thread.is_alive())
         deadline = started + PATIENCE
-        while act.ended and not act.ended(context):
+        while not ended(context):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{op} did not end in {PATIENCE} s")
             time.sleep(0.01)
         took = time.monotonic() - started
         if act.stop:
             act.stop(context)
+        thread.join(timeout=PATIENCE)
         self.hub.max_bytes_per_second = None
         self.index.throttle = 0.0
         if act.after:
             act.after(Point(0, op), context)
+        # What the unkilled run changed is the state before the next point.
+        self.config_state = self._config_file_state()
+        for model_id in list(self.definitions):
+            status, now = send(self.srv.url, "GET", f"/v1/models/{quote(model_id, safe='')}")
+            if status == 200:
+                self.definitions[model_id] = now
+            else:
+                del self.definitions[model_id]
         return took
 
     def op_pull(self, url) -> "Act":
@@ -763,6 +782,11 @@ class Act:
     stop: callable = None
 
 
+def _stored(record: dict) -> dict:
+    """A model's record less what it says about the running server."""
+    return {k: v for k, v in record.items() if k not in RUNTIME_FIELDS}
+
+
 def _free_port() -> int:
     import socket
 
@@ -772,7 +796,7 @@ def _free_port() -> int:
 
 
 def run(points: int, seed: int, out=sys.stdout, root: Path | None = None,
-        wheels: Path | None = None) -> int:
+        wheels: Path | None = None, minutes: float | None = None) -> int:
     """The campaign in `root` (a temporary folder if None); the number of corrupt states."""
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="localrt-crash-") as tmp:
@@ -780,7 +804,7 @@ def run(points: int, seed: int, out=sys.stdout, root: Path | None = None,
         campaign = Campaign(root, seed, out, wheels)
         print(f"crash campaign: {points} points, seed {seed}, in {root}", file=out, flush=True)
         try:
-            campaign.run(points)
+            campaign.run(points, minutes)
         finally:
             campaign.close()
         return campaign.summary(time.monotonic() - started)
@@ -791,10 +815,15 @@ def main(argv=None) -> int:
     parser.add_argument("--points", type=int, default=100)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--keep", type=Path, help="run in this folder and keep it")
+    parser.add_argument("--minutes", type=float,
+                        help="start no point after this many minutes (the count says how many "
+                        "ran)")
     args = parser.parse_args(argv)
+    # A SIGTERM (timeout, kill) unwinds, so the last server is stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)
-    return 1 if run(args.points, args.seed, root=args.keep) else 0
+    return 1 if run(args.points, args.seed, root=args.keep, minutes=args.minutes) else 0
 
 
 if __name__ == "__main__":
