@@ -52,8 +52,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +64,7 @@ for p in (str(REPO), str(TESTS)):
         sys.path.insert(0, p)
 
 import yaml  # noqa: E402
+from support.servers import free_port, send  # noqa: E402
 
 OPERATIONS = ("pull", "resume", "cancel", "import", "delete", "config", "engine", "start",
               "remote", "model settings")
@@ -95,21 +94,9 @@ def sha256(path) -> str:
     return h.hexdigest()
 
 
-def send(url, method, path, body=None, timeout=60.0):
-    """One JSON request: (status, decoded reply), error replies included."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data=data, method=method,
-                                 headers={"Content-Type": "application/json"} if data else {})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        with exc:
-            return exc.code, json.loads(exc.read())
-
-
 def quietly(url, method, path, body=None, timeout=60.0):
-    """send(), for a request whose server may be killed before it answers: None then."""
+    """support.servers.send(), for a request whose server may be killed before it
+    answers: None then."""
     try:
         return send(url, method, path, body, timeout)
     except (OSError, http.client.HTTPException, ValueError):
@@ -199,7 +186,7 @@ class Campaign:
         self.index = PackageIndex(index_dir).start()
         self.settings = settings_mod.load(environ={"HOME": str(self.home)})
         self.settings.update({"modelHubUrl": self.hub.url, "engineIndexUrl": self.index.url})
-        self.dead_port = _free_port()
+        self.dead_port = free_port()
         self.durations: dict[str, float] = {}
         self.config_state = self._config_file_state()
         self.tokens = itertools.count(1)
@@ -785,14 +772,6 @@ class Act:
 def _stored(record: dict) -> dict:
     """A model's record less what it says about the running server."""
     return {k: v for k, v in record.items() if k not in RUNTIME_FIELDS}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(points: int, seed: int, out=sys.stdout, root: Path | None = None,
