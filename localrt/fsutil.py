@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
 import tempfile
+import time
 from pathlib import Path
+
+# Seconds after which a temp file of atomic_write is a kill's leftover: a write takes far
+# less, and a younger one may be another process's write in flight.
+STALE_TEMP_AGE = 60.0
 
 
 def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
-    """Write `data` to `path` through a temp file, fsync and rename."""
+    """Write `data` to `path` through a temp file, fsync and rename.
+
+    A kill before the rename leaves the temp file (`.<name>.<random>.tmp`); the owner of
+    `path` calls remove_stale_temps when it first reads it."""
     path = Path(path)
     private_dir(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -33,6 +42,25 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
 def write_json(path: Path, data) -> None:
     """Write `data` as indented JSON with atomic_write."""
     atomic_write(path, json.dumps(data, indent=2).encode())
+
+
+def remove_stale_temps(path: Path, age: float = STALE_TEMP_AGE) -> int:
+    """Delete the temp files that atomic_write(path) left when killed mid-write, those
+    older than `age` seconds; how many went."""
+    path = Path(path)
+    removed, now = 0, time.time()
+    try:
+        stale = list(path.parent.glob(glob.escape(f".{path.name}.") + "*.tmp"))
+    except OSError:
+        return 0
+    for tmp in stale:
+        try:
+            if now - tmp.stat().st_mtime >= age:
+                tmp.unlink()
+                removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
 
 
 def read_json(path: Path, default: dict) -> dict:

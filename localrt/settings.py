@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from localrt.fsutil import atomic_write
+from localrt.fsutil import atomic_write, remove_stale_temps
 
 log = logging.getLogger(__name__)
 
@@ -321,6 +321,7 @@ def load(path: str | os.PathLike | None = None,
     environ = os.environ if environ is None else environ
     home = _home(environ)
     path = rc_path(path, environ)
+    remove_stale_temps(path)  # a kill mid-write left them beside the file, in the home folder
     if path.exists():
         values, unknown = _parse(path, home)
         for name in unknown:

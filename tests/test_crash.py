@@ -19,6 +19,7 @@ import time
 import urllib.error
 import urllib.request
 import zipfile
+from pathlib import Path
 
 import pytest
 import yaml
@@ -346,3 +347,46 @@ def test_kill_9_at_random_points_of_model_starts(home, quantized, servers):
         assert status == 200 and body["usage"]["completion_tokens"] >= 1, body
     finally:
         srv.stop()
+
+
+# --- temp files of writes cut short -----------------------------------------------------
+
+
+def test_a_start_removes_the_temp_files_that_killed_writes_left(home, settings, quantized):
+    """A kill between atomic_write's temp file and its rename leaves `.<name>.*.tmp`
+    beside the settings file (in the home folder), a model.json or engines.json; the
+    next start removes those older than fsutil.STALE_TEMP_AGE and leaves younger ones,
+    which may be another process's write in flight."""
+    from support.apps import call
+
+    from localrt import fsutil, settings as settings_mod
+    from localrt.app import create_app
+
+    app = create_app(settings)
+    try:
+        r = call(app, "POST", "/v1/models/import", {"path": str(quantized["Q8_0"]), "id": "tiny"})
+        assert r.status == 200, r.body
+        folder = call(app, "GET", "/v1/models/tiny").json["path"]
+    finally:
+        app.close()
+    engines = settings.data_dir / "engines"
+    old = time.time() - fsutil.STALE_TEMP_AGE - 5
+    stale, young = [], []
+    for where, name in ((home, settings.path.name), (folder, "model.json"),
+                        (engines, "engines.json")):
+        fsutil.private_dir(where)
+        for kind, mtime in ((stale, old), (young, None)):
+            path = Path(where) / f".{name}.{len(kind)}{'ab' if mtime else 'cd'}.tmp"
+            path.write_text("{half a wri")
+            if mtime:
+                os.utime(path, (mtime, mtime))
+            kind.append(path)
+    s = settings_mod.load()
+    app = create_app(s)
+    try:
+        assert [m["id"] for m in call(app, "GET", "/v1/models").json["data"]] == ["tiny"]
+        assert call(app, "GET", "/v1/engines").status == 200
+    finally:
+        app.close()
+    assert [p for p in stale if p.exists()] == []
+    assert [p for p in young if not p.exists()] == []

@@ -42,7 +42,8 @@ from localrt.downloads.tasks import DownloadFailed, Downloads, Item, Task
 from localrt.engines.catalog import (CATALOG, EngineNotInstalled, EngineSpec, Engines, Variant,
                              display_version, key)
 from localrt.errors import BadRequest, Conflict, HTTPError
-from localrt.fsutil import fsync_dir, private_dir, read_json, write_json
+from localrt.fsutil import (fsync_dir, private_dir, read_json, remove_stale_temps,
+                            write_json)
 from localrt.engines.hardware import Hardware, recommended, runnable
 from localrt.engines.releases import LATEST, Releases, bare_version, wanted_version
 
@@ -64,6 +65,7 @@ class EngineState:
     def __init__(self, root: Path):
         self._file = root / REGISTRY_FILE
         self._lock = threading.Lock()
+        remove_stale_temps(self._file)  # a kill mid-write left them
         self._data = read_json(self._file, {"engines": {}})
 
     def read(self) -> dict:

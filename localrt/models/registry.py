@@ -26,7 +26,7 @@ from localrt import schemas
 from localrt.downloads.tasks import fsync_dir
 from localrt.engines.catalog import engine_alias, engine_for_files, weights_file
 from localrt.errors import Conflict, HTTPError, InvalidField, NotFound
-from localrt.fsutil import atomic_write
+from localrt.fsutil import atomic_write, remove_stale_temps
 from localrt.engines import ggufinfo
 
 log = logging.getLogger(__name__)
@@ -201,6 +201,7 @@ class Registry:
                 continue
             dirnames[:] = []  # a model's folder holds no other model
             folder = Path(dirpath)
+            remove_stale_temps(folder / DEFINITION)  # a kill mid-write left them
             try:
                 d = json.loads((folder / DEFINITION).read_bytes())
                 self.check(d)
