@@ -111,10 +111,8 @@ class EventBus:
             if q in self._listeners:
                 self._listeners.remove(q)
 
-    def _drop(self, q: queue.Queue) -> None:
-        with self._lock:
-            if q in self._listeners:
-                self._listeners.remove(q)
+    def _drop(self, q: _Listener) -> None:
+        self._remove(q)
         _put_close(q)
 
     def _stream(self, q: _Listener, disconnected: Disconnected) -> Iterator[bytes]:
@@ -144,9 +142,7 @@ class EventBus:
                 quiet_since = time.monotonic()
                 yield event
         finally:
-            with self._lock:
-                if q in self._listeners:
-                    self._listeners.remove(q)
+            self._remove(q)
 
 
 class _Body:

@@ -100,12 +100,13 @@ class RequestPath:
         something else (`forward(body)` sends a body of its own). `disconnected()` says
         the client has gone (localrt.admission)."""
         model_id = body["model"]
-        clock = Clock(self.metrics if kind.timed else None, model_id)  # from the arrival
+        # From the arrival; an untimed kind's clock counts nowhere (metrics None).
+        clock = Clock(self.metrics if kind.timed else None, model_id)
         record = self.registry.get(model_id)  # 404 before anything starts
         if self.is_remote(record):
             def forward(sent: dict):
                 return self.remotes.forward(record, sent, kind.admission, kind.path,
-                                            clock if kind.timed else None, disconnected)
+                                            clock, disconnected)
             return forward(body) if remote is None else remote(forward)
         return local(Local(model_id, record, clock, kind, self, disconnected))
 

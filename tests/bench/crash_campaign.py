@@ -537,10 +537,7 @@ class Campaign:
         return took
 
     def op_pull(self, url) -> "Act":
-        repo = self.rng.choice((SMALL, SMALL, BIG))
-        model_id = f"{repo[0].replace('/', ':')}:{repo[1]}"
-        self.absent(url, model_id)
-        self.throttle(repo)
+        repo, model_id = self._fresh_pull(url)
 
         def start(ctx):
             ctx["reply"] = quietly(url, "POST", f"/v1/models/{repo[0]}/pull")
@@ -548,6 +545,26 @@ class Campaign:
         return Act(start, ended=self._pull_ended(url, model_id),
                    changes=lambda ctx: {model_id: None},
                    after=lambda point, ctx: self._after_pull(point, repo))
+
+    def _fresh_pull(self, url) -> tuple:
+        """A repo to pull (the small one twice as often), not downloaded yet, its
+        transfer throttled: (repo, the model id its pull registers)."""
+        repo = self.rng.choice((SMALL, SMALL, BIG))
+        model_id = f"{repo[0].replace('/', ':')}:{repo[1]}"
+        self.absent(url, model_id)
+        self.throttle(repo)
+        return repo, model_id
+
+    def _pull_part_way(self, url, repo, low: float) -> str:
+        """Start pulling `repo` and wait until a random share of it (`low` to 0.8) is
+        downloaded, or the task ended: its task id."""
+        status, body = send(url, "POST", f"/v1/models/{repo[0]}/pull")
+        task_id = body["task"]["id"]
+        size = self.sources[repo].stat().st_size
+        at = self.rng.uniform(low, 0.8) * size
+        self.wait_task(url, task_id, lambda t: t["status"] != "Downloading" or
+                       sum(i["downloadedBytes"] for i in t["items"]) >= at)
+        return task_id
 
     def _pull_ended(self, url, model_id):
         def ended(ctx):
@@ -561,16 +578,8 @@ class Campaign:
         self.pull_done(self.srv.url, repo)
 
     def op_resume(self, url) -> "Act":
-        repo = self.rng.choice((SMALL, SMALL, BIG))
-        model_id = f"{repo[0].replace('/', ':')}:{repo[1]}"
-        self.absent(url, model_id)
-        self.throttle(repo)
-        status, body = send(url, "POST", f"/v1/models/{repo[0]}/pull")
-        task_id = body["task"]["id"]
-        size = self.sources[repo].stat().st_size
-        at = self.rng.uniform(0.1, 0.8) * size
-        self.wait_task(url, task_id, lambda t: t["status"] != "Downloading" or
-                       sum(i["downloadedBytes"] for i in t["items"]) >= at)
+        repo, model_id = self._fresh_pull(url)
+        task_id = self._pull_part_way(url, repo, 0.1)
         send(url, "DELETE", "/v1/models/pull", {"taskId": task_id})
         self.wait_task(url, task_id)
 
@@ -582,16 +591,8 @@ class Campaign:
                    after=lambda point, ctx: self._after_pull(point, repo))
 
     def op_cancel(self, url) -> "Act":
-        repo = self.rng.choice((SMALL, SMALL, BIG))
-        model_id = f"{repo[0].replace('/', ':')}:{repo[1]}"
-        self.absent(url, model_id)
-        self.throttle(repo)
-        status, body = send(url, "POST", f"/v1/models/{repo[0]}/pull")
-        task_id = body["task"]["id"]
-        size = self.sources[repo].stat().st_size
-        at = self.rng.uniform(0.05, 0.8) * size
-        self.wait_task(url, task_id, lambda t: t["status"] != "Downloading" or
-                       sum(i["downloadedBytes"] for i in t["items"]) >= at)
+        repo, model_id = self._fresh_pull(url)
+        task_id = self._pull_part_way(url, repo, 0.05)
 
         def start(ctx):
             ctx["reply"] = quietly(url, "DELETE", "/v1/models/pull", {"taskId": task_id})
