@@ -42,6 +42,19 @@ class InvalidField(BadRequest):
     code = "invalid_field"
 
 
+class InvalidImage(InvalidField):
+    """An image part whose bytes llama.cpp cannot read, or a malformed data URL; the
+    message and `param` name the part (messages[0].content[1])."""
+
+    code = "invalid_image"
+
+
+class ImagesNotSupported(BadRequest):
+    """A request with images for a model that has no projector (mmproj)."""
+
+    code = "images_not_supported"
+
+
 class InvalidJSON(BadRequest):
     code = "invalid_json"
 
@@ -86,6 +99,12 @@ class PayloadTooLarge(HTTPError):
     status = 413
     type = "invalid_request_error"
     code = "payload_too_large"
+
+
+class ImageTooLarge(PayloadTooLarge):
+    """One image of more than the 20 MiB a request may carry (localrt.inference.images)."""
+
+    code = "image_too_large"
 
 
 class UnsupportedMediaType(HTTPError):

@@ -25,9 +25,33 @@ onnxruntime_genai are imported only when a model loads.
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Protocol, runtime_checkable
 
 from localrt.engines.generation import ChatOnlyModel, Generation
+
+# --- what a request gives a model ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Image:
+    """An image of a request, as its bytes (PNG, JPEG, BMP or GIF, not checked yet), and
+    `where` the request had it ("messages[0].content[1]"), for the error that names it.
+
+    A chat message with images reaches a vision model's generate() with its content as
+    a list of parts, in order: {"type": "text", "text": ...} and {"type": "image",
+    "image": Image}. A message without images has its content as one string.
+    """
+
+    data: bytes = field(repr=False)
+    where: str
+
+    @property
+    def digest(self) -> str:
+        """The SHA-256 of the bytes: the prompt cache's key for the image's tokens."""
+        return hashlib.sha256(self.data).hexdigest()
+
 
 # --- engines ---------------------------------------------------------------------------
 
