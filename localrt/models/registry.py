@@ -278,6 +278,21 @@ def is_projector(path: str) -> bool:
     return name.startswith("mmproj") and name.endswith(".gguf")
 
 
+def projector_path(record: dict) -> Path | None:
+    """The vision projector (mmproj GGUF) a model record names, or None: a model with
+    one is a vision model (gguf-cpp loads it through llama.cpp's mtmd)."""
+    mmproj = record.get("mmproj")
+    return Path(record["path"]) / mmproj if mmproj else None
+
+
+def capabilities(record: dict) -> list[str]:
+    """What a model can be asked for, as GET /v1/models and Ollama's /api/show say:
+    ["chat", "vision"] for a GGUF with a projector, else ["chat"]."""
+    if record.get("mmproj") and record.get("engine") == "gguf-cpp":
+        return ["chat", "vision"]
+    return ["chat"]
+
+
 def weights_path(record: dict) -> Path | None:
     """The file an engine loads for a model record: its GGUF (a split one's first part,
     never a projector), else its ONNX model file."""
