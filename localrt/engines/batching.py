@@ -26,6 +26,12 @@ step computes; `LlamaBatch` computes it with llama.cpp:
     with `prompt_logprobs` (a completion's echo) so is every prompt token, which takes
     logits for each: such a prompt is read whole (its cached prefix has no logits
     left), SCORED_CHUNK tokens a step. The other sequences of the batch pay nothing.
+  * Images (localrt.engines.vision): a prompt item is a text token or one position of
+    an image. A prompt is read as text up to its next image; that image is one step's
+    work for its sequence (the engine's encode and decode of its embeddings), at most
+    one image a step, beside the text the other sequences decode in the same step, so
+    an image holds the others up by one image's time at most. A cached prefix never
+    ends inside an image (vision.whole_images).
   * A sequence ends at an end-of-generation token or max_tokens. One that is left
     (`leave`: its reply is done, or its client hung up) frees its slot at the end of
     the step under way, or at once when none is.
@@ -45,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from localrt.engines import logprobs
+from localrt.engines.vision import image_item, whole_images
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +66,11 @@ class Sequence:
     The Batcher's lock guards everything but `prompt`, `max_tokens` and `sampler`.
     """
 
-    def __init__(self, prompt: list[int], max_tokens: int, sampler=None,
-                 top_logprobs: int | None = None, prompt_logprobs: bool = False):
-        self.prompt = prompt
+    def __init__(self, prompt: list, max_tokens: int, sampler=None,
+                 top_logprobs: int | None = None, prompt_logprobs: bool = False,
+                 images: dict | None = None):
+        self.prompt = prompt  # text tokens, and ("image", digest, k) per image position
+        self.images = images or {}  # the engine's chunk of each image, by its first index
         self.max_tokens = max_tokens
         self.sampler = sampler  # the engine's, handed to its decode(); freed by release()
         # Log-probabilities (localrt.engines.logprobs), for a request that asks: each sampled
@@ -106,6 +115,8 @@ class Entry:
     pos: int
     sample: bool
     reading: bool
+    image: object = None  # the engine's image chunk, when the entry is an image
+    failed: Exception | None = None  # the engine could not evaluate this entry
 
 
 class Batcher:
@@ -204,6 +215,7 @@ class Batcher:
             seq = self._waiting.popleft()
             slot, keep = self._choose(free, seq.prompt)
             keep = min(keep, len(seq.prompt) - 1)  # the last prompt token gives the logits
+            keep = whole_images(seq.prompt, keep)
             if seq.prompt_logprobs:  # every prompt token's logits are needed
                 keep = 0
             if not self._engine.trim(slot.id, keep):  # a model that cannot cut (recurrent)
@@ -235,15 +247,23 @@ class Batcher:
         for seq in self._active:
             if room <= 0:
                 break
-            if seq.ended or seq.read >= len(seq.prompt):
+            if seq.ended or seq.read >= len(seq.prompt) or seq.read in seq.images:
                 continue
             # A prompt scored token by token outputs logits for each: a short chunk
             # keeps llama.cpp's output buffer (tokens x vocabulary floats) small.
             most = min(room, SCORED_CHUNK) if seq.prompt_logprobs else room
-            chunk = seq.prompt[seq.read:seq.read + most]
-            last = seq.read + len(chunk) == len(seq.prompt)
+            end = min(seq.read + most, _next_image(seq))
+            chunk = seq.prompt[seq.read:end]
+            last = end == len(seq.prompt)
             plan.append(Entry(seq, seq.slot.id, chunk, len(seq.slot.tokens), last, True))
             room -= len(chunk)
+        # One image a step, the first waiting in arrival order.
+        seq = next((s for s in self._active if not s.ended and s.read in s.images), None)
+        if seq is not None:
+            start = seq.read
+            end = _next_text(seq.prompt, start)
+            plan.append(Entry(seq, seq.slot.id, seq.prompt[start:end], len(seq.slot.tokens),
+                              False, True, image=seq.images[start]))
         # In slot order: llama.cpp splits a batch of sequences with KV of their own into
         # one pass per run of consecutive sequence ids, and each pass reads all weights.
         plan.sort(key=lambda e: e.slot)
@@ -254,6 +274,10 @@ class Batcher:
         tokens = iter(sampled)
         for entry in plan:
             seq = entry.seq
+            if entry.failed is not None:  # its image: the others' step went on
+                seq.slot.tokens = []  # what its KV holds now is unknown
+                seq.error, seq.ended, seq.next = entry.failed, True, None
+                continue
             seq.slot.tokens.extend(entry.tokens)
             if entry.reading:
                 seq.read += len(entry.tokens)
@@ -300,6 +324,19 @@ class Batcher:
             self._active.clear()
 
 
+def _next_image(seq: Sequence) -> int:
+    """The index of the sequence's next image after what it has read, or the prompt's end."""
+    return min((i for i in seq.images if i > seq.read), default=len(seq.prompt))
+
+
+def _next_text(prompt: list, start: int) -> int:
+    """The index after the image that starts at `start`."""
+    end = start + 1
+    while end < len(prompt) and image_item(prompt[end]) is not None and prompt[end][2] > 0:
+        end += 1
+    return end
+
+
 def common_prefix(a: list, b: list) -> int:
     """How many leading items `a` and `b` share."""
     n = 0
@@ -334,8 +371,9 @@ class LlamaBatch:
     """The Batcher's engine on llama.cpp: one context holding a sequence per slot, the
     llama_batch each step fills, and each sequence's sampler chain."""
 
-    def __init__(self, llama_cpp, model, params):
+    def __init__(self, llama_cpp, model, params, projector=None):
         self._ll = llama_cpp
+        self.projector = projector  # a vision model's (localrt.engines.vision.Projector)
         self.ctx = llama_cpp.llama_init_from_model(model, params)
         if self.ctx is None:
             raise ValueError("llama.cpp could not make the context (not enough memory for "
@@ -357,7 +395,8 @@ class LlamaBatch:
             if (s.repeat_penalty, s.frequency_penalty, s.presence_penalty) != (1.0, 0.0, 0.0):
                 penalties = ll.llama_sampler_init_penalties(
                     self._n_vocab, PENALTY_LAST_N, s.repeat_penalty, s.frequency_penalty, s.presence_penalty)
-                for token in prompt[-PENALTY_LAST_N:]:  # the prompt counts, as in llama.cpp
+                text = [t for t in prompt if image_item(t) is None]
+                for token in text[-PENALTY_LAST_N:]:  # the prompt counts, as in llama.cpp
                     ll.llama_sampler_accept(penalties, token)
                 ll.llama_sampler_chain_add(chain, penalties)
             if s.grammar is not None:
@@ -386,7 +425,22 @@ class LlamaBatch:
         return bool(self._ll.llama_memory_seq_rm(self._memory, slot, keep, -1))
 
     def decode(self, entries: list[Entry]) -> list[int]:
-        """One llama_decode of every entry; the sampled token of each that samples."""
+        """One llama_decode of every text entry; the sampled token of each that samples;
+        then each image entry's image (one that fails is marked `failed`)."""
+        images = [e for e in entries if e.image is not None]
+        sampled = self._decode([e for e in entries if e.image is None])
+        for entry in images:  # after sampling: an image's decode overwrites the logits
+            try:
+                self.projector.evaluate(entry.image, self.ctx, entry.pos, entry.slot,
+                                        self._ll.llama_n_batch(self.ctx))
+            except Exception as exc:
+                log.warning("an image could not be evaluated: %s", exc)
+                entry.failed = exc
+        return sampled
+
+    def _decode(self, entries: list[Entry]) -> list[int]:
+        if not entries:
+            return []
         ll, batch = self._ll, self._batch
         n, outputs, scored = 0, [], []
         for entry in entries:
@@ -444,10 +498,12 @@ class LlamaBatch:
         return bool(self._ll.llama_vocab_is_eog(self._vocab, token))
 
     def release(self, seq: Sequence) -> None:
-        """Free a sequence's sampler chain."""
+        """Free a sequence's sampler chain, and its image chunks."""
         if seq.sampler is not None:
             self._ll.llama_sampler_free(seq.sampler)
             seq.sampler = None
+        if seq.images:
+            self.projector.free_chunks(seq.images)
 
     def prompt_evaluated(self) -> int:
         """Prompt tokens llama.cpp counted as evaluated (batches of more than one token)."""
@@ -455,6 +511,8 @@ class LlamaBatch:
 
     def close(self) -> None:
         """Free the batch and the context."""
+        if self.projector is not None:
+            self.projector.close()
         if self.ctx is not None:
             self._ll.llama_batch_free(self._batch)
             self._ll.llama_free(self.ctx)

@@ -4,7 +4,9 @@
 Measured, Tokenizing, Counting and Templated model: one llama.cpp context whose
 n_parallel sequences share each decode step (localrt.engines.batching), with the
 prompt cache. An embedding model, or one started with the start option `embedding`,
-loads in llama.cpp's embedding mode instead (localrt.engines.embedding). A JSON
+loads in llama.cpp's embedding mode instead (localrt.engines.embedding). A model with a projector (the option `mmproj`,
+which localrt.inference.scheduler sets from the record) loads it through llama.cpp's
+mtmd and reads chats with images (localrt.engines.vision). A JSON
 response_format becomes a grammar (localrt.engines.grammar); log probabilities
 (localrt.engines.logprobs) are read from the logits before sampling, in
 LlamaBatch.decode, for the prompt too. llama_cpp is imported only when a model loads.
@@ -23,6 +25,8 @@ from localrt.engines.embedding import LlamaEmbedder, embedding_pooling
 from localrt.engines.generation import (GeneratingModel, Generation, check_room, seed_of,
                                         sampling_value, token_loop)
 from localrt.engines.grammar import json_grammar
+from localrt.engines.vision import (Projector, Prompt, has_images, refuse_images,
+                                    texts_and_images)
 from localrt.errors import InvalidField
 from localrt.engines import toolcalls
 from localrt.engines.logprobs import Log, TokenLogprob
@@ -135,6 +139,16 @@ class LlamaModel(GeneratingModel):
             self._model.close()
             self._release_rpc()
             raise
+        self._mmproj = options.get("mmproj")
+        if self._mmproj:
+            try:
+                self._batch.projector = Projector(llama_cpp, self._mmproj, self._model.model,
+                                                  options)
+            except BaseException:
+                self._batch.close()
+                self._model.close()
+                self._release_rpc()
+                raise
         self._batcher = Batcher(self.slots, params.n_batch, self._batch,
                                 caching=options.get("caching_enabled", True))
         self._cache_type = options.get("cache_type") or "f16"
@@ -153,16 +167,23 @@ class LlamaModel(GeneratingModel):
         """Tokenize and check now; the tokens come as steps compute them: the generation
         calls `wait()` for its next one (the scheduler's wait for a step; step() itself
         when None)."""
-        tokens = self._prompt_tokens(messages, params)
-        if not tokens:
-            raise InvalidField("Invalid field 'messages': the prompt is empty",
-                               param="messages")
-        room = check_room(len(tokens), self.context)
-        max_tokens = min(params.get("max_tokens") or room, room)
-        keep = self._preserved(params.get("preserved_tokens"))
-        top, echo = params.get("logprobs"), bool(params.get("prompt_logprobs"))
-        seq = Sequence(tokens, max_tokens, self._sampler(params, tokens), top_logprobs=top,
-                       prompt_logprobs=echo and top is not None)
+        prompt = self._prompt(messages, params)
+        tokens = prompt.items
+        try:
+            if not tokens:
+                raise InvalidField("Invalid field 'messages': the prompt is empty",
+                                   param="messages")
+            room = check_room(len(tokens), self.context)
+            max_tokens = min(params.get("max_tokens") or room, room)
+            keep = self._preserved(params.get("preserved_tokens"))
+            top, echo = params.get("logprobs"), bool(params.get("prompt_logprobs"))
+            sampler = self._sampler(params, tokens)
+        except BaseException:
+            if prompt.chunks:
+                self._batch.projector.free(prompt)
+            raise
+        seq = Sequence(tokens, max_tokens, sampler, top_logprobs=top,
+                       prompt_logprobs=echo and top is not None, images=prompt.chunks)
         batcher, wait = self._batcher, wait or self.step
 
         def run(gen: Generation) -> Iterator[str]:
@@ -184,24 +205,37 @@ class LlamaModel(GeneratingModel):
             log = Log(self._piece, prompt=(
                 (lambda: [TokenLogprob(tokens[0], None), *seq.prompt_scores])
                 if seq.prompt_logprobs else None))
-        return Generation(len(tokens), run, on_close=lambda: batcher.leave(seq),
+        return Generation(prompt.n_tokens, run, on_close=lambda: batcher.leave(seq),
                           logprobs=log)
 
     def count_tokens(self, messages: list, params: dict) -> int:
-        """The prompt's tokens as generate() reads them; nothing is computed."""
-        return len(self._prompt_tokens(messages, params))
+        """The prompt's tokens as generate() reads them (an image's among them); nothing
+        is computed."""
+        prompt = self._prompt(messages, params)
+        if prompt.chunks:
+            self._batch.projector.free(prompt)
+        return prompt.n_tokens
 
-    def _prompt_tokens(self, messages: list, params: dict) -> list[int]:
+    def _prompt(self, messages: list, params: dict) -> Prompt:
         """The prompt: a completion's own tokens, its prompt text, or the chat template's
-        rendering of the messages (and tools)."""
+        rendering of the messages (and tools), images split out by the projector."""
         model = self._model
         if params.get("prompt_tokens") is not None:  # a completion's own tokens
-            return list(params["prompt_tokens"])
+            tokens = list(params["prompt_tokens"])
+            return Prompt(tokens, n_tokens=len(tokens))
         if params.get("prompt") is not None:
             text, bos = params["prompt"], model.add_bos_token()
+        elif has_images(messages):
+            projector = self._batch.projector
+            if projector is None:
+                raise refuse_images()
+            messages, images = texts_and_images(messages, projector.marker)
+            text, bos = self._format(messages, params.get("tools"))
+            return projector.tokenize(text, images, bos)
         else:
             text, bos = self._format(messages, params.get("tools"))
-        return model.tokenize(text.encode("utf-8"), add_bos=bos, special=True)
+        tokens = model.tokenize(text.encode("utf-8"), add_bos=bos, special=True)
+        return Prompt(tokens, n_tokens=len(tokens))
 
     def step(self) -> None:
         """One decode for every sequence (localrt.engines.batching.Batcher.step)."""
@@ -308,6 +342,8 @@ class LlamaModel(GeneratingModel):
 
         llama_cpp, model = self._llama_cpp, self._model
         weights = llama_cpp.llama_model_size(model.model)
+        if self._mmproj:  # the projector's weights, counted with the model's
+            weights += Path(self._mmproj).stat().st_size
         kv = self.kv_bytes()
         layers = llama_cpp.llama_model_n_layer(model.model)
         offloaded = 0

@@ -48,7 +48,7 @@ from localrt.engines.catalog import EngineNotFound
 from localrt.errors import BadRequest, Conflict, HTTPError, InvalidField, ServiceUnavailable
 from localrt.engines.hardware import available_cores
 from localrt.inference.lanes import ComputeLanes, FairLock, Stepper
-from localrt.models.registry import DEFAULT_CTX_LEN, weights_path
+from localrt.models.registry import DEFAULT_CTX_LEN, projector_path, weights_path
 
 log = logging.getLogger(__name__)
 
@@ -497,8 +497,10 @@ class Scheduler:
         engine = options["engine"]
         path = self._model_path(record)
         before = _rss()
+        projector = projector_path(record)  # a vision model's (localrt.engines.vision)
+        loading = options if projector is None else {**options, "mmproj": str(projector)}
         try:
-            model = self._engines.open(engine, str(path), options)
+            model = self._engines.open(engine, str(path), loading)
         except HTTPError:
             raise
         except Exception as exc:  # llama.cpp and onnxruntime say why in their own words

@@ -287,8 +287,9 @@ def projector_path(record: dict) -> Path | None:
 
 def capabilities(record: dict) -> list[str]:
     """What a model can be asked for, as GET /v1/models and Ollama's /api/show say:
-    ["chat", "vision"] for a GGUF with a projector, else ["chat"]."""
-    if record.get("mmproj") and record.get("engine") == "gguf-cpp":
+    ["chat", "vision"] for a model with a projector (a GGUF's: gguf-cpp loads it),
+    else ["chat"]."""
+    if record.get("mmproj"):
         return ["chat", "vision"]
     return ["chat"]
 

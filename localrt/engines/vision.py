@@ -1,0 +1,205 @@
+"""Images into a gguf-cpp model: its projector (mmproj) through llama.cpp's mtmd.
+
+A model whose record names a projector (localrt.models.registry.projector_path) loads
+it as a `Projector` beside the text model, on the GPU when the text model uses one.
+A chat with images (localrt.engines.contract.Image parts) becomes one prompt:
+
+  * Each image part becomes the projector's media marker in its message's text, so
+    the chat template sees text only (as llama-server does); the marker is random per
+    load, so no text a user writes can stand for an image.
+  * mtmd_tokenize splits the rendered prompt into text tokens and image chunks. The
+    prompt localrt.engines.batching reads is one item per position: a text token (an
+    int), or for the k-th position of an image ("image", its SHA-256, k). Two prompts
+    with the same image at the same place share those items, so the slots' prompt
+    cache reuses an image's KV as it reuses text, and never half an image
+    (`whole_images`).
+  * The batcher evaluates an image chunk (`evaluate`: mtmd's encode, then its
+    embeddings decoded into the sequence's own KV) as one step's work for one
+    sequence, beside the text the other sequences decode in that step.
+
+llama_cpp.mtmd_cpp is imported only when a projector loads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import secrets
+from dataclasses import dataclass, field
+
+from localrt.engines.contract import Image
+from localrt.errors import ImagesNotSupported, InvalidField, InvalidImage
+
+IMAGE = "image"  # the first item of an image position in a prompt
+
+
+def image_item(item) -> tuple | None:
+    """An image position's item ("image", digest, k), or None for a text token."""
+    return item if isinstance(item, tuple) else None
+
+
+def whole_images(prompt: list, keep: int) -> int:
+    """`keep` moved back to the start of the image it would cut in two, if any: a
+    cached prefix ends between images, never inside one."""
+    if 0 < keep < len(prompt):
+        item = image_item(prompt[keep])
+        if item is not None:
+            keep -= item[2]
+    return keep
+
+
+def has_images(messages: list) -> bool:
+    """Whether any message's content holds an image part."""
+    return any(isinstance(m.get("content"), list)
+               and any(p.get("type") == "image" for p in m["content"]) for m in messages)
+
+
+def texts_and_images(messages: list, marker: str) -> tuple[list, list[Image]]:
+    """The messages with each image part as `marker` in its content's text, and the
+    images in prompt order."""
+    images, out = [], []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            pieces = []
+            for part in content:
+                if part.get("type") == "image":
+                    images.append(part["image"])
+                    pieces.append(marker)
+                else:
+                    pieces.append(part.get("text", ""))
+            message = {**message, "content": "\n".join(pieces)}
+        out.append(message)
+    return out, images
+
+
+@dataclass
+class Prompt:
+    """A tokenized prompt with images: its items (see the module's docstring), the
+    mtmd chunk of each image by the index of its first position (owned: free()), and
+    its token count (an image's tokens may be more than its positions)."""
+
+    items: list
+    chunks: dict = field(default_factory=dict)
+    n_tokens: int = 0
+
+
+class Projector:
+    """A loaded projector: the mtmd context made with the text model."""
+
+    def __init__(self, llama_cpp, path: str, text_model, options: dict):
+        from llama_cpp import mtmd_cpp
+
+        self._mtmd, self._ll = mtmd_cpp, llama_cpp
+        params = mtmd_cpp.mtmd_context_params_default()
+        params.use_gpu = options.get("ngl", -1) != 0  # where the text model's layers go
+        params.print_timings = False
+        params.warmup = False
+        threads = options.get("cpu_threads")
+        if threads:
+            params.n_threads = threads
+        params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+                                  if options.get("flash_attn")
+                                  else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        self.marker = f"<__image_{secrets.token_hex(8)}__>"
+        self._marker = self.marker.encode()
+        params.media_marker = self._marker  # kept alive by self._marker
+        self.ctx = mtmd_cpp.mtmd_init_from_file(path.encode(), text_model, params)
+        if not self.ctx:
+            raise ValueError(f"llama.cpp's mtmd could not load the projector {path}")
+        if not mtmd_cpp.mtmd_support_vision(self.ctx):
+            self.close()
+            raise ValueError(f"the projector {path} has no vision encoder")
+
+    def tokenize(self, text: str, images: list[Image], add_special: bool) -> Prompt:
+        """The prompt of a rendered text holding one marker per image; a 400
+        invalid_image naming the part for bytes llama.cpp cannot read as an image."""
+        mtmd = self._mtmd
+        bitmaps = []
+        try:
+            for image in images:
+                buf = (ctypes.c_uint8 * len(image.data)).from_buffer_copy(image.data)
+                bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(image.data),
+                                                              False)
+                if not bitmap:
+                    raise InvalidImage(f"Invalid field '{image.where}': llama.cpp cannot "
+                                       f"read it as an image (PNG, JPEG, BMP or GIF)",
+                                       param=image.where)
+                bitmaps.append(bitmap)
+                mtmd.mtmd_bitmap_set_id(bitmap, image.digest.encode())
+            return self._chunks(text, bitmaps, add_special)
+        finally:
+            for bitmap in bitmaps:
+                mtmd.mtmd_bitmap_free(bitmap)
+
+    def _chunks(self, text: str, bitmaps: list, add_special: bool) -> Prompt:
+        mtmd = self._mtmd
+        data = text.encode("utf-8")
+        source = mtmd.mtmd_input_text(data, len(data), add_special, True)
+        array = (mtmd.mtmd_bitmap_p_ctypes * max(len(bitmaps), 1))(*bitmaps)
+        chunks = mtmd.mtmd_input_chunks_init()
+        prompt = Prompt([])
+        try:
+            code = mtmd.mtmd_tokenize(self.ctx, chunks, ctypes.byref(source), array,
+                                      len(bitmaps))
+            if code != 0:
+                raise InvalidField(f"Invalid field 'messages': llama.cpp's mtmd could not "
+                                   f"tokenize the prompt with its images (status {code})",
+                                   param="messages")
+            for i in range(mtmd.mtmd_input_chunks_size(chunks)):
+                chunk = mtmd.mtmd_input_chunks_get(chunks, i)
+                if mtmd.mtmd_input_chunk_get_type(chunk) == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
+                    n = ctypes.c_size_t()
+                    tokens = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
+                    prompt.items.extend(tokens[:n.value])
+                    prompt.n_tokens += n.value
+                    continue
+                if mtmd.mtmd_input_chunk_get_type(chunk) != mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
+                    raise InvalidField("Invalid field 'messages': only images and text are "
+                                       "read", param="messages")
+                digest = (mtmd.mtmd_input_chunk_get_id(chunk) or b"").decode()
+                start = len(prompt.items)
+                prompt.chunks[start] = mtmd.mtmd_input_chunk_copy(chunk)
+                prompt.items.extend((IMAGE, digest, k)
+                                    for k in range(mtmd.mtmd_input_chunk_get_n_pos(chunk)))
+                prompt.n_tokens += mtmd.mtmd_input_chunk_get_n_tokens(chunk)
+        except BaseException:
+            self.free(prompt)
+            raise
+        finally:
+            mtmd.mtmd_input_chunks_free(chunks)
+        if prompt.items and image_item(prompt.items[-1]) is not None:
+            self.free(prompt)  # the last prompt position gives the first reply token
+            raise InvalidField("Invalid field 'messages': the prompt ends with an image; "
+                               "the chat template must put text after it", param="messages")
+        return prompt
+
+    def evaluate(self, chunk, lctx, pos: int, seq: int, n_batch: int) -> None:
+        """Encode an image chunk and decode its embeddings into sequence `seq` from
+        position `pos` (no logits: text always follows an image)."""
+        after = self._ll.llama_pos(0)
+        code = self._mtmd.mtmd_helper_eval_chunk_single(self.ctx, lctx, chunk, pos, seq,
+                                                        n_batch, False, ctypes.byref(after))
+        if code != 0:
+            raise RuntimeError(f"llama.cpp's mtmd could not evaluate an image (status {code})")
+
+    def free(self, prompt: Prompt) -> None:
+        """Free the prompt's image chunks."""
+        self.free_chunks(prompt.chunks)
+
+    def free_chunks(self, chunks: dict) -> None:
+        """Free image chunks (a Prompt's, or a sequence's once it is done)."""
+        for chunk in chunks.values():
+            self._mtmd.mtmd_input_chunk_free(chunk)
+        chunks.clear()
+
+    def close(self) -> None:
+        if self.ctx:
+            self._mtmd.mtmd_free(self.ctx)
+            self.ctx = None
+
+
+def refuse_images(model_id: str | None = None) -> ImagesNotSupported:
+    """The error for images sent to a model without a projector."""
+    name = f"Model {model_id}" if model_id else "This model"
+    return ImagesNotSupported(f"{name} does not take images: it has no vision projector "
+                              f"(mmproj)", param="model")
