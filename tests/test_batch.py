@@ -25,6 +25,7 @@ from ggufgen import write_gguf
 from support.models import NO_EOS
 
 from localrt.engines.batching import Batcher, Entry, Sequence
+from localrt.engines.vision import whole_images
 from localrt.errors import InvalidField
 
 LETTERS = "etao"  # tokens 262.. of the tiny vocabulary
@@ -575,3 +576,72 @@ def test_repeat_frequency_and_presence_penalties_steer_each_sequence(api, app, t
     assert streams[1].text == greedy
     assert streams[0].text != greedy and streams[0].finish == "length"
     assert alone(api, penalised) == streams[0].text
+
+
+def _image(digest: str, n: int) -> list:
+    """An image's positions in a prompt, as localrt.engines.vision writes them."""
+    return [("image", digest, k) for k in range(n)]
+
+
+def test_an_image_is_one_steps_work_beside_the_others_text():
+    engine = Engine()
+    batcher = Batcher(2, 64, engine)
+    talking = Sequence([1, 2, 3], 50)
+    batcher.join(talking)
+    batcher.step()
+    seeing = Sequence([1, 2] + _image("a", 4) + [3, 4], 50, images={2: "chunk-a"})
+    batcher.join(seeing)
+    for _ in range(3):
+        batcher.step()
+    steps = engine.plans[1:]
+    assert all(plan[0] == (talking, 1, False) for plan in steps)  # a token every step
+    mine = [[(n, e) for seq, n, e in plan if seq is seeing] for plan in steps]
+    # the text before the image, the image (a step of its own for this sequence), then
+    # the text after it, whose last token samples
+    assert mine == [[(2, True)], [(4, True)], [(2, True)]]
+    assert list(seeing.ready) == [101] and seeing.read == 8
+    assert batcher.slots[1].tokens[:6] == [1, 2] + _image("a", 4)
+
+
+def test_the_prompt_cache_keeps_an_image_whole_or_not_at_all():
+    engine = Engine()
+    batcher = Batcher(1, 64, engine)
+
+    def run(prompt, images):
+        seq = Sequence(prompt, 1, images=images)
+        batcher.join(seq)
+        while not seq.ended:
+            batcher.step()
+        batcher.leave(seq)
+        return seq
+
+    first = run([1, 2] + _image("a", 4) + [3, 4], {2: "a"})
+    again = run([1, 2] + _image("a", 4) + [3, 4, 100, 5, 6], {2: "a"})  # the next turn
+    assert (first.cached, again.cached) == (0, 8)  # the image's KV is reused
+    other = run([1, 2] + _image("b", 4) + [3, 4], {2: "b"})  # another image, same place
+    assert other.cached == 2
+    # a cached prefix never ends inside an image
+    assert whole_images([1, 2] + _image("c", 4) + [3], 4) == 2  # inside c: back to it
+    assert whole_images([1, 2] + _image("c", 4) + [3], 6) == 6  # after it
+    assert whole_images([1, 2] + _image("c", 4) + [3], 2) == 2  # at its start
+
+
+def test_an_image_that_fails_ends_only_its_own_sequence():
+    engine = Engine()
+    batcher = Batcher(2, 64, engine)
+    talking = Sequence([1, 2, 3], 50)
+    seeing = Sequence([1] + _image("a", 2) + [3], 50, images={1: "a"})
+    batcher.join(talking)
+    batcher.join(seeing)
+
+    def decode_failing_images(entries):
+        for e in entries:
+            if e.image is not None:
+                e.failed = RuntimeError("encode failed")
+        return Engine.decode(engine, entries)
+
+    engine.decode = decode_failing_images
+    batcher.step()
+    batcher.step()
+    assert isinstance(seeing.error, RuntimeError) and seeing.ended
+    assert batcher.slots[1].tokens == [] and not talking.ended and len(talking.ready) == 2
