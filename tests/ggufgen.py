@@ -117,6 +117,7 @@ def write_gguf(
     added_tokens=(),
     pooling_type: Optional[int] = None,
     script=(),
+    weight_scale: float = 0.02,
 ) -> Path:
     """Write a tiny random-weight llama model to `path` and return it as a Path.
 
@@ -133,6 +134,9 @@ def write_gguf(
     its blocks' weights are zero, so each position's state is its own token's
     embedding, and the output maps each script token to the next (any other token to
     the first). Real llama.cpp then answers with known text, e.g. a tool call.
+
+    `weight_scale` is the standard deviation of the random weights; a larger one makes
+    the context (e.g. an image's embeddings) weigh more on what the model writes.
     """
     path = Path(path)
     if file_type not in _FILE_TYPES:
@@ -181,7 +185,7 @@ def write_gguf(
     def weight(*shape):  # numpy shape, i.e. reversed ggml ne; a script's blocks add nothing
         if script:
             return np.zeros(shape, dtype=wdtype)
-        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(wdtype)
+        return (rng.standard_normal(shape, dtype=np.float32) * weight_scale).astype(wdtype)
 
     def norm(n):
         return np.ones(n, dtype=np.float32)
