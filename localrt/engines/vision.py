@@ -30,6 +30,16 @@ from localrt.engines.contract import Image
 from localrt.errors import ImagesNotSupported, InvalidField, InvalidImage
 
 IMAGE = "image"  # the first item of an image position in a prompt
+# The formats llama.cpp reads (stb_image, as mtmd builds it), by their first bytes.
+# Nothing else reaches mtmd: its helper would try bytes it cannot read as audio, then
+# as video through an ffprobe child process.
+FORMATS = ((b"\x89PNG\r\n\x1a\n", "png"), (b"\xff\xd8\xff", "jpeg"), (b"BM", "bmp"),
+           (b"GIF87a", "gif"), (b"GIF89a", "gif"))
+
+
+def image_format(data: bytes) -> str | None:
+    """"png", "jpeg", "bmp" or "gif" by the bytes' signature; None for anything else."""
+    return next((name for magic, name in FORMATS if data.startswith(magic)), None)
 
 
 def image_item(item) -> tuple | None:
@@ -87,8 +97,11 @@ class Projector:
     """A loaded projector: the mtmd context made with the text model."""
 
     def __init__(self, llama_cpp, path: str, text_model, options: dict):
-        from llama_cpp import mtmd_cpp
+        from llama_cpp import _logger, mtmd_cpp
 
+        # mtmd logs through llama-cpp-python's logger, as llama.cpp does (errors only).
+        mtmd_cpp.mtmd_log_set(_logger.llama_log_callback, None)
+        mtmd_cpp.mtmd_helper_log_set(_logger.llama_log_callback, None)
         self._mtmd, self._ll = mtmd_cpp, llama_cpp
         params = mtmd_cpp.mtmd_context_params_default()
         params.use_gpu = options.get("ngl", -1) != 0  # where the text model's layers go
@@ -118,8 +131,10 @@ class Projector:
         try:
             for image in images:
                 buf = (ctypes.c_uint8 * len(image.data)).from_buffer_copy(image.data)
-                bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(image.data),
-                                                              False)
+                bitmap = None
+                if image_format(image.data) is not None:
+                    bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self.ctx, buf,
+                                                                  len(image.data), False)
                 if not bitmap:
                     raise InvalidImage(f"Invalid field '{image.where}': llama.cpp cannot "
                                        f"read it as an image (PNG, JPEG, BMP or GIF)",
