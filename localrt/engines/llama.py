@@ -230,8 +230,12 @@ class LlamaModel(GeneratingModel):
             if projector is None:
                 raise refuse_images()
             messages, images = texts_and_images(messages, projector.marker)
-            text, bos = self._format(messages, params.get("tools"))
-            return projector.tokenize(text, images, bos)
+            text, _ = self._format(messages, params.get("tools"))
+            # With the model's BOS unless the template wrote it, as llama-server and
+            # llama-cpp-python's own mtmd handlers read a prompt with images.
+            bos = model.token_bos()
+            bos_text = self._piece(bos, True).decode("utf-8", "replace") if bos >= 0 else ""
+            return projector.tokenize(text, images, not (bos_text and text.startswith(bos_text)))
         else:
             text, bos = self._format(messages, params.get("tools"))
         tokens = model.tokenize(text.encode("utf-8"), add_bos=bos, special=True)
