@@ -198,6 +198,14 @@ class Metrics:
                   [({"model": m}, min(n, slots)) for m, n, slots in sequences]),
             Gauge("localrt_sequences_queued", "Requests waiting for a running model",
                   [({"model": m}, max(n - slots, 0)) for m, n, slots in sequences]),
+            ReadCounter("localrt_draft_tokens_total",
+                        "Speculative decoding's draft tokens proposed, by model (since it "
+                        "started)", [({"model": row["id"]}, row["speculative"]["drafted"])
+                                     for row in rows if "speculative" in row]),
+            ReadCounter("localrt_draft_tokens_accepted_total",
+                        "Draft tokens the replies kept, by model (since it started)",
+                        [({"model": row["id"]}, row["speculative"]["accepted"])
+                         for row in rows if "speculative" in row]),
             ReadCounter("localrt_download_bytes_total",
                         "Bytes received by download tasks since the server started",
                         [({}, downloads["bytes"])]),

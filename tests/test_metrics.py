@@ -37,7 +37,8 @@ FAMILIES = {  # every family, by the name the parser gives it, and its type
     "localrt_decode_tokens_per_second": "histogram", "localrt_models_running": "gauge",
     "localrt_sequences_active": "gauge", "localrt_sequences_queued": "gauge",
     "localrt_download_bytes": "counter", "localrt_download_tasks_active": "gauge",
-    "localrt_connections_refused": "counter",
+    "localrt_connections_refused": "counter", "localrt_draft_tokens": "counter",
+    "localrt_draft_tokens_accepted": "counter",
     "process_resident_memory_bytes": "gauge", "process_open_fds": "gauge"}
 
 

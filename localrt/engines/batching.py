@@ -32,6 +32,12 @@ step computes; `LlamaBatch` computes it with llama.cpp:
     one image a step, beside the text the other sequences decode in the same step, so
     an image holds the others up by one image's time at most. A cached prefix never
     ends inside an image (vision.whole_images).
+  * Speculation (localrt.engines.drafting): a generating sequence with a Drafter feeds
+    its next token and a draft of the tokens that may follow it, all in the same
+    decode; the engine samples each position in turn from the sequence's own sampler
+    and keeps the draft as far as it agrees, so one step may give several tokens. The
+    rejected draft tokens' KV is cut off at once. Drafts come after every sequence's
+    next token in the batch's room, before prompt chunks.
   * A sequence ends at an end-of-generation token or max_tokens. One that is left
     (`leave`: its reply is done, or its client hung up) frees its slot at the end of
     the step under way, or at once when none is.
@@ -68,9 +74,10 @@ class Sequence:
 
     def __init__(self, prompt: list, max_tokens: int, sampler=None,
                  top_logprobs: int | None = None, prompt_logprobs: bool = False,
-                 images: dict | None = None):
+                 images: dict | None = None, drafter=None):
         self.prompt = prompt  # text tokens, and ("image", digest, k) per image position
         self.images = images or {}  # the engine's chunk of each image, by its first index
+        self.drafter = drafter  # drafting.Drafter, when this sequence speculates
         self.max_tokens = max_tokens
         self.sampler = sampler  # the engine's, handed to its decode(); freed by release()
         # Log-probabilities (localrt.engines.logprobs), for a request that asks: each sampled
@@ -116,6 +123,7 @@ class Entry:
     sample: bool
     reading: bool
     image: object = None  # the engine's image chunk, when the entry is an image
+    draft: int = 0  # how many of `tokens`, at the end, are a draft to verify
     failed: Exception | None = None  # the engine could not evaluate this entry
 
 
@@ -136,6 +144,7 @@ class Batcher:
         self.caching = caching
         self.prompt_read = 0  # prompt tokens decoded, all sequences together
         self.decodes = 0  # steps that decoded something
+        self.drafted = self.accepted = 0  # draft tokens proposed, and of those accepted
         self._engine = engine
         self._lock = threading.Lock()
         self._stepping = threading.Lock()
@@ -241,9 +250,17 @@ class Batcher:
 
     def _plan(self) -> list[Entry]:
         """This step's entries: each generating sequence's token, then prompt chunks."""
-        plan = [Entry(seq, seq.slot.id, [seq.next], len(seq.slot.tokens), True, False)
-                for seq in self._active if seq.next is not None and not seq.ended]
-        room = self.n_batch - len(plan)
+        generating = [seq for seq in self._active if seq.next is not None and not seq.ended]
+        room = self.n_batch - len(generating)
+        plan = []
+        for seq in generating:
+            draft = []
+            if seq.drafter is not None and room > 0:
+                # no more than it may still say: its KV stays inside its context
+                draft = seq.drafter.propose(min(room, seq.max_tokens - seq.generated - 1))
+                room -= len(draft)
+            plan.append(Entry(seq, seq.slot.id, [seq.next] + draft, len(seq.slot.tokens),
+                              True, False, draft=len(draft)))
         for seq in self._active:
             if room <= 0:
                 break
@@ -271,30 +288,45 @@ class Batcher:
 
     def _record(self, plan: list[Entry], sampled: list[int]) -> None:
         """What a decode did: the slots' caches grow, sampled tokens go to their sequences."""
-        tokens = iter(sampled)
+        results = iter(sampled)
         for entry in plan:
             seq = entry.seq
             if entry.failed is not None:  # its image: the others' step went on
                 seq.slot.tokens = []  # what its KV holds now is unknown
                 seq.error, seq.ended, seq.next = entry.failed, True, None
                 continue
-            seq.slot.tokens.extend(entry.tokens)
+            got = []
+            if entry.sample:
+                got = next(results)
+                got = got if isinstance(got, list) else [got]
+            kept = entry.tokens
+            if entry.draft:  # its next token and the draft tokens the samples agreed with
+                accepted = len(got) - 1
+                kept = entry.tokens[:1 + accepted]
+                self.drafted += entry.draft
+                self.accepted += accepted
+                seq.drafter.settle(entry.draft, accepted)
+            seq.slot.tokens.extend(kept)
+            if len(kept) < len(entry.tokens):  # the rejected draft's KV goes
+                self._engine.trim(seq.slot.id, len(seq.slot.tokens))
             if entry.reading:
                 seq.read += len(entry.tokens)
                 self.prompt_read += len(entry.tokens)
             else:
                 seq.next = None
-            if not entry.sample:
-                continue
-            token = next(tokens)
             if seq.left:
                 continue
-            seq.ready.append(token)
-            seq.generated += 1
-            if self._engine.is_end(token) or seq.generated >= seq.max_tokens:
-                seq.ended = True
+            for token in got:
+                seq.ready.append(token)
+                seq.generated += 1
+                if seq.drafter is not None:
+                    seq.drafter.extend((token,))
+                if self._engine.is_end(token) or seq.generated >= seq.max_tokens:
+                    seq.ended = True
+                    break
             else:
-                seq.next = token
+                if got:
+                    seq.next = got[-1]
         self._in_flight = set()
         for seq in [s for s in self._active if s.left]:
             self._free(seq)
@@ -428,7 +460,7 @@ class LlamaBatch:
         """One llama_decode of every text entry; the sampled token of each that samples;
         then each image entry's image (one that fails is marked `failed`)."""
         images = [e for e in entries if e.image is not None]
-        sampled = self._decode([e for e in entries if e.image is None])
+        sampled: list = self._decode([e for e in entries if e.image is None])
         for entry in images:  # after sampling: an image's decode overwrites the logits
             try:
                 self.projector.evaluate(entry.image, self.ctx, entry.pos, entry.slot,
@@ -438,7 +470,9 @@ class LlamaBatch:
                 entry.failed = exc
         return sampled
 
-    def _decode(self, entries: list[Entry]) -> list[int]:
+    def _decode(self, entries: list[Entry]) -> list[list[int]]:
+        """One llama_decode; for each entry that samples, its tokens: one, or with a
+        draft, one per position the samples agreed with the draft, and one more."""
         if not entries:
             return []
         ll, batch = self._ll, self._batch
@@ -454,9 +488,11 @@ class LlamaBatch:
                 batch.seq_id[n][0] = entry.slot
                 batch.logits[n] = every
                 n += 1
-            if entry.sample:
-                batch.logits[n - 1] = True
-                outputs.append((entry.seq, n - 1))
+            if entry.sample:  # the last token's logits, and each draft token's
+                first = n - 1 - entry.draft
+                for j in range(first, n):
+                    batch.logits[j] = True
+                outputs.append((entry, first))
         batch.n_tokens = n
         code = ll.llama_decode(self.ctx, batch)
         if code != 0:
@@ -464,16 +500,27 @@ class LlamaBatch:
         for entry, first in scored:
             self._score_prompt(entry, first)
         sampled = []
-        for seq, i in outputs:
-            if seq.top_logprobs is None:  # the common case costs nothing more
-                sampled.append(ll.llama_sampler_sample(seq.sampler, self.ctx, i))
-                continue
-            logits = self._logits(i)  # raw: read before the sampler chain sees them
-            lse, top = logprobs.score(logits, seq.top_logprobs)
-            token = ll.llama_sampler_sample(seq.sampler, self.ctx, i)
-            seq.scores.append(logprobs.TokenLogprob(token, float(logits[token]) - lse, top))
-            sampled.append(token)
+        for entry, first in outputs:
+            draft = entry.tokens[len(entry.tokens) - entry.draft:]
+            got = []
+            for j in range(entry.draft + 1):  # the sampler chain sees only kept tokens
+                token = self._sample(entry.seq, first + j)
+                got.append(token)
+                if j == entry.draft or token != draft[j] or self.is_end(token):
+                    break
+            sampled.append(got)
         return sampled
+
+    def _sample(self, seq: Sequence, i: int) -> int:
+        """The sequence's token from output row `i`, scored when it asks for logprobs."""
+        ll = self._ll
+        if seq.top_logprobs is None:  # the common case costs nothing more
+            return ll.llama_sampler_sample(seq.sampler, self.ctx, i)
+        logits = self._logits(i)  # raw: read before the sampler chain sees them
+        lse, top = logprobs.score(logits, seq.top_logprobs)
+        token = ll.llama_sampler_sample(seq.sampler, self.ctx, i)
+        seq.scores.append(logprobs.TokenLogprob(token, float(logits[token]) - lse, top))
+        return token
 
     def _logits(self, i: int):
         """The logits of output row `i` of the last decode, as a numpy array (a view)."""

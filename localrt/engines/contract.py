@@ -207,8 +207,17 @@ class Templated(Protocol):
     chat_template: Optional[str]  # None when the model has none after all
 
 
+@runtime_checkable
+class Counted(Protocol):
+    """A model that counts its work (GET /v1/models/status and /metrics show it)."""
+
+    def counters(self) -> dict:
+        """Counts since it loaded: "decodes", "prompt_read", and with speculative
+        decoding "drafted" and "accepted" (draft tokens proposed, and kept)."""
+
+
 # What a loaded model may have besides Model's: `capabilities` finds these.
-OPTIONAL = (Batched, Measured, Tokenizing, Counting, Embedding, Templated)
+OPTIONAL = (Batched, Measured, Tokenizing, Counting, Embedding, Templated, Counted)
 
 
 def missing(obj, protocol: type) -> list[str]:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from localrt.engines.batching import Batcher, LlamaBatch, Sampling, Sequence
+from localrt.engines.drafting import Drafter
 from localrt.engines.embedding import LlamaEmbedder, embedding_pooling
 from localrt.engines.generation import (GeneratingModel, Generation, check_room, seed_of,
                                         sampling_value, token_loop)
@@ -152,6 +153,12 @@ class LlamaModel(GeneratingModel):
         self._batcher = Batcher(self.slots, params.n_batch, self._batch,
                                 caching=options.get("caching_enabled", True))
         self._cache_type = options.get("cache_type") or "f16"
+        # Speculative decoding (localrt.engines.drafting), on unless the start option
+        # says off, and never for a model whose memory cannot cut a sequence short
+        # (a recurrent or hybrid one: a rejected draft's KV could not go).
+        model = self._model.model
+        self.speculative = options.get("speculative", "ngram") != "off" and not (
+            llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model))
         self._metadata = self._model.metadata()
         self._formatter = None  # the GGUF's chat template, compiled at the first chat
         self._pieces: dict[int, bytes] = {}  # token -> its bytes; the vocabulary is fixed
@@ -183,7 +190,8 @@ class LlamaModel(GeneratingModel):
                 self._batch.projector.free(prompt)
             raise
         seq = Sequence(tokens, max_tokens, sampler, top_logprobs=top,
-                       prompt_logprobs=echo and top is not None, images=prompt.chunks)
+                       prompt_logprobs=echo and top is not None, images=prompt.chunks,
+                       drafter=self._drafter(params, tokens))
         batcher, wait = self._batcher, wait or self.step
 
         def run(gen: Generation) -> Iterator[str]:
@@ -199,6 +207,12 @@ class LlamaModel(GeneratingModel):
             finally:
                 batcher.leave(seq)
                 gen.usage["cached_tokens"] = seq.cached
+                drafter = seq.drafter
+                if drafter is not None:
+                    gen.usage["accepted_prediction_tokens"] = drafter.accepted
+                    if drafter.predicted:
+                        gen.usage["rejected_prediction_tokens"] = \
+                            drafter.drafted - drafter.accepted
 
         log = None
         if top is not None:
@@ -207,6 +221,19 @@ class LlamaModel(GeneratingModel):
                 if seq.prompt_logprobs else None))
         return Generation(prompt.n_tokens, run, on_close=lambda: batcher.leave(seq),
                           logprobs=log)
+
+    def _drafter(self, params: dict, tokens: list):
+        """The sequence's Drafter, or None: speculation off for the model or the request
+        (`speculative: false`), or log probabilities asked (each token is scored as it
+        is sampled, one at a time)."""
+        if not self.speculative or params.get("speculative") is False \
+                or params.get("logprobs") is not None:
+            return None
+        prediction = None
+        if params.get("prediction"):
+            prediction = self._model.tokenize(params["prediction"].encode("utf-8"),
+                                              add_bos=False, special=False)
+        return Drafter(tokens, prediction)
 
     def count_tokens(self, messages: list, params: dict) -> int:
         """The prompt's tokens as generate() reads them (an image's among them); nothing
@@ -249,7 +276,8 @@ class LlamaModel(GeneratingModel):
         """Decode steps so far, and the prompt tokens they read: as the batcher counted
         them, and as llama.cpp did (it counts the tokens of decodes of more than one)."""
         return {"decodes": self._batcher.decodes, "prompt_read": self._batcher.prompt_read,
-                "prompt_evaluated": self._batch.prompt_evaluated()}
+                "prompt_evaluated": self._batch.prompt_evaluated(),
+                "drafted": self._batcher.drafted, "accepted": self._batcher.accepted}
 
     def _sampler(self, params: dict, tokens: list[int]):
         """The request's sampler chain; a 400 for a logit_bias token not in the

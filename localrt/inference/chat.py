@@ -215,6 +215,12 @@ def _params(body: dict, record: dict, options: dict) -> dict:
     params["stop"] = stops
     if body.get("logit_bias"):
         params["logit_bias"] = body["logit_bias"]
+    if body.get("speculative") is False:
+        params["speculative"] = False
+    prediction = (body.get("prediction") or {}).get("content")
+    if prediction:  # text, or text parts
+        params["prediction"] = prediction if isinstance(prediction, str) else \
+            "".join(part["text"] for part in prediction)
     return params
 
 
@@ -290,7 +296,11 @@ class Completion:
         return {"prompt_tokens": u["prompt_tokens"],
                 "completion_tokens": u["completion_tokens"],
                 "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
-                "prompt_tokens_details": {"cached_tokens": u.get("cached_tokens", 0)}}
+                "prompt_tokens_details": {"cached_tokens": u.get("cached_tokens", 0)},
+                "completion_tokens_details": {
+                    "reasoning_tokens": 0,
+                    "accepted_prediction_tokens": u.get("accepted_prediction_tokens", 0),
+                    "rejected_prediction_tokens": u.get("rejected_prediction_tokens", 0)}}
 
     def finish_reason(self, called: bool) -> str:
         """OpenAI's finish_reason; "tool_calls" when the reply ended with calls."""

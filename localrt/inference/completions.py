@@ -125,6 +125,8 @@ def _params(body: dict, record: dict, options: dict) -> dict:
     params["stop"] = stops
     if body.get("logit_bias"):
         params["logit_bias"] = body["logit_bias"]
+    if body.get("speculative") is False:
+        params["speculative"] = False
     if body.get("logprobs") is not None:  # the alternatives; echo scores the prompt too
         params["logprobs"] = int(body["logprobs"])
         params["prompt_logprobs"] = bool(body.get("echo"))

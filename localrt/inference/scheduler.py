@@ -57,7 +57,8 @@ log = logging.getLogger(__name__)
 # `embedding` (llama.cpp's embedding mode) is a start option only, never stored.
 START_OPTIONS = ("prompt_template", "stop", "ngl", "ctx_len", "cpu_threads", "n_batch",
                  "n_parallel", "caching_enabled", "grp_attn_n", "grp_attn_w", "mlock",
-                 "flash_attn", "cache_type", "use_mmap", "rpc_servers", "engine")
+                 "flash_attn", "cache_type", "use_mmap", "speculative", "rpc_servers",
+                 "engine")
 DEFAULT_PARALLEL = 4  # n_parallel (a gguf-cpp model's slots) when nothing says
 MAX_TURN_RETRIES = 3  # a request whose model was stopped while it waited restarts it this often
 
@@ -271,7 +272,7 @@ class Scheduler:
                      "vram": r.vram, "kvCache": r.kv, "slots": r.slots,
                      "startedAt": int(r.started_at), "uptime": round(now - r.started_at, 1),
                      "requests": r.active, "options": dict(r.options),
-                     "expiresAt": self._expires_at(r, now)}
+                     "expiresAt": self._expires_at(r, now), **_counted(r)}
                     for r in self._running.values()]
 
     @property
@@ -587,3 +588,17 @@ def _rss() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def _counted(running: Running) -> dict:
+    """What a Counted model's counters add to its status row: its speculation."""
+    if contract.Counted not in running.capabilities:
+        return {}
+    try:
+        counts = running.model.counters()
+    except Exception:
+        log.exception("model %s: the engine could not say its counters", running.model_id)
+        return {}
+    if "drafted" not in counts:
+        return {}
+    return {"speculative": {"drafted": counts["drafted"], "accepted": counts["accepted"]}}
