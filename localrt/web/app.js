@@ -157,7 +157,7 @@ function fillSidebar() {
     if (c.id === store.currentId) open.setAttribute("aria-current", "true");
     open.addEventListener("click", () => switchTo(c.id));
     const rename = iconButton("✎", "Rename conversation", () => startRename(li, c));
-    const remove = iconButton("🗑", "Delete conversation", () => deleteConversation(c));
+    const remove = iconButton("✕", "Delete conversation", () => deleteConversation(c));
     li.append(open, rename, remove);
     ui.conversations.append(li);
   }
@@ -223,13 +223,13 @@ function showConversation() {
   performance.mark("render-start");
   const items = c.messages.map((msg) => messageItem(msg.role, msg));
   ui.messages.replaceChildren(...items);
-  performance.measure("render-conversation", "render-start");
   fillSidebar();
+  scrollDown();  // reads the layout: the measure includes it
+  performance.measure("render-conversation", "render-start");
   if (models.some((m) => m.id === c.model)) {
     ui.models.value = c.model;
     showModelState();
   }
-  scrollDown();
 }
 
 function readSettings() {
@@ -329,10 +329,14 @@ async function send() {
   const controller = new AbortController();
   streaming = controller;
   setStreaming(true);
+  if (!isRunning(m)) showModelState(`starting ${m.id}…`);  // the reply loads it first
   let state = "done";
   try {
     const resp = await api.request("POST", "/v1/chat/completions", body, controller.signal);
-    if (ui.modelState.dataset.state !== "starting") showModelState("running");
+    if (ui.modelState.dataset.state !== "starting") {
+      m.status = "running";
+      showModelState();
+    }
     for await (const event of api.events(resp)) {
       if (event === "[DONE]") break;
       if (event.error) {
