@@ -17,6 +17,7 @@ import urllib.request
 import gguf
 import pytest
 from ggufgen import write_gguf
+from hubemu import HubEmulator
 from support.browser import require_chromium, start_chromium
 from support.servers import run_foreground_server, send, wait_for
 
@@ -87,8 +88,16 @@ def request(url, method, path, body=None, headers=None):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, ggufs):
-    srv = start_server(tmp_path_factory.mktemp("web-home"), ggufs)
+def hub(ggufs):
+    """The hub emulator, with a model to pull: org/pulled."""
+    with HubEmulator() as emu:
+        emu.add_repo("org/pulled", {"pulled.gguf": ggufs["guide"]})
+        yield emu
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, ggufs, hub):
+    srv = start_server(tmp_path_factory.mktemp("web-home"), ggufs, modelHubUrl=hub.url)
     yield srv
     srv.stop()
 
@@ -504,6 +513,36 @@ def test_a_keyed_server_asks_for_the_key_once(tmp_path_factory, chromium, ggufs)
     finally:
         chromium.execute_script("sessionStorage.clear(); localStorage.clear();")
         keyed.stop()
+
+
+def test_pull_a_model_with_its_progress_and_its_errors(browser, server, hub, ggufs):
+    hub.max_bytes_per_second = ggufs["guide"].stat().st_size  # about a second
+    browser.execute_script("""
+        window.progress = [];
+        const bar = document.getElementById('pull-progress');
+        new MutationObserver(() => window.progress.push(bar.value))
+          .observe(bar, {attributes: true});""")
+    try:
+        labelled(browser, "Model id to pull").send_keys("org/pulled", Keys.ENTER)
+        wait(browser, lambda d: find(d, "#pull-progress").get_attribute("data-state") == "done",
+             60, "the pull ends")
+    finally:
+        hub.max_bytes_per_second = None
+    assert find(browser, "#pull-status").text == "Pulled org:pulled:pulled.gguf"
+    progress = browser.execute_script("return window.progress")
+    assert any(0 < p < 1 for p in progress) and progress[-1] == 1, progress
+    wait(browser, lambda d: "org:pulled:pulled.gguf" in d.execute_script(
+        "return [...document.querySelectorAll('#model option')].map(o => o.value)"), 10,
+        "the pulled model is listed")
+    # a pull the hub refuses: its message, in plain words
+    field = labelled(browser, "Model id to pull")
+    field.clear()
+    field.send_keys("org/nothing-here", Keys.ENTER)
+    wait(browser, lambda d: find(d, "#pull-progress").get_attribute("data-state") == "error",
+         30, "the pull fails")
+    status, reply = send(server.url, "POST", "/v1/models/pull", {"model": "org/nothing-here"})
+    assert status >= 400 and find(browser, "#pull-status").text == reply["message"]
+    send(server.url, "DELETE", "/v1/models/org:pulled:pulled.gguf")
 
 
 def test_a_hundred_messages_render(browser, server):
