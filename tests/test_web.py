@@ -269,6 +269,8 @@ def test_pick_send_and_see_the_reply_grow(browser, server, tmp_path):
     first = find(browser, "#model optgroup")
     assert first.get_attribute("label") == "Running"
     assert first.find_element(By.TAG_NAME, "option").text == "● slow (running)"
+    # no "vision" in its capabilities: no attach button
+    assert not find(browser, '[aria-label="Attach image"]').is_displayed()
 
     settings_of(browser, temperature=0, max_tokens=300)
     box = labelled(browser, "Message")
