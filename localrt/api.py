@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import threading
 
-from localrt import __version__
+from localrt import __version__, web
 from localrt.dialects import anthropic, ollama
 from localrt.dialects.common import native
-from localrt.errors import Conflict, InvalidField
+from localrt.errors import Conflict, InvalidField, NotFound
 from localrt.metrics import CONTENT_TYPE
 from localrt.models.ids import check_id
 from localrt.routing import STREAM_HEADERS, Dialect, Reply, Request, Route
@@ -62,6 +62,29 @@ def stop_server(services: Services, request: Request):
     shutdown = services.shutdown
     return Reply({"message": "Server is shutting down"},
                  after=lambda: threading.Thread(target=shutdown, daemon=True).start())
+
+
+# --- the chat page (localrt.web) ----------------------------------------------------
+
+
+def web_page(services: Services, request: Request):
+    """The chat page: a person's way to chat, pull and start models in a browser.
+
+    Served without a key (it holds none); what it asks of the API needs one."""
+    return _web_file(services, web.INDEX)
+
+
+def web_file(services: Services, request: Request):
+    """One of the chat page's files: its JavaScript modules, style sheet and icon."""
+    return _web_file(services, request.params["name"])
+
+
+def _web_file(services: Services, name: str) -> Reply:
+    if not services.settings["webUi"]:
+        raise NotFound("The chat page is turned off (webUi: false in the settings file)")
+    data, media_type = web.read(name)
+    return Reply([data], content_type=media_type,
+                 headers=[*web.HEADERS, ("Content-Length", str(len(data)))])
 
 
 # --- models and downloads ----------------------------------------------------------
@@ -407,6 +430,8 @@ def _streamed(result):
 
 # Fixed paths come before `{model_id:path}` ones: model ids hold "/" and ":".
 ROUTES = (
+    Route("GET", "/", web_page),
+    Route("GET", "/web/{name}", web_file),
     Route("GET", "/healthz", healthz, reply="health"),
     Route("GET", "/metrics", metrics),
     Route("GET", "/openapi.json", openapi_document, reply="openapi"),

@@ -107,7 +107,7 @@ class App:
             "HTTP_ACCESS_CONTROL_REQUEST_METHOD" in environ
         keys = self.services.settings["apiKeys"]
         # A browser never sends credentials with a preflight, so it cannot need a key.
-        if keys and path not in security.OPEN_PATHS and not preflight and \
+        if keys and not security.is_open(path) and not preflight and \
                 not security.key_accepted(environ.get("HTTP_AUTHORIZATION"), keys,
                                           environ.get("HTTP_X_API_KEY")):
             sent = environ.get("HTTP_AUTHORIZATION") or environ.get("HTTP_X_API_KEY")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from localrt import __version__, schemas
+from localrt import __version__, schemas, web
 from localrt.routing import dialect_of
 
 _PARAM = re.compile(r"\{(\w+)(?::path)?\}")
@@ -35,8 +35,10 @@ NDJSON_STREAMS = {("POST", "/api/chat"): "ollama-chat-line",
                   ("POST", "/api/generate"): "ollama-generate-line",
                   ("POST", "/api/pull"): "ollama-status-line"}
 NDJSON = "application/x-ndjson"
-# Routes whose 200 reply is text, by its media type.
-TEXT_REPLIES = {("GET", "/metrics"): "text/plain; version=0.0.4"}
+# Routes whose 200 reply is text (or the page's icon), by its media types.
+TEXT_REPLIES = {("GET", "/metrics"): ("text/plain; version=0.0.4",),
+                ("GET", "/"): (web.MEDIA_TYPES[".html"],),
+                ("GET", "/web/{name}"): tuple(sorted(set(web.MEDIA_TYPES.values())))}
 
 
 def document(routes, dialects=()) -> dict:
@@ -104,7 +106,7 @@ def _success(route) -> dict:
         return {"description": "Newline-delimited JSON", "content": content}
     text = TEXT_REPLIES.get((route.method, route.pattern))
     if text:
-        return {"description": "OK", "content": {text: {"schema": {"type": "string"}}}}
+        return {"description": "OK", "content": {t: {"schema": {"type": "string"}} for t in text}}
     return {"description": "OK", "content": {"application/json": body}}
 
 

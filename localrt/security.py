@@ -6,7 +6,8 @@ Plain functions over plain data; the app and the server call them.
   (DNS rebinding), and needs no key.
 - A server bound to any other address must have at least one API key
   (`apiKeys` in the settings file, or $LOCALRT_API_KEY), or it does not start.
-- With keys set, every request but `/healthz` and CORS preflights must carry
+- With keys set, every request but `/healthz`, the chat page's files (`/`, `/web/...`:
+  the page asks the person for a key) and CORS preflights must carry
   `Authorization: Bearer <key>` or `x-api-key: <key>` (what Anthropic's clients
   send), compared in constant time.
 """
@@ -24,6 +25,14 @@ from localrt.settings import KEYS
 # Paths anyone may ask for, with or without a key: the CLI and supervisors
 # probe it to learn whether a server is up.
 OPEN_PATHS = ("/healthz",)
+# The chat page's files hold no data, and the page cannot ask for a key before it loads.
+OPEN_PAGE = ("/", "/web/")
+
+
+def is_open(path: str) -> bool:
+    """Whether `path` is answered with no key: /healthz and the chat page's files."""
+    return path in OPEN_PATHS or path == OPEN_PAGE[0] or \
+        path.startswith(OPEN_PAGE[1]) and "/" not in path[len(OPEN_PAGE[1]):]
 REDACTED = "***"
 
 

@@ -169,6 +169,8 @@ class Key:
 KEYS: tuple[Key, ...] = (
     Key("apiServerHost", _string, "127.0.0.1", "address the API server binds"),
     Key("apiServerPort", _port, DEFAULT_PORT, "port the API server binds"),
+    Key("webUi", _boolean, True, "whether GET / serves the chat page (localrt.web); "
+        "false makes it a 404"),
     Key("dataFolderPath", _path, lambda s: str(s["_home"] / "localrt"),
         "models, engines and the pid file live here"),
     Key("logFolderPath", _path, lambda s: str(Path(s["dataFolderPath"]) / "logs"),

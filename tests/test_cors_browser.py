@@ -5,28 +5,19 @@ real localrt server. The browser, not this test, decides whether the page may re
 the answer: it must when the origin is allowed, and must block it when the origin
 is not allowed or when cors is off.
 
-`python3 -m localrt.bootstrap --test` (so `.ci/run`) installs Debian's `chromium` and
-`chromium-driver`; without them the tests are skipped, except under CI (CI=true),
-where a missing browser is a failure.
+The browser is support.browser's: skipped without Chromium, but under CI.
 """
 
 from __future__ import annotations
 
 import http.server
-import os
-import shutil
 import threading
 
 import pytest
+from support.browser import require_chromium, start_chromium
 from support.servers import send
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
-
-if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
-    if os.environ.get("CI"):
-        raise RuntimeError("CI must install chromium and chromium-driver (.ci/run does)")
-    pytest.skip("chromium and chromedriver are not installed", allow_module_level=True)
+require_chromium()
 
 PAGE = b"<!doctype html><title>elsewhere</title><p>a page on another origin</p>"
 
@@ -69,22 +60,7 @@ def page():
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    profile = tmp_path_factory.mktemp("chromium-profile")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--disable-background-networking", "--disable-component-update",
-                 "--disable-default-apps", "--disable-sync", "--no-first-run",
-                 "--disable-extensions", "--metrics-recording-only", "--no-default-browser-check",
-                 f"--user-data-dir={profile}"):
-        options.add_argument(flag)
-    env = {**os.environ, "HOME": str(profile), "SE_AVOID_STATS": "true", "SE_OFFLINE": "true"}
-    service = Service(executable_path=CHROMEDRIVER, env=env)
-    driver = webdriver.Chrome(service=service, options=options)
-    driver.set_script_timeout(30)
+    driver = start_chromium(tmp_path_factory.mktemp("chromium-profile"))
     yield driver
     driver.quit()
 

@@ -40,7 +40,7 @@ ENGINE_CONSTANTS = ("GGUF_ENGINE", "ONNX_ENGINE")
 # (inference), which uses models and engines; downloads serve models and engines; the
 # HTTP core's leaves (CORE) serve everyone. The CLI talks to the server only through
 # the client (it may start the server). If an arrow is new, decide it here.
-CORE = {"localrt", "localrt.errors", "localrt.admission", "localrt.fsutil",
+CORE = {"localrt", "localrt.errors", "localrt.web", "localrt.admission", "localrt.fsutil",
         "localrt.settings", "localrt.security", "localrt.config", "localrt.routing", "localrt.schemas", "localrt.events",
         "localrt.metrics", "localrt.bootstrap"}
 LAYERS = {
@@ -62,7 +62,7 @@ LAYERS = {
     "localrt.downloads": CORE,
 }
 # The core's leaves, bottom up: each may import those before it.
-CORE_ORDER = ("localrt.errors", "localrt.admission", "localrt.fsutil", "localrt.settings", "localrt.security",
+CORE_ORDER = ("localrt.errors", "localrt.web", "localrt.admission", "localrt.fsutil", "localrt.settings", "localrt.security",
               "localrt.config", "localrt.routing", "localrt.schemas", "localrt.events",
               "localrt.metrics", "localrt.bootstrap")
 

@@ -1,4 +1,5 @@
-"""A built wheel carries every subpackage, the schemas and every man page, and works installed."""
+"""A built wheel carries every subpackage, the schemas, the chat page's files and every man
+page, and works installed."""
 
 import shutil
 import subprocess
@@ -14,7 +15,7 @@ def subpackages() -> list[str]:
                   for p in (REPO / "localrt").rglob("__init__.py"))
 
 
-def test_wheel_has_every_subpackage_the_schemas_and_man_pages(tmp_path):
+def test_wheel_has_every_subpackage_the_schemas_the_page_and_man_pages(tmp_path):
     src = tmp_path / "src"
     for name in ("localrt", "schemas", "man"):
         shutil.copytree(REPO / name, src / name,
@@ -33,6 +34,12 @@ def test_wheel_has_every_subpackage_the_schemas_and_man_pages(tmp_path):
     schemas = sorted(p.name for p in (REPO / "schemas").glob("*.json"))
     for name in schemas:
         assert f"localrt/_schemas/{name}" in names
+    web = sorted(p.name for p in (REPO / "localrt" / "web").iterdir()
+                 if p.suffix in (".html", ".js", ".css", ".svg"))
+    assert {"index.html", "app.js", "style.css"} <= set(web)
+    for name in web:
+        assert f"localrt/web/{name}" in names
+    assert not any(n.startswith("docs/") for n in names)  # the README's screenshot stays out
     pages = sorted((REPO / "man").glob("*.[1-9]"))
     assert {p.name for p in pages} >= {"localrt.1", "localrtrc.5", "localrt-api.7",
                                        "localrt-cortex.7"}
@@ -45,13 +52,16 @@ def test_wheel_has_every_subpackage_the_schemas_and_man_pages(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
                     str(target), str(wheel)], check=True, capture_output=True)
     # Every subpackage imports from the installed copy, not from this checkout.
-    code = ("import importlib, sys; from localrt import schemas; print(schemas.schema_dir());"
-            "print(schemas.load('config-update.json')['title']);"
+    code = ("import importlib, sys; from localrt import schemas, web; "
+            "print(schemas.schema_dir());"
+            "print(schemas.load('config-update.json')['title'], len(web.names()), "
+            "web.read('index.html')[1]);"
             "[print(importlib.import_module(name).__file__) for name in sys.argv[1:]]")
     out = subprocess.run([sys.executable, "-c", code, *subpackages()], cwd=str(tmp_path),
                          check=True, env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
                          capture_output=True, text=True).stdout.splitlines()
-    assert str(target / "localrt" / "_schemas") in out[0] and out[1] == "Config update"
+    assert str(target / "localrt" / "_schemas") in out[0]
+    assert out[1] == f"Config update {len(web)} text/html; charset=utf-8"
     assert len(out[2:]) == len(subpackages())
     for name, file in zip(subpackages(), out[2:]):
         assert file == str(target.joinpath(*name.split("."), "__init__.py")), (name, file)

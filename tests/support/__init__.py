@@ -5,7 +5,8 @@
 - `tasks`: waiting for download tasks (`wait_task`, `wait_pull`, `wait_bytes`);
 - `cli`: the CLI through `main([...])` (`run`);
 - `models`: generated models and their constants (`NO_EOS`, `quantize`, `tokens_of`);
-- `config`: the Config fields for outbound requests (`outbound_config`).
+- `config`: the Config fields for outbound requests (`outbound_config`);
+- `browser`: headless Chromium through Selenium (`require_chromium`, `start_chromium`).
 
 Tests import them (`from support.apps import call`). tests/conftest.py holds the
 fixtures and builds them from these modules. The generators and emulators
