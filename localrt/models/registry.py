@@ -328,8 +328,10 @@ def capabilities(record: dict) -> list[str]:
     ["chat"]."""
     if (record.get("metadata") or {}).get("embedding") is True:
         return ["embedding"]
-    if record.get("mmproj") and record.get("engine") == "gguf-cpp":
-        return ["chat", "vision"]
+    if record.get("mmproj"):  # a GGUF's projector: llama.cpp's mtmd loads it
+        weights = weights_path(record) if "path" in record else None
+        if weights is not None and weights.name.lower().endswith(".gguf"):
+            return ["chat", "vision"]
     return ["chat"]
 
 
