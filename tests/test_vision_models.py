@@ -132,6 +132,7 @@ def test_import_by_copy_copies_the_projector_under_a_projector_name(api, files):
     ("/etc/hostname", "not a GGUF file"),
     ("relative.gguf", "not an absolute path"),
     ("/nonexistent/mmproj.gguf", "not a readable file"),
+    ("/tmp", "is a folder, not a projector GGUF file"),
 ])
 def test_a_projector_that_does_not_fit_is_refused_at_import(api, files, which, words):
     mmproj = getattr(files, which, which)

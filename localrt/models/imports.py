@@ -149,12 +149,12 @@ def check_projector(path: str, model: Path) -> Path:
         return InvalidField(f"Invalid field 'mmproj': {reason}", param="mmproj")
 
     src = Path(path)
+    if src.is_absolute() and src.is_dir():
+        raise bad(f"{path} is a folder, not a projector GGUF file")
     try:
         _check_source(src, path)
     except _BadSource as exc:
         raise bad(str(exc)) from None
-    if src.is_dir():
-        raise bad(f"{path} is a folder, not a projector GGUF file")
     try:
         found = ggufinfo.projector(src)
     except (OSError, ggufinfo.GGUFError):

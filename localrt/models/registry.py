@@ -131,7 +131,8 @@ class Registry:
                     raise Conflict(f"Model {model_id}'s {key} changes only through {by}, "
                                    f"never an update; it is {_shown(record[key])}",
                                    param=key)
-            dropped = ("id", "model", "object", *FIXED_FIELDS)
+            # mmproj, a path to check and link in, is Imports.set_projector's to set.
+            dropped = ("id", "model", "object", "mmproj", *FIXED_FIELDS)
             updated = {**d, **{k: v for k, v in changes.items() if k not in dropped}}
             self._write(folder, updated)
         return self._record(folder, updated)
@@ -329,8 +330,8 @@ def capabilities(record: dict) -> list[str]:
     if (record.get("metadata") or {}).get("embedding") is True:
         return ["embedding"]
     if record.get("mmproj"):  # a GGUF's projector: llama.cpp's mtmd loads it
-        weights = weights_path(record) if "path" in record else None
-        if weights is not None and weights.name.lower().endswith(".gguf"):
+        weights = _weights_name(record)
+        if weights is not None and weights.lower().endswith(".gguf"):
             return ["chat", "vision"]
     return ["chat"]
 
@@ -338,9 +339,14 @@ def capabilities(record: dict) -> list[str]:
 def weights_path(record: dict) -> Path | None:
     """The file an engine loads for a model record: its GGUF (a split one's first part,
     never a projector), else its ONNX model file."""
-    found = weights_file(f["path"] for f in record["files"]
-                         if not is_projector(f["path"]) and f["path"] != record.get("mmproj"))
+    found = _weights_name(record)
     return Path(record["path"]) / found if found is not None else None
+
+
+def _weights_name(definition: dict) -> str | None:
+    """The path, in a model's folder, of the file an engine loads (weights_path)."""
+    return weights_file(f["path"] for f in definition.get("files", ())
+                        if not is_projector(f["path"]) and f["path"] != definition.get("mmproj"))
 
 
 # Record fields that model.yml cannot set: localrt's own, and those it derives
