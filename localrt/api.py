@@ -128,11 +128,19 @@ def update_model(services: Services, request: Request):
 
     The fields are schemas/model-update.json's."""
     model_id = _path_model(request)
-    if "upstreams" in request.body:
+    changes = dict(request.body)
+    mmproj = changes.pop("mmproj", None)
+    if mmproj is not None:  # a path: a GGUF model's vision projector (never a remote's)
+        model = services.imports.set_projector(model_id, mmproj, changes)
+    elif "upstreams" in changes:
         model = services.remotes.update(model_id, request.body)
     else:
-        model = services.registry.update(model_id, request.body)
-    return {"message": f"Model {model['id']} updated", "model": _with_status(services, model)}
+        model = services.registry.update(model_id, changes)
+    message = f"Model {model['id']} updated"
+    if mmproj is not None and services.scheduler.is_running(model_id):
+        message += ("; it is running with the projector it started with, and loads this "
+                    "one when it is started again")
+    return {"message": message, "model": _with_status(services, model)}
 
 
 def add_remote_model(services: Services, request: Request):
@@ -181,7 +189,7 @@ def import_model(services: Services, request: Request):
     model = services.imports.import_file(body["modelPath" if cortex else "path"],
                                          body.get("model" if cortex else "id"),
                                          body.get("option", "symlink"), body.get("name"),
-                                         cortex=cortex)
+                                         cortex=cortex, mmproj=body.get("mmproj"))
     return {"message": f"Model {model['id']} imported", "model": _with_status(services, model)}
 
 

@@ -11,6 +11,7 @@ greedy (temperature 0), hence the same every time.
 from __future__ import annotations
 
 import codecs
+import io
 import os
 import pty
 import select
@@ -25,7 +26,7 @@ from support.models import NO_EOS
 from support.servers import run_foreground_server, subprocess_env
 
 from localrt.cli import ExitCode
-from localrt.client import Client
+from localrt.client import ApiError, Client
 
 PROMPT = ">>> "
 
@@ -288,3 +289,86 @@ def test_run_pulls_a_model_that_is_not_local(settings, thread_server, quantized)
     options = running_options(client, "org:single:only.gguf")
     assert (options["ctx_len"], options["cpu_threads"]) == (128, 1)  # the flags were used
     client.stop_model("org:single:only.gguf")
+
+
+# --- images ------------------------------------------------------------------------
+
+PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(64))  # what the CLI reads of it: bytes it sends
+
+
+@pytest.fixture
+def pictures(tmp_path):
+    """Image files: one in a folder whose name has a space, a JPEG named .JPG, a GIF."""
+    (tmp_path / "my pics").mkdir()
+    spaced = tmp_path / "my pics" / "cat (1).png"
+    spaced.write_bytes(PNG)
+    jpeg = tmp_path / "dog.JPG"
+    jpeg.write_bytes(b"\xff\xd8\xff\xe0" + bytes(32))
+    gif = tmp_path / "anim.gif"
+    gif.write_bytes(b"GIF89a" + bytes(32))
+    return spaced, jpeg, gif
+
+
+def image_url(data: bytes, mime: str) -> dict:
+    """The content part the CLI sends for an image file's bytes."""
+    import base64
+
+    return {"type": "image_url",
+            "image_url": {"url": f"data:{mime};base64,{base64.b64encode(data).decode()}"}}
+
+
+def test_image_paths_in_a_line_are_found_as_ollama_finds_them(pictures, tmp_path,
+                                                            monkeypatch):
+    from localrt.cli.images import find_images
+
+    spaced, jpeg, gif = pictures
+    escaped = str(spaced).replace(" ", "\\ ").replace("(", "\\(").replace(")", "\\)")
+    assert find_images(f"What is in {escaped}?") == ("What is in?", [str(spaced)])
+    assert find_images(f"Compare '{spaced}' with \"{jpeg}\", then {gif}.") == \
+        ("Compare with, then.", [str(spaced), str(jpeg), str(gif)])
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert find_images("./dog.JPG and ~/anim.gif") == \
+        ("and", ["./dog.JPG", str(gif)])
+    for stays in (f"{tmp_path}/missing.png is not there", f"{spaced}x",
+                  "see http://example.com/a.png", f"{spaced.with_suffix('.webp')}",
+                  f"relative {jpeg.name} without ./", "/ alone"):
+        assert find_images(stays) == (stays, [])
+
+
+def test_a_line_with_images_is_a_message_with_image_url_parts(pictures):
+    from localrt.cli.chat import Chat
+    from localrt.cli.context import Context
+
+    spaced, jpeg, gif = pictures
+    err = io.StringIO()
+    chat = Chat(Context(None, stdout=io.StringIO(), stderr=err, stdin=io.StringIO()),
+                None, "m")
+    content = chat._content(f"Which is cuter, '{spaced}' or {jpeg}?")
+    assert content == [image_url(PNG, "image/png"), image_url(jpeg.read_bytes(), "image/jpeg"),
+                       {"type": "text", "text": "Which is cuter, or?"}]
+    assert err.getvalue() == f"Added image '{spaced}'\nAdded image '{jpeg}'\n"
+    assert chat._content(str(gif)) == [image_url(gif.read_bytes(), "image/gif")]
+    assert chat._content("no image here") == "no image here"
+
+
+def test_an_image_path_on_a_terminal_is_attached_and_sent(home, server, quantized, terminals,
+                                                         pictures):
+    spaced, _, _ = pictures
+    add_model(server.client, quantized["Q8_0"], "tiny", max_tokens=4)
+    term = terminals(home, "run", "tiny", "--ctx_len", "128")
+    term.expect(PROMPT)
+    escaped = str(spaced).replace(" ", "\\ ").replace("(", "\\(").replace(")", "\\)")
+    term.send(f"What is this? {escaped}\r")
+    term.expect(f"Added image '{spaced}'\r\n")
+    shown = term.expect("\r\n" + PROMPT)
+    # The model has no projector: the server's answer to exactly this message.
+    sent = [image_url(PNG, "image/png"), {"type": "text", "text": "What is this?"}]
+    with pytest.raises(ApiError) as refused:
+        server.client.chat({"model": "tiny", "messages": [user(sent)]})
+    assert shown == f"Error: {refused.value}"
+    term.send("Hello\r")  # the refused message left the conversation
+    term.expect("Hello\r\n")
+    assert not term.expect("\r\n" + PROMPT).startswith("Error")
+    term.send("/exit\r")
+    assert term.wait() == ExitCode.OK

@@ -168,8 +168,10 @@ def test_pull_keeps_model_yml_fields_typed(server, hub):
 
 # --- PATCH ------------------------------------------------------------------------
 
+# mmproj is not kept as given: it is the path of a projector, checked and linked in
+# (tests/test_vision_models.py); one that is no projector is a refusal below.
 CORTEX_FIELDS = {"n_parallel": 4, "cpu_threads": 2, "seed": 7, "grammar": 'root ::= "a"',
-                 "mmproj": "/models/mmproj.gguf", "stream": False, "mirostat": 2,
+                 "stream": False, "mirostat": 2,
                  "dynatemp_range": 0.5, "tfs_z": 0.95, "typ_p": 0.8, "ignore_eos": True,
                  "prompt_template": "{system_message}{prompt}", "version": "2",
                  "top_k": 20, "min_keep": 1}
@@ -216,6 +218,7 @@ def test_patch_may_repeat_what_only_a_pull_or_import_sets(imported):
     ({"grammar": 5}, 400, "grammar"),
     ({"object": "list"}, 400, "object"),
     ({"n_parallel": 2, "bogus": 1}, 400, "bogus"),
+    ({"mmproj": "/models/mmproj.gguf", "n_parallel": 2}, 400, "mmproj"),
 ])
 def test_patch_refusals_change_nothing(imported, body, status, param):
     url = imported

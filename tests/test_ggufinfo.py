@@ -61,6 +61,7 @@ def test_model_defaults(tmp_path):
         "stop": ["</s>"],
         "file_type": 1,
         "quantization": "F16",
+        "embedding": False,  # no pooling type, causal attention: a model that chats
     }
 
 

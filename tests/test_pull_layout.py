@@ -11,6 +11,7 @@ import pytest
 from ggufgen import write_gguf
 from hubemu import HubEmulator
 from support.apps import bind
+from support.projectors import write_projector
 from support.servers import send
 from support.tasks import wait_task
 
@@ -24,13 +25,14 @@ MODEL_YML = (b"name: TinyLlama Chat\nmodel: tinyllama:1b\nversion: 2\nengine: ll
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
     root = tmp_path_factory.mktemp("layout")
-    W = namedtuple("W", "a b c split projector")
+    W = namedtuple("W", "a b c split projector small large")
     return W(write_gguf(root / "a.gguf", name="a"), write_gguf(root / "b.gguf", name="b", seed=1),
              write_gguf(root / "c.gguf", name="c", seed=2),
              write_gguf(root / "split" / "m.gguf", name="split", n_layer=2,
                         split_max_tensors=6),
              # GGUF's magic and nothing a model loader could use: loading it would fail
-             _write(root / "mmproj.gguf", b"GGUF" + bytes(range(256)) * 64))
+             _write(root / "mmproj.gguf", b"GGUF" + bytes(range(256)) * 64),
+             write_projector(root / "small.gguf", 64), write_projector(root / "large.gguf", 128))
 
 
 def _write(path, data):
@@ -53,6 +55,12 @@ def hub(weights):
                                     "Model.Q8_0.gguf": weights.c,
                                     "mmproj-model-f16.gguf": weights.projector,
                                     "README.md": b"many\n"})
+        for quants in (("F16", "BF16", "Q8_0"), ("BF16", "Q8_0", "Q4_K_M"), ("Q8_0", "Q4_0"),
+                       ("Q4_K_M", "Q6_K"), ("Q6_K",)):  # several projectors, or one
+            emu.add_repo(f"org/proj-{'-'.join(quants).lower()}",
+                         {"m.Q4_K_M.gguf": weights.a,
+                          **{f"mmproj-m-{q}.gguf": weights.large if q == "Q4_K_M" else
+                             weights.small for q in quants}})
         emu.add_repo("org/nochoice", {"x.Q2_K.gguf": weights.a, "x.Q8_0.gguf": weights.b})
         parts = sorted(weights.split.parent.glob("m-*.gguf"))
         emu.add_repo("org/split", {f"Q4_K_M/{p.name.replace('m-', 'big-Q4_K_M-')}": p
@@ -215,9 +223,31 @@ def test_a_split_gguf_pulls_every_part_and_loads_the_first(api, hub):
 
 
 def test_a_builtin_branch_with_a_projector_records_it(api, hub):
-    assert pull(api, "vision")["model"] == "vision:4b"
+    reply = pull(api, "vision")
+    assert reply["model"] == "vision:4b"
+    assert reply["message"] == "Model vision:4b starts downloading, with its vision " \
+                               "projector mmproj.gguf"
+    assert "4b/mmproj.gguf" in fetched(hub)
     model = api("GET", "/v1/models/vision:4b").json
     assert model["mmproj"] == "mmproj.gguf" and model["metadata"]["name"] == "a"
+    assert model["capabilities"] == ["chat", "vision"]
+
+
+@pytest.mark.parametrize("repo, chosen", [
+    ("org/proj-f16-bf16-q8_0", "mmproj-m-F16.gguf"),
+    ("org/proj-bf16-q8_0-q4_k_m", "mmproj-m-BF16.gguf"),
+    ("org/proj-q8_0-q4_0", "mmproj-m-Q8_0.gguf"),
+    ("org/proj-q4_k_m-q6_k", "mmproj-m-Q4_K_M.gguf"),  # none preferred: the largest
+    ("org/proj-q6_k", "mmproj-m-Q6_K.gguf"),  # the only one
+])
+def test_a_repo_with_several_projectors_pulls_one_by_its_quantization(api, hub, repo,
+                                                                       chosen):
+    reply = pull(api, repo)
+    assert reply["message"].endswith(f", with its vision projector {chosen}")
+    assert fetched(hub) == sorted([f"main/{chosen}", "main/m.Q4_K_M.gguf"])
+    model = api("GET", f"/v1/models/{reply['model']}").json
+    assert model["mmproj"] == chosen and model["capabilities"] == ["chat", "vision"]
+    assert sorted(f["path"] for f in model["files"]) == sorted([chosen, "m.Q4_K_M.gguf"])
 
 
 def test_a_gated_repo_fails_clearly_before_downloading(api, hub):

@@ -1,7 +1,8 @@
 """The terminal chat of `localrt run`: the conversation kept, replies streamed as they come.
 
 It reads lines with readline's editing when stdin is the real terminal, and from the
-given stdin otherwise (tests, pipes). Ctrl-C stops a reply without leaving.
+given stdin otherwise (tests, pipes). Ctrl-C stops a reply without leaving. A path to
+an image file in a line attaches the image (localrt.cli.images).
 """
 
 from __future__ import annotations
@@ -9,13 +10,15 @@ from __future__ import annotations
 import sys
 
 from localrt.cli.context import CliError, Context, ExitCode
+from localrt.cli.images import find_images, image_part
 from localrt.client import ApiError
 
 
 class Chat:
     """The terminal chat of `localrt run`: history kept, replies streamed as they come."""
 
-    HELP = "Type a message and press Enter. /exit or Ctrl-D leaves; Ctrl-C stops a reply."
+    HELP = ("Type a message and press Enter. /exit or Ctrl-D leaves; Ctrl-C stops a reply. "
+            "A path to an image file in a message attaches the image.")
 
     def __init__(self, ctx: Context, client, model_id: str):
         self.ctx, self.client, self.model_id = ctx, client, model_id
@@ -38,7 +41,12 @@ class Chat:
             if line.strip() in ("/help", "/?"):
                 self.ctx.err(self.HELP)
                 continue
-            self.history.append({"role": "user", "content": line})
+            try:
+                content = self._content(line)
+            except OSError as exc:
+                self.ctx.err(f"Error: the image cannot be read: {exc}")
+                continue
+            self.history.append({"role": "user", "content": content})
             try:
                 reply = self._reply()
             except (ApiError, CliError) as exc:  # e.g. the conversation outgrew the context
@@ -46,6 +54,17 @@ class Chat:
                 self.ctx.err(f"Error: {exc}")
                 continue
             self.history.append({"role": "assistant", "content": reply})
+
+    def _content(self, line: str):
+        """A user message's content: the line, or, when it names image files, their
+        image_url parts and then the rest of the line, as Ollama's CLI attaches them."""
+        text, paths = find_images(line)
+        if not paths:
+            return line
+        parts = [image_part(path) for path in paths]
+        for path in paths:
+            self.ctx.err(f"Added image '{path}'")
+        return parts + ([{"type": "text", "text": text}] if text else [])
 
     def _read(self) -> str | None:
         """One line from the user; None at end of input (Ctrl-D)."""

@@ -99,6 +99,8 @@ def build_parser(stdout=None, stderr=None) -> argparse.ArgumentParser:
                           description="Change the stored load and inference parameters "
                           "of a model in one request. Only the options given change.")
     p.add_argument("model", metavar="ID", help="the model's id")
+    p.add_argument("--mmproj", metavar="PATH", help="a vision projector (mmproj GGUF) to "
+                   "link in, as the GGUF model's projector; it replaces the one it has")
     _add_schema_options(p, model_update_options(), "parameters")
     p = models.add_parser("import", help="register a local GGUF file or ONNX folder",
                           description="Register a local GGUF file, or an ONNX model folder "
@@ -109,6 +111,8 @@ def build_parser(stdout=None, stderr=None) -> argparse.ArgumentParser:
                    help="the GGUF file or ONNX model folder")
     p.add_argument("--id", "--model_id", dest="id", metavar="ID", help="the model's id "
                    "(default: the file name without .gguf)")
+    p.add_argument("--mmproj", metavar="PATH", help="the GGUF model's vision projector "
+                   "(mmproj GGUF), linked or copied as the model is")
     p.add_argument("--copy", action="store_true", help="copy the file into the models "
                    "folder instead of linking to it")
     p = models.add_parser("add-remote", help="add a model served by other servers",

@@ -18,8 +18,8 @@ import os
 import struct
 from dataclasses import dataclass
 
-__all__ = ["ArrayInfo", "GGUFError", "is_gguf", "model_defaults", "read_metadata",
-           "token_at"]
+__all__ = ["ArrayInfo", "GGUFError", "Projector", "is_embedding", "is_gguf", "model_defaults",
+           "model_input_size", "projector", "read_metadata", "read_tensor_shapes", "token_at"]
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)  # version 1 used 32-bit counts and lengths
@@ -27,6 +27,7 @@ MAX_INLINE_ARRAY = 1024      # longer arrays become ArrayInfo placeholders
 MAX_STRING = 1 << 30         # any longer length field is corruption, not a real string
 MAX_COUNT = 1 << 31          # the same for array, key/value and tensor counts
 _MAX_DEPTH = 8               # arrays of arrays; bounds recursion on hostile files
+_MAX_DIMS = 4                # GGML_MAX_DIMS: a tensor info with more is corruption
 _CHUNK = 1 << 16             # read size; one chunk usually holds the whole header
 
 # Value type id -> (name, struct format) for fixed-size types; ids from the GGUF spec.
@@ -212,7 +213,8 @@ def _skip_elements(r: _Reader, etype: int, count: int, depth: int) -> None:
             _read_value(r, _ARRAY, depth + 1)
 
 
-def _read_header(r: _Reader) -> dict:
+def _read_header(r: _Reader, tensors: bool = False):
+    """The key/values; with `tensors`, (key/values, {tensor name: shape in ggml order})."""
     magic = r.read(4)
     if magic != MAGIC:
         raise r.fail(f"not a GGUF file (magic {magic!r}, expected {MAGIC!r})")
@@ -222,14 +224,26 @@ def _read_header(r: _Reader) -> dict:
         if struct.unpack(">I", raw)[0] in SUPPORTED_VERSIONS:
             raise r.fail("big-endian GGUF files are not supported")
         raise r.fail(f"unsupported GGUF version {version} (supported: 2, 3)")
-    r.count("tensor count")
+    tensor_count = r.count("tensor count")
     kv_count = r.count("key/value count")
     metadata = {}
     for _ in range(kv_count):
         key = r.string()
         (vtype,) = r.unpack(_U32)
         metadata[key] = _read_value(r, vtype)
-    return metadata
+    if not tensors:
+        return metadata
+    # Each tensor's info: its name, u32 dimension count, u64 dimensions (ggml's ne:
+    # the innermost first), u32 type, u64 data offset.
+    shapes = {}
+    for _ in range(tensor_count):
+        name = r.string()
+        (n_dims,) = r.unpack(_U32)
+        if n_dims > _MAX_DIMS:
+            raise r.fail(f"tensor {name!r} has {n_dims} dimensions (at most {_MAX_DIMS})")
+        shapes[name] = tuple(r.unpack(_U64)[0] for _ in range(n_dims))
+        r.skip(4 + 8)
+    return metadata, shapes
 
 
 def _strings_at(path, info: ArrayInfo, indices) -> dict:
@@ -263,6 +277,13 @@ def read_metadata(path) -> dict:
     """All header key/values; arrays longer than MAX_INLINE_ARRAY become ArrayInfo."""
     with open(path, "rb") as f:
         return _read_header(_Reader(f, path))
+
+
+def read_tensor_shapes(path) -> tuple[dict, dict]:
+    """(header key/values, {tensor name: dimensions in ggml order, ne[0] first}): the
+    tensor infos that follow the key/values, never the tensor data."""
+    with open(path, "rb") as f:
+        return _read_header(_Reader(f, path), tensors=True)
 
 
 def token_at(path, info: ArrayInfo, index: int) -> str:
@@ -303,7 +324,34 @@ def model_defaults(path) -> dict:
     if out.get("file_type") in QUANTIZATION_NAMES:
         out["quantization"] = QUANTIZATION_NAMES[out["file_type"]]
     take("parameter_count", "general.parameter_count", int)
+    out["embedding"] = is_embedding(md)
     return out
+
+
+def is_embedding(md: dict) -> bool:
+    """Whether a GGUF's header makes it an embedding model: it declares how it pools
+    (`<arch>.pooling_type` above none) or has non-causal attention (an encoder, such as
+    BERT). The same rule as localrt.engines.embedding.embedding_pooling, which loads such
+    a model in llama.cpp's embedding mode; if one changes, so must the other."""
+    arch = md.get("general.architecture", "")
+    pooling = md.get(f"{arch}.pooling_type")
+    if isinstance(pooling, int) and not isinstance(pooling, bool) and pooling > 0:
+        return True  # 0 is LLAMA_POOLING_TYPE_NONE
+    return md.get(f"{arch}.attention.causal") is False
+
+
+def model_input_size(md: dict) -> int | None:
+    """The size of the embeddings a text model takes in (llama.cpp's n_embd_inp): its
+    `<arch>.embedding_length`, times one more than its deepstack layers (Qwen3-VL), or
+    None when the header does not say."""
+    arch = md.get("general.architecture", "")
+    n_embd = md.get(f"{arch}.embedding_length")
+    if not isinstance(n_embd, int) or isinstance(n_embd, bool) or n_embd <= 0:
+        return None
+    deepstack = md.get(f"{arch}.n_deepstack_layers")
+    if isinstance(deepstack, int) and not isinstance(deepstack, bool) and deepstack > 0:
+        return n_embd * (1 + deepstack)
+    return n_embd
 
 
 def _token_texts(path, tokens, ids) -> dict:
@@ -313,3 +361,60 @@ def _token_texts(path, tokens, ids) -> dict:
     if isinstance(tokens, ArrayInfo) and tokens.type_name == "string":
         return _strings_at(path, tokens, [i for i in ids if 0 <= i < tokens.count])
     return {}
+
+
+# --------------------------------------------------------------------------- projectors
+
+@dataclass(frozen=True)
+class Projector:
+    """What a projector GGUF (mmproj) says of itself, from its header alone."""
+
+    type: str                # clip.projector_type (or clip.vision.projector_type)
+    vision: bool             # clip.has_vision_encoder
+    output_size: int | None  # the embeddings it gives the text model; None: not known here
+
+
+# Where each vision projector type's output size is, as llama.cpp's clip_n_mmproj_embd
+# (tools/mtmd/clip.cpp) reads it: (tensor, dimension in ggml order), the first present
+# wins. A type not here is checked by llama.cpp when the model starts, not at import.
+# If llama.cpp adds a projector type, add it here.
+_MLP2 = (("mm.2.weight", 1),)
+_MERGER = (("mm.2.bias", 0),)
+_INPUT_PROJ0 = (("mm.input_projection.weight", 0),)
+_PROJECTOR_OUTPUT = {
+    "mlp": (("mm.3.bias", 0), ("mm.2.weight", 1)),  # mm.3 makes it MLP_NORM (Yi's llava)
+    "ldp": (("mm.model.mb_block.1.block.2.1.bias", 0),),
+    "ldpv2": (("mm.model.peg.0.bias", 0),),
+    "resampler": (("resampler.proj.weight", 0),),  # MiniCPM-V
+    "adapter": (("adapter.linear.dense_4h_to_h.weight", 1),),  # GLM-Edge
+    "qwen2vl_merger": _MERGER, "qwen2.5vl_merger": _MERGER, "qwen2.5o": _MERGER,
+    "exaone4_5": _MERGER, "youtuvl": _MERGER, "ling3vl": _MERGER,
+    "gemma3": _INPUT_PROJ0, "gemma3nv": _INPUT_PROJ0,
+    "gemma4v": (("mm.input_projection.weight", 1),),
+    "gemma4uv": (("mm.input_projection.weight", 1),),
+    "idefics3": (("mm.model.fc.weight", 1),),  # SmolVLM
+    "pixtral": _MLP2, "phi4": _MLP2, "lightonocr": _MLP2, "dots_ocr": _MLP2,
+    "lfm2": _MLP2, "kimivl": _MLP2, "paddleocr": _MLP2, "kimik25": _MLP2,
+    "internvl": (("mm.3.weight", 1),), "nemotron_v2_vl": (("mm.3.weight", 1),),
+}
+
+
+def projector(path) -> Projector:
+    """A projector GGUF's type, whether it encodes images, and its output size.
+
+    Raises GGUFError when the file is not a GGUF, or is one without a projector type
+    (a text model, say): the message says which.
+    """
+    md, shapes = read_tensor_shapes(path)
+    kind = md.get("clip.projector_type") or md.get("clip.vision.projector_type")
+    if not isinstance(kind, str) or not kind:
+        raise GGUFError(f"{os.fspath(path)}: not a vision projector GGUF (it has no "
+                        f"clip.projector_type)")
+    vision = md.get("clip.has_vision_encoder") is True
+    size = None
+    for tensor, dim in _PROJECTOR_OUTPUT.get(kind, ()) if vision else ():
+        shape = shapes.get(tensor)
+        if shape is not None and len(shape) > dim:
+            size = int(shape[dim])
+            break
+    return Projector(kind, vision, size)

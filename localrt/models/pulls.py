@@ -122,8 +122,11 @@ class Pulls:
         task = Task(plan.task_id, "Model", plan.items, hub_url=hub.url,
                     on_success=lambda task: self._register(plan))
         self.downloads.start(task)
-        return {"message": f"Model {plan.local_id} starts downloading", "model": plan.local_id,
-                "task": task.to_dict()}
+        message = f"Model {plan.local_id} starts downloading"
+        if plan.mmproj:  # the one chosen when the repo has several (_projector)
+            message += f", with its vision projector {plan.mmproj}"
+            log.info("pull %s: vision projector %s", plan.task_id, plan.mmproj)
+        return {"message": message, "model": plan.local_id, "task": task.to_dict()}
 
     def variants(self, model_id: str) -> dict:
         """What a pull of `model_id` can choose from: a built-in's branches, or a repo's
@@ -372,8 +375,23 @@ def _listed(candidates: list[_Candidate]) -> str:
     return ", ".join(c.path for c in candidates) or "none"
 
 
+# The projector a pull takes when a repo holds several (mmproj-F16.gguf, mmproj-Q8_0.gguf...):
+# the first quantization here that one has; a projector is small, and one quantized
+# harder costs more of what the model sees than it saves.
+PROJECTOR_QUANTS = ("F16", "BF16", "Q8_0")
+
+
 def _projector(files: list[HubFile]) -> HubFile | None:
-    """The projector that comes with a model: the repo's only one, else its F16 one."""
+    """The projector that comes with a model: the repo's only one; else the first of
+    PROJECTOR_QUANTS it has (by name when two have it); else the largest (by name when two
+    are as large), the least quantized, as the choice is then about precision too."""
     found = sorted((f for f in files if is_projector(f.path)), key=lambda f: f.path)
-    f16 = [f for f in found if quantization(f.path) == "F16"]
-    return (f16 or found or [None])[0]
+    if len(found) <= 1:
+        return found[0] if found else None
+    named = {"FP16": "F16"}
+    for quant in PROJECTOR_QUANTS:
+        preferred = [f for f in found
+                     if named.get(quantization(f.path), quantization(f.path)) == quant]
+        if preferred:
+            return preferred[0]
+    return min(found, key=lambda f: (-f.size, f.path))

@@ -131,9 +131,27 @@ class Registry:
                     raise Conflict(f"Model {model_id}'s {key} changes only through {by}, "
                                    f"never an update; it is {_shown(record[key])}",
                                    param=key)
-            dropped = ("id", "model", "object", *FIXED_FIELDS)
+            # mmproj, a path to check and link in, is Imports.set_projector's to set.
+            dropped = ("id", "model", "object", "mmproj", *FIXED_FIELDS)
             updated = {**d, **{k: v for k, v in changes.items() if k not in dropped}}
             self._write(folder, updated)
+        return self._record(folder, updated)
+
+    def set_projector(self, model_id: str, name: str, entry: dict) -> dict:
+        """Record `name`, a file now in the model's folder (its files entry `entry`), as
+        the model's projector (`mmproj`); the file of the one it replaces is deleted from
+        the folder (a link's target never is)."""
+        with self._lock:
+            folder, d = self._find(model_id)
+            old = d.get("mmproj")
+            files = [f for f in d["files"] if f["path"] not in (old, name)] + [entry]
+            updated = {**d, "files": files, "mmproj": name}
+            self._write(folder, updated)
+            # A definition's paths are relative (schemas/model.json); a hand-edited one
+            # that leaves the folder is left alone.
+            if old and old != name and not Path(old).is_absolute() \
+                    and ".." not in Path(old).parts:
+                (folder / old).unlink(missing_ok=True)
         return self._record(folder, updated)
 
     def remove(self, model_id: str) -> None:
@@ -215,7 +233,7 @@ class Registry:
                 log.warning("ignoring model %s in %s: the id is also used in %s",
                             d["id"], folder, models[d["id"]][0])
             else:
-                models[d["id"]] = (folder, d)
+                models[d["id"]] = (folder, _with_embedding(folder, d))
         return models
 
     def _record(self, folder: Path, d: dict, brief: bool = False) -> dict:
@@ -228,11 +246,30 @@ class Registry:
                                   if k not in LIST_OMITS}
         record["size"] = sum(f["size"] for f in d["files"])
         record["path"] = str(folder)
+        record["capabilities"] = capabilities(record)
         if "upstreams" in d:  # an upstream's api_key is a secret: a record only says it is set
             record["upstreams"] = [{**{k: v for k, v in u.items() if k != "api_key"},
                                     "api_key_set": bool(u.get("api_key"))}
                                    for u in d["upstreams"]]
         return record
+
+
+def _with_embedding(folder: Path, d: dict) -> dict:
+    """A definition written before pulls and imports recorded metadata.embedding, with it
+    read from its GGUF's header once (kept in memory, and in the file at its next write),
+    so that listing never opens a model file."""
+    meta = d.get("metadata")
+    if not isinstance(meta, dict) or "embedding" in meta:
+        return d
+    weights = weights_path({**d, "path": str(folder)})
+    if weights is None or not weights.name.lower().endswith(".gguf"):
+        return d
+    try:
+        embedding = ggufinfo.is_embedding(ggufinfo.read_metadata(weights))
+    except (OSError, ggufinfo.GGUFError) as exc:
+        log.warning("model %s: its GGUF header cannot be read: %s", d["id"], exc)
+        return d
+    return {**d, "metadata": {**meta, "embedding": embedding}}
 
 
 def _incomplete(folder: Path, files: Iterable[dict]) -> str | None:
@@ -287,18 +324,29 @@ def projector_path(record: dict) -> Path | None:
 
 def capabilities(record: dict) -> list[str]:
     """What a model can be asked for, as GET /v1/models and Ollama's /api/show say:
-    ["chat", "vision"] for a model with a projector (a GGUF's: gguf-cpp loads it),
-    else ["chat"]."""
-    if record.get("mmproj"):
-        return ["chat", "vision"]
+    ["embedding"] for an embedding model (its GGUF says so: metadata.embedding, which
+    a pull or an import records), ["chat", "vision"] for a GGUF with a projector, else
+    ["chat"]."""
+    if (record.get("metadata") or {}).get("embedding") is True:
+        return ["embedding"]
+    if record.get("mmproj"):  # a GGUF's projector: llama.cpp's mtmd loads it
+        weights = _weights_name(record)
+        if weights is not None and weights.lower().endswith(".gguf"):
+            return ["chat", "vision"]
     return ["chat"]
 
 
 def weights_path(record: dict) -> Path | None:
     """The file an engine loads for a model record: its GGUF (a split one's first part,
     never a projector), else its ONNX model file."""
-    found = weights_file(f["path"] for f in record["files"] if not is_projector(f["path"]))
+    found = _weights_name(record)
     return Path(record["path"]) / found if found is not None else None
+
+
+def _weights_name(definition: dict) -> str | None:
+    """The path, in a model's folder, of the file an engine loads (weights_path)."""
+    return weights_file(f["path"] for f in definition.get("files", ())
+                        if not is_projector(f["path"]) and f["path"] != definition.get("mmproj"))
 
 
 # Record fields that model.yml cannot set: localrt's own, and those it derives

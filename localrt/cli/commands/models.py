@@ -47,6 +47,8 @@ def cmd_models_remove(ctx: Context) -> int:
 def cmd_models_update(ctx: Context) -> int:
     """Change a model's stored parameters with one PATCH."""
     changes = flag_values(ctx.args, ctx.args.parameters)
+    if ctx.args.mmproj is not None:
+        changes["mmproj"] = _absolute(ctx.args.mmproj)
     if not changes:
         raise CliError("Nothing to update: give at least one option (see "
                        "`localrt models update -h`)", ExitCode.USAGE)
@@ -54,6 +56,8 @@ def cmd_models_update(ctx: Context) -> int:
     shown = ", ".join(f"{name}={json.dumps(value, ensure_ascii=False)}"
                       for name, value in changes.items())
     ctx.out(f"Model {reply['model']['id']} updated: {shown}")
+    if reply["message"] != f"Model {reply['model']['id']} updated":  # a note, as on a
+        ctx.err(reply["message"])  # running model's new projector
     return ExitCode.OK
 
 
@@ -62,14 +66,19 @@ def cmd_models_import(ctx: Context) -> int:
 
     `--path`/`--id` and cortex's `--model_path`/`--model_id` are the same options.
     """
-    # The server resolves nothing relative to the caller's directory: send an absolute path.
-    path = os.path.abspath(os.path.expanduser(ctx.args.path))
+    path = _absolute(ctx.args.path)
     option = "copy" if ctx.args.copy else "symlink"
-    reply = ctx.client().import_model(path, ctx.args.id, option)
+    mmproj = _absolute(ctx.args.mmproj) if ctx.args.mmproj is not None else None
+    reply = ctx.client().import_model(path, ctx.args.id, option, mmproj)
     # cortex's words, which its scripts look for.
     ctx.out(f"Successfully import model from '{path}' for modelID "
             f"'{reply['model']['id']}'.")
     return ExitCode.OK
+
+
+def _absolute(path: str) -> str:
+    """The server resolves nothing relative to the caller's directory: an absolute path."""
+    return os.path.abspath(os.path.expanduser(path))
 
 
 def cmd_models_add_remote(ctx: Context) -> int:
