@@ -171,9 +171,11 @@ def test_a_repo_takes_its_q4_k_m_file_whatever_the_case_and_its_projector(api, h
     assert fetched(hub) == ["main/mmproj-model-f16.gguf", "main/model-q4_k_m.gguf"]
     model = api("GET", f"/v1/models/{reply['model']}").json
     assert model["mmproj"] == "mmproj-model-f16.gguf"
-    # the projector is never what loads (it would fail to: it is no model)
+    # the projector is never what loads as the model; it loads beside it, through
+    # mtmd, and this one (bytes of no projector) fails the start clearly, not a 500
     r = api("POST", f"/v1/models/{reply['model']}/start", {"ctx_len": 64})
-    assert r.status == 200, r.body
+    assert r.status == 422 and r.json["error"]["code"] == "model_load_failed", r.body
+    assert "projector" in r.json["message"]
 
 
 @pytest.mark.parametrize("pick, file", [(":Q8_0", "Model.Q8_0.gguf"),

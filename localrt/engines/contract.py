@@ -208,16 +208,17 @@ class Templated(Protocol):
 
 
 @runtime_checkable
-class Counted(Protocol):
-    """A model that counts its work (GET /v1/models/status and /metrics show it)."""
+class Reporting(Protocol):
+    """A model with more to say in its GET /v1/models/status row (/metrics reads it)."""
 
-    def counters(self) -> dict:
-        """Counts since it loaded: "decodes", "prompt_read", and with speculative
-        decoding "drafted" and "accepted" (draft tokens proposed, and kept)."""
+    def report(self) -> dict:
+        """The row's extra fields, read under the scheduler's lock (cheap, no llama.cpp
+        call): gguf-cpp's {"speculative": {"drafted", "accepted"}}, draft tokens
+        proposed and kept since it loaded."""
 
 
 # What a loaded model may have besides Model's: `capabilities` finds these.
-OPTIONAL = (Batched, Measured, Tokenizing, Counting, Embedding, Templated, Counted)
+OPTIONAL = (Batched, Measured, Tokenizing, Counting, Embedding, Templated, Reporting)
 
 
 def missing(obj, protocol: type) -> list[str]:

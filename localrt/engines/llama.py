@@ -272,6 +272,11 @@ class LlamaModel(GeneratingModel):
         """One decode for every sequence (localrt.engines.batching.Batcher.step)."""
         self._batcher.step()
 
+    def report(self) -> dict:
+        """Its GET /v1/models/status fields (contract.Reporting): speculation's counts."""
+        return {"speculative": {"drafted": self._batcher.drafted,
+                                "accepted": self._batcher.accepted}}
+
     def counters(self) -> dict:
         """Decode steps so far, and the prompt tokens they read: as the batcher counted
         them, and as llama.cpp did (it counts the tokens of decodes of more than one)."""

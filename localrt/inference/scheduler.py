@@ -40,7 +40,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from localrt.admission import ClientGone, Disconnected, never, wait
 from localrt.engines import contract
@@ -101,6 +101,7 @@ class Running:
     slots: int = 1  # requests served at once
     stepper: Stepper | None = None  # a batched model's steps; None: one request at a time
     capabilities: frozenset = frozenset()  # its contract.OPTIONAL protocols (Lease.can)
+    report: Callable[[], dict] = dict  # a Reporting model's own status fields
     started_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
     turn: FairLock = field(default_factory=FairLock)  # a slot per request, in order
@@ -272,7 +273,8 @@ class Scheduler:
                      "vram": r.vram, "kvCache": r.kv, "slots": r.slots,
                      "startedAt": int(r.started_at), "uptime": round(now - r.started_at, 1),
                      "requests": r.active, "options": dict(r.options),
-                     "expiresAt": self._expires_at(r, now), **_counted(r)}
+                     "expiresAt": self._expires_at(r, now),
+                     **r.report()}
                     for r in self._running.values()]
 
     @property
@@ -523,7 +525,8 @@ class Scheduler:
             slots, stepper = model.slots, Stepper(self.lanes, model.step)
         return Running(record["id"], engine, model, options, measured["ram"], measured["vram"],
                        kv=measured["kv"], slots=slots, stepper=stepper, turn=FairLock(slots),
-                       capabilities=can)
+                       capabilities=can,
+                       report=model.report if contract.Reporting in can else dict)
 
     def _model_path(self, record: dict) -> Path:
         path = weights_path(record)
@@ -589,16 +592,3 @@ def _rss() -> int:
     except (OSError, ValueError, IndexError):
         return 0
 
-
-def _counted(running: Running) -> dict:
-    """What a Counted model's counters add to its status row: its speculation."""
-    if contract.Counted not in running.capabilities:
-        return {}
-    try:
-        counts = running.model.counters()
-    except Exception:
-        log.exception("model %s: the engine could not say its counters", running.model_id)
-        return {}
-    if "drafted" not in counts:
-        return {}
-    return {"speculative": {"drafted": counts["drafted"], "accepted": counts["accepted"]}}

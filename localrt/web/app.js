@@ -157,7 +157,7 @@ function fillSidebar() {
     if (c.id === store.currentId) open.setAttribute("aria-current", "true");
     open.addEventListener("click", () => switchTo(c.id));
     const rename = iconButton("✎", "Rename conversation", () => startRename(li, c));
-    const remove = iconButton("✕", "Delete conversation", () => deleteConversation(c));
+    const remove = iconButton("×", "Delete conversation", () => deleteConversation(c));
     li.append(open, rename, remove);
     ui.conversations.append(li);
   }
