@@ -123,7 +123,8 @@ def build_services(settings: Settings, *, shutdown: Callable[[], None] | None = 
     imports = Imports(registry)
     scheduler = Scheduler(registry, engines, max_models=settings["maxRunningModels"],
                           keep_alive=settings["keepAlive"] * 60,
-                          lanes=settings["computeLanes"])
+                          lanes=settings["computeLanes"],
+                          prompt_cache=settings["promptCacheMiB"] << 20)
     metrics = Metrics(running=scheduler.status, downloads=downloads.stats)
     remotes = Remotes(registry, engines, config.get, lambda: settings["upstreamTimeout"],
                       lambda: security.secrets_of(settings.snapshot()))

@@ -83,6 +83,12 @@ def _positive_int(value: Any) -> int:
     return value
 
 
+def _mebibytes(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 30:
+        raise ValueError("must be a whole number of MiB, 0 or more")
+    return value
+
+
 def _api_keys(value: Any) -> list:
     """A list of keys, or one key (as $LOCALRT_API_KEY gives it); none is []."""
     if value is None or value == "":
@@ -186,6 +192,10 @@ KEYS: tuple[Key, ...] = (
         "models loaded at once; starting one more unloads the least recently used"),
     Key("keepAlive", _minutes, 0.0,
         "unload a model idle this long: minutes, or 30s/5m/1h; 0 keeps models loaded"),
+    # llama-server's --cache-ram keeps 8 GiB; a 2-core machine's models are smaller.
+    Key("promptCacheMiB", _mebibytes, 2048,
+        "RAM each running gguf-cpp model may keep of prompt states its slots gave up, "
+        "to restore for a prompt that continues one (0: none)"),
     Key("computeLanes", _positive_int, 1,
         "generations that compute at once, across all models; raise it only with cores "
         "for each (cpu_threads x lanes <= cores)"),

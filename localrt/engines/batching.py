@@ -2,7 +2,7 @@
 
 A batched model (localrt.engines.llama's LlamaModel) keeps `slots` sequences in one llama.cpp
 context, each with its own KV cache of ctx_len tokens. `Batcher` decides what each
-step computes; `LlamaBatch` computes it with llama.cpp:
+step computes; `LlamaBatch` (localrt.engines.llamabatch) computes it with llama.cpp:
 
   * A generation joins (`join`) when it is first read, and takes a slot at the next
     step, in arrival order (localrt.inference.scheduler lets at most `slots` generations in).
@@ -21,6 +21,10 @@ step computes; `LlamaBatch` computes it with llama.cpp:
     half, or whose cache holds at least half the prompt, is chosen that way;
     otherwise the least recently used slot is, so other conversations keep theirs.
     With caching off, every prompt is read whole.
+  * The prompt cache in RAM (localrt.engines.promptcache), when the engine can save
+    and restore a sequence's state: a slot about to lose cached tokens to a new
+    prompt is saved there first, and a prompt that shares more with a saved state
+    than with any free slot has it restored into its slot; `cached` counts those too.
   * Log-probabilities (localrt.engines.logprobs), only for a sequence that asks: each token it
     samples is scored from its row of logits before its sampler chain sees them, and
     with `prompt_logprobs` (a completion's echo) so is every prompt token, which takes
@@ -43,8 +47,8 @@ step computes; `LlamaBatch` computes it with llama.cpp:
     the step under way, or at once when none is.
 
 Who calls step(), and when, is localrt.inference.lanes' business (`Stepper`): one step
-at a time, on a compute lane, when a generation needs its next token. llama_cpp is
-imported only when a LlamaBatch is made.
+at a time, on a compute lane, when a generation needs its next token. What a step
+computes on llama.cpp is localrt.engines.llamabatch's.
 """
 
 from __future__ import annotations
@@ -56,13 +60,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from localrt.engines import logprobs
+from localrt.engines.promptcache import PromptCache, common_prefix
 from localrt.engines.vision import image_item, whole_images
 
 log = logging.getLogger(__name__)
 
 REUSE_AT_LEAST = 0.5  # how much of a slot's cache, or of the prompt, must be shared
-PENALTY_LAST_N = 64  # tokens the repeat/frequency/presence penalties look back over
 SCORED_CHUNK = 64  # the most prompt tokens a step reads of a prompt whose logprobs are asked
 
 
@@ -138,10 +141,14 @@ class Batcher:
     `_stepping` lets one step run at a time and is held while it decodes.
     """
 
-    def __init__(self, slots: int, n_batch: int, engine, caching: bool = True):
+    def __init__(self, slots: int, n_batch: int, engine, caching: bool = True,
+                 cache: PromptCache | None = None):
         self.slots = [Slot(i) for i in range(slots)]
         self.n_batch = max(n_batch, slots)  # room for every sequence's next token
         self.caching = caching
+        # The RAM cache: the engine then also has save(slot) -> (data, size) and
+        # restore(slot, data, size) -> bool.
+        self.cache = cache if caching else None
         self.prompt_read = 0  # prompt tokens decoded, all sequences together
         self.decodes = 0  # steps that decoded something
         self.drafted = self.accepted = 0  # draft tokens proposed, and of those accepted
@@ -223,6 +230,8 @@ class Batcher:
                 break
             seq = self._waiting.popleft()
             slot, keep = self._choose(free, seq.prompt)
+            if self.cache is not None:
+                keep = self._through_cache(slot, keep, seq.prompt)
             keep = min(keep, len(seq.prompt) - 1)  # the last prompt token gives the logits
             keep = whole_images(seq.prompt, keep)
             if seq.prompt_logprobs:  # every prompt token's logits are needed
@@ -233,6 +242,30 @@ class Batcher:
             slot.seq, slot.tokens = seq, slot.tokens[:keep]
             seq.slot, seq.cached, seq.read = slot, keep, keep
             self._active.append(seq)
+
+    def _through_cache(self, slot: Slot, keep: int, prompt: list) -> int:
+        """Save what the slot would lose; restore a saved state that serves `prompt`
+        better than the slot does. How many of the slot's tokens the prompt reuses."""
+        cache = self.cache
+        state, shared = cache.find(prompt)
+        shared = whole_images(prompt, min(shared, len(prompt) - 1))
+        if state is not None and shared > keep:
+            self._save(slot)
+            if self._engine.restore(slot.id, state.data, state.size):
+                slot.tokens = list(state.tokens)
+                cache.used(state, shared)
+                return shared
+            slot.tokens = []  # what the KV holds now is unknown; it is read afresh
+            return 0
+        if keep < len(slot.tokens):
+            self._save(slot)
+        return keep
+
+    def _save(self, slot: Slot) -> None:
+        if self.cache.wants(slot.tokens):
+            data, size = self._engine.save(slot.id)
+            if size:
+                self.cache.put(slot.tokens, data, size)
 
     def _choose(self, free: list[Slot], prompt: list[int]) -> tuple[Slot, int]:
         """The slot for a prompt, and how many of its cached tokens the prompt reuses."""
@@ -348,8 +381,10 @@ class Batcher:
         self._engine.release(seq)
 
     def close(self) -> None:
-        """Release every sequence (the model is unloading)."""
+        """Release every sequence and drop the RAM cache (the model is unloading)."""
         with self._lock:
+            if self.cache is not None:
+                self.cache.clear()
             for seq in list(self._waiting) + list(self._active):
                 self._engine.release(seq)
             self._waiting.clear()
@@ -367,200 +402,3 @@ def _next_text(prompt: list, start: int) -> int:
     while end < len(prompt) and image_item(prompt[end]) is not None and prompt[end][2] > 0:
         end += 1
     return end
-
-
-def common_prefix(a: list, b: list) -> int:
-    """How many leading items `a` and `b` share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-# --- llama.cpp -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How one sequence picks its tokens (localrt.engines.generation.SAMPLING_DEFAULTS
-    fills in the defaults)."""
-
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    repeat_penalty: float
-    frequency_penalty: float
-    presence_penalty: float
-    seed: int
-    bias: tuple = ()  # (token, bias) pairs
-    grammar: str | None = None  # GBNF, its rule "root" first
-
-
-class LlamaBatch:
-    """The Batcher's engine on llama.cpp: one context holding a sequence per slot, the
-    llama_batch each step fills, and each sequence's sampler chain."""
-
-    def __init__(self, llama_cpp, model, params, projector=None):
-        self._ll = llama_cpp
-        self.projector = projector  # a vision model's (localrt.engines.vision.Projector)
-        self.ctx = llama_cpp.llama_init_from_model(model, params)
-        if self.ctx is None:
-            raise ValueError("llama.cpp could not make the context (not enough memory for "
-                             "ctx_len x n_parallel?)")
-        self._vocab = llama_cpp.llama_model_get_vocab(model)
-        self._n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
-        self._memory = llama_cpp.llama_get_memory(self.ctx)
-        self._batch = llama_cpp.llama_batch_init(llama_cpp.llama_n_batch(self.ctx), 0, 1)
-
-    def sampler(self, s: Sampling, prompt: list[int]):
-        """A new sampler chain; ValueError for a grammar llama.cpp cannot parse."""
-        ll = self._ll
-        chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
-        try:
-            if s.bias:
-                pairs = (ll.llama_logit_bias * len(s.bias))(*s.bias)
-                ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_logit_bias(
-                    self._n_vocab, len(s.bias), pairs))
-            if (s.repeat_penalty, s.frequency_penalty, s.presence_penalty) != (1.0, 0.0, 0.0):
-                penalties = ll.llama_sampler_init_penalties(
-                    self._n_vocab, PENALTY_LAST_N, s.repeat_penalty, s.frequency_penalty, s.presence_penalty)
-                text = [t for t in prompt if image_item(t) is None]
-                for token in text[-PENALTY_LAST_N:]:  # the prompt counts, as in llama.cpp
-                    ll.llama_sampler_accept(penalties, token)
-                ll.llama_sampler_chain_add(chain, penalties)
-            if s.grammar is not None:
-                grammar = ll.llama_sampler_init_grammar(self._vocab, s.grammar.encode("utf-8"),
-                                                        b"root")
-                if not grammar:
-                    raise ValueError("llama.cpp cannot parse the grammar")
-                ll.llama_sampler_chain_add(chain, grammar)
-            if s.temperature <= 0:
-                ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_greedy())
-            else:
-                for sampler in (ll.llama_sampler_init_top_k(s.top_k),
-                                ll.llama_sampler_init_top_p(s.top_p, 1),
-                                ll.llama_sampler_init_min_p(s.min_p, 1),
-                                ll.llama_sampler_init_temp(s.temperature),
-                                ll.llama_sampler_init_dist(s.seed)):
-                    ll.llama_sampler_chain_add(chain, sampler)
-        except BaseException:
-            ll.llama_sampler_free(chain)
-            raise
-        return chain
-
-    def trim(self, slot: int, keep: int) -> bool:
-        """Drop a slot's KV from position `keep` on; false when the model's memory cannot
-        cut a sequence short (a recurrent one), which it always can from 0."""
-        return bool(self._ll.llama_memory_seq_rm(self._memory, slot, keep, -1))
-
-    def decode(self, entries: list[Entry]) -> list[int]:
-        """One llama_decode of every text entry; the sampled token of each that samples;
-        then each image entry's image (one that fails is marked `failed`)."""
-        images = [e for e in entries if e.image is not None]
-        sampled: list = self._decode([e for e in entries if e.image is None])
-        for entry in images:  # after sampling: an image's decode overwrites the logits
-            try:
-                self.projector.evaluate(entry.image, self.ctx, entry.pos, entry.slot,
-                                        self._ll.llama_n_batch(self.ctx))
-            except Exception as exc:
-                log.warning("an image could not be evaluated: %s", exc)
-                entry.failed = exc
-        return sampled
-
-    def _decode(self, entries: list[Entry]) -> list[list[int]]:
-        """One llama_decode; for each entry that samples, its tokens: one, or with a
-        draft, one per position the samples agreed with the draft, and one more."""
-        if not entries:
-            return []
-        ll, batch = self._ll, self._batch
-        n, outputs, scored = 0, [], []
-        for entry in entries:
-            every = entry.reading and entry.seq.prompt_logprobs  # logits for each token
-            if every:
-                scored.append((entry, n))
-            for offset, token in enumerate(entry.tokens):
-                batch.token[n] = token
-                batch.pos[n] = entry.pos + offset
-                batch.n_seq_id[n] = 1
-                batch.seq_id[n][0] = entry.slot
-                batch.logits[n] = every
-                n += 1
-            if entry.sample:  # the last token's logits, and each draft token's
-                first = n - 1 - entry.draft
-                for j in range(first, n):
-                    batch.logits[j] = True
-                outputs.append((entry, first))
-        batch.n_tokens = n
-        code = ll.llama_decode(self.ctx, batch)
-        if code != 0:
-            raise RuntimeError(f"llama_decode failed with status {code}")
-        for entry, first in scored:
-            self._score_prompt(entry, first)
-        sampled = []
-        for entry, first in outputs:
-            draft = entry.tokens[len(entry.tokens) - entry.draft:]
-            got = []
-            for j in range(entry.draft + 1):  # the sampler chain sees only kept tokens
-                token = self._sample(entry.seq, first + j)
-                got.append(token)
-                if j == entry.draft or token != draft[j] or self.is_end(token):
-                    break
-            sampled.append(got)
-        return sampled
-
-    def _sample(self, seq: Sequence, i: int) -> int:
-        """The sequence's token from output row `i`, scored when it asks for logprobs."""
-        ll = self._ll
-        if seq.top_logprobs is None:  # the common case costs nothing more
-            return ll.llama_sampler_sample(seq.sampler, self.ctx, i)
-        logits = self._logits(i)  # raw: read before the sampler chain sees them
-        lse, top = logprobs.score(logits, seq.top_logprobs)
-        token = ll.llama_sampler_sample(seq.sampler, self.ctx, i)
-        seq.scores.append(logprobs.TokenLogprob(token, float(logits[token]) - lse, top))
-        return token
-
-    def _logits(self, i: int):
-        """The logits of output row `i` of the last decode, as a numpy array (a view)."""
-        import numpy as np
-
-        return np.ctypeslib.as_array(self._ll.llama_get_logits_ith(self.ctx, i),
-                                     shape=(self._n_vocab,))
-
-    def _score_prompt(self, entry: Entry, first: int) -> None:
-        """Score the prompt tokens an entry's logits predict: row `first + j` (position
-        entry.pos + j) gives the next prompt token's log-probability."""
-        seq = entry.seq
-        for j in range(len(entry.tokens)):
-            target = entry.pos + j + 1
-            if target >= len(seq.prompt):
-                break
-            seq.prompt_scores.append(
-                logprobs.scored(self._logits(first + j), seq.prompt[target], seq.top_logprobs or 0))
-
-    def is_end(self, token: int) -> bool:
-        """Whether a token ends a generation (end of sequence, end of turn, ...)."""
-        return bool(self._ll.llama_vocab_is_eog(self._vocab, token))
-
-    def release(self, seq: Sequence) -> None:
-        """Free a sequence's sampler chain, and its image chunks."""
-        if seq.sampler is not None:
-            self._ll.llama_sampler_free(seq.sampler)
-            seq.sampler = None
-        if seq.images:
-            self.projector.free_chunks(seq.images)
-
-    def prompt_evaluated(self) -> int:
-        """Prompt tokens llama.cpp counted as evaluated (batches of more than one token)."""
-        return self._ll.llama_perf_context(self.ctx).n_p_eval
-
-    def close(self) -> None:
-        """Free the batch and the context."""
-        if self.projector is not None:
-            self.projector.close()
-        if self.ctx is not None:
-            self._ll.llama_batch_free(self._batch)
-            self._ll.llama_free(self.ctx)
-            self.ctx = None

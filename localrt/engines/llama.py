@@ -20,8 +20,10 @@ import logging
 from pathlib import Path
 from typing import Callable, Iterator
 
-from localrt.engines.batching import Batcher, LlamaBatch, Sampling, Sequence
+from localrt.engines.batching import Batcher, Sequence
+from localrt.engines.llamabatch import LlamaBatch, Sampling
 from localrt.engines.drafting import Drafter
+from localrt.engines.promptcache import PromptCache
 from localrt.engines.embedding import LlamaEmbedder, embedding_pooling
 from localrt.engines.generation import (GeneratingModel, Generation, check_room, seed_of,
                                         sampling_value, token_loop)
@@ -150,8 +152,10 @@ class LlamaModel(GeneratingModel):
                 self._model.close()
                 self._release_rpc()
                 raise
+        cache = options.get("prompt_cache_bytes")
         self._batcher = Batcher(self.slots, params.n_batch, self._batch,
-                                caching=options.get("caching_enabled", True))
+                                caching=options.get("caching_enabled", True),
+                                cache=PromptCache(cache) if cache else None)
         self._cache_type = options.get("cache_type") or "f16"
         # Speculative decoding (localrt.engines.drafting), on unless the start option
         # says off, and never for a model whose memory cannot cut a sequence short
@@ -274,8 +278,11 @@ class LlamaModel(GeneratingModel):
 
     def report(self) -> dict:
         """Its GET /v1/models/status fields (contract.Reporting): speculation's counts."""
-        return {"speculative": {"drafted": self._batcher.drafted,
-                                "accepted": self._batcher.accepted}}
+        batcher = self._batcher
+        out = {"speculative": {"drafted": batcher.drafted, "accepted": batcher.accepted}}
+        if batcher.cache is not None:
+            out["promptCache"] = batcher.cache.report()
+        return out
 
     def counters(self) -> dict:
         """Decode steps so far, and the prompt tokens they read: as the batcher counted

@@ -208,9 +208,10 @@ class Scheduler:
     while a model computes."""
 
     def __init__(self, registry, engines, max_models: int = 2, keep_alive: float = 0.0,
-                 lanes: int = 1, cores: int | None = None):
+                 lanes: int = 1, cores: int | None = None, prompt_cache: int = 0):
         self._registry = registry
         self._engines = engines
+        self.prompt_cache = prompt_cache  # bytes of RAM cache per model (promptCacheMiB)
         self.max_models = max_models
         self.keep_alive = keep_alive  # seconds; 0 is off
         self.reaper = Reaper(self)
@@ -500,8 +501,12 @@ class Scheduler:
         engine = options["engine"]
         path = self._model_path(record)
         before = _rss()
-        projector = projector_path(record)  # a vision model's (localrt.engines.vision)
-        loading = options if projector is None else {**options, "mmproj": str(projector)}
+        # What the engine loads beside the options: a vision model's projector
+        # (localrt.engines.vision), the RAM the prompt cache may keep (promptCacheMiB).
+        loading = {**options, "prompt_cache_bytes": self.prompt_cache}
+        projector = projector_path(record)
+        if projector is not None:
+            loading["mmproj"] = str(projector)
         try:
             model = self._engines.open(engine, str(path), loading)
         except HTTPError:
