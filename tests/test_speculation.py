@@ -159,3 +159,25 @@ def test_the_api_reports_drafts_in_usage_status_and_metrics(app, api, models):
     assert bad.status == 400 and bad.json["error"]["param"] == "speculative"
     bad = api("POST", "/v1/chat/completions", {**body, "prediction": {"type": "x"}})
     assert bad.status == 400 and bad.json["error"]["param"].startswith("prediction")
+
+
+def test_a_drafter_proposes_what_followed_and_sizes_its_drafts_by_their_fate():
+    from localrt.engines.drafting import REST, Drafter
+
+    d = Drafter([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3])
+    assert d.propose(16) == [4, 5, 6, 7]  # after the last 1 2 3: the first size is 4
+    d.settle(4, 4)
+    d.extend([4, 5, 6, 7, 8])
+    assert d.propose(16) == [9, 1, 2, 3, 4, 5, 6, 7]  # doubled
+    assert d.propose(3) == [9, 1, 2]  # never more than the room
+    d.settle(8, 1)
+    assert d.size == 4  # twice what it kept, and two
+    for size in (2, 1):
+        d.settle(d.size, 0)
+        assert d.size == size
+    d.settle(1, 0)  # nothing kept at size 1: it rests
+    assert [d.propose(16) for _ in range(REST)] == [[]] * REST
+    assert d.propose(16) == [9]
+    assert Drafter([5, 6, 7]).propose(16) == []  # nothing seen twice
+    predicted = Drafter([1, 2], prediction=[1, 2, 30, 31, 32])
+    assert predicted.propose(16) == [30, 31, 32] and predicted.predicted

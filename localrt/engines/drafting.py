@@ -11,9 +11,9 @@ seeded), only sooner. On a CPU that is nearly free: decode is bound by reading t
 weights, which one pass does for all the draft's tokens.
 
 A draft that keeps failing costs compute for nothing, so each Drafter sizes its next
-draft by how its last ones did (`settle`): it doubles after a draft accepted whole,
-halves after one that missed at once, and rests for a while when the size falls to
-nothing. A request's `prediction` (OpenAI's predicted output: the text an editor
+draft by how its last one did (`settle`): it doubles after a draft accepted whole,
+is about twice the tokens kept after one accepted in part, halves after one that
+missed at once, and rests for a while when the size falls to nothing. A request's `prediction` (OpenAI's predicted output: the text an editor
 expects back) is looked up like the context, before it.
 """
 
@@ -96,7 +96,9 @@ class Drafter:
             self._followed, self._pending = self._pending + accepted, None
         if accepted == proposed:
             self.size = min(self.size * 2, self.draft_max)
-        elif accepted == 0:
+        elif accepted:  # about twice what it kept: the text it copies may end soon
+            self.size = min(2 * accepted + 2, self.draft_max)
+        else:
             self.size //= 2
             if self.size == 0:
                 self.size, self.rest = 1, REST
