@@ -118,6 +118,7 @@ def write_gguf(
     pooling_type: Optional[int] = None,
     script=(),
     weight_scale: float = 0.02,
+    loop: bool = False,
 ) -> Path:
     """Write a tiny random-weight llama model to `path` and return it as a Path.
 
@@ -133,7 +134,10 @@ def write_gguf(
     model that always writes that script, then its end token, whatever the prompt:
     its blocks' weights are zero, so each position's state is its own token's
     embedding, and the output maps each script token to the next (any other token to
-    the first). Real llama.cpp then answers with known text, e.g. a tool call.
+    the first). Real llama.cpp then answers with known text, e.g. a tool call. With
+    `loop` the script starts again after its last token instead of ending: a model that
+    never ends a reply (its tokens must be distinct), under any sampling that keeps
+    min_p.
 
     `weight_scale` is the standard deviation of the random weights; a larger one makes
     the context (e.g. an image's embeddings) weigh more on what the model writes.
@@ -193,7 +197,7 @@ def write_gguf(
     T = gguf.TENSOR_NAMES
     M = gguf.MODEL_TENSOR
     if script:
-        embd, output = _scripted(tokens, list(script), n_embd)
+        embd, output = _scripted(tokens, list(script), n_embd, loop)
     else:
         embd, output = weight(vocab_size, n_embd), weight(vocab_size, n_embd)
     writer.add_tensor(T[M.TOKEN_EMBD] + ".weight", embd.astype(wdtype))
@@ -225,11 +229,13 @@ def write_gguf(
     return path
 
 
-def _scripted(tokens: list, script: list, n_embd: int):
-    """(token embeddings, output weights) of a model that writes `script` then EOS: any
-    token not in the script points along dimension 0, the k-th script token along k+1,
-    and the output row of the token that follows has a large weight on that dimension."""
-    ids = [tokens.index(text) for text in script] + [EOS_ID]
+def _scripted(tokens: list, script: list, n_embd: int, loop: bool = False):
+    """(token embeddings, output weights) of a model that writes `script` then EOS (with
+    `loop`, its first token again): any token not in the script points along dimension
+    0, the k-th script token along k+1, and the output row of the token that follows
+    has a large weight on that dimension."""
+    ids = [tokens.index(text) for text in script]
+    ids.append(ids[0] if loop else EOS_ID)
     if len(ids) > n_embd:
         raise ValueError("a script needs n_embd above its length")
     embd = np.zeros((len(tokens), n_embd), dtype=np.float32)

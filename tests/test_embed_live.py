@@ -3,8 +3,8 @@ them: the official `openai` package (client.embeddings.create, client.completion
 and curl-style raw HTTP, streams read line by line.
 
 The server is `localrt start --foreground` in its own process (conftest's live_server).
-The models are generated: a tiny random llama for completions (and, imported a second
-time, for embeddings by mean pooling) and a tiny random BERT. Random weights make
+The models are generated: a tiny random llama for completions and embeddings (and,
+imported a second time, for llama.cpp's embedding mode) and a tiny random BERT. Random weights make
 gibberish and meaningless vectors, so the tests check shapes, encodings and that the
 same request gives the same answer.
 """
@@ -80,9 +80,25 @@ def test_openai_embedding_errors(client):
         client.embeddings.create(model="bert", input="word " * 500)  # BERT holds 128
     assert caught.value.body["param"] == "input"
     client.completions.create(model="llama", prompt="a", max_tokens=1)  # now running
-    with pytest.raises(openai.ConflictError) as caught:
-        client.embeddings.create(model="llama", input="a")
-    assert caught.value.body["code"] == "model_not_embedding"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.embeddings.create(model="llama", input=[[1, 99999]])
+    assert caught.value.body["param"] == "input"
+
+
+def test_one_model_embeds_and_completes(server, client):
+    """A decoder running for completions embeds too, as it does started in embedding
+    mode (`llama-embed`, the same file), and completes after."""
+    body = {"model": "llama", "prompt": "Once", "max_tokens": 8, "temperature": 0,
+            "logit_bias": NO_EOS}
+    text = client.completions.create(**body).choices[0].text
+    status, _ = api(server, "POST", "/v1/models/llama-embed/start",
+                    {"embedding": True})
+    assert status == 200
+    reference = client.embeddings.create(model="llama-embed", input=TEXTS,
+                                         encoding_format="float")
+    got = client.embeddings.create(model="llama", input=TEXTS, encoding_format="float")
+    assert [d.embedding for d in got.data] == [d.embedding for d in reference.data]
+    assert client.completions.create(**body).choices[0].text == text
 
 
 def test_embeddings_as_curl_sends_them(server):

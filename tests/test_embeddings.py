@@ -1,23 +1,27 @@
 """POST /v1/embeddings through the WSGI app, on real llama.cpp.
 
 The models are generated (tests/ggufgen.py): a tiny random llama (a decoder, pooled by
-the mean of its tokens), the same llama declaring a pooling type in its GGUF (an
-embedding model made of a decoder, as Qwen3-Embedding is), and a tiny random BERT (an
-encoder with its own pooling, as BERT and nomic GGUFs have). Random weights make
-meaningless vectors, so the tests check shapes, scale, order, encodings and that the
-same input always gives the same vector.
+the mean of its tokens, which chats too), the same llama declaring a pooling type in
+its GGUF (an embedding model made of a decoder, as Qwen3-Embedding is), and a tiny
+random BERT (an encoder with its own pooling, as BERT and nomic GGUFs have). Random
+weights make meaningless vectors, so the tests check shapes, scale, order, encodings,
+that the same input always gives the same vector, and that a decoder running for chat
+gives the vectors of llama.cpp's embedding mode.
 """
 
 from __future__ import annotations
 
 import base64
+import threading
 
 import gguf
 import numpy as np
 import pytest
 from ggufgen import write_bert_gguf, write_gguf
-from support.models import tokens_of
+from support.models import NO_EOS, tokens_of
 
+from localrt.engines.embedding import embedding_params
+from localrt.engines.llama import llama_arguments
 from localrt.engines.onnx import OnnxEngine
 
 TEXTS = ["the quick brown fox", "jumps over", "the lazy dog", "a"]
@@ -71,7 +75,8 @@ def test_a_decoder_embeds_with_mean_pooling_started_on_first_use(api, add):
     assert abs(np.linalg.norm(v[0]) - 1) < 1e-5  # unit length, as OpenAI's
     assert reply["usage"]["prompt_tokens"] == reply["usage"]["total_tokens"] > 1
     row = running(api, "decoder")
-    assert row["options"]["embedding"] is True  # started in embedding mode
+    assert "embedding" not in row["options"]  # started as a chat would start it
+    assert row["slots"] > 1
 
 
 def test_usage_counts_the_tokens_read(api, add, ggufs):
@@ -119,10 +124,10 @@ def test_token_arrays_embed_as_their_text(api, add, ggufs):
     assert vectors(floats).tolist() == vectors(one).tolist()
 
 
-def test_an_input_longer_than_the_context_is_a_400_naming_input(api, add):
+@pytest.mark.parametrize("mode", [{"embedding": True}, {}], ids=["embedding", "chat"])
+def test_an_input_longer_than_the_context_is_a_400_naming_input(api, add, mode):
     add("decoder")
-    r = api("POST", "/v1/models/decoder/start", {"embedding": True, "ctx_len": 32,
-                                                 "cpu_threads": 1})
+    r = api("POST", "/v1/models/decoder/start", {**mode, "ctx_len": 32, "cpu_threads": 1})
     assert r.status == 200, r.body
     r = api("POST", "/v1/embeddings", {"model": "decoder", "input": ["ok", "word " * 100]})
     assert r.status == 400 and r.json["error"]["param"] == "input"
@@ -167,15 +172,74 @@ def test_dimensions_cut_and_scale_again(api, add):
     assert r.status == 400 and r.json["error"]["param"] == "dimensions"
 
 
-def test_a_model_running_for_chat_is_a_409_and_embedding_mode_makes_no_text(api, add):
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+        "temperature": 0, "logit_bias": NO_EOS}
+
+
+def chat(api, model, stream=False):
+    r = api("POST", "/v1/chat/completions", {"model": model, **CHAT, "stream": stream})
+    assert r.status == 200, r.body
+    return r.body if stream else r.json["choices"][0]["message"]["content"]
+
+
+@pytest.fixture
+def reference(api, add, ggufs):
+    """The decoder's vectors of TEXTS in llama.cpp's embedding mode (the start option
+    `embedding`), under a second id; and the decoder imported for chat."""
+    r = api("POST", "/v1/models/import", {"path": str(ggufs["decoder"]), "id": "only-embed"})
+    assert r.status == 200, r.body
+    r = api("POST", "/v1/models/only-embed/start", {"embedding": True})
+    assert r.status == 200, r.body
     add("decoder")
-    r = api("POST", "/v1/models/decoder/start", {"cpu_threads": 1})
+    yield vectors(embed(api, "only-embed", TEXTS))
+    assert api("POST", "/v1/models/only-embed/stop").status == 200
+
+
+def test_a_model_running_for_chat_embeds_as_its_embedding_mode(api, reference):
+    r = api("POST", "/v1/models/decoder/start", {})
     assert r.status == 200
-    r = api("POST", "/v1/embeddings", {"model": "decoder", "input": "a"})
-    assert r.status == 409 and r.json["error"]["code"] == "model_not_embedding"
-    assert "localrt models stop decoder" in r.json["message"]
+    alone = chat(api, "decoder")
+    assert np.array_equal(vectors(embed(api, "decoder", TEXTS)), reference)
+    assert chat(api, "decoder") == alone  # the embedding left the chat's cache alone
+    assert np.array_equal(vectors(embed(api, "decoder", TEXTS)), reference)
+    # Started by an embeddings request, it chats too.
     assert api("POST", "/v1/models/decoder/stop").status == 200
-    embed(api, "decoder", "a")  # starts it in embedding mode now
+    assert np.array_equal(vectors(embed(api, "decoder", TEXTS)), reference)
+    assert chat(api, "decoder") == alone
+    assert b'"finish_reason":"length"' in chat(api, "decoder", stream=True).replace(b" ", b"")
+    assert running(api, "decoder")["requests"] == 0  # every turn was given back
+
+
+def test_chats_and_embeddings_at_once_on_one_model(api, reference):
+    """Two streams and two embedders share the model: each gets what it gets alone."""
+    alone = chat(api, "decoder")
+    out, errors = {}, []
+
+    def run(name, fn):
+        try:
+            out[name] = [fn() for _ in range(3)]
+        except Exception as exc:  # the test fails below, naming it
+            errors.append((name, exc))
+
+    jobs = {"chat0": lambda: chat(api, "decoder"), "chat1": lambda: chat(api, "decoder"),
+            "embed0": lambda: vectors(embed(api, "decoder", TEXTS)),
+            "embed1": lambda: vectors(embed(api, "decoder", TEXTS[::-1]))[::-1]}
+    threads = [threading.Thread(target=run, args=item) for item in jobs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and len(out) == 4, errors
+    assert out["chat0"] == out["chat1"] == [alone] * 3
+    for got in out["embed0"] + out["embed1"]:
+        np.testing.assert_allclose(got, reference, atol=1e-5)
+    assert np.array_equal(out["embed0"][0], reference)
+
+
+def test_embedding_mode_makes_no_text(api, add):
+    add("decoder")
+    r = api("POST", "/v1/models/decoder/start", {"embedding": True, "cpu_threads": 1})
+    assert r.status == 200 and r.json["options"]["embedding"] is True
     chat = {"model": "decoder", "messages": [{"role": "user", "content": "hi"}],
             "max_tokens": 4}
     for stream in (False, True):
@@ -183,7 +247,36 @@ def test_a_model_running_for_chat_is_a_409_and_embedding_mode_makes_no_text(api,
         assert r.status == 409 and r.json["error"]["code"] == "embedding_model", r.body
     r = api("POST", "/v1/completions", {"model": "decoder", "prompt": "hi"})
     assert r.status == 409 and r.json["error"]["code"] == "embedding_model"
+    embed(api, "decoder", "a")
     assert running(api, "decoder")["requests"] == 0  # every turn was given back
+
+
+@pytest.mark.parametrize("options", [
+    {"ctx_len": 64, "cpu_threads": 1},
+    {"ctx_len": 64, "cpu_threads": 2, "flash_attn": True, "cache_type": "f32"},
+    {}])
+def test_a_chat_models_embedding_context_is_made_as_the_embedding_mode_makes_it(
+        ggufs, options):
+    """embedding_params gives, field by field, the context parameters llama_cpp.Llama
+    makes for the embedding mode (LlamaEmbedder.open)."""
+    import llama_cpp
+
+    arguments, mean = llama_arguments(options), llama_cpp.LLAMA_POOLING_TYPE_MEAN
+    llm = llama_cpp.Llama(model_path=str(ggufs["decoder"]), verbose=False, embedding=True,
+                          pooling_type=mean,
+                          **{**arguments, "n_ctx": 64, "n_batch": 64, "n_ubatch": 64})
+    try:
+        theirs = llm.context_params
+        ours = embedding_params(llama_cpp, arguments, 64, mean)
+        compared = 0
+        for name, kind in ours._fields_:
+            if kind.__name__.startswith(("LP_", "CFunctionType")) or name.endswith("_data"):
+                continue  # callbacks and pointers: none set by either
+            assert getattr(ours, name) == getattr(theirs, name), name
+            compared += 1
+        assert compared > 25
+    finally:
+        llm.close()
 
 
 def test_a_bert_model_embeds_with_its_own_pooling(api, add, ggufs):

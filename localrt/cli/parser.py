@@ -73,7 +73,8 @@ def build_parser(stdout=None, stderr=None) -> argparse.ArgumentParser:
     p = sub.add_parser("embed", help="print the embeddings of texts",
                        description="Print each TEXT's embedding from model ID as a JSON "
                        "array of numbers (unit length), one line per TEXT, in order. The "
-                       "server starts the model in embedding mode if it is not running.")
+                       "server starts the model if it is not running; a model running for chat "
+                       "embeds too.")
     p.add_argument("model", metavar="ID", help="the model's id")
     p.add_argument("text", metavar="TEXT", nargs="+", help="a text to embed")
     p.add_argument("--dimensions", type=int, metavar="N", help="keep the first N numbers "

@@ -499,8 +499,8 @@ def embed(services, body: dict, disconnected: Disconnected = never) -> dict:
         request["dimensions"] = body["dimensions"]
     services.embeddings.check_mode(model_id)  # the request's own check, before a start
     try:
-        timer.load = services.requests.start(
-            model_id, {"embedding": True, **start_options(body.get("options"), record)})
+        timer.load = services.requests.start(  # as a chat would: it embeds and chats
+            model_id, start_options(body.get("options"), record))
         usage, vectors = {}, []
         if inputs:
             reply = services.embeddings.create(

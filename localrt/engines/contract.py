@@ -192,11 +192,15 @@ class Counting(Protocol):
 
 @runtime_checkable
 class Embedding(Protocol):
-    """A model loaded in embedding mode (localrt.engines.embedding): its generate() is
-    a 409."""
+    """A model that gives embeddings (POST /v1/embeddings): one loaded in an embedding
+    mode only, whose generate() is a 409, or a chat model that embeds beside its
+    generations (gguf-cpp's decoders: localrt.engines.embedding)."""
 
-    def embed(self, inputs: list) -> tuple:
-        """(vectors, tokens read): one vector per input, a text or a token list."""
+    def embed(self, inputs: list, compute: Callable) -> tuple:
+        """(vectors, tokens read): one vector per input, a text or a token list. Each
+        batch it computes is `compute(fn, *args)` (fn's result), on the scheduler's
+        compute lane, so a Batched model's steps take turns with the batches and wait
+        for one at most; nothing is computed outside it."""
 
 
 @runtime_checkable

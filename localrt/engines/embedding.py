@@ -1,17 +1,29 @@
-"""gguf-cpp's embedding mode: a GGUF loaded in llama.cpp's embedding mode gives vectors.
+"""gguf-cpp's embeddings: pooled vectors from llama.cpp's embedding mode.
 
-gguf-cpp (localrt.engines.llama.GgufEngine) loads a model this way (`LlamaEmbedder`)
-when it is started with the start option `embedding`, or when its GGUF is an
-embedding model (it declares a pooling type, or non-causal attention); see
-`embedding_pooling`. Such a model is localrt.engines.contract's Embedding: it answers
-POST /v1/embeddings (localrt.inference.embeddings), and its generate() is a 409.
+A GGUF embedding model (it declares a pooling type, or non-causal attention; see
+`embedding_pooling`), or any GGUF started with the start option `embedding`, loads in
+llama.cpp's embedding mode (`LlamaEmbedder`): it answers POST /v1/embeddings
+(localrt.inference.embeddings), and its generate() is a 409. A decoder started
+without that option is a chat model (localrt.engines.llama.LlamaModel) that embeds
+too, on a second context of its own in embedding mode over the same weights
+(`EmbeddingContext`), made at its first embeddings request. Both compute with one
+`Embedder`, with the same context parameters (`embedding_params`), so a decoder's
+vectors are the same in either mode. Both are localrt.engines.contract's Embedding.
 llama_cpp is imported only when a model loads.
 """
 
 from __future__ import annotations
 
+import threading
+from typing import Callable
+
 from localrt.engines.generation import GeneratingModel, Generation
 from localrt.errors import Conflict, InvalidField
+
+
+def _here(fn, *args):
+    """Compute where called: embed()'s `compute` when no scheduler gives one."""
+    return fn(*args)
 
 
 class EmbeddingModel(Conflict):
@@ -47,20 +59,105 @@ def embedding_pooling(model_path: str, options: dict) -> int | None:
     return None
 
 
-class LlamaEmbedder(GeneratingModel):
-    """A GGUF model in llama.cpp's embedding mode: vectors, never text.
+class Embedder:
+    """Pooled embeddings on one llama.cpp context in embedding mode, the embedding mode's
+    (`LlamaEmbedder`) and a chat model's own (`EmbeddingContext`) alike, so both give
+    the same vectors.
 
-    Inputs are read as sequences of one batch, as many as fit in the context
-    (n_batch = n_ubatch = ctx_len: an encoder must read a whole sequence in one ubatch,
-    and pooled sequences never span two), so 64 short texts take one decode.
+    Inputs are read as sequences of one decode (a pooled sequence never spans two
+    ubatches, and an encoder must read a whole sequence at once: n_batch = n_ubatch =
+    `context`), as many as fit in `budget` tokens and n_seq_max sequences, so 64 short
+    texts take one decode. Each decode is one call of `compute` (embed()'s argument):
+    the scheduler's compute lane, where a chat model's steps take turns with them.
     """
+
+    def __init__(self, model, ctx, batch, context: int, budget: int):
+        import llama_cpp
+
+        self._llama_cpp = llama_cpp
+        self.model, self.ctx, self.batch = model, ctx, batch  # llama_cpp._internals'
+        self.context = context
+        self.budget = min(budget, context)
+        self._lock = threading.Lock()  # one decode at a time uses ctx and batch
+
+    def embed(self, inputs: list, compute: Callable | None = None) -> tuple:
+        """One vector per input (an array of n_embd floats, as the model pools them) and
+        the tokens read; a 400 naming `input` for an empty one, one longer than the
+        context, or a token not in the vocabulary. Each decode is `compute(fn, *args)`
+        (the scheduler's compute lane; here when None)."""
+        import numpy as np
+
+        compute = compute or _here
+        lists = [self._tokens(i, item) for i, item in enumerate(inputs)]
+        most = self.ctx.params.n_seq_max  # sequences in one decode
+        groups: list[list[int]] = []
+        used = 0
+        for row, tokens in enumerate(lists):
+            if not groups or used + len(tokens) > self.budget or len(groups[-1]) >= most:
+                groups.append([])
+                used = 0
+            groups[-1].append(row)
+            used += len(tokens)
+        out = np.empty((len(lists), self.model.n_embd()), dtype=np.float32)
+        for rows in groups:
+            compute(self._decode, [lists[row] for row in rows], out[rows[0]:rows[-1] + 1])
+        return out, sum(map(len, lists))
+
+    def _decode(self, lists: list, out) -> None:
+        """One decode of `lists` (sequences 0, 1, ...), their vectors into the rows of `out`."""
+        import numpy as np
+
+        llama_cpp, ctx, batch = self._llama_cpp, self.ctx, self.batch
+        n_embd = out.shape[1]
+        with self._lock:
+            batch.reset()
+            try:
+                for seq, tokens in enumerate(lists):
+                    batch.add_sequence(tokens, seq, True)
+                ctx.kv_cache_clear()
+                ctx.decode(batch)
+                for seq in range(len(lists)):
+                    vector = llama_cpp.llama_get_embeddings_seq(ctx.ctx, seq)
+                    out[seq] = np.ctypeslib.as_array(vector, shape=(n_embd,))
+            finally:
+                batch.reset()
+                ctx.kv_cache_clear()
+
+    def _tokens(self, index: int, item) -> list[int]:
+        """An input's tokens: a text's as llama.cpp's embed() makes them (with the
+        model's BOS, or BERT's CLS and SEP), a token list as it is."""
+        model, field = self.model, f"input[{index}]"
+        if isinstance(item, str):
+            tokens = model.tokenize(item.encode("utf-8"), add_bos=True, special=False)
+        else:
+            tokens = list(item)
+            n_vocab = model.n_vocab()
+            bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
+            if bad is not None:
+                raise InvalidField(f"Invalid field 'input': {field} holds token {bad}, not "
+                                   f"in the model's vocabulary of {n_vocab}", param="input")
+        if not tokens:
+            raise InvalidField(f"Invalid field 'input': {field} is empty", param="input")
+        if len(tokens) > self.context:
+            raise InvalidField(f"Invalid field 'input': {field} is {len(tokens)} tokens and "
+                               f"the model's context (ctx_len) holds {self.context}; "
+                               f"shorten it or start the model with a larger ctx_len",
+                               param="input")
+        return tokens
+
+
+class LlamaEmbedder(GeneratingModel):
+    """A GGUF model in llama.cpp's embedding mode: vectors, never text (an `Embedder`
+    on llama_cpp.Llama's context)."""
 
     def __init__(self, llm, context: int):
         import llama_cpp
 
         self.llm = llm
         self._llama_cpp = llama_cpp
-        self.context = min(context, llm.n_ctx(), llm.n_batch)
+        context = min(context, llm.n_ctx(), llm.n_batch)
+        self._embedder = Embedder(llm._model, llm._ctx, llm._batch, context, context)
+        self.context = context
 
     @classmethod
     def open(cls, model_path: str, arguments: dict, context: int | None,
@@ -89,65 +186,9 @@ class LlamaEmbedder(GeneratingModel):
                              "POST /v1/embeddings, not chats or completions; stop it to "
                              "chat with a model that can", param="model")
 
-    def embed(self, inputs: list) -> tuple:
-        """One vector per input (an array of n_embd floats, as the model pools them) and
-        the tokens read; a 400 naming `input` for an empty one, one longer than the
-        context, or a token not in the vocabulary."""
-        import numpy as np
-
-        llama_cpp, llm = self._llama_cpp, self.llm
-        lists = [self._tokens(i, item) for i, item in enumerate(inputs)]
-        n_embd, ctx, batch = llm.n_embd(), llm._ctx, llm._batch
-        most = llm.context_params.n_seq_max  # sequences in one batch
-        out = np.empty((len(lists), n_embd), dtype=np.float32)
-        rows: list[int] = []
-        used = 0
-
-        def decode() -> None:
-            ctx.kv_cache_clear()
-            ctx.decode(batch)
-            for seq, row in enumerate(rows):
-                vector = llama_cpp.llama_get_embeddings_seq(ctx.ctx, seq)
-                out[row] = np.ctypeslib.as_array(vector, shape=(n_embd,))
-            batch.reset()
-
-        batch.reset()
-        try:
-            for row, tokens in enumerate(lists):
-                if rows and (used + len(tokens) > self.context or len(rows) >= most):
-                    decode()
-                    rows, used = [], 0
-                batch.add_sequence(tokens, len(rows), True)
-                rows.append(row)
-                used += len(tokens)
-            if rows:
-                decode()
-        finally:
-            batch.reset()
-            ctx.kv_cache_clear()
-        return out, sum(map(len, lists))
-
-    def _tokens(self, index: int, item) -> list[int]:
-        """An input's tokens: a text's as llama.cpp's embed() makes them (with the
-        model's BOS, or BERT's CLS and SEP), a token list as it is."""
-        llm, field = self.llm, f"input[{index}]"
-        if isinstance(item, str):
-            tokens = llm.tokenize(item.encode("utf-8"), add_bos=True, special=False)
-        else:
-            tokens = list(item)
-            n_vocab = llm.n_vocab()
-            bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
-            if bad is not None:
-                raise InvalidField(f"Invalid field 'input': {field} holds token {bad}, not "
-                                   f"in the model's vocabulary of {n_vocab}", param="input")
-        if not tokens:
-            raise InvalidField(f"Invalid field 'input': {field} is empty", param="input")
-        if len(tokens) > self.context:
-            raise InvalidField(f"Invalid field 'input': {field} is {len(tokens)} tokens and "
-                               f"the model's context (ctx_len) holds {self.context}; "
-                               f"shorten it or start the model with a larger ctx_len",
-                               param="input")
-        return tokens
+    def embed(self, inputs: list, compute: Callable | None = None) -> tuple:
+        """See Embedder.embed."""
+        return self._embedder.embed(inputs, compute)
 
     def memory(self) -> dict:
         """RAM and VRAM from llama.cpp: the weights (split by offloaded layers) and the
@@ -166,3 +207,86 @@ class LlamaEmbedder(GeneratingModel):
     def unload(self) -> None:
         """Free the model and its context."""
         self.llm.close()
+
+
+def embedding_params(llama_cpp, arguments: dict, context: int, pooling: int):
+    """llama_context_params of one embedding context: those llama_cpp.Llama makes for
+    LlamaEmbedder.open's `arguments` (localrt.engines.llama.llama_arguments), `context`
+    tokens in one batch and the pooling type `pooling`; a chat model's EmbeddingContext
+    makes its own with them, so it pools as the embedding mode does. If llama-cpp-python
+    changes what Llama sets, change this too (tests/test_embeddings.py compares them)."""
+    import multiprocessing
+
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = params.n_batch = params.n_ubatch = context
+    params.n_threads = arguments.get("n_threads") or max(multiprocessing.cpu_count() // 2, 1)
+    params.n_threads_batch = arguments.get("n_threads_batch") or multiprocessing.cpu_count()
+    params.rope_scaling_type = llama_cpp.LLAMA_ROPE_SCALING_TYPE_UNSPECIFIED
+    params.pooling_type = pooling
+    params.attention_type = llama_cpp.LLAMA_ATTENTION_TYPE_UNSPECIFIED
+    params.rope_freq_base = params.rope_freq_scale = 0
+    params.yarn_ext_factor, params.yarn_attn_factor = -1.0, 1.0
+    params.yarn_beta_fast, params.yarn_beta_slow, params.yarn_orig_ctx = 32.0, 1.0, 0
+    params.embeddings, params.offload_kqv = True, True
+    params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+                              if arguments.get("flash_attn")
+                              else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+    if arguments.get("type_k") is not None:
+        params.type_k = params.type_v = arguments["type_k"]
+    params.no_perf = False
+    params.n_seq_max = min(context, llama_cpp.llama_max_parallel_sequences())
+    params.kv_unified = True
+    return params
+
+
+class EmbeddingContext:
+    """A chat model's embeddings: a second llama.cpp context in embedding mode on its
+    loaded weights (mean pooling, as the start option `embedding` gives a decoder),
+    made at the first embed() and freed by close().
+
+    Its KV cache (`context` tokens) is apart from the chat slots', so an embedding never
+    touches a chat's cache; each decode reads at most `budget` tokens (the chat model's
+    n_batch) unless one input is longer, so a chat step waits for one such decode at
+    most (the steps and the decodes take turns on the compute lane).
+    """
+
+    def __init__(self, model, arguments: dict, context: int, budget: int):
+        self._model = model  # llama_cpp._internals.LlamaModel, the chat model's
+        self._arguments = arguments
+        self.context, self._budget = context, budget
+        self._lock = threading.Lock()  # guards _embedder, made once
+        self._embedder: Embedder | None = None
+
+    def embed(self, inputs: list, compute: Callable | None = None) -> tuple:
+        """See Embedder.embed; the first call makes the context (on `compute`)."""
+        with self._lock:
+            if self._embedder is None:
+                self._embedder = (compute or _here)(self._open)
+            embedder = self._embedder
+        return embedder.embed(inputs, compute)
+
+    def _open(self) -> Embedder:
+        import llama_cpp
+        from llama_cpp import _internals
+
+        params = embedding_params(llama_cpp, self._arguments, self.context,
+                                  llama_cpp.LLAMA_POOLING_TYPE_MEAN)
+        ctx = _internals.LlamaContext(model=self._model, params=params, verbose=False)
+        batch = _internals.LlamaBatch(n_tokens=self.context, embd=0, n_seq_max=1,
+                                      verbose=False)
+        return Embedder(self._model, ctx, batch, self.context, self._budget)
+
+    def memory(self) -> int:
+        """Bytes its context holds; 0 before the first embed()."""
+        import llama_cpp
+
+        embedder = self._embedder
+        return llama_cpp.llama_state_get_size(embedder.ctx.ctx) if embedder else 0
+
+    def close(self) -> None:
+        """Free the context (the model is unloading; no embed() runs any more)."""
+        with self._lock:
+            if self._embedder is not None:
+                self._embedder.batch.close()
+                self._embedder.ctx.close()
+                self._embedder = None

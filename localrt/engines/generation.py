@@ -155,7 +155,9 @@ def generation_of_pieces(pieces, params: dict) -> Generation:
 
 
 def check_room(prompt_tokens: int, context: int) -> int:
-    """The tokens left for the reply; a 400 when the prompt fills the context."""
+    """The tokens left for the reply; a 400 when the prompt fills the context. An engine
+    caps max_tokens by it, so a reply that reaches the context's end finishes with
+    "length", as at max_tokens (tests/test_context_end.py, in every dialect)."""
     if prompt_tokens >= context:
         raise InvalidField(f"Invalid field 'messages': the prompt is {prompt_tokens} tokens "
                            f"and the model's context (ctx_len) holds {context}; shorten the "

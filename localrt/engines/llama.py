@@ -1,10 +1,12 @@
 """gguf-cpp: llama.cpp through llama-cpp-python, for GGUF models.
 
 `GgufEngine` loads a GGUF as a `LlamaModel`, localrt.engines.contract's Batched,
-Measured, Tokenizing, Counting and Templated model: one llama.cpp context whose
-n_parallel sequences share each decode step (localrt.engines.batching), with the
-prompt cache. An embedding model, or one started with the start option `embedding`,
-loads in llama.cpp's embedding mode instead (localrt.engines.embedding). A model with a projector (the option `mmproj`,
+Measured, Tokenizing, Counting, Embedding and Templated model: one llama.cpp context
+whose n_parallel sequences share each decode step (localrt.engines.batching), with the
+prompt cache, and embeddings on a second context of its own
+(localrt.engines.embedding.EmbeddingContext). An embedding model, or one started with
+the start option `embedding`, loads in llama.cpp's embedding mode instead
+(localrt.engines.embedding). A model with a projector (the option `mmproj`,
 which localrt.inference.scheduler sets from the record) loads it through llama.cpp's
 mtmd and reads chats with images (localrt.engines.vision). A JSON
 response_format becomes a grammar (localrt.engines.grammar); log probabilities
@@ -24,7 +26,7 @@ from localrt.engines.batching import Batcher, Sequence
 from localrt.engines.llamabatch import LlamaBatch, Sampling
 from localrt.engines.drafting import Drafter
 from localrt.engines.promptcache import PromptCache
-from localrt.engines.embedding import LlamaEmbedder, embedding_pooling
+from localrt.engines.embedding import EmbeddingContext, LlamaEmbedder, embedding_pooling
 from localrt.engines.generation import (GeneratingModel, Generation, check_room, seed_of,
                                         sampling_value, token_loop)
 from localrt.engines.grammar import json_grammar
@@ -156,6 +158,9 @@ class LlamaModel(GeneratingModel):
         self._batcher = Batcher(self.slots, params.n_batch, self._batch,
                                 caching=options.get("caching_enabled", True),
                                 cache=PromptCache(cache) if cache else None)
+        # Embeddings beside the chats, on a context of their own (made at the first).
+        self._embedding = EmbeddingContext(self._model, llama_arguments(options),
+                                           self.context, params.n_batch)
         self._cache_type = options.get("cache_type") or "f16"
         # Speculative decoding (localrt.engines.drafting), on unless the start option
         # says off, and never for a model whose memory cannot cut a sequence short
@@ -283,6 +288,12 @@ class LlamaModel(GeneratingModel):
         if batcher.cache is not None:
             out["promptCache"] = batcher.cache.report()
         return out
+
+    def embed(self, inputs: list, compute: Callable | None = None) -> tuple:
+        """Embeddings as the start option `embedding` gives them, beside the chats
+        (localrt.engines.embedding.EmbeddingContext): each decode is `compute(fn, *args)`
+        (the scheduler's compute lane; here when None)."""
+        return self._embedding.embed(inputs, compute)
 
     def counters(self) -> dict:
         """Decode steps so far, and the prompt tokens they read: as the batcher counted
@@ -441,6 +452,7 @@ class LlamaModel(GeneratingModel):
 
     def unload(self) -> None:
         """Free the sequences, the context and the model (no step runs any more)."""
+        self._embedding.close()
         with self._batcher.stepping():
             self._batcher.close()
             self._batch.close()

@@ -6,14 +6,19 @@ upstream's /v1/embeddings: localrt.inference.requests). `input` is a string, an 
 of strings, an array of token ids, or an array of such arrays; each is one vector, in
 the order given.
 
-The model must run in llama.cpp's embedding mode (localrt.engines.embedding: a loaded
-model that is localrt.engines.contract.Embedding). A request for a model that is not running starts it so, with its stored
-parameters and the start option `embedding`, as a chat starts its model. A GGUF
+The model must be localrt.engines.contract's Embedding (it has embed()). A request for
+a model that is not running starts it with its stored parameters, as a chat does. A
+GGUF decoder then runs for chat and embeds too, on a context of its own pooled by the
+mean of its tokens (localrt.engines.embedding.EmbeddingContext): chats and embeddings
+share it in either order, and the vectors are those of llama.cpp's embedding mode,
+which the start option `embedding` still gives (a model that only embeds). A GGUF
 embedding model (BERT, nomic-bert, ...: its GGUF declares a pooling type) always runs
-so and pools its own way; any other model is pooled by the mean of its tokens. A model
-already running for chat is a 409: stop it first, or import its file again under a
-second id to have both. The whole batch is computed on a compute lane in the model's
-turn (`Lease.run`), so it never runs beside a token step.
+in embedding mode and pools its own way; a chat with it is a 409 `embedding_model`.
+A running model without embed() is a 400 when its engine has no embedding mode, else
+a 409 `model_not_embedding` (a custom engine's model that embeds only when started
+with `embedding`). A request holds one of the model's turns, and each decode of its
+batch is one job on a compute lane (`Lease.run`), so a batched model's chat steps take
+turns with them and wait for one decode at most.
 
 Vectors come scaled to unit length (L2), as OpenAI's do and llama.cpp's server scales
 them; `dimensions` keeps the first N numbers and scales again (for Matryoshka models,
@@ -35,7 +40,8 @@ from localrt.inference.requests import Kind, Local, RequestPath
 
 
 class ModelNotEmbedding(Conflict):
-    """The model runs for chat, not in embedding mode."""
+    """The model runs without embeddings: its engine computes them only in embedding
+    mode (the start option `embedding`), and it was started without."""
 
     code = "model_not_embedding"
 
@@ -71,11 +77,11 @@ class Embeddings:
         model_id = local.model_id
         inputs = read_prompt(body["input"])  # the shapes of a completion's prompt
         _refuse_without_mode(local.check_options({"embedding": True}))
-        lease = local.lease(start={"embedding": True}, purpose="an embeddings request")
+        lease = local.lease(purpose="an embeddings request")
         try:
             if not lease.can(contract.Embedding):
                 raise _not_embedding(model_id, lease)
-            vectors, tokens = lease.run(lease.model.embed, inputs)
+            vectors, tokens = lease.model.embed(inputs, lease.run)
         finally:
             lease.release()
         vectors = scaled(vectors, body.get("dimensions"))
@@ -117,13 +123,13 @@ def _base64(vector) -> str:
 
 
 def _not_embedding(model_id: str, lease) -> Exception:
-    """Why a running model has no embed(): its engine has no embedding mode (400), or
-    it was started for chat (409)."""
+    """Why a running model has no embed(): its engine cannot compute embeddings (400),
+    or only in the embedding mode it was not started in (409)."""
     if lease.options.get("embedding"):
         return InvalidField(f"Invalid field 'model': engine {lease.running.engine} cannot "
                             f"compute embeddings", param="model")
     return ModelNotEmbedding(
-        f"Model {model_id} is running for chat, not in embedding mode; stop it (`localrt "
-        f"models stop {model_id}`) and the next embeddings request starts it in embedding "
-        f"mode, or import its file again under another id to run it both ways",
-        param="model")
+        f"Model {model_id} is running without embeddings: engine {lease.running.engine} "
+        f"computes them only in embedding mode; stop it (`localrt models stop {model_id}`) "
+        f"and start it with embedding: true, or import its file again under another id "
+        f"to run it both ways", param="model")

@@ -176,8 +176,9 @@ class Lease:
         running.stepper.next()
 
     def run(self, fn, *args):
-        """fn(*args) on a compute lane in this lease's turn (an embedding batch, say):
-        its result; ModelStopped if the model was stopped meanwhile."""
+        """fn(*args) on a compute lane in this lease's turn (one decode of an embedding
+        batch, say, which a batched model's steps take turns with): its result;
+        ModelStopped if the model was stopped meanwhile."""
         running = self.running
         if running.stopping.is_set():
             raise ModelStopped(f"Model {running.model_id} was stopped during this request")
@@ -391,7 +392,7 @@ class Scheduler:
     def lease(self, model_id: str, start: dict | None = None,
               purpose: str = "a chat request", disconnected: Disconnected = never) -> Lease:
         """Wait for this model's turn, starting the model with its stored parameters (and
-        the start options `start`, as embeddings start a model in embedding mode);
+        the start options `start`);
         `purpose` is what the log says the model started for. ClientGone, with nothing
         held, once `disconnected()` says the client left while it waited."""
         for _ in range(MAX_TURN_RETRIES):
