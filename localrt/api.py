@@ -436,6 +436,10 @@ def _streamed(result):
     return Reply(result, content_type=result.content_type, headers=list(STREAM_HEADERS))
 
 
+# The body a route that takes images may have: base64 makes 20 MiB (the most one image
+# may be, localrt.inference.images) 27 MiB, and a few smaller ones fit beside it.
+IMAGE_BODY = 64 * 1024 * 1024
+
 # Fixed paths come before `{model_id:path}` ones: model ids hold "/" and ":".
 ROUTES = (
     Route("GET", "/", web_page),
@@ -486,25 +490,28 @@ ROUTES = (
     Route("PATCH", "/v1/models/{model_id:path}", update_model, "model-update.json",
           "model-changed"),
     Route("POST", "/v1/chat/completions", chat_completions, "chat-completion.json",
-          "chat-completion"),
+          "chat-completion", max_body=IMAGE_BODY),
     Route("POST", "/v1/completions", completions, "completion.json", "text-completion"),
     Route("POST", "/v1/embeddings", embeddings, "embedding.json", "embedding-list"),
     # OpenAI's Responses API (localrt.dialects.responses)
-    Route("POST", "/v1/responses", create_response, "response-create.json", "response"),
+    Route("POST", "/v1/responses", create_response, "response-create.json", "response",
+          max_body=IMAGE_BODY),
     Route("GET", "/v1/responses/{response_id}", get_response, reply="response"),
     Route("DELETE", "/v1/responses/{response_id}", delete_response, reply="response-deleted"),
     # Anthropic's Messages API (localrt.dialects.anthropic)
     Route("POST", "/v1/messages", anthropic_messages, "anthropic-messages.json",
-          "anthropic-message"),
+          "anthropic-message", max_body=IMAGE_BODY),
     Route("POST", "/v1/messages/count_tokens", anthropic_count_tokens,
-          "anthropic-count-tokens.json", "anthropic-token-count"),
+          "anthropic-count-tokens.json", "anthropic-token-count", max_body=IMAGE_BODY),
     # Ollama's API (localrt.dialects.ollama), under /api/: its errors take Ollama's shape (DIALECTS)
     Route("GET", "/api/version", ollama_version, reply="ollama-version"),
     Route("GET", "/api/tags", ollama_tags, reply="ollama-tags"),
     Route("GET", "/api/ps", ollama_ps, reply="ollama-ps"),
     Route("POST", "/api/show", ollama_show, "ollama-model.json", "ollama-show"),
-    Route("POST", "/api/chat", ollama_chat, "ollama-chat.json", "ollama-chat"),
-    Route("POST", "/api/generate", ollama_generate, "ollama-generate.json", "ollama-generate"),
+    Route("POST", "/api/chat", ollama_chat, "ollama-chat.json", "ollama-chat",
+          max_body=IMAGE_BODY),
+    Route("POST", "/api/generate", ollama_generate, "ollama-generate.json", "ollama-generate",
+          max_body=IMAGE_BODY),
     Route("POST", "/api/embed", ollama_embed, "ollama-embed.json", "ollama-embed"),
     Route("POST", "/api/pull", ollama_pull, "ollama-pull.json", "ollama-status"),
     Route("DELETE", "/api/delete", ollama_delete, "ollama-model.json", "ollama-status"),

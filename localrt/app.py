@@ -126,7 +126,7 @@ class App:
             # the browser would hide the answer, but the request would still act.
             raise Forbidden(f"Cross-origin {method} from {origin} refused; add the origin to "
                             f"allowed_origins and turn cors on")
-        body = _read_body(environ, method)
+        body = _read_body(environ, method, route.max_body or MAX_BODY)
         if route.schema is not None:
             body = {} if body is _NO_BODY else body
             self.validators.validate(route.schema, body)
@@ -233,8 +233,8 @@ def _headers(environ) -> dict:
 _NO_BODY = object()  # no request body at all, as opposed to a JSON null
 
 
-def _read_body(environ, method: str):
-    """The parsed JSON body, or _NO_BODY."""
+def _read_body(environ, method: str, limit: int = MAX_BODY):
+    """The parsed JSON body, or _NO_BODY; a 413 past `limit` bytes."""
     ctype = environ.get("CONTENT_TYPE", "")
     media = ctype.split(";", 1)[0].strip().lower()
     raw_length = environ.get("CONTENT_LENGTH", "")
@@ -252,12 +252,12 @@ def _read_body(environ, method: str):
             f"Request bodies must be sent with Content-Type: application/json (got {shown})")
     if not has_body:
         return _NO_BODY
-    if length > MAX_BODY:
-        raise PayloadTooLarge(f"Request body is {length} bytes; the limit is {MAX_BODY}")
+    if length > limit:
+        raise PayloadTooLarge(f"Request body is {length} bytes; the limit is {limit}")
     stream = environ["wsgi.input"]
-    data = stream.read(length) if length else stream.read(MAX_BODY + 1)
-    if len(data) > MAX_BODY:
-        raise PayloadTooLarge(f"Request body is over the limit of {MAX_BODY} bytes")
+    data = stream.read(length) if length else stream.read(limit + 1)
+    if len(data) > limit:
+        raise PayloadTooLarge(f"Request body is over the limit of {limit} bytes")
     if not data:
         return _NO_BODY
     try:

@@ -21,14 +21,16 @@ _PART = re.compile(r"\{(\w+)(?::(path))?\}")
 
 @dataclass(frozen=True)
 class Route:
-    """One endpoint: method, path pattern, handler, the request body's schema file, and
-    the name of its 200 reply's schema in schemas/replies.json (`$defs`)."""
+    """One endpoint: method, path pattern, handler, the request body's schema file, the
+    name of its 200 reply's schema in schemas/replies.json (`$defs`), and the largest
+    body it takes (None: the app's MAX_BODY; the routes that take images take more)."""
 
     method: str
     pattern: str
     handler: Callable
     schema: str | None = None
     reply: str | None = None
+    max_body: int | None = None
     regex: re.Pattern = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):

@@ -20,7 +20,8 @@ nothing is assigned to it afterwards:
     requests    the one path of chats, completions and embeddings: the model's record,
                 remote (through `remotes`) or local (a lease from the `scheduler`),
                 timed in `metrics`; dialects start models and set keep-alives here
-    chats       chat completions on the scheduler's models, each counted in `metrics`
+    chats       chat completions on the scheduler's models, each counted in `metrics`;
+                their images read under the settings and the config's outbound options
     completions text completions (the legacy API) on the same models
     embeddings  embeddings, from models the scheduler runs in embedding mode
     responses   OpenAI's Responses API, translated onto `chats`, and its stored responses
@@ -42,6 +43,7 @@ from localrt.inference.completions import Completions
 from localrt.config import Config
 from localrt.downloads.tasks import Downloads
 from localrt.inference.embeddings import Embeddings
+from localrt.inference.images import Images, Policy
 from localrt.engines.catalog import Engines
 from localrt.events import EventBus
 from localrt.engines.installs import EngineState, Installs
@@ -129,7 +131,8 @@ def build_services(settings: Settings, *, shutdown: Callable[[], None] | None = 
     remotes = Remotes(registry, engines, config.get, lambda: settings["upstreamTimeout"],
                       lambda: security.secrets_of(settings.snapshot()))
     requests = RequestPath(registry, engines, scheduler, remotes, metrics)
-    chats = Chats(requests, limits["chat"])
+    chats = Chats(requests, limits["chat"],
+                  Images(config.get, lambda: Policy.of(settings)))
     completions = Completions(requests, limits["completion"])
     embeddings = Embeddings(requests, limits["embedding"])
     responses = Responses(chats, validators)

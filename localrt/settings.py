@@ -221,6 +221,15 @@ KEYS: tuple[Key, ...] = (
     Key("rpcTrustedHosts", _hosts, [],
         "hosts (names, addresses or CIDR ranges) besides loopback whose rpc-server a "
         "model may be split across (start option rpc_servers)"),
+    # Image URLs in chat requests (localrt.inference.images). A request's URL is the
+    # client's choice, so by default it never reaches this host or its networks.
+    Key("imageUrlFetch", _boolean, True,
+        "whether http(s) image URLs in chat requests are fetched; false refuses them "
+        "(data: URLs are always taken)"),
+    Key("imageUrlHosts", _hosts, [],
+        "hosts (names, addresses or CIDR ranges) on loopback, link-local or private "
+        "networks that image URLs may be fetched from"),
+    Key("maxImagesPerRequest", _positive_int, 8, "images one chat request may carry"),
     Key("apiKeys", _api_keys, [],
         "bearer keys that clients must send; required to bind other than loopback",
         env="LOCALRT_API_KEY", secret=True),

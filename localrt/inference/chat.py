@@ -25,6 +25,12 @@ tool calls the entries cover every generated token, the calls' included: a token
 be half text and half call syntax, so they are not split between content and calls.
 An engine that does not give them (a custom engine's generation has no `logprobs`
 Log) is a 400 naming logprobs.
+
+Images come as image_url parts (every dialect translates its own shape into them):
+`Chats.messages` checks them against the model (images_not_supported for one without
+a projector) and reads each into a contract.Image (localrt.inference.images), in the
+request's thread before the model's turn. A remote model's request goes to its
+upstreams with its parts as they came.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ from typing import Iterator
 
 from localrt.engines import contract
 from localrt.errors import InvalidField, UpstreamError
+from localrt.inference import images as images_mod
+from localrt.models.registry import capabilities
 from localrt.engines import logprobs, toolcalls
 from localrt.admission import LIMITS, Disconnected, never
 from localrt.inference.requests import (EventStream, Kind, Local, RequestPath, respond,
@@ -53,6 +61,12 @@ SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty
             "presence_penalty", "repeat_penalty", "max_tokens")
 
 
+def _direct() -> dict:
+    """Outbound settings for a Chats built without the Config's (tests): no proxy."""
+    return {"proxy_url": "", "proxy_username": "", "proxy_password": "", "no_proxy": "",
+            "verify_host_ssl": True, "verify_peer_ssl": True}
+
+
 class Chats:
     """Turns chat requests into generations on the scheduler's running models.
 
@@ -62,18 +76,38 @@ class Chats:
     one path of localrt.inference.requests: a remote model's goes to its upstreams.
     """
 
-    def __init__(self, path: RequestPath, max_requests: int = LIMITS["chat"]):
+    def __init__(self, path: RequestPath, max_requests: int = LIMITS["chat"],
+                 images: images_mod.Images | None = None):
         self._path = path
         self.kind = Kind("chat", "/chat/completions", max_requests)
         self.admission = self.kind.admission
+        # Reads the images of a request (localrt.inference.images); the default one
+        # fetches with no proxy, under the settings' defaults.
+        self.images = images or images_mod.Images(_direct, images_mod.Policy)
 
     def create(self, body: dict, disconnected: Disconnected = never):
         """A chat.completion dict, or a Stream when body["stream"] is true."""
         return self._path.serve(self.kind, body, lambda local: self._create(local, body),
                                 disconnected=disconnected)
 
+    def check_images(self, body: dict) -> None:
+        """images_not_supported, or too many images, for a chat body before anything
+        starts the model (Ollama's routes start it first); nothing for a remote model,
+        whose upstreams get the images as they came."""
+        record = self._path.registry.get(body["model"])
+        if not self._path.is_remote(record):
+            images_mod.check(body["model"], "vision" in capabilities(record),
+                             body["messages"], self.images.policy())
+
+    def messages(self, local: Local, body: dict) -> list:
+        """The request's messages as chat templates take them, each image read (a URL
+        fetched) and checked: all before the model's turn, so before any compute."""
+        images_mod.check(local.model_id, "vision" in capabilities(local.record),
+                         body["messages"], self.images.policy())
+        return [_message(i, m, self.images.read) for i, m in enumerate(body["messages"])]
+
     def _create(self, local: Local, body: dict):
-        messages = [_message(i, m) for i, m in enumerate(body["messages"])]
+        messages = self.messages(local, body)
         if body.get("n") not in (None, 1):
             raise InvalidField("Invalid field 'n': only n=1 is supported", param="n")
         top = _top_logprobs(body)
@@ -108,7 +142,7 @@ class Chats:
                                 disconnected=disconnected)
 
     def _count(self, local: Local, body: dict) -> int:
-        messages = [_message(i, m) for i, m in enumerate(body["messages"])]
+        messages = self.messages(local, body)
         tools = toolcalls.ToolRequest.read(body)
         lease = local.lease()
         try:
@@ -144,6 +178,10 @@ def _prompt_params(body: dict, record: dict, lease: Lease, messages: list, tools
     template = lease.options.get("prompt_template")
     # A prompt_template cannot show tools: calls need the model's own template.
     if template and not (plan and plan.parses):
+        if any(isinstance(m["content"], list) for m in messages):
+            raise InvalidField("Invalid field 'messages': the model's prompt_template has "
+                               "no place for images; clear it to use the model's own chat "
+                               "template", param="messages")
         params["prompt"] = render_template(template, messages)
     return params, plan
 
@@ -161,20 +199,29 @@ def _top_logprobs(body: dict) -> int | None:
     return int(top or 0)  # 3.0 passes the schema as an integer
 
 
-def _message(index: int, message: dict) -> dict:
+def _message(index: int, message: dict, read=None) -> dict:
     """An OpenAI message as chat templates take it: its content as one string (text
-    parts joined), an assistant's tool_calls with their arguments as objects, a tool
-    reply's tool_call_id."""
+    parts joined), or with images a list of parts in order ({"type": "text"} and
+    {"type": "image", "image": contract.Image}, each image read by `read(url, where)`);
+    an assistant's tool_calls with their arguments as objects, a tool reply's
+    tool_call_id."""
     content = message.get("content")
     if isinstance(content, list):
-        texts = []
+        parts = []
         for j, part in enumerate(content):
-            if part.get("type") != "text":
-                raise InvalidField(f"Invalid field 'messages[{index}].content[{j}]': only "
-                                   f"text parts are supported, got {part.get('type')!r}",
-                                   param=f"messages[{index}].content[{j}]")
-            texts.append(part["text"])
-        content = "\n".join(texts)
+            where = f"messages[{index}].content[{j}]"
+            if part.get("type") == "text":
+                parts.append({"type": "text", "text": part["text"]})
+            elif part.get("type") == "image_url" and read is not None:
+                parts.append({"type": "image",
+                              "image": read(images_mod.url_of(part), where)})
+            else:
+                raise InvalidField(f"Invalid field '{where}': only text and image_url parts "
+                                   f"are supported, got {part.get('type')!r}", param=where)
+        if any(p["type"] == "image" for p in parts):
+            content = parts
+        else:
+            content = "\n".join(p["text"] for p in parts)
     # Chat templates know system, user and assistant; OpenAI's newer "developer"
     # messages are system messages to them.
     role = "system" if message["role"] == "developer" else message["role"]

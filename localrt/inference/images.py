@@ -1,0 +1,421 @@
+"""The images of a chat request: where each comes from, read and checked before any compute.
+
+Every dialect turns its own image shape into OpenAI's part, {"type": "image_url",
+"image_url": {"url": ...}} (localrt.dialects), so one place reads them all:
+
+  check     before anything else (before a model starts): a request with images for a
+            model that has no projector is images_not_supported, naming the model; one
+            with more than maxImagesPerRequest is a 400 naming the first one too many
+  Images    the URL of one part as a contract.Image: a data: URL is decoded; an http(s)
+            URL is fetched (imageUrlFetch), in the request's own thread, before the
+            model's turn; the bytes must start as PNG, JPEG, BMP or GIF do (llama.cpp
+            decodes them later, and says invalid_image if it cannot)
+
+Fetches go through localrt.downloads.opener, so the Config's proxy, no_proxy and TLS
+flags apply, with at most MAX_BYTES an image and FETCH_TIMEOUT seconds all told. An
+address on loopback, a link-local or private network, or one that is unspecified,
+multicast or reserved is refused unless imageUrlHosts names its host or a range that
+holds it: the name is resolved and checked first, and the connected socket's peer again
+(so a name that resolves elsewhere the second time is caught), on every redirect, which
+are followed here, at most MAX_REDIRECTS. Through a proxy the peer is the proxy, and the
+proxy resolves the name: only the first check applies, and a name this host cannot
+resolve is left to the proxy. Each error names the part (`where`, chat's field path,
+which a dialect renames to its own: localrt.dialects.common.Fields).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import ipaddress
+import socket
+import time
+import urllib.error
+from dataclasses import dataclass
+from typing import Callable, Iterator, Mapping
+from urllib.parse import unquote_to_bytes, urljoin, urlsplit, urlunsplit
+
+from localrt.engines.contract import Image
+from localrt.errors import (HTTPError, ImagesNotSupported, ImageTooLarge, InvalidField,
+                            InvalidImage)
+
+MAX_BYTES = 20 * 1024 * 1024  # one image; what Anthropic and OpenAI take, about
+FETCH_TIMEOUT = 30.0          # seconds for one image's fetch, redirects included
+MAX_REDIRECTS = 5
+_CHUNK = 64 * 1024
+# The first bytes of the formats llama.cpp's image loader (stb_image, through mtmd) reads.
+MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"),
+         (b"GIF87a", "image/gif"), (b"GIF89a", "image/gif"), (b"BM", "image/bmp"))
+
+
+class ImageURLRefused(InvalidField):
+    """An image URL this server will not fetch: fetching is off (imageUrlFetch), or its
+    host is on loopback or a private network that imageUrlHosts does not allow."""
+
+    code = "image_url_refused"
+
+
+class ImageFetchFailed(InvalidField):
+    """An image URL that could not be fetched: no such host, no connection, an error
+    status, a timeout; the message says which, with the URL."""
+
+    code = "image_fetch_failed"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The settings images are read under (localrtrc(5)): imageUrlFetch, imageUrlHosts
+    and maxImagesPerRequest."""
+
+    fetch: bool = True
+    hosts: tuple = ()
+    max_images: int = 8
+
+    @classmethod
+    def of(cls, settings) -> "Policy":
+        """The policy the settings give now (read for each request: a change applies to
+        the next one)."""
+        return cls(bool(settings["imageUrlFetch"]), tuple(settings["imageUrlHosts"]),
+                   int(settings["maxImagesPerRequest"]))
+
+
+# --- the parts of a request -----------------------------------------------------------
+
+
+def parts(messages: list) -> Iterator[tuple[str, dict]]:
+    """(where, part) for each image part of OpenAI chat messages, in order."""
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type") == "image_url":
+                    yield f"messages[{i}].content[{j}]", part
+
+
+def check(model_id: str, vision: bool, messages: list, policy: Policy) -> int:
+    """How many images the messages carry, once the model can take them and they are
+    not too many: ImagesNotSupported, or a 400 naming the first one past the limit."""
+    found = [where for where, _ in parts(messages)]
+    if found and not vision:
+        raise ImagesNotSupported(f"Model {model_id} does not take images: it has no vision "
+                                 f"projector (mmproj); send text only, or use a vision "
+                                 f"model", param="model")
+    if len(found) > policy.max_images:
+        where = found[policy.max_images]
+        raise InvalidField(f"Invalid field '{where}': the request has {len(found)} images; "
+                           f"at most {policy.max_images} are taken (maxImagesPerRequest)",
+                           param=where)
+    return len(found)
+
+
+def url_of(part: dict) -> str:
+    """The URL of an image_url part (a string, or {"url": ...}; detail is ignored)."""
+    given = part.get("image_url")
+    return given.get("url") if isinstance(given, dict) else given
+
+
+# --- bytes ----------------------------------------------------------------------------
+
+
+def media_type(data: bytes) -> str | None:
+    """The image type the first bytes say (image/png, ...), None for anything else."""
+    return next((kind for magic, kind in MAGIC if data.startswith(magic)), None)
+
+
+def image(data: bytes, where: str) -> Image:
+    """`data` as an Image, once its size and first bytes are an image's."""
+    if len(data) > MAX_BYTES:
+        raise too_large(where, len(data))
+    if media_type(data) is None:
+        shown = "no bytes" if not data else f"bytes starting {data[:8].hex(' ')}"
+        raise InvalidImage(f"Invalid field '{where}': not an image llama.cpp reads (PNG, "
+                           f"JPEG, BMP or GIF): {shown}", param=where)
+    return Image(data=data, where=where)
+
+
+def too_large(where: str, size: int | None = None) -> ImageTooLarge:
+    """The 413 of an image past MAX_BYTES."""
+    said = f"is {size} bytes" if size is not None else "is larger than that"
+    return ImageTooLarge(f"Image '{where}' {said}; the limit is {MAX_BYTES} bytes (20 MiB) "
+                         f"an image", param=where)
+
+
+def from_base64(text: str, where: str) -> bytes:
+    """The bytes of base64 text (whitespace and missing padding forgiven), within
+    MAX_BYTES; InvalidImage naming the part when it is not base64."""
+    text = "".join(text.split())
+    if len(text) // 4 * 3 > MAX_BYTES + 2:  # before decoding: no 100 MiB decode to refuse
+        raise too_large(where, len(text) // 4 * 3)
+    text += "=" * (-len(text) % 4)
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        try:  # the URL-safe alphabet some clients use
+            data = base64.b64decode(text.replace("-", "+").replace("_", "/"), validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidImage(f"Invalid field '{where}': the image is not valid base64",
+                               param=where) from None
+    return data
+
+
+def from_data_url(url: str, where: str) -> bytes:
+    """The bytes of a data: URL (base64, or percent-encoded); InvalidImage naming the
+    part when it is malformed."""
+    head, comma, payload = url[len("data:"):].partition(",")
+    if not comma:
+        raise InvalidImage(f"Invalid field '{where}': a malformed data URL (no comma "
+                           f"before the data); expected data:image/png;base64,...",
+                           param=where)
+    params = [p.strip().lower() for p in head.split(";")]
+    if params[0] and not params[0].startswith("image/") and \
+            params[0] != "application/octet-stream":
+        raise InvalidImage(f"Invalid field '{where}': a data URL of {params[0]!r}, not an "
+                           f"image", param=where)
+    if "base64" in params[1:]:
+        return from_base64(payload, where)
+    if len(payload) > 3 * MAX_BYTES:
+        raise too_large(where)
+    return unquote_to_bytes(payload)
+
+
+def data_url(b64: str) -> str:
+    """A data: URL for base64 image bytes (Ollama's `images`), typed by their first
+    bytes, so that an upstream that wants a media type gets one."""
+    if b64.startswith("data:"):
+        return b64
+    try:
+        head = base64.b64decode("".join(b64[:64].split())[:16] + "==", validate=False)
+    except (binascii.Error, ValueError):
+        head = b""
+    return f"data:{media_type(head) or 'application/octet-stream'};base64,{b64}"
+
+
+# --- URLs -----------------------------------------------------------------------------
+
+
+def allowed(host: str, address, hosts) -> bool:
+    """Whether imageUrlHosts lets a fetch reach `address` (of the URL's `host`): an entry
+    that is the host's name (or a domain above it, written .example.com), the address,
+    or a CIDR range holding it."""
+    name = host.strip("[]").lower().rstrip(".")
+    for entry in hosts:
+        entry = entry.strip().lower()
+        if "/" in entry:
+            try:
+                if address in ipaddress.ip_network(entry, strict=False):
+                    return True
+            except (ValueError, TypeError):
+                continue
+            continue
+        try:
+            if ipaddress.ip_address(entry.strip("[]")) == address:
+                return True
+            continue
+        except ValueError:
+            pass
+        entry = entry.rstrip(".")
+        if entry.startswith("."):
+            if name.endswith(entry) or name == entry[1:]:
+                return True
+        elif name == entry:
+            return True
+    return False
+
+
+def public(address) -> bool:
+    """Whether an address is on the public internet: not loopback, link-local, private,
+    shared (CGNAT), unspecified, multicast or reserved."""
+    if getattr(address, "ipv4_mapped", None) is not None:
+        address = address.ipv4_mapped
+    return address.is_global and not address.is_multicast
+
+
+class Images:
+    """Reads image URLs into contract.Image: `read(url, where)`.
+
+    `config()` gives the Config fields (proxy, no_proxy, TLS flags) for each fetch, as
+    localrt.downloads.opener takes them; `policy()` the settings' Policy; `resolve(host,
+    port)` the addresses of a name (socket.getaddrinfo's, replaced by tests).
+    """
+
+    def __init__(self, config: Callable[[], Mapping], policy: Callable[[], Policy],
+                 resolve: Callable | None = None):
+        self._config = config
+        self.policy = policy
+        self._resolve = resolve or _resolve
+
+    def read(self, url, where: str) -> Image:
+        """The image a URL (data: or http(s)) holds, checked; a 400 (or a 413) naming
+        the part otherwise."""
+        if not isinstance(url, str) or not url:
+            raise InvalidImage(f"Invalid field '{where}': expected an image URL (data: or "
+                               f"http(s)://)", param=where)
+        scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+        if scheme == "data":
+            return image(from_data_url(url, where), where)
+        if scheme in ("http", "https"):
+            return image(self.fetch(url, where), where)
+        raise InvalidImage(f"Invalid field '{where}': an image URL must be a data: URL or "
+                           f"http(s)://, not {(scheme or url[:20])!r}", param=where)
+
+    def fetch(self, url: str, where: str) -> bytes:
+        """The body at an http(s) URL, following redirects here (each checked), within
+        MAX_BYTES and FETCH_TIMEOUT."""
+        from localrt.downloads.opener import open_url
+
+        policy = self.policy()
+        if not policy.fetch:
+            raise ImageURLRefused(f"Invalid field '{where}': image URLs are not fetched "
+                                  f"by this server (imageUrlFetch is false); send the image "
+                                  f"as a data: URL", param=where)
+        config = self._config()
+        deadline = time.monotonic() + FETCH_TIMEOUT
+        for _ in range(MAX_REDIRECTS + 1):
+            host = self._check(url, where, policy, config)
+            sockets: list = []
+
+            def on_socket(sock, host=host):
+                sockets.append(sock)
+                if not _proxied(config, host):
+                    self._check_peer(sock, host, url, where, policy)
+
+            try:
+                response = open_url(config, url, timeout=_left(deadline, url, where),
+                                    on_socket=on_socket, redirects=False,
+                                    headers={"Accept": "image/*",
+                                             "User-Agent": "localrt"})
+            except urllib.error.HTTPError as exc:
+                location = exc.headers.get("Location") if exc.headers else None
+                exc.close()
+                if 300 <= exc.code < 400 and location:
+                    url = urljoin(url, location)
+                    continue
+                raise ImageFetchFailed(f"Invalid field '{where}': cannot fetch the image "
+                                       f"at {shown(url)}: the server answered {exc.code} "
+                                       f"{exc.reason}", param=where) from None
+            except InvalidField:
+                raise
+            except HTTPError as exc:  # no connection, TLS, the proxy (opener's errors)
+                raise ImageFetchFailed(f"Invalid field '{where}': cannot fetch the image at "
+                                       f"{shown(url)}: {exc.message}", param=where) from None
+            with response:
+                return _body(response, sockets, deadline, url, where)
+        raise ImageFetchFailed(f"Invalid field '{where}': cannot fetch the image at "
+                               f"{shown(url)}: more than {MAX_REDIRECTS} redirects",
+                               param=where)
+
+    def _check(self, url: str, where: str, policy: Policy, config: Mapping) -> str:
+        """The URL's host, once it and the addresses it resolves to may be fetched."""
+        try:
+            parts = urlsplit(url)
+            host, port = parts.hostname, parts.port
+        except ValueError as exc:
+            raise ImageFetchFailed(f"Invalid field '{where}': a malformed image URL: {exc}",
+                                   param=where) from None
+        if parts.scheme.lower() not in ("http", "https") or not host:
+            raise ImageURLRefused(f"Invalid field '{where}': an image URL leads to "
+                                  f"{shown(url)}; only http(s) URLs with a host are "
+                                  f"fetched", param=where)
+        name = host.rstrip(".").lower()
+        if name == "invalid" or name.endswith(".invalid"):  # RFC 6761: never resolves
+            raise ImageFetchFailed(f"Invalid field '{where}': cannot fetch the image at "
+                                   f"{shown(url)}: {host} does not resolve (.invalid)",
+                                   param=where)
+        try:
+            addresses = [ipaddress.ip_address(host)]
+        except ValueError:
+            try:
+                addresses = self._resolve(host, port or (443 if parts.scheme == "https"
+                                                         else 80))
+            except OSError as exc:
+                if _proxied(config, host):
+                    return host  # the proxy resolves it
+                raise ImageFetchFailed(f"Invalid field '{where}': cannot fetch the image "
+                                       f"at {shown(url)}: {host} does not resolve "
+                                       f"({exc.strerror or exc})", param=where) from None
+        for address in addresses:
+            _refuse(host, address, url, where, policy)
+        return host
+
+    def _check_peer(self, sock, host: str, url: str, where: str, policy: Policy) -> None:
+        """The connected socket's peer, checked as its name's addresses were."""
+        try:
+            address = ipaddress.ip_address(sock.getpeername()[0].split("%", 1)[0])
+        except (OSError, ValueError, IndexError):
+            return
+        try:
+            _refuse(host, address, url, where, policy)
+        except ImageURLRefused:
+            sock.close()
+            raise
+
+
+def _refuse(host: str, address, url: str, where: str, policy: Policy) -> None:
+    if not public(address) and not allowed(host, address, policy.hosts):
+        raise ImageURLRefused(
+            f"Invalid field '{where}': the image URL {shown(url)} leads to {address}, a "
+            f"loopback, link-local or private address, which is fetched only when "
+            f"imageUrlHosts allows it", param=where)
+
+
+def _resolve(host: str, port: int) -> list:
+    """The addresses of a host name, as a connection would try them."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return [ipaddress.ip_address(info[4][0].split("%", 1)[0]) for info in infos]
+
+
+def _proxied(config: Mapping, host: str) -> bool:
+    """Whether a request to `host` goes through the Config's proxy."""
+    from localrt.downloads.opener import no_proxy_matches
+
+    return bool(config.get("proxy_url")) and \
+        not no_proxy_matches(host, config.get("no_proxy") or "")
+
+
+def _left(deadline: float, url: str, where: str) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise ImageFetchFailed(f"Invalid field '{where}': cannot fetch the image at "
+                               f"{shown(url)}: it took more than {FETCH_TIMEOUT:g} s",
+                               param=where)
+    return left
+
+
+def _body(response, sockets: list, deadline: float, url: str, where: str) -> bytes:
+    """A response's body, within MAX_BYTES (its Content-Length first) and the deadline."""
+    length = response.headers.get("Content-Length")
+    if length and length.strip().isdigit() and int(length) > MAX_BYTES:
+        raise too_large(where, int(length))
+    chunks, size = [], 0
+    while True:
+        left = _left(deadline, url, where)
+        for sock in sockets:
+            try:
+                sock.settimeout(left)
+            except OSError:
+                pass
+        try:
+            chunk = response.read(_CHUNK)
+        except (OSError, ValueError) as exc:
+            if isinstance(exc, (socket.timeout, TimeoutError)):
+                _left(deadline, url, where)
+            raise ImageFetchFailed(f"Invalid field '{where}': cannot fetch the image at "
+                                   f"{shown(url)}: the transfer broke off ({exc})",
+                                   param=where) from None
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > MAX_BYTES:
+            raise too_large(where)
+        chunks.append(chunk)
+
+
+def shown(url: str) -> str:
+    """A URL as a message may show it: no user or password, at most 200 characters."""
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc.rpartition("@")[2]
+        url = urlunsplit((parts.scheme, netloc, parts.path, parts.query, ""))
+    except ValueError:
+        pass
+    return url if len(url) <= 200 else url[:197] + "..."
