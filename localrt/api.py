@@ -272,9 +272,9 @@ def embeddings(services: Services, request: Request):
 
 def anthropic_messages(services: Services, request: Request):
     """Anthropic's Messages API: a message, streamed as Anthropic's Server-Sent Events or not."""
-    body = native(services.validators, "chat-completion.json",
-                  anthropic.chat_request(request.body), anthropic.FIELDS)
-    with anthropic.FIELDS.named():
+    body, fields = anthropic.translate(request.body)
+    body = native(services.validators, "chat-completion.json", body, fields)
+    with fields.named():
         result = services.chats.create(body, request.disconnected)
     if isinstance(result, dict):
         return anthropic.message(result, request.body)
@@ -283,9 +283,9 @@ def anthropic_messages(services: Services, request: Request):
 
 def anthropic_count_tokens(services: Services, request: Request):
     """Anthropic's token count: the prompt's tokens in the model's own chat template."""
-    body = native(services.validators, "chat-completion.json",
-                  anthropic.count_request(request.body), anthropic.FIELDS)
-    with anthropic.FIELDS.named():
+    body, fields = anthropic.translate_count(request.body)
+    body = native(services.validators, "chat-completion.json", body, fields)
+    with fields.named():
         return {"input_tokens": services.chats.count_tokens(body, request.disconnected)}
 
 

@@ -299,8 +299,9 @@ def test_output_config_format_keeps_the_text_to_a_schema(api, models):
 
 # --- errors -------------------------------------------------------------------------
 
-IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                     "data": "iVBORw0KGgo="}}
+DOCUMENT = {"type": "document", "source": {"type": "text", "media_type": "text/plain",
+                                           "data": "a page"}}
+FILE_IMAGE = {"type": "image", "source": {"type": "file", "file_id": "file_1"}}
 
 
 @pytest.mark.parametrize("body, field", [
@@ -308,13 +309,18 @@ IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png"
     ({"max_tokens": 0}, "max_tokens"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": [IMAGE]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [DOCUMENT]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [FILE_IMAGE]}]},
+     "messages[0].content[0].source.type"),
+    ({"messages": [ASK, {"role": "assistant", "content": [
+        {"type": "image", "source": {"type": "url", "url": "http://x.invalid/a.png"}}]},
+        ASK]}, "messages[1].content[0].type"),
     ({"messages": [ASK, {"role": "assistant", "content": "It is"}]}, "messages[1]"),
     ({"messages": [{"role": "user", "content": [
         {"type": "tool_use", "id": "toolu_1", "name": "x", "input": {}}]}]},
      "messages[0].content[0].type"),
     ({"messages": [{"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "toolu_1", "content": [IMAGE]}]}]},
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": [DOCUMENT]}]}]},
      "messages[0].content[0].content[0]"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
     ({"tools": [{"name": "has space", "input_schema": {"type": "object"}}]}, "tools[0].name"),

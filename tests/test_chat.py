@@ -232,7 +232,7 @@ def test_content_as_text_parts_and_system_messages(api, tiny):
     r = chat(api, messages=parts)
     assert r.status == 200, r.body
     r = chat(api, messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "x"}}]}])
+        {"type": "input_audio", "input_audio": {"data": "x", "format": "wav"}}]}])
     assert r.status == 400 and r.json["error"]["param"] == "messages[0].content[0]"
 
 

@@ -310,7 +310,9 @@ def test_delete_stops_a_running_model_first(api):
     ("POST", "/api/chat", {"model": "tiny", "messages": USER, "keep_alive": "soon"}, 400,
      "keep_alive"),
     ("POST", "/api/chat", {"model": "tiny", "messages": [{**USER[0], "images": ["aGk="]}]},
-     400, "images"),
+     400, "does not take images"),
+    ("POST", "/api/generate", {"model": "tiny", "prompt": "a", "raw": True,
+                               "images": ["aGk="]}, 400, "images"),
     ("POST", "/api/chat", {"model": "tiny", "messages": USER, "tools": [WEATHER]}, 400,
      "tools"),  # ChatML: no tool calls localrt can read
     ("POST", "/api/chat", {"model": "nope", "messages": USER}, 404, "nope"),

@@ -13,6 +13,8 @@ sees an engine or the WSGI environ.
   Anthropic                                  OpenAI chat
   system (a string or text blocks)           a system message
   text blocks                                the content, joined by newlines
+  image blocks (user, and in tool_result)    image_url parts: a base64 source as a
+                                             data: URL, a url source as it is
   tool_use blocks (assistant)                tool_calls, arguments = json.dumps(input)
   tool_result blocks (user)                  role "tool" messages, before the user's text
   tools {name, description, input_schema}    function tools
@@ -22,7 +24,7 @@ sees an engine or the WSGI environ.
   output_config.format (a json_schema)       response_format (a grammar keeps to it)
   max_tokens, temperature, top_p, top_k, stream   the same
 
-Refused with a 400: image and document blocks (no vision yet), server tools, and a
+Refused with a 400: document blocks, server tools, and a
 last message from the assistant (a prefill: chat cannot continue a reply). thinking
 blocks in the history are left out; other unknown fields are ignored (README.rst
 lists them).
@@ -60,7 +62,6 @@ STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use",
 SAMPLING = ("max_tokens", "temperature", "top_p", "top_k")  # the same name in both
 # Blocks a message may carry that localrt cannot show a model, and why.
 UNSUPPORTED_BLOCKS = {
-    "image": "image blocks are not supported: localrt's models have no vision yet",
     "document": "document blocks are not supported: send the text as a text block"}
 SKIPPED_BLOCKS = ("thinking", "redacted_thinking")  # a history's reasoning, not shown
 _TEMPLATE_ID = re.compile(r"[A-Za-z0-9]{9}")
@@ -79,13 +80,27 @@ def error_body(err: HTTPError) -> dict:
 def chat_request(body: dict) -> dict:
     """The OpenAI chat request (schemas/chat-completion.json) for a Messages request
     (or a count_tokens one, which has no max_tokens)."""
-    messages = []
+    return translate(body)[0]
+
+
+def translate(body: dict) -> tuple[dict, Fields]:
+    """(the chat request, `FIELDS` with the Anthropic path of each image part it made):
+    an error about an image names the block the client sent."""
+    messages, paths = [], {}
     system = _system_text(body.get("system"))
     if system:
         messages.append({"role": "system", "content": system})
     last = len(body["messages"]) - 1
     for i, message in enumerate(body["messages"]):
-        messages += _messages(i, message, i == last)
+        made, places = _messages(i, message, i == last)
+        for offset, part, where in places:
+            paths[f"messages[{len(messages) + offset}].content[{part}]"] = where
+        messages += made
+    return _request(body, messages), FIELDS.with_paths(paths)
+
+
+def _request(body: dict, messages: list) -> dict:
+    """The chat request of a Messages request, its messages translated already."""
     out = {"model": body["model"], "messages": messages}
     out.update((k, body[k]) for k in SAMPLING if body.get(k) is not None)
     if body.get("stop_sequences"):
@@ -111,8 +126,13 @@ def chat_request(body: dict) -> dict:
 def count_request(body: dict) -> dict:
     """The chat request whose prompt a count_tokens request counts: its model, system,
     messages and tools (any other field is ignored)."""
-    return chat_request({k: body[k] for k in ("model", "system", "messages", "tools",
-                                              "tool_choice") if k in body})
+    return translate_count(body)[0]
+
+
+def translate_count(body: dict) -> tuple[dict, Fields]:
+    """count_request's chat request, with its Fields (as `translate` gives them)."""
+    return translate({k: body[k] for k in ("model", "system", "messages", "tools",
+                                           "tool_choice") if k in body})
 
 
 def _system_text(system) -> str:
@@ -121,31 +141,37 @@ def _system_text(system) -> str:
     return system or ""
 
 
-def _messages(index: int, message: dict, last: bool) -> list:
+def _messages(index: int, message: dict, last: bool) -> tuple[list, list]:
     """The chat messages of one Anthropic message: a user's tool results become tool
-    messages (first, as chat templates want them right after the calls), its text a
-    user message; an assistant's text and tool_use blocks one assistant message."""
+    messages (first, as chat templates want them right after the calls), its text and
+    images a user message; an assistant's text and tool_use blocks one assistant
+    message. With them, (message offset, part index, Anthropic path) of each image."""
     role, content = message["role"], message["content"]
     if role == "assistant" and last:
         raise InvalidField(f"Invalid field 'messages[{index}]': the last message is the "
                            f"assistant's (a prefill), which localrt cannot continue; end "
                            f"with a user message", param=f"messages[{index}]")
     if isinstance(content, str):
-        return [{"role": role, "content": content}]
-    texts, calls, results = [], [], []
+        return [{"role": role, "content": content}], []
+    parts, calls, results, places = [], [], [], []
     for j, block in enumerate(content):
         field = f"messages[{index}].content[{j}]"
         kind = block["type"]
         if kind == "text":
-            texts.append(block["text"])
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image" and role == "user":
+            places.append((None, len(parts), field))
+            parts.append(_image_part(block, field))
         elif kind == "tool_use" and role == "assistant":
             calls.append({"id": call_id(block["id"]), "type": "function",
                           "function": {"name": block["name"],
                                        "arguments": json.dumps(block["input"],
                                                                ensure_ascii=False)}})
         elif kind == "tool_result" and role == "user":
+            result, images = _result_content(block.get("content"), field)
+            places += [(len(results), k, where) for k, where in images]
             results.append({"role": "tool", "tool_call_id": call_id(block["tool_use_id"]),
-                            "content": _result_text(block.get("content"), field)})
+                            "content": result})
         elif kind in SKIPPED_BLOCKS and role == "assistant":
             continue
         elif kind in UNSUPPORTED_BLOCKS:
@@ -154,32 +180,54 @@ def _messages(index: int, message: dict, last: bool) -> list:
         else:
             raise InvalidField(f"Invalid field '{field}.type': a {role} message cannot "
                                f"carry {kind!r} blocks here (text"
-                               f"{', tool_use' if role == 'assistant' else ''}"
+                               f"{', tool_use' if role == 'assistant' else ', image'}"
                                f"{', tool_result' if role == 'user' else ''})",
                                param=f"{field}.type")
-    text = "\n".join(texts)
+    text = "\n".join(p["text"] for p in parts if p["type"] == "text")
     if role == "assistant":
         reply = {"role": "assistant", "content": text if text or not calls else None}
         if calls:
             reply["tool_calls"] = calls
-        return [reply]
+        return [reply], []
+    # The user's own message comes after its tool results.
+    places = [(len(results) if at is None else at, k, where) for at, k, where in places]
+    own = parts if any(p["type"] == "image_url" for p in parts) else text
     if results:
-        return results + ([{"role": role, "content": text}] if texts else [])
-    return [{"role": role, "content": text}]
+        return results + ([{"role": role, "content": own}] if parts else []), places
+    return [{"role": role, "content": own}], places
 
 
-def _result_text(content, field: str) -> str:
-    """A tool_result's content as the text of a tool message."""
+def _image_part(block: dict, field: str) -> dict:
+    """An image block as chat's image_url part: a base64 source as a data: URL, a url
+    source as its URL (fetched by localrt.inference.images)."""
+    source = block["source"]
+    if source["type"] == "base64":
+        url = f"data:{source['media_type']};base64,{source['data']}"
+    else:
+        url = source["url"]
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _result_content(content, field: str) -> tuple:
+    """A tool_result's content as a tool message's: its text, or with images a list of
+    text and image_url parts; and (part index, Anthropic path) of each image."""
     if not isinstance(content, list):
-        return content or ""
-    texts = []
+        return content or "", []
+    parts, places = [], []
     for k, block in enumerate(content):
-        if block["type"] != "text":
-            why = UNSUPPORTED_BLOCKS.get(block["type"], "only text blocks are supported")
-            raise InvalidField(f"Invalid field '{field}.content[{k}]': {why}",
-                               param=f"{field}.content[{k}]")
-        texts.append(block["text"])
-    return "\n".join(texts)
+        where = f"{field}.content[{k}]"
+        if block["type"] == "text":
+            parts.append({"type": "text", "text": block["text"]})
+        elif block["type"] == "image":
+            places.append((len(parts), where))
+            parts.append(_image_part(block, where))
+        else:
+            why = UNSUPPORTED_BLOCKS.get(block["type"], "only text and image blocks are "
+                                                        "supported")
+            raise InvalidField(f"Invalid field '{where}': {why}", param=where)
+    if places:
+        return parts, places
+    return "\n".join(p["text"] for p in parts), []
 
 
 def _tool(tool: dict) -> dict:

@@ -5,8 +5,9 @@ A dialect turns its request into a native body (chat's, a completion's or an
 embedding's), checks that body against the native route's schema with `native`, and
 calls the native service. A 400 from either names the native field
 (`tools[0].function.parameters`); `Fields` renames it to the dialect's own
-(`tools[0].input_schema`), so a client reads the name it sent. A translation that
-went wrong is a 400 naming a field, never a 500.
+(`tools[0].input_schema`), so a client reads the name it sent; a translation that
+moves parts about (images) gives exact paths for one request (`Fields.with_paths`).
+A translation that went wrong is a 400 naming a field, never a 500.
 """
 
 from __future__ import annotations
@@ -25,7 +26,16 @@ class Fields:
     replaces what it matched (the rest of the param stays)."""
 
     def __init__(self, *rules: tuple[str, str]):
+        self._given = rules
         self._rules = tuple((re.compile(pattern), name) for pattern, name in rules)
+
+    def with_paths(self, paths: dict) -> "Fields":
+        """These rules after exact ones for one request: each native path in `paths`
+        (an image part, say: messages[2].content[1]) becomes the dialect's path of
+        what the translation made it from (messages[1].content[0].content[1])."""
+        exact = tuple((re.escape(native) + r"(?![\w\[])", ours.replace("\\", "\\\\"))
+                      for native, ours in paths.items())
+        return Fields(*exact, *self._given)
 
     def rename(self, err: HTTPError) -> HTTPError:
         """`err` with the dialect's name in its param and message (changed in place)."""

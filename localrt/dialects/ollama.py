@@ -7,10 +7,10 @@ use, so there is one generation path:
   POST /api/chat       a chat completion (Chats.create), always streamed inside: its
                        chunks become Ollama's newline-delimited JSON objects, or one
                        object with "stream": false
-  POST /api/generate   the prompt (after `system`) as a one-turn chat, so the model's
-                       chat template applies and `format` works; with `raw`, or a
-                       `suffix`, a text completion (Completions.create) of the raw or
-                       fill-in-the-middle prompt instead
+  POST /api/generate   the prompt (after `system`, with its `images`) as a one-turn
+                       chat, so the model's chat template applies and `format` works;
+                       with `raw`, or a `suffix`, a text completion
+                       (Completions.create) of the raw or fill-in-the-middle prompt
   POST /api/embed      an embeddings request (Embeddings.create)
   POST /api/pull       a pull (Models.pull); its task's progress, from the event bus
                        (EventBus.follow), becomes {status, digest, total, completed} lines;
@@ -35,6 +35,11 @@ are chat's fields. Any other option is ignored. `format` is a response_format:
 the model stays loaded once idle (Scheduler.keep_for): 0 unloads it after the reply,
 a negative value keeps it until stopped, and a request without one puts back the
 server's keepAlive, as Ollama's default does.
+
+Images (`images` of a chat message, or of /api/generate: base64) become chat's image_url
+parts (data: URLs), before the text as Ollama puts them; a model that cannot take them
+is refused before it starts, and an error about one names it as Ollama's request does
+(messages[0].images[1], /api/generate's images[0]).
 
 Replies carry Ollama's statistics in nanoseconds (`Timer`): measured around the reply,
 so total_duration includes waiting for the model; load_duration is the start of a
@@ -61,7 +66,8 @@ from localrt.engines import toolcalls
 from localrt.engines import ggufinfo
 from localrt.dialects.common import Fields, native
 from localrt.errors import Conflict, HTTPError, InternalError, InvalidField, UpstreamError
-from localrt.models.registry import weights_path
+from localrt.inference.images import data_url
+from localrt.models.registry import capabilities as registry_capabilities, weights_path
 from localrt.inference.scheduler import ModelNotRunning, ModelStopped
 
 log = logging.getLogger(__name__)
@@ -226,10 +232,7 @@ def messages(given: list) -> list:
     tool_name)."""
     out, unanswered, count = [], [], 0
     for i, m in enumerate(given):
-        if m.get("images"):
-            raise InvalidField(f"Invalid field 'messages[{i}].images': images are not "
-                               f"supported", param=f"messages[{i}].images")
-        message = {"role": m["role"], "content": m.get("content") or ""}
+        message = {"role": m["role"], "content": content(m.get("content"), m.get("images"))}
         if m["role"] == "assistant" and m.get("tool_calls"):
             message["tool_calls"] = []
             for call in m["tool_calls"]:
@@ -256,12 +259,36 @@ def messages(given: list) -> list:
     return out
 
 
+def content(text: str | None, images: list | None):
+    """A message's content as chat's: its text, or with images (base64) their image_url
+    parts first, as Ollama puts them before the text, then the text."""
+    if not images:
+        return text or ""
+    parts = [{"type": "image_url", "image_url": {"url": data_url(b64)}} for b64 in images]
+    return parts + ([{"type": "text", "text": text}] if text else [])
+
+
+def with_images(fields: Fields, request: dict, generate: bool = False) -> Fields:
+    """`fields`, and Ollama's path of each image part of a chat request made here:
+    messages[i].images[n] (/api/generate's: images[n])."""
+    paths = {}
+    for i, message in enumerate(request.get("messages") or ()):
+        if isinstance(message["content"], list):
+            images = [k for k, part in enumerate(message["content"])
+                      if part["type"] == "image_url"]
+            paths.update((f"messages[{i}].content[{k}]",
+                          f"images[{n}]" if generate else f"messages[{i}].images[{n}]")
+                         for n, k in enumerate(images))
+    return fields.with_paths(paths)
+
+
 def generate_request(model_id: str, body: dict, record: dict) -> tuple[str, dict]:
     """POST /api/generate's body as ("chat", a chat completion request), or, with raw
     or a suffix, ("completion", a text completion request); both streamed."""
-    if body.get("images"):
-        raise InvalidField("Invalid field 'images': images are not supported",
-                           param="images")
+    if body.get("images") and (body.get("raw") or body.get("suffix")):
+        raise InvalidField("Invalid field 'images': a raw or fill-in-the-middle prompt is a "
+                           "text completion, which takes no images; leave out raw and "
+                           "suffix", param="images")
     if body.get("template"):
         raise InvalidField("Invalid field 'template': localrt puts the prompt in the model's "
                            "own chat template; send \"raw\": true with a prompt you put in "
@@ -280,7 +307,7 @@ def generate_request(model_id: str, body: dict, record: dict) -> tuple[str, dict
             request["max_tokens"] = UNLIMITED
         return "completion", request
     turns = [{"role": "system", "content": body["system"]}] if body.get("system") else []
-    turns.append({"role": "user", "content": prompt})
+    turns.append({"role": "user", "content": content(prompt, body.get("images"))})
     request = chat_request(model_id, {**body, "messages": turns, "tools": None})
     return "chat", request
 
@@ -468,10 +495,13 @@ def chat(services, body: dict, disconnected: Disconnected = never):
     name, model_id, record, keep, timer = _begin(services, body)
     if not body.get("messages"):
         return _load(services, record, body, keep, Translation(name, iter(()), timer, True))
-    request = native(services.validators, "chat-completion.json",
-                     chat_request(model_id, body), FIELDS)
+    request = chat_request(model_id, body)
+    fields = with_images(FIELDS, request)
+    request = native(services.validators, "chat-completion.json", request, fields)
+    with fields.named():  # images the model cannot take: a 400 before it starts
+        services.chats.check_images(request)
     return _run(services, record, body, keep, timer, services.chats.create, request,
-                lambda chunks: Translation(name, chunks, timer, True), FIELDS, disconnected)
+                lambda chunks: Translation(name, chunks, timer, True), fields, disconnected)
 
 
 def generate(services, body: dict, disconnected: Disconnected = never):
@@ -481,11 +511,15 @@ def generate(services, body: dict, disconnected: Disconnected = never):
         return _load(services, record, body, keep, Translation(name, iter(()), timer, False))
     kind, request = generate_request(model_id, body, record)
     schema = "chat-completion.json" if kind == "chat" else "completion.json"
-    request = native(services.validators, schema, request, GENERATE_FIELDS)
+    fields = with_images(GENERATE_FIELDS, request, generate=True)
+    request = native(services.validators, schema, request, fields)
+    if kind == "chat":
+        with fields.named():  # images the model cannot take: a 400 before it starts
+            services.chats.check_images(request)
     create = services.chats.create if kind == "chat" else services.completions.create
     return _run(services, record, body, keep, timer, create, request,
                 lambda chunks: Translation(name, chunks, timer, False, kind == "completion"),
-                GENERATE_FIELDS, disconnected)
+                fields, disconnected)
 
 
 def embed(services, body: dict, disconnected: Disconnected = never) -> dict:
@@ -760,7 +794,7 @@ def show(services, body: dict) -> dict:
     return {"modelfile": "\n".join(modelfile) + "\n",
             "parameters": "\n".join(f"{k:<30} {v}" for k, v in lines),
             "template": template, "details": details(record), "model_info": info,
-            "capabilities": capabilities(info, template),
+            "capabilities": capabilities(info, template, registry_capabilities(record)),
             "modified_at": _at(record["created"])}
 
 
@@ -796,14 +830,19 @@ def _finite(value):
     return value
 
 
-def capabilities(info: dict, template: str) -> list:
+def capabilities(info: dict, template: str, own: list = ()) -> list:
     """What a model does, as Ollama names it: embedding (a GGUF with a pooling type, or
-    an encoder), else completion, tools when its template calls tools in a family
-    localrt reads, insert when its vocabulary has fill-in-the-middle tokens."""
+    an encoder, or what localrt.models.registry.capabilities, `own`, calls one), else
+    completion, vision when `own` says so (a projector), tools when its template calls
+    tools in a family localrt reads, insert when its vocabulary has fill-in-the-middle
+    tokens."""
     arch = info.get("general.architecture")
-    if f"{arch}.pooling_type" in info or arch in ("bert", "nomic-bert", "jina-bert-v2"):
+    if f"{arch}.pooling_type" in info or arch in ("bert", "nomic-bert", "jina-bert-v2") or \
+            ("embedding" in own and "chat" not in own):
         return ["embedding"]
     out = ["completion"]
+    if "vision" in own:
+        out.append("vision")
     if template and toolcalls.family_of(template) is not None:
         out.append("tools")
     if "tokenizer.ggml.fim_pre_token_id" in info:

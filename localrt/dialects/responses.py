@@ -3,7 +3,8 @@
 `Responses.create(body)` takes a request that passed schemas/response-create.json and
 turns it into a chat-completions body (schemas/chat-completion.json): `instructions`
 become a system message, the input items become messages (a `function_call` an
-assistant's tool call, a `function_call_output` a "tool" message), function tools
+assistant's tool call, a `function_call_output` a "tool" message, an `input_image` part
+chat's image_url part), function tools
 become chat's tools, `max_output_tokens` becomes max_tokens and `text.format` becomes
 response_format. `Chats.create` (localrt.inference.chat; localrt.inference.remote for a remote model) runs
 it, and what it gives back is reshaped: a chat.completion into a `response` object
@@ -79,11 +80,16 @@ class Responses:
                 raise PreviousNotFound(f"Previous response with id '{previous}' not found.",
                                        param="previous_response_id")
             history = list(stored[1])
-        conversation = history + input_messages(body["input"])
+        places: list = []
+        conversation = history + input_messages(body["input"], places)
         chat = chat_body(body, conversation)
         shell = response_shell(body)
-        native(self._validators, "chat-completion.json", chat, FIELDS)
-        with FIELDS.named():
+        # Where each image of the input landed among chat's messages: errors name it.
+        offset = len(history) + (1 if body.get("instructions") else 0)
+        fields = FIELDS.with_paths({f"messages[{offset + at}].content[{j}]": where
+                                    for at, j, where in places})
+        native(self._validators, "chat-completion.json", chat, fields)
+        with fields.named():
             result = self._chats.create(chat, disconnected)
         keep = self.store.put if body.get("store") else None
         if isinstance(result, dict):
@@ -156,16 +162,19 @@ class Store:
 # --- requests: Responses input onto chat messages ------------------------------------
 
 
-def input_messages(given) -> list[dict]:
+def input_messages(given, places: list | None = None) -> list[dict]:
     """Chat messages from `input`: a string is a user message; items in order, an
-    assistant's function_call items joined to its message as tool_calls."""
+    assistant's function_call items joined to its message as tool_calls. `places`, when
+    given, gets (message index, part index, this API's path) for each image part."""
     if isinstance(given, str):
         return [{"role": "user", "content": given}]
+    places = [] if places is None else places
     messages: list[dict] = []
-    for item in given:
+    for i, item in enumerate(given):
         kind = item.get("type", "message")
         if kind == "message":
-            messages.append({"role": item["role"], "content": _text(item["content"])})
+            messages.append({"role": item["role"], "content": _content(
+                item["content"], f"input[{i}].content", len(messages), places)})
         elif kind == "function_call":
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
@@ -176,16 +185,31 @@ def input_messages(given) -> list[dict]:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "content": _text(item["output"])})
+                             "content": _content(item["output"], f"input[{i}].output",
+                                                 len(messages), places)})
         # "reasoning" items: localrt's models show no reasoning; they are left out.
     return messages
 
 
-def _text(content) -> str:
-    """A message's content as one string: its text parts joined, as chat joins them."""
+def _content(content, field: str, at: int, places: list):
+    """A message's content as chat's: one string, its text parts joined as chat joins
+    them; with input_image parts, a list of text and image_url parts (each image's
+    (at, part index, path) added to `places`)."""
     if isinstance(content, str):
         return content
-    return "\n".join(part.get("text", part.get("refusal", "")) for part in content)
+    if not any(part.get("type") == "input_image" for part in content):
+        return "\n".join(part.get("text", part.get("refusal", "")) for part in content)
+    parts = []
+    for j, part in enumerate(content):
+        if part.get("type") == "input_image":
+            url = {"url": part["image_url"]}
+            if part.get("detail") is not None:
+                url["detail"] = part["detail"]
+            places.append((at, j, f"{field}[{j}]"))
+            parts.append({"type": "image_url", "image_url": url})
+        else:
+            parts.append({"type": "text", "text": part.get("text", part.get("refusal", ""))})
+    return parts
 
 
 def chat_body(body: dict, conversation: list) -> dict:
