@@ -24,6 +24,7 @@ from support.apps import call
 from support.models import FAMILIES
 from support.servers import send
 
+from localrt.api import IMAGE_BODY
 from localrt.dialects import anthropic as dialect
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
@@ -301,6 +302,8 @@ def test_output_config_format_keeps_the_text_to_a_schema(api, models):
 
 DOCUMENT = {"type": "document", "source": {"type": "text", "media_type": "text/plain",
                                            "data": "a page"}}
+IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": "iVBORw0KGgo="}}
 FILE_IMAGE = {"type": "image", "source": {"type": "file", "file_id": "file_1"}}
 
 
@@ -351,7 +354,7 @@ def test_transport_errors_are_in_anthropics_shape_too(api, models, quantized):
         (api("GET", "/v1/messages"), 405, "invalid_request_error"),
         (api("POST", "/v1/messages/nope", {}), 404, "not_found_error"),
         (create(api, "no-such-model"), 404, "not_found_error"),
-        (api("POST", "/v1/messages", body=b" " * (2 << 20),
+        (api("POST", "/v1/messages", body=b" " * (IMAGE_BODY + 1),
              headers={"Content-Type": "application/json"}), 413, "request_too_large"),
     ]
     for r, status, kind in cases:
