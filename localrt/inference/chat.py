@@ -39,6 +39,7 @@ import json
 import logging
 import time
 import uuid
+from types import SimpleNamespace
 from typing import Iterator
 
 from localrt.engines import contract
@@ -91,17 +92,18 @@ class Chats:
                                 disconnected=disconnected)
 
     def check_images(self, body: dict) -> None:
-        """images_not_supported, or too many images, for a chat body before anything
-        starts the model (Ollama's routes start it first); nothing for a remote model,
-        whose upstreams get the images as they came."""
+        """Every check of a chat body's images (`messages`), for a route that starts the
+        model before it creates the chat (Ollama's), so that none of them waits for a
+        start; nothing for a remote model, whose upstreams get the images as they came.
+        create() reads them again: Ollama's are base64, nothing is fetched twice."""
         record = self._path.registry.get(body["model"])
-        if not self._path.is_remote(record):
-            images_mod.check(body["model"], "vision" in capabilities(record),
-                             body["messages"], self.images.policy())
+        if not self._path.is_remote(record) and any(images_mod.parts(body["messages"])):
+            self.messages(SimpleNamespace(model_id=body["model"], record=record), body)
 
-    def messages(self, local: Local, body: dict) -> list:
+    def messages(self, local, body: dict) -> list:
         """The request's messages as chat templates take them, each image read (a URL
-        fetched) and checked: all before the model's turn, so before any compute."""
+        fetched) and checked: all before the model's turn, so before any compute.
+        `local` needs only its model_id and record (a `Local`)."""
         images_mod.check(local.model_id, "vision" in capabilities(local.record),
                          body["messages"], self.images.policy())
         return [_message(i, m, self.images.read) for i, m in enumerate(body["messages"])]
