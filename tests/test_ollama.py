@@ -25,6 +25,8 @@ from hubemu import HubEmulator
 from support.apps import bind, call
 from support.servers import run_foreground_server, send
 
+from localrt.api import IMAGE_BODY
+
 USER = [{"role": "user", "content": "Why is the sky blue?"}]
 CALL_NAME = '{"name": "get_weather", '
 CALL_ARGS = '"arguments": {"city": "Paris"}}'
@@ -360,7 +362,7 @@ def test_keys_host_checks_and_size_limits_hold_here_too(home):
         assert call(app, "GET", "/api/tags", headers=key).json == {"models": []}
         r = call(app, "GET", "/api/version", headers={**key, "Host": "evil.example"})
         assert r.status == 403 and "evil.example" in r.json["error"]
-        big = json.dumps({"model": "tiny", "prompt": "a" * (1 << 20)}).encode()
+        big = json.dumps({"model": "tiny", "prompt": "a" * IMAGE_BODY}).encode()
         r = call(app, "POST", "/api/generate", body=big,
                  headers={**key, "Content-Type": "application/json"})
         assert r.status == 413 and set(r.json) == {"error"}
