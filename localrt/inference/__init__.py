@@ -2,7 +2,8 @@
 
 `scheduler` loads and unloads models, and `lanes` paces who computes when; `requests`
 is the path every chat, completion and embedding takes (local or remote, decided
-once); `chat`, `completions` and `embeddings` are OpenAI's native APIs on it; `remote`
+once); `chat`, `completions` and `embeddings` are OpenAI's native APIs on it, and
+`images` reads and checks a chat's images (data: URLs, fetched URLs); `remote`
 forwards a remote model's requests to its upstreams, whose health and routing are
 `upstreams`.
 """
