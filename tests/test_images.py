@@ -5,7 +5,7 @@ images, Responses' input_image) becomes contract.Image parts, checked before any
 compute: data: URLs, http(s) URLs fetched from a real server on 127.0.0.1 (let in by
 imageUrlHosts), sizes, counts and first bytes, each error naming the part in the
 client's own terms, in its dialect's error shape, through the real SDK clients. A
-vision model is support.vision's tiny random pair, made one by its record's mmproj.
+vision model is support.vision's tiny random pair, imported with its mmproj.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import http.server
 import json
-import shutil
 import threading
 import time
 from types import SimpleNamespace
@@ -26,7 +25,6 @@ from support.apps import bind
 from support.servers import send
 from support.vision import bmp, gif, jpeg, png, write_vision_pair
 
-from localrt.app import create_app
 from localrt.engines.contract import Image
 from localrt.errors import ImagesNotSupported, ImageTooLarge, InvalidField, InvalidImage
 from localrt.inference import images
@@ -259,7 +257,9 @@ def test_image_url_hosts_entries():
 
 def test_a_vision_models_messages_carry_image_parts_in_order():
     chats = Chats(SimpleNamespace(), images=reader())
+    files = [{"path": "seer.gguf", "size": 1}, {"path": "mmproj-seer.gguf", "size": 1}]
     local = SimpleNamespace(model_id="seer", record={"id": "seer", "engine": "gguf-cpp",
+                                                     "files": files,
                                                      "mmproj": "mmproj-seer.gguf"})
     other = png(8, 8, 1)
     body = {"model": "seer", "messages": [
@@ -279,7 +279,8 @@ def test_a_vision_models_messages_carry_image_parts_in_order():
         {"type": "text", "text": "And this one?"},
         {"type": "image", "image": Image(other, "messages[1].content[3]")}]
     assert messages[0]["content"] == "Look closely." and messages[3]["content"] == "a\nb"
-    plain = SimpleNamespace(model_id="plain", record={"id": "plain", "engine": "gguf-cpp"})
+    plain = SimpleNamespace(model_id="plain", record={"id": "plain", "engine": "gguf-cpp",
+                                                      "files": files[:1]})
     with pytest.raises(ImagesNotSupported) as err:
         chats.messages(plain, body)
     assert "plain" in err.value.message and err.value.code == "images_not_supported"
@@ -299,34 +300,16 @@ def pair(tmp_path_factory):
     return write_vision_pair(tmp_path_factory.mktemp("vision"))
 
 
-def import_vision(settings, pair, model_id="seer") -> None:
-    """Import the pair's text model, then make the record a vision model's: its folder
-    gets the projector and the definition names it (what a pull of a repo with an
-    mmproj writes); a new app reads it."""
-    app = create_app(settings)
-    try:
-        r = bind(app)("POST", "/v1/models/import", {"path": str(pair[0]), "id": model_id})
-        assert r.status == 200, r.body
-        folder = r.json["path"] if "path" in r.json else None
-        folder = folder or bind(app)("GET", f"/v1/models/{model_id}").json["path"]
-    finally:
-        app.close()
-    from pathlib import Path
-
-    folder = Path(folder)
-    shutil.copy(pair[1], folder / pair[1].name)
-    definition = json.loads((folder / "model.json").read_text())
-    definition["mmproj"] = pair[1].name
-    (folder / "model.json").write_text(json.dumps(definition))
-
-
 @pytest.fixture
-def seer(settings, pair):
-    import_vision(settings, pair)
+def seer(app, settings, pair):
+    """The app with the pair imported as `seer`, a vision model; imageUrlHosts lets the
+    module's image server (127.0.0.1) in."""
+    api = bind(app)
+    r = api("POST", "/v1/models/import", {"path": str(pair[0]), "id": "seer",
+                                          "mmproj": str(pair[1])})
+    assert r.status == 200, r.body
     settings.update({"imageUrlHosts": ["127.0.0.1"]})
-    app = create_app(settings)
-    yield bind(app)
-    app.close()
+    return api
 
 
 def chat(api, *parts, model="seer", **extra):
@@ -341,7 +324,7 @@ def image_part(url: str) -> dict:
 
 
 def test_a_vision_model_answers_an_image_from_a_data_url_and_from_its_url(seer, pictures):
-    assert "vision" in seer("GET", "/v1/models/seer").json.get("capabilities", ["vision"])
+    assert seer("GET", "/v1/models/seer").json["capabilities"] == ["chat", "vision"]
     given = chat(seer, image_part(data_url(PNG)))
     assert given.status == 200, given.body
     fetched = chat(seer, image_part(pictures + "/a.png"))
