@@ -24,9 +24,7 @@ _PATH = re.compile(rf"""(?P<q>['"])(?P<quoted>{_START}[^'"]*?\.(?:{_EXT}))(?P=q)
                    rf"""|(?<![\w\\])"""
                    rf"""(?P<bare>{_START}(?:\\.|[^\s'"\\])*?\.(?:{_EXT}))(?!\w)""",
                    re.IGNORECASE)
-# The formats by their first bytes, as llama.cpp's stb_image tells them apart.
-_MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"),
-          (b"GIF87a", "image/gif"), (b"GIF89a", "image/gif"), (b"BM", "image/bmp"))
+# The data URL's type, by the extension; the server reads the bytes for what they are.
 _BY_EXTENSION = {"png": "image/png", "jpg": "image/jpeg", "jpeg": "image/jpeg",
                  "bmp": "image/bmp", "gif": "image/gif"}
 
@@ -55,8 +53,7 @@ def image_part(path: str) -> dict:
     Raises OSError when the file cannot be read."""
     with open(path, "rb") as f:
         data = f.read()
-    mime = next((m for magic, m in _MAGIC if data.startswith(magic)), None) or \
-        _BY_EXTENSION[path.rsplit(".", 1)[-1].lower()]
+    mime = _BY_EXTENSION[path.rsplit(".", 1)[-1].lower()]
     url = f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
     return {"type": "image_url", "image_url": {"url": url}}
 

@@ -36,6 +36,7 @@ from typing import Callable, Iterator, Mapping
 from urllib.parse import unquote_to_bytes, urljoin, urlsplit, urlunsplit
 
 from localrt.engines.contract import Image
+from localrt.engines.vision import image_format
 from localrt.errors import (HTTPError, ImagesNotSupported, ImageTooLarge, InvalidField,
                             InvalidImage)
 
@@ -43,9 +44,6 @@ MAX_BYTES = 20 * 1024 * 1024  # one image; what Anthropic and OpenAI take, about
 FETCH_TIMEOUT = 30.0          # seconds for one image's fetch, redirects included
 MAX_REDIRECTS = 5
 _CHUNK = 64 * 1024
-# The first bytes of the formats llama.cpp's image loader (stb_image, through mtmd) reads.
-MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"),
-         (b"GIF87a", "image/gif"), (b"GIF89a", "image/gif"), (b"BM", "image/bmp"))
 
 
 class ImageURLRefused(InvalidField):
@@ -118,8 +116,10 @@ def url_of(part: dict) -> str:
 
 
 def media_type(data: bytes) -> str | None:
-    """The image type the first bytes say (image/png, ...), None for anything else."""
-    return next((kind for magic, kind in MAGIC if data.startswith(magic)), None)
+    """The image type the first bytes say (image/png, ...), None for anything else: the
+    formats llama.cpp reads (localrt.engines.vision.image_format)."""
+    kind = image_format(data)
+    return None if kind is None else f"image/{kind}"
 
 
 def image(data: bytes, where: str) -> Image:
