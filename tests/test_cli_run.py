@@ -372,3 +372,29 @@ def test_an_image_path_on_a_terminal_is_attached_and_sent(home, server, quantize
     assert not term.expect("\r\n" + PROMPT).startswith("Error")
     term.send("/exit\r")
     assert term.wait() == ExitCode.OK
+
+
+def test_a_vision_model_on_a_terminal_answers_the_attached_image(home, server, terminals,
+                                                                 tmp_path):
+    """The reply `localrt run` shows for a line with an image path is the one the API
+    gives that message (a real projector through mtmd)."""
+    from support.vision import png, write_vision_pair
+
+    model, mmproj = write_vision_pair(tmp_path / "pair")
+    server.client.import_model(str(model), "eye", mmproj=str(mmproj))
+    server.client.update_model("eye", {"temperature": 0, "cpu_threads": 1, "max_tokens": 6})
+    picture = tmp_path / "red panda.png"
+    picture.write_bytes(png(64, 64, 3))
+    term = terminals(home, "run", "eye")
+    term.expect(PROMPT)
+    escaped = str(picture).replace(" ", "\\ ")
+    term.send(f"What is this? {escaped}\r")
+    term.expect(f"Added image '{picture}'\r\n")
+    shown = term.expect("\r\n" + PROMPT)
+    sent = [image_url(picture.read_bytes(), "image/png"),
+            {"type": "text", "text": "What is this?"}]
+    reply = server.client.chat({"model": "eye", "messages": [user(sent)]})
+    want = reply["choices"][0]["message"]["content"]
+    assert shown.replace("\r\n", "\n").strip() == want.strip()
+    term.send("/exit\r")
+    assert term.wait() == ExitCode.OK

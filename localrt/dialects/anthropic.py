@@ -23,6 +23,7 @@ sees an engine or the WSGI environ.
   stop_sequences                             stop
   output_config.format (a json_schema)       response_format (a grammar keeps to it)
   max_tokens, temperature, top_p, top_k, stream   the same
+  seed (localrt's, as llama-server takes it)   the same
 
 Refused with a 400: document blocks, server tools, and a
 last message from the assistant (a prefill: chat cannot continue a reply). thinking
@@ -59,7 +60,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                529: "overloaded_error"}
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use",
                 "function_call": "tool_use", "content_filter": "refusal"}
-SAMPLING = ("max_tokens", "temperature", "top_p", "top_k")  # the same name in both
+SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed")  # the same name in both
 # Blocks a message may carry that localrt cannot show a model, and why.
 UNSUPPORTED_BLOCKS = {
     "document": "document blocks are not supported: send the text as a text block"}

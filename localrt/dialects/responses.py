@@ -222,7 +222,7 @@ def chat_body(body: dict, conversation: list) -> dict:
                            param="input")
     chat = {"model": body["model"], "messages": messages}
     for name, chat_name in (("max_output_tokens", "max_tokens"), ("temperature", None),
-                            ("top_p", None), ("parallel_tool_calls", None)):
+                            ("top_p", None), ("seed", None), ("parallel_tool_calls", None)):
         if body.get(name) is not None:
             chat[chat_name or name] = body[name]
     if body.get("tools"):
