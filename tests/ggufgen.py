@@ -217,13 +217,7 @@ def write_gguf(
         add(M.FFN_UP, weight(n_ff, n_embd))
         add(M.FFN_DOWN, weight(n_embd, n_ff))          # ggml {n_ff, n_embd}
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-    finally:
-        writer.close()
+    write_out(writer, path)
     if split_max_tensors:
         return sorted(path.parent.glob(f"{path.stem}-00001-of-*.gguf"))[0]
     return path
@@ -330,6 +324,12 @@ def write_bert_gguf(
         add(M.LAYER_OUT_NORM, "weight", ones)
         add(M.LAYER_OUT_NORM, "bias", zeros)
 
+    write_out(writer, path)
+    return path
+
+
+def write_out(writer, path: Path) -> None:
+    """Write a GGUFWriter's header, metadata and tensors to `path` (its folder made)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         writer.write_header_to_file()
@@ -337,7 +337,6 @@ def write_bert_gguf(
         writer.write_tensors_to_file()
     finally:
         writer.close()
-    return path
 
 
 def read_gguf_metadata(path: Union[str, os.PathLike]) -> dict:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+from ggufgen import write_out
 
 # projector type -> (tensor name, numpy shape given the output size n): numpy's shape
 # is ggml's ne reversed, so a weight's ne[1] is its numpy shape's first number.
@@ -33,10 +34,5 @@ def write_projector(path, n_embd: int = 64, kind: str = "mlp", vision: bool = Tr
     writer.add_tensor("v.patch_embd.weight", np.zeros((8, 3, 2, 2), dtype=np.float32))
     name, shape = OUTPUT_TENSORS[kind]
     writer.add_tensor(name, np.zeros(shape(n_embd), dtype=np.float32))
-    try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-    finally:
-        writer.close()
+    write_out(writer, path)
     return path

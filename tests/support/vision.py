@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 import gguf
-from ggufgen import write_gguf
+from ggufgen import write_gguf, write_out
 
 __all__ = ["IMAGE_SIZE", "PATCH_SIZE", "IMAGE_TOKENS", "MARKER", "write_vision_pair",
            "write_projector", "pixels", "png", "bmp", "gif", "gif_rgb", "jpeg",
@@ -123,13 +123,7 @@ def write_projector(path: Path, *, n_embd: int = 64, seed: int = 0,
     writer.add_tensor("mm.2.weight", weight(n_embd, mm_hidden, scale=0.3))
     writer.add_tensor("mm.2.bias", zeros(n_embd))
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-    finally:
-        writer.close()
+    write_out(writer, path)
     return path
 
 
