@@ -109,3 +109,30 @@ def test_the_status_row_reports_the_cache(app, api, path, settings):
     row = api("GET", "/v1/models/status").json["data"][0]
     cache = row["promptCache"]
     assert cache["limit"] == 2048 << 20 and cache["states"] >= 1 and cache["lookups"] == 3
+
+
+def test_a_state_with_an_image_is_restored_by_the_images_hash(tmp_path):
+    from support.vision import png, write_vision_pair
+
+    from localrt.engines.contract import Image
+
+    model_path, mmproj = write_vision_pair(tmp_path)
+    model = LlamaModel(str(model_path), {"ctx_len": 512, "n_parallel": 1,
+                                         "mmproj": str(mmproj), "speculative": "off",
+                                         "prompt_cache_bytes": 4 << 20})
+
+    def ask(image: bytes, text: str):
+        return [{"role": "user", "content": [
+            {"type": "text", "text": text},
+            {"type": "image", "image": Image(image, "messages[0].content[1]")}]}]
+
+    try:
+        a, b = png(64, 64, 1), png(64, 64, 2)
+        first = turn(model, ask(a, "Look at this, please, and describe it."))[1]
+        turn(model, ask(b, "And this other one, what does it show?"))  # takes the slot
+        again = turn(model, ask(a, "Look at this, please, and describe it."))[1]
+        assert again["cached_tokens"] == first["prompt_tokens"] - 1  # the image included
+        other = turn(model, ask(png(64, 64, 3), "Look at this, please, and describe it."))
+        assert other[1]["cached_tokens"] < first["prompt_tokens"] - 36  # not another image
+    finally:
+        model.unload()
