@@ -296,7 +296,7 @@ def test_update_flags_are_the_schema(tmp_path):
     assert [flag for flag, _ in cli.model_update_options()] == [
         "--name", "--ctx_len", "--ngl", "--n_batch", "--cpu_threads", "--n_parallel",
         "--caching_enabled", "--grp_attn_n", "--grp_attn_w", "--mlock", "--flash_attn", "--cache_type",
-        "--use_mmap", "--speculative", "--rpc_servers", "--prompt_template", "--stop", "--temperature",
+        "--use_mmap", "--speculative", "--draft_max", "--rpc_servers", "--prompt_template", "--stop", "--temperature",
         "--top_p", "--top_k",
         "--min_p", "--max_tokens", "--seed", "--frequency_penalty", "--presence_penalty",
         "--repeat_penalty"]

@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 
 from localrt.engines.batching import Batcher, Sequence
 from localrt.engines.llamabatch import LlamaBatch, Sampling
-from localrt.engines.drafting import Drafter
+from localrt.engines.drafting import DRAFT_MAX, Drafter
 from localrt.engines.promptcache import PromptCache
 from localrt.engines.embedding import EmbeddingContext, LlamaEmbedder, embedding_pooling
 from localrt.engines.generation import (GeneratingModel, Generation, check_room, seed_of,
@@ -168,6 +168,7 @@ class LlamaModel(GeneratingModel):
         model = self._model.model
         self.speculative = options.get("speculative", "ngram") != "off" and not (
             llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model))
+        self.draft_max = options.get("draft_max") or DRAFT_MAX
         self._metadata = self._model.metadata()
         self._formatter = None  # the GGUF's chat template, compiled at the first chat
         self._pieces: dict[int, bytes] = {}  # token -> its bytes; the vocabulary is fixed
@@ -242,7 +243,7 @@ class LlamaModel(GeneratingModel):
         if params.get("prediction"):
             prediction = self._model.tokenize(params["prediction"].encode("utf-8"),
                                               add_bos=False, special=False)
-        return Drafter(tokens, prediction)
+        return Drafter(tokens, prediction, draft_max=self.draft_max)
 
     def count_tokens(self, messages: list, params: dict) -> int:
         """The prompt's tokens as generate() reads them (an image's among them); nothing

@@ -57,8 +57,8 @@ log = logging.getLogger(__name__)
 # `embedding` (llama.cpp's embedding mode) is a start option only, never stored.
 START_OPTIONS = ("prompt_template", "stop", "ngl", "ctx_len", "cpu_threads", "n_batch",
                  "n_parallel", "caching_enabled", "grp_attn_n", "grp_attn_w", "mlock",
-                 "flash_attn", "cache_type", "use_mmap", "speculative", "rpc_servers",
-                 "engine")
+                 "flash_attn", "cache_type", "use_mmap", "speculative", "draft_max",
+                 "rpc_servers", "engine")
 DEFAULT_PARALLEL = 4  # n_parallel (a gguf-cpp model's slots) when nothing says
 MAX_TURN_RETRIES = 3  # a request whose model was stopped while it waited restarts it this often
 
