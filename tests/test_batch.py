@@ -596,10 +596,10 @@ def test_an_image_is_one_steps_work_beside_the_others_text():
     steps = engine.plans[1:]
     assert all(plan[0] == (talking, 1, False) for plan in steps)  # a token every step
     mine = [[(n, e) for seq, n, e in plan if seq is seeing] for plan in steps]
-    # the text before the image, the image (a step of its own for this sequence), then
-    # the text after it, whose last token samples
-    assert mine == [[(2, True)], [(4, True)], [(2, True)]]
-    assert list(seeing.ready) == [101] and seeing.read == 8
+    # the text before the image and the image (decoded in that order in one step), then
+    # the text after it, whose last token samples, then its first generated token
+    assert mine == [[(2, True), (4, True)], [(2, True)], [(1, False)]]
+    assert list(seeing.ready) == [101, 101] and seeing.read == 8
     assert batcher.slots[1].tokens[:6] == [1, 2] + _image("a", 4)
 
 

@@ -32,10 +32,11 @@ step computes; `LlamaBatch` (localrt.engines.llamabatch) computes it with llama.
     left), SCORED_CHUNK tokens a step. The other sequences of the batch pay nothing.
   * Images (localrt.engines.vision): a prompt item is a text token or one position of
     an image. A prompt is read as text up to its next image; that image is one step's
-    work for its sequence (the engine's encode and decode of its embeddings), at most
-    one image a step, beside the text the other sequences decode in the same step, so
-    an image holds the others up by one image's time at most. A cached prefix never
-    ends inside an image (vision.whole_images).
+    work for its sequence (the engine's encode and decode of its embeddings, after the
+    step's text, the text before it among them), at most one image a step, beside the
+    text the other sequences decode in the same step, so an image holds the others up
+    by one image's time at most. A cached prefix never ends inside an image
+    (vision.whole_images).
   * Speculation (localrt.engines.drafting): a generating sequence with a Drafter feeds
     its next token and a draft of the tokens that may follow it, all in the same
     decode; the engine samples each position in turn from the sequence's own sampler
@@ -294,6 +295,7 @@ class Batcher:
                 room -= len(draft)
             plan.append(Entry(seq, seq.slot.id, [seq.next] + draft, len(seq.slot.tokens),
                               True, False, draft=len(draft)))
+        reach = {}  # where each sequence's KV will end after this step's text
         for seq in self._active:
             if room <= 0:
                 break
@@ -306,14 +308,18 @@ class Batcher:
             chunk = seq.prompt[seq.read:end]
             last = end == len(seq.prompt)
             plan.append(Entry(seq, seq.slot.id, chunk, len(seq.slot.tokens), last, True))
+            reach[seq] = end
             room -= len(chunk)
-        # One image a step, the first waiting in arrival order.
-        seq = next((s for s in self._active if not s.ended and s.read in s.images), None)
-        if seq is not None:
-            start = seq.read
-            end = _next_text(seq.prompt, start)
-            plan.append(Entry(seq, seq.slot.id, seq.prompt[start:end], len(seq.slot.tokens),
-                              False, True, image=seq.images[start]))
+        # One image a step, the first waiting in arrival order: one whose text before it
+        # this step reads comes right after that text (the engine decodes text first).
+        for seq in self._active:
+            start = reach.get(seq, seq.read)
+            if not seq.ended and start in seq.images:
+                end = _next_text(seq.prompt, start)
+                pos = len(seq.slot.tokens) + start - seq.read
+                plan.append(Entry(seq, seq.slot.id, seq.prompt[start:end], pos, False, True,
+                                  image=seq.images[start]))
+                break
         # In slot order: llama.cpp splits a batch of sequences with KV of their own into
         # one pass per run of consecutive sequence ids, and each pass reads all weights.
         plan.sort(key=lambda e: e.slot)
