@@ -566,3 +566,44 @@ def test_a_hundred_messages_render(browser, server):
     print(f"100 messages render in {min(times):.1f} ms (best of 5; all: "
           f"{', '.join(f'{t:.1f}' for t in times)})")
     assert len(browser.find_elements(By.CSS_SELECTOR, '[data-role="assistant"] table')) == 50
+
+
+def prompt_tokens_of(url, model_id) -> float:
+    """localrt_prompt_tokens_total for a model, from GET /metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(f'localrt_prompt_tokens_total{{model="{model_id}"}} '):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_vision_model_takes_an_attached_image(browser, server, tmp_path):
+    """The attach button shows for a model whose capabilities include vision; the image
+    shows in the message and reaches the model (its 36 tokens are in the prompt)."""
+    from support.vision import IMAGE_TOKENS, png, write_vision_pair
+
+    model, mmproj = write_vision_pair(tmp_path / "pair")
+    status, body = request(server.url, "POST", "/v1/models/import",
+                           {"path": str(model), "mmproj": str(mmproj), "id": "eye"})
+    assert status == 200, body
+    request(server.url, "PATCH", "/v1/models/eye", {"cpu_threads": 1, "n_parallel": 1})
+    open_page(browser, server.url)
+    pick(browser, "guide")
+    assert not labelled(browser, "Attach image").is_displayed()  # no projector
+    pick(browser, "eye")
+    assert labelled(browser, "Attach image").is_displayed()
+    settings_of(browser, temperature=0, max_tokens=4)
+    picture = tmp_path / "picture.png"
+    picture.write_bytes(png(64, 64, 8))
+    chooser = find(browser, "#image-file")
+    browser.execute_script("arguments[0].hidden = false; arguments[0].style.display = 'block'",
+                           chooser)
+    chooser.send_keys(str(picture))
+    wait(browser, lambda d: find(d, "#attached").is_displayed(), 10, "the image attached")
+    before = prompt_tokens_of(server.url, "eye")
+    say(browser, "What is this?")
+    last_reply(browser)
+    shown = browser.find_elements(By.CSS_SELECTOR, '[data-role="user"] img')
+    assert shown and shown[-1].get_attribute("src").startswith("data:image/png;base64,")
+    assert prompt_tokens_of(server.url, "eye") - before > IMAGE_TOKENS
+    browser.save_screenshot(str(tmp_path / "vision.png"))
