@@ -21,7 +21,7 @@ import anthropic
 import jsonschema
 import pytest
 from support.apps import call
-from support.models import FAMILIES
+from support.models import FAMILIES, NO_DRAFTS
 from support.servers import send
 
 from localrt.api import IMAGE_BODY
@@ -529,7 +529,7 @@ def test_the_sdk_with_x_api_key(home, family_models):
 
 def test_a_stream_cut_by_a_stopped_model_ends_with_an_error_event(live_server, slow_gguf):
     send(live_server.url, "POST", "/v1/models/import", {"path": str(slow_gguf), "id": "slow"})
-    send(live_server.url, "POST", "/v1/models/slow/start", {"cpu_threads": 1})
+    send(live_server.url, "POST", "/v1/models/slow/start", {"cpu_threads": 1, **NO_DRAFTS})
     conn = http.client.HTTPConnection("127.0.0.1", urlsplit(live_server.url).port, timeout=60)
     conn.request("POST", "/v1/messages", json.dumps(
         {"model": "slow", "max_tokens": 3000, "temperature": 0, "stream": True,

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import openai
 import pytest
-from support.models import NO_EOS
+from support.models import NO_DRAFTS, NO_EOS
 from support.servers import RawStream, run_foreground_server, send, wait_for
 
 HELLO = [{"role": "user", "content": "Hello there"}]
@@ -56,13 +56,14 @@ def tiny(server, quantized):
 
 @pytest.fixture
 def slow(server, slow_gguf):
-    return add_model(server.url, slow_gguf, "slow", ctx_len=4096)
+    return add_model(server.url, slow_gguf, "slow", ctx_len=4096, **NO_DRAFTS)
 
 
 @pytest.fixture
 def slow_one_slot(server, slow_gguf):
     """The slow model serving one request at a time (n_parallel 1): the others queue."""
-    return add_model(server.url, slow_gguf, "slow-1", ctx_len=4096, n_parallel=1)
+    return add_model(server.url, slow_gguf, "slow-1", ctx_len=4096, n_parallel=1,
+                     **NO_DRAFTS)
 
 
 def chat_body(model, max_tokens, stream=True, **extra):

@@ -22,7 +22,7 @@ import time
 import pytest
 from hubemu import HubEmulator
 from support.cli import run
-from support.models import NO_EOS
+from support.models import NO_DRAFTS, NO_EOS
 from support.servers import run_foreground_server, subprocess_env
 
 from localrt.cli import ExitCode
@@ -190,7 +190,7 @@ def test_a_conversation_on_a_terminal(home, server, quantized, terminals):
 
 def test_ctrl_c_stops_a_reply_and_at_the_prompt_does_not_leave(home, server, slow_gguf,
                                                              terminals):
-    add_model(server.client, slow_gguf, "slow", max_tokens=2000)  # seconds of reply
+    add_model(server.client, slow_gguf, "slow", max_tokens=2000, **NO_DRAFTS)  # seconds
     term = terminals(home, "run", "slow", "--ctx_len", "4096")
     term.expect(PROMPT)
     term.send("Tell me a long story\r")
@@ -210,7 +210,7 @@ def test_ctrl_c_stops_a_reply_and_at_the_prompt_does_not_leave(home, server, slo
 
 
 def test_ctrl_c_while_the_reply_waits_for_the_model(home, server, slow_gguf, terminals):
-    add_model(server.client, slow_gguf, "slow", max_tokens=2000)
+    add_model(server.client, slow_gguf, "slow", max_tokens=2000, **NO_DRAFTS)
     term = terminals(home, "run", "slow", "--ctx_len", "4096")
     term.expect(PROMPT)
     # Another client's long reply holds the model, so the next one waits its turn.

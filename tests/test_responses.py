@@ -20,7 +20,7 @@ import pytest
 from chattemplates import TEMPLATES, TOKENS
 from ggufgen import write_gguf
 from support.apps import bind, call
-from support.models import KINDS
+from support.models import KINDS, NO_DRAFTS
 from support.servers import run_foreground_server, send
 
 from localrt.dialects.responses import Store
@@ -351,7 +351,7 @@ def test_an_unknown_model_is_a_404_and_api_keys_apply(api, settings):
 def test_a_model_stopped_mid_stream_ends_it_failed(app, slow_gguf):
     """The chat stream's error becomes an `error` event and response.failed."""
     call(app, "POST", "/v1/models/import", {"path": str(slow_gguf), "id": "slow"})
-    call(app, "POST", "/v1/models/slow/start", {"cpu_threads": 1})
+    call(app, "POST", "/v1/models/slow/start", {"cpu_threads": 1, **NO_DRAFTS})
     body = {"model": "slow", "input": "Hello", "max_output_tokens": 3000}
     stream = app.services.responses.create({**body, "stream": True})
     try:

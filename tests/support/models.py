@@ -11,6 +11,10 @@ from ggufgen import EOS_ID, write_gguf
 
 # A logit bias under which the generated models never end a reply: exactly max_tokens come.
 NO_EOS = {str(EOS_ID): -100}
+# The start option (or stored parameter) for a reply that must last: a random model's
+# greedy reply falls into a loop, which speculative decoding drafts whole, so a
+# 2000-token reply of conftest's slow_gguf would end in a blink instead of seconds.
+NO_DRAFTS = {"speculative": "off"}
 # The token types of chattemplates.TOKENS' added tokens, by the name it gives them.
 KINDS = {"control": gguf.TokenType.CONTROL, "user": gguf.TokenType.USER_DEFINED}
 FAMILIES = sorted(TEMPLATES)  # llama31, mistral_nemo, qwen25
