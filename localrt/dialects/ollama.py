@@ -51,6 +51,7 @@ num_predict) is left out.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -499,8 +500,9 @@ def chat(services, body: dict, disconnected: Disconnected = never):
     fields = with_images(FIELDS, request)
     request = native(services.validators, "chat-completion.json", request, fields)
     with fields.named():  # images the model cannot take: a 400 before it starts
-        services.chats.check_images(request)
-    return _run(services, record, body, keep, timer, services.chats.create, request,
+        read = services.chats.read_images(request)
+    return _run(services, record, body, keep, timer,
+                functools.partial(services.chats.create, messages=read), request,
                 lambda chunks: Translation(name, chunks, timer, True), fields, disconnected)
 
 
@@ -513,10 +515,11 @@ def generate(services, body: dict, disconnected: Disconnected = never):
     schema = "chat-completion.json" if kind == "chat" else "completion.json"
     fields = with_images(GENERATE_FIELDS, request, generate=True)
     request = native(services.validators, schema, request, fields)
+    create = services.completions.create
     if kind == "chat":
         with fields.named():  # images the model cannot take: a 400 before it starts
-            services.chats.check_images(request)
-    create = services.chats.create if kind == "chat" else services.completions.create
+            read = services.chats.read_images(request)
+        create = functools.partial(services.chats.create, messages=read)
     return _run(services, record, body, keep, timer, create, request,
                 lambda chunks: Translation(name, chunks, timer, False, kind == "completion"),
                 fields, disconnected)

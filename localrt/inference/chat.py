@@ -86,19 +86,24 @@ class Chats:
         # fetches with no proxy, under the settings' defaults.
         self.images = images or images_mod.Images(_direct, images_mod.Policy)
 
-    def create(self, body: dict, disconnected: Disconnected = never):
-        """A chat.completion dict, or a Stream when body["stream"] is true."""
-        return self._path.serve(self.kind, body, lambda local: self._create(local, body),
+    def create(self, body: dict, disconnected: Disconnected = never,
+               messages: list | None = None):
+        """A chat.completion dict, or a Stream when body["stream"] is true. `messages`:
+        the body's messages as read_images() read them already, if it did."""
+        return self._path.serve(self.kind, body,
+                                lambda local: self._create(local, body, messages),
                                 disconnected=disconnected)
 
-    def check_images(self, body: dict) -> None:
-        """Every check of a chat body's images (`messages`), for a route that starts the
-        model before it creates the chat (Ollama's), so that none of them waits for a
-        start; nothing for a remote model, whose upstreams get the images as they came.
-        create() reads them again: Ollama's are base64, nothing is fetched twice."""
+    def read_images(self, body: dict) -> list | None:
+        """The body's messages with their images read and checked, for a route that
+        starts the model before it creates the chat (Ollama's), so that no image error
+        waits for a start; create() takes them as they are. None when there is nothing
+        to read: no image, or a remote model, whose upstreams get the images as they
+        came."""
         record = self._path.registry.get(body["model"])
-        if not self._path.is_remote(record) and any(images_mod.parts(body["messages"])):
-            self.messages(SimpleNamespace(model_id=body["model"], record=record), body)
+        if self._path.is_remote(record) or not any(images_mod.parts(body["messages"])):
+            return None
+        return self.messages(SimpleNamespace(model_id=body["model"], record=record), body)
 
     def messages(self, local, body: dict) -> list:
         """The request's messages as chat templates take them, each image read (a URL
@@ -108,8 +113,9 @@ class Chats:
                          body["messages"], self.images.policy())
         return [_message(i, m, self.images.read) for i, m in enumerate(body["messages"])]
 
-    def _create(self, local: Local, body: dict):
-        messages = self.messages(local, body)
+    def _create(self, local: Local, body: dict, messages: list | None = None):
+        if messages is None:
+            messages = self.messages(local, body)
         if body.get("n") not in (None, 1):
             raise InvalidField("Invalid field 'n': only n=1 is supported", param="n")
         top = _top_logprobs(body)
