@@ -36,9 +36,8 @@ from typing import Callable, Iterator, Mapping
 from urllib.parse import unquote_to_bytes, urljoin, urlsplit, urlunsplit
 
 from localrt.engines.contract import Image
-from localrt.engines.vision import image_format
-from localrt.errors import (HTTPError, ImagesNotSupported, ImageTooLarge, InvalidField,
-                            InvalidImage)
+from localrt.engines.vision import image_format, refuse_images
+from localrt.errors import HTTPError, ImageTooLarge, InvalidField, InvalidImage
 
 MAX_BYTES = 20 * 1024 * 1024  # one image; what Anthropic and OpenAI take, about
 FETCH_TIMEOUT = 30.0          # seconds for one image's fetch, redirects included
@@ -95,9 +94,7 @@ def check(model_id: str, vision: bool, messages: list, policy: Policy) -> int:
     not too many: ImagesNotSupported, or a 400 naming the first one past the limit."""
     found = [where for where, _ in parts(messages)]
     if found and not vision:
-        raise ImagesNotSupported(f"Model {model_id} does not take images: it has no vision "
-                                 f"projector (mmproj); send text only, or use a vision "
-                                 f"model", param="model")
+        raise refuse_images(model_id)
     if len(found) > policy.max_images:
         where = found[policy.max_images]
         raise InvalidField(f"Invalid field '{where}': the request has {len(found)} images; "
