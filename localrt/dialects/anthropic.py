@@ -124,14 +124,10 @@ def _request(body: dict, messages: list) -> dict:
     return out
 
 
-def count_request(body: dict) -> dict:
-    """The chat request whose prompt a count_tokens request counts: its model, system,
-    messages and tools (any other field is ignored)."""
-    return translate_count(body)[0]
-
-
 def translate_count(body: dict) -> tuple[dict, Fields]:
-    """count_request's chat request, with its Fields (as `translate` gives them)."""
+    """The chat request whose prompt a count_tokens request counts (its model, system,
+    messages and tools; any other field is ignored), with its Fields (as `translate`
+    gives them)."""
     return translate({k: body[k] for k in ("model", "system", "messages", "tools",
                                            "tool_choice") if k in body})
 
