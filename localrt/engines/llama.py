@@ -133,27 +133,25 @@ class LlamaModel(GeneratingModel):
         except BaseException:
             self._release_rpc()
             raise
+        self._mmproj = options.get("mmproj")
+        batch = None
         try:
             self.slots = options.get("n_parallel") or 1  # the scheduler's default is 4
             # Each sequence has ctx_len tokens of KV; llama.cpp may round the context up.
             self.context = options.get("ctx_len") or self._model.n_ctx_train()
             params = _context_params(llama_cpp, options, self.slots * self.context,
                                      self.slots)
-            self._batch = LlamaBatch(llama_cpp, self._model.model, params)
+            batch = LlamaBatch(llama_cpp, self._model.model, params)
+            if self._mmproj:
+                batch.projector = Projector(llama_cpp, self._mmproj, self._model.model,
+                                            options)
         except BaseException:
+            if batch is not None:
+                batch.close()
             self._model.close()
             self._release_rpc()
             raise
-        self._mmproj = options.get("mmproj")
-        if self._mmproj:
-            try:
-                self._batch.projector = Projector(llama_cpp, self._mmproj, self._model.model,
-                                                  options)
-            except BaseException:
-                self._batch.close()
-                self._model.close()
-                self._release_rpc()
-                raise
+        self._batch = batch
         cache = options.get("prompt_cache_bytes")
         self._batcher = Batcher(self.slots, params.n_batch, self._batch,
                                 caching=options.get("caching_enabled", True),
