@@ -276,13 +276,6 @@ class EmbeddingContext:
                                       verbose=False)
         return Embedder(self._model, ctx, batch, self.context, self._budget)
 
-    def memory(self) -> int:
-        """Bytes its context holds; 0 before the first embed()."""
-        import llama_cpp
-
-        embedder = self._embedder
-        return llama_cpp.llama_state_get_size(embedder.ctx.ctx) if embedder else 0
-
     def close(self) -> None:
         """Free the context (the model is unloading; no embed() runs any more)."""
         with self._lock:
