@@ -136,8 +136,10 @@ class Batcher:
 
     `engine` has trim(slot, keep) (drop a slot's KV from position `keep` on; false
     when it cannot, which never happens for keep 0),
-    decode(entries) -> the sampled token of each entry with `sample`, in order,
-    is_end(token) and release(sequence) (free what the engine made for it).
+    decode(entries) -> for each entry with `sample`, in order, its sampled tokens (a
+    list: one, or with a draft those the samples kept and one more; a lone int is
+    taken as one), is_end(token) and release(sequence) (free what the engine made for
+    it); with an image entry, decode marks it `failed` when it cannot evaluate it.
     `_lock` guards the slots, `_waiting`, `_active` and the sequences' state;
     `_stepping` lets one step run at a time and is held while it decodes.
     """

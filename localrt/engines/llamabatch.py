@@ -120,9 +120,9 @@ class LlamaBatch:
         cut a sequence short (a recurrent one), which it always can from 0."""
         return bool(self._ll.llama_memory_seq_rm(self._memory, slot, keep, -1))
 
-    def decode(self, entries: list[Entry]) -> list[int]:
-        """One llama_decode of every text entry; the sampled token of each that samples;
-        then each image entry's image (one that fails is marked `failed`)."""
+    def decode(self, entries: list[Entry]) -> list[list[int]]:
+        """One llama_decode of every text entry, the sampled tokens of each that samples
+        (_decode's), then each image entry's image (one that fails is marked `failed`)."""
         images = [e for e in entries if e.image is not None]
         sampled: list = self._decode([e for e in entries if e.image is None])
         for entry in images:  # after sampling: an image's decode overwrites the logits
