@@ -50,11 +50,9 @@ def embedding_pooling(model_path: str, options: dict) -> int | None:
         meta = ggufinfo.read_metadata(model_path)
     except (OSError, ggufinfo.GGUFError):
         meta = {}  # llama.cpp says what is wrong with the file when it loads it
-    arch = meta.get("general.architecture", "")
-    pooling = meta.get(f"{arch}.pooling_type")
-    if isinstance(pooling, int) and pooling > llama_cpp.LLAMA_POOLING_TYPE_NONE:
+    if ggufinfo.declares_pooling(meta):
         return llama_cpp.LLAMA_POOLING_TYPE_UNSPECIFIED
-    if meta.get(f"{arch}.attention.causal") is False or options.get("embedding"):
+    if ggufinfo.is_embedding(meta) or options.get("embedding"):
         return llama_cpp.LLAMA_POOLING_TYPE_MEAN
     return None
 

@@ -328,16 +328,20 @@ def model_defaults(path) -> dict:
     return out
 
 
+def declares_pooling(md: dict) -> bool:
+    """Whether a GGUF's header says how it pools (`<arch>.pooling_type` above 0, which is
+    LLAMA_POOLING_TYPE_NONE)."""
+    pooling = md.get(f"{md.get('general.architecture', '')}.pooling_type")
+    return isinstance(pooling, int) and not isinstance(pooling, bool) and pooling > 0
+
+
 def is_embedding(md: dict) -> bool:
     """Whether a GGUF's header makes it an embedding model: it declares how it pools
-    (`<arch>.pooling_type` above none) or has non-causal attention (an encoder, such as
-    BERT). The same rule as localrt.engines.embedding.embedding_pooling, which loads such
-    a model in llama.cpp's embedding mode; if one changes, so must the other."""
+    or has non-causal attention (an encoder, such as BERT). The registry's capabilities
+    and localrt.engines.embedding.embedding_pooling (which loads such a model in
+    llama.cpp's embedding mode) both ask this."""
     arch = md.get("general.architecture", "")
-    pooling = md.get(f"{arch}.pooling_type")
-    if isinstance(pooling, int) and not isinstance(pooling, bool) and pooling > 0:
-        return True  # 0 is LLAMA_POOLING_TYPE_NONE
-    return md.get(f"{arch}.attention.causal") is False
+    return declares_pooling(md) or md.get(f"{arch}.attention.causal") is False
 
 
 def model_input_size(md: dict) -> int | None:
