@@ -389,10 +389,9 @@ class Scheduler:
 
     # --- leases, for chat ------------------------------------------------------
 
-    def lease(self, model_id: str, start: dict | None = None,
-              purpose: str = "a chat request", disconnected: Disconnected = never) -> Lease:
-        """Wait for this model's turn, starting the model with its stored parameters (and
-        the start options `start`);
+    def lease(self, model_id: str, purpose: str = "a chat request",
+              disconnected: Disconnected = never) -> Lease:
+        """Wait for this model's turn, starting the model with its stored parameters;
         `purpose` is what the log says the model started for. ClientGone, with nothing
         held, once `disconnected()` says the client left while it waited."""
         for _ in range(MAX_TURN_RETRIES):
@@ -403,9 +402,9 @@ class Scheduler:
                 if running is not None:
                     running.active += 1
             if running is None:  # start() answers a 404 for a model that is not there
-                log.info("starting model %s for %s, with its stored parameters%s",
-                         model_id, purpose, f" and {start}" if start else "")
-                self.start(model_id, start, disconnected)
+                log.info("starting model %s for %s, with its stored parameters",
+                         model_id, purpose)
+                self.start(model_id, None, disconnected)
                 continue
             try:
                 running.turn.acquire(disconnected, f"its turn on model {model_id}")
