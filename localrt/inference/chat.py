@@ -207,7 +207,7 @@ def _top_logprobs(body: dict) -> int | None:
     return int(top or 0)  # 3.0 passes the schema as an integer
 
 
-def _message(index: int, message: dict, read) -> dict:
+def _message(index: int, message: dict, read=None) -> dict:
     """An OpenAI message as chat templates take it: its content as one string (text
     parts joined), or with images a list of parts in order ({"type": "text"} and
     {"type": "image", "image": contract.Image}, each image read by `read(url, where)`);
@@ -220,7 +220,7 @@ def _message(index: int, message: dict, read) -> dict:
             where = f"messages[{index}].content[{j}]"
             if part.get("type") == "text":
                 parts.append({"type": "text", "text": part["text"]})
-            elif part.get("type") == "image_url":
+            elif part.get("type") == "image_url" and read is not None:
                 parts.append({"type": "image",
                               "image": read(images_mod.url_of(part), where)})
             else:
