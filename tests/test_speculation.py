@@ -13,6 +13,7 @@ from ggufgen import _vocab, write_gguf
 from support.apps import call
 from support.models import NO_EOS, quantize
 
+from localrt.engines.drafting import prediction_counts
 from localrt.engines.llama import LlamaModel
 
 SCRIPT = [t for t in _vocab(400)[0][300:340]][:30]
@@ -91,22 +92,45 @@ def test_a_copied_reply_takes_fewer_steps_and_acceptance_is_counted_right(models
 def test_a_prediction_that_matches_is_accepted_and_a_wrong_one_costs_no_output(models):
     script = "".join(SCRIPT).replace("\u2581", " ")
     model = load(models["copy"])
+    predicted = len(model._model.tokenize(script.encode(), add_bos=False, special=False))
     try:  # the prompt does not hold the script: only the prediction can draft it
         plain, usage = run(model, "Write.", max_tokens=24)
         assert usage["accepted_prediction_tokens"] == 0
+        assert "rejected_prediction_tokens" not in usage
         right, usage = run(model, "Write.", max_tokens=24, prediction=script)
         assert right == plain
-        assert usage["accepted_prediction_tokens"] >= 24 - 8
-        assert usage["rejected_prediction_tokens"] <= 4
+        assert model.counters()["accepted"] >= 24 - 8  # the drafts came from it
+        # OpenAI's counts: the 24 tokens of the reply were in the prediction, the rest
+        # of it (its last words, and a lone leading space) not in the reply
+        assert (usage["accepted_prediction_tokens"],
+                usage["rejected_prediction_tokens"]) == (24, predicted - 24)
+        # speculation off: the same counts, as they only compare the texts
+        _, usage = run(model, "Write.", max_tokens=24, prediction=script, speculative=False)
+        assert (usage["accepted_prediction_tokens"],
+                usage["rejected_prediction_tokens"]) == (24, predicted - 24)
     finally:
         model.unload()
     model = load(models["random"])
     try:
         plain, _ = run(model, "Say something.", speculative=False)
-        wrong, usage = run(model, "Say something.", prediction=COPY_PROMPT * 2)
-        assert wrong == plain
+        wrong = COPY_PROMPT * 2
+        got, usage = run(model, "Say something.", prediction=wrong)
+        assert got == plain
+        total = len(model._model.tokenize(wrong.encode(), add_bos=False, special=False))
+        assert usage["accepted_prediction_tokens"] + usage["rejected_prediction_tokens"] \
+            == total
+        assert usage["rejected_prediction_tokens"] > total // 2
     finally:
         model.unload()
+
+
+def test_prediction_counts_are_openais():
+    """Tokens of the prediction found in the reply (as often as the reply has them), and
+    the rest of the prediction."""
+    assert prediction_counts([1, 2, 3, 4], [1, 2, 3, 4]) == (4, 0)
+    assert prediction_counts([1, 2, 9, 4], [1, 2, 3, 4, 5]) == (3, 1)
+    assert prediction_counts([7, 7, 7], [7, 1]) == (1, 2)
+    assert prediction_counts([], [1]) == (0, 0)
 
 
 def test_four_sequences_mixing_copies_and_fresh_text_are_each_unchanged(models):
@@ -180,4 +204,4 @@ def test_a_drafter_proposes_what_followed_and_sizes_its_drafts_by_their_fate():
     assert d.propose(16) == [9]
     assert Drafter([5, 6, 7]).propose(16) == []  # nothing seen twice
     predicted = Drafter([1, 2], prediction=[1, 2, 30, 31, 32])
-    assert predicted.propose(16) == [30, 31, 32] and predicted.predicted
+    assert predicted.propose(16) == [30, 31, 32]

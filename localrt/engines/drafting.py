@@ -13,11 +13,14 @@ weights, which one pass does for all the draft's tokens.
 A draft that keeps failing costs compute for nothing, so each Drafter sizes its next
 draft by how its last one did (`settle`): it doubles after a draft accepted whole,
 is about twice the tokens kept after one accepted in part, halves after one that
-missed at once, and rests for a while when the size falls to nothing. A request's `prediction` (OpenAI's predicted output: the text an editor
-expects back) is looked up like the context, before it.
+missed at once, and rests for a while when the size falls to nothing. A request's
+`prediction` (OpenAI's predicted output: the text an editor expects back) is looked up
+like the context, before it; its usage counts are OpenAI's (`prediction_counts`).
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 DRAFT_MAX = 16  # the most tokens a draft proposes
 NGRAM = (4, 3, 2)  # the lookup's n-gram lengths, the longest tried first
@@ -38,7 +41,6 @@ class Drafter:
         self.size = min(START, draft_max)
         self.rest = 0
         self.drafted = self.accepted = 0  # tokens proposed, and of those accepted
-        self.predicted = bool(prediction)  # the counts are the prediction's too
         self.tokens: list[int] = []
         self._seen: dict[int, dict[tuple, int]] = {n: {} for n in NGRAM}
         # The prediction: where each of its n-grams occurs (the index after it), and
@@ -102,3 +104,11 @@ class Drafter:
             self.size //= 2
             if self.size == 0:
                 self.size, self.rest = 1, REST
+
+
+def prediction_counts(prediction: list, completion: list) -> tuple[int, int]:
+    """OpenAI's accepted and rejected prediction tokens: the prediction's tokens that
+    appear in the completion (each at most as often as the completion holds it), and
+    the rest of them, whether or not any draft proposed them."""
+    shared = sum((Counter(prediction) & Counter(completion)).values())
+    return shared, len(prediction) - shared

@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 
 from localrt.engines.batching import Batcher, Sequence
 from localrt.engines.llamabatch import LlamaBatch, Sampling
-from localrt.engines.drafting import DRAFT_MAX, Drafter
+from localrt.engines.drafting import DRAFT_MAX, Drafter, prediction_counts
 from localrt.engines.promptcache import PromptCache
 from localrt.engines.embedding import EmbeddingContext, LlamaEmbedder, embedding_pooling
 from localrt.engines.generation import (GeneratingModel, Generation, check_room, seed_of,
@@ -197,17 +197,27 @@ class LlamaModel(GeneratingModel):
             if prompt.chunks:
                 self._batch.projector.free(prompt)
             raise
+        predicted = None  # the prediction's tokens, when the request has one
+        if params.get("prediction"):
+            predicted = self._model.tokenize(params["prediction"].encode("utf-8"),
+                                             add_bos=False, special=False)
         seq = Sequence(tokens, max_tokens, sampler, top_logprobs=top,
                        prompt_logprobs=echo and top is not None, images=prompt.chunks,
-                       drafter=self._drafter(params, tokens))
+                       drafter=self._drafter(params, tokens, predicted))
         batcher, wait = self._batcher, wait or self.step
+        made: list[int] = []  # the reply's tokens, for the prediction's counts
+
+        def made_tokens() -> Iterator[int]:
+            for token in batcher.tokens(seq, wait):
+                made.append(token)
+                yield token
 
         def run(gen: Generation) -> Iterator[str]:
             batcher.join(seq)
             decoder = codecs.getincrementaldecoder("utf-8")("replace")
             try:
                 yield from token_loop(
-                    gen, batcher.tokens(seq, wait),
+                    gen, made_tokens(),
                     decode=lambda t: decoder.decode(self._piece(t, t in keep)),
                     is_end=self._batch.is_end, final=lambda: decoder.decode(b"", final=True),
                     stops=params.get("stop"), max_tokens=max_tokens,
@@ -215,12 +225,12 @@ class LlamaModel(GeneratingModel):
             finally:
                 batcher.leave(seq)
                 gen.usage["cached_tokens"] = seq.cached
-                drafter = seq.drafter
-                if drafter is not None:
-                    gen.usage["accepted_prediction_tokens"] = drafter.accepted
-                    if drafter.predicted:
-                        gen.usage["rejected_prediction_tokens"] = \
-                            drafter.drafted - drafter.accepted
+                if seq.drafter is not None:  # the draft tokens the reply kept
+                    gen.usage["accepted_prediction_tokens"] = seq.drafter.accepted
+                if predicted is not None:  # OpenAI's counts, drafted or not
+                    (gen.usage["accepted_prediction_tokens"],
+                     gen.usage["rejected_prediction_tokens"]) = \
+                        prediction_counts(predicted, made)
 
         log = None
         if top is not None:
@@ -230,18 +240,14 @@ class LlamaModel(GeneratingModel):
         return Generation(prompt.n_tokens, run, on_close=lambda: batcher.leave(seq),
                           logprobs=log)
 
-    def _drafter(self, params: dict, tokens: list):
+    def _drafter(self, params: dict, tokens: list, predicted: list | None):
         """The sequence's Drafter, or None: speculation off for the model or the request
         (`speculative: false`), or log probabilities asked (each token is scored as it
         is sampled, one at a time)."""
         if not self.speculative or params.get("speculative") is False \
                 or params.get("logprobs") is not None:
             return None
-        prediction = None
-        if params.get("prediction"):
-            prediction = self._model.tokenize(params["prediction"].encode("utf-8"),
-                                              add_bos=False, special=False)
-        return Drafter(tokens, prediction, draft_max=self.draft_max)
+        return Drafter(tokens, predicted, draft_max=self.draft_max)
 
     def count_tokens(self, messages: list, params: dict) -> int:
         """The prompt's tokens as generate() reads them (an image's among them); nothing
