@@ -199,8 +199,7 @@ class LlamaModel(GeneratingModel):
             raise
         predicted = None  # the prediction's tokens, when the request has one
         if params.get("prediction"):
-            predicted = self._model.tokenize(params["prediction"].encode("utf-8"),
-                                             add_bos=False, special=False)
+            predicted = self._text_tokens(params["prediction"])
         seq = Sequence(tokens, max_tokens, sampler, top_logprobs=top,
                        prompt_logprobs=echo and top is not None, images=prompt.chunks,
                        drafter=self._drafter(params, tokens, predicted))
@@ -362,12 +361,13 @@ class LlamaModel(GeneratingModel):
         pre, suf, mid = model.token_prefix(), model.token_suffix(), model.token_middle()
         if min(pre, suf, mid) < 0:
             return None
-
-        def text(t: str) -> list[int]:
-            return model.tokenize(t.encode("utf-8"), add_bos=False, special=False)
-
         bos = [model.token_bos()] if model.add_bos_token() and model.token_bos() >= 0 else []
-        return bos + [pre] + text(prefix) + [suf] + text(suffix) + [mid]
+        return (bos + [pre] + self._text_tokens(prefix) + [suf] + self._text_tokens(suffix)
+                + [mid])
+
+    def _text_tokens(self, text: str) -> list[int]:
+        """A text's tokens as plain text: no BOS, and no special token read from it."""
+        return self._model.tokenize(text.encode("utf-8"), add_bos=False, special=False)
 
     def _piece(self, token: int, special: bool = False) -> bytes:
         """A token's bytes (special tokens render as nothing, as in llama-cpp-python,
