@@ -224,12 +224,12 @@ class LlamaModel(GeneratingModel):
             finally:
                 batcher.leave(seq)
                 gen.usage["cached_tokens"] = seq.cached
-                if seq.drafter is not None:  # the draft tokens the reply kept
-                    gen.usage["accepted_prediction_tokens"] = seq.drafter.accepted
                 if predicted is not None:  # OpenAI's counts, drafted or not
                     (gen.usage["accepted_prediction_tokens"],
                      gen.usage["rejected_prediction_tokens"]) = \
                         prediction_counts(predicted, made)
+                elif seq.drafter is not None:  # the draft tokens the reply kept
+                    gen.usage["accepted_prediction_tokens"] = seq.drafter.accepted
 
         log = None
         if top is not None:
