@@ -12,6 +12,7 @@ import pytest
 from ggufgen import _vocab, write_gguf
 from support.apps import call
 from support.models import NO_EOS, quantize
+from support.servers import send
 
 from localrt.engines.drafting import prediction_counts
 from localrt.engines.llama import LlamaModel
@@ -183,6 +184,32 @@ def test_the_api_reports_drafts_in_usage_status_and_metrics(app, api, models):
     assert bad.status == 400 and bad.json["error"]["param"] == "speculative"
     bad = api("POST", "/v1/chat/completions", {**body, "prediction": {"type": "x"}})
     assert bad.status == 400 and bad.json["error"]["param"].startswith("prediction")
+
+
+def test_the_openai_sdk_sends_a_prediction_and_reads_its_counts(live_server, models):
+    """OpenAI's own client: `prediction` as its editors send it, and the usage counts
+    read back as its types declare them, whole and streamed."""
+    import openai
+
+    send(live_server.url, "POST", "/v1/models/import",
+         {"path": str(models["copy"]), "id": "copy", "option": "symlink"})
+    script = "".join(SCRIPT).replace("\u2581", " ")
+    ask = dict(model="copy", messages=user("Write."), max_tokens=24, temperature=0,
+               logit_bias=NO_EOS, prediction={"type": "content", "content": script})
+    with openai.OpenAI(base_url=live_server.url + "/v1", api_key="unused",
+                       max_retries=0, timeout=120) as client:
+        whole = client.chat.completions.create(**ask)
+        details = whole.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens == 24  # every token of the reply
+        assert details.rejected_prediction_tokens > 0  # the script's last words
+        assert whole.choices[0].message.content.strip() == \
+            "".join(SCRIPT[:24]).replace("\u2581", " ").strip()
+        chunks = list(client.chat.completions.create(
+            **ask, stream=True, stream_options={"include_usage": True}))
+        usage = chunks[-1].usage
+        assert usage.completion_tokens_details == details
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) \
+            == whole.choices[0].message.content
 
 
 def test_a_drafter_proposes_what_followed_and_sizes_its_drafts_by_their_fate():
