@@ -4,8 +4,10 @@ Handlers take (services, request) and return JSON-able data or a Reply.
 They raise localrt.errors exceptions; they never build error responses.
 If you add a route, also document it in man/localrt-api.7 (tests/test_man.py
 checks) and its CLI command in man/localrt.1; its request schema goes in schemas/.
-Ollama's routes (under /api/) translate in localrt.dialects.ollama; their errors
-take Ollama's shape (DIALECTS). Each handler's docstring's first line is its
+Each dialect's routes (OpenAI's, Anthropic's, the Responses API and Ollama's, under
+/api/) are thin: the handler hands the body and the native services the dialect uses
+to its module under localrt.dialects. Ollama's and Anthropic's errors take their
+shape (DIALECTS). Each handler's docstring's first line is its
 route's summary in GET /openapi.json: say what the route does.
 """
 
@@ -14,8 +16,7 @@ from __future__ import annotations
 import threading
 
 from localrt import __version__, web
-from localrt.dialects import anthropic, ollama
-from localrt.dialects.common import native
+from localrt.dialects import anthropic, ollama, ollama_models, openai, responses
 from localrt.errors import Conflict, InvalidField, NotFound
 from localrt.metrics import CONTENT_TYPE
 from localrt.models.ids import check_id
@@ -252,14 +253,13 @@ def models_status(services: Services, request: Request):
 
 def chat_completions(services: Services, request: Request):
     """OpenAI's chat completion, streamed as Server-Sent Events or not."""
-    result = services.chats.create(request.body, request.disconnected)
-    return _streamed(result)
+    return _streamed(openai.chat(services.chats, request.body, request.disconnected))
 
 
 def completions(services: Services, request: Request):
     """OpenAI's text completion (the legacy API), streamed as Server-Sent Events or not."""
-    result = services.completions.create(request.body, request.disconnected)
-    return _streamed(result)
+    return _streamed(openai.completion(services.completions, request.body,
+                                       request.disconnected))
 
 
 def embeddings(services: Services, request: Request):
@@ -272,21 +272,12 @@ def embeddings(services: Services, request: Request):
 
 def anthropic_messages(services: Services, request: Request):
     """Anthropic's Messages API: a message, streamed as Anthropic's Server-Sent Events or not."""
-    body, fields = anthropic.translate(request.body)
-    body = native(services.validators, "chat-completion.json", body, fields)
-    with fields.named():
-        result = services.chats.create(body, request.disconnected)
-    if isinstance(result, dict):
-        return anthropic.message(result, request.body)
-    return _streamed(anthropic.MessageStream(result, request.body))
+    return _streamed(anthropic.messages(services.chats, request.body, request.disconnected))
 
 
 def anthropic_count_tokens(services: Services, request: Request):
     """Anthropic's token count: the prompt's tokens in the model's own chat template."""
-    body, fields = anthropic.translate_count(request.body)
-    body = native(services.validators, "chat-completion.json", body, fields)
-    with fields.named():
-        return {"input_tokens": services.chats.count_tokens(body, request.disconnected)}
+    return anthropic.count_tokens(services.chats, request.body, request.disconnected)
 
 
 # --- engines -------------------------------------------------------------------------
@@ -361,18 +352,18 @@ def create_response(services: Services, request: Request):
     """OpenAI's Responses API: a response with its output items, streamed or not.
 
     A stream is typed Server-Sent Events."""
-    result = services.responses.create(request.body, request.disconnected)
-    return _streamed(result)
+    return _streamed(responses.create(services.chats, services.responses, request.body,
+                                      request.disconnected))
 
 
 def get_response(services: Services, request: Request):
     """A response stored with store: true since the server started."""
-    return services.responses.get(request.params["response_id"])
+    return responses.get(services.responses, request.params["response_id"])
 
 
 def delete_response(services: Services, request: Request):
     """Forget a stored response."""
-    return services.responses.delete(request.params["response_id"])
+    return responses.delete(services.responses, request.params["response_id"])
 
 
 # --- Ollama's API, under /api/ (localrt.dialects.ollama translates) -------------------------
@@ -385,47 +376,53 @@ def ollama_version(services: Services, request: Request):
 
 def ollama_tags(services: Services, request: Request):
     """Ollama's list of the downloaded models."""
-    return ollama.tags(services)
+    return ollama_models.tags(services.ollama_names)
 
 
 def ollama_ps(services: Services, request: Request):
     """Ollama's list of the running models."""
-    return ollama.ps(services)
+    return ollama_models.ps(services.requests, services.ollama_names)
 
 
 def ollama_show(services: Services, request: Request):
     """Ollama's model information: Modelfile, parameters, template, details, GGUF metadata."""
-    return ollama.show(services, request.body)
+    return ollama_models.show(services.ollama_names, request.body)
 
 
 def ollama_chat(services: Services, request: Request):
     """Ollama's chat, streamed as newline-delimited JSON or not."""
-    return _ollama_reply(ollama.chat(services, request.body, request.disconnected))
+    return _ollama_reply(ollama.chat(services.chats, services.requests, services.ollama_names,
+                                     request.body, request.disconnected))
 
 
 def ollama_generate(services: Services, request: Request):
     """Ollama's completion of a prompt, streamed as newline-delimited JSON or not."""
-    return _ollama_reply(ollama.generate(services, request.body, request.disconnected))
+    return _ollama_reply(ollama.generate(services.chats, services.completions,
+                                         services.requests, services.ollama_names,
+                                         request.body, request.disconnected))
 
 
 def ollama_embed(services: Services, request: Request):
     """Ollama's embeddings: one vector per input."""
-    return ollama.embed(services, request.body, request.disconnected)
+    return ollama.embed(services.embeddings, services.requests, services.ollama_names,
+                        request.body, request.disconnected)
 
 
 def ollama_pull(services: Services, request: Request):
     """Ollama's pull: a download from the model hub, its progress streamed or not."""
-    return _ollama_reply(ollama.pull(services, request.body, request.disconnected))
+    return _ollama_reply(ollama_models.pull(services.pulls, services.downloads,
+                                            services.events, services.admissions["pull"],
+                                            request.body, request.disconnected))
 
 
 def ollama_delete(services: Services, request: Request):
     """Ollama's delete: a model's files and definition (stopped first if it runs)."""
-    return ollama.delete(services, request.body)
+    return ollama_models.delete(services.requests, services.ollama_names, request.body)
 
 
 def _ollama_reply(result):
     """A dict as it is; newline-delimited JSON (ollama.Lines) as a streamed reply."""
-    return _streamed(result) if isinstance(result, ollama.Lines) else result
+    return _streamed(result) if isinstance(result, ollama_models.Lines) else result
 
 
 def _streamed(result):

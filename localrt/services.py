@@ -24,7 +24,8 @@ nothing is assigned to it afterwards:
                 their images read under the settings and the config's outbound options
     completions text completions (the legacy API) on the same models
     embeddings  embeddings, from models the scheduler runs in embedding mode
-    responses   OpenAI's Responses API, translated onto `chats`, and its stored responses
+    responses   the Responses API's stored responses (localrt.dialects.responses.Store)
+    ollama_names  Ollama's model names over the registry (localrt.dialects.ollama_models)
     admissions  each long-lived kind's Admission by name (localrt.admission.LIMITS): the
                 chats', completions', embeddings' and event bus's own, and Ollama's pulls'
 
@@ -53,7 +54,8 @@ from localrt.models.pulls import Pulls
 from localrt.models.registry import Registry
 from localrt.inference.remote import Remotes
 from localrt.inference.requests import RequestPath
-from localrt.dialects.responses import Responses
+from localrt.dialects.ollama_models import Names
+from localrt.dialects.responses import Store
 from localrt.inference.scheduler import Scheduler
 from localrt.schemas import Validators
 from localrt.settings import Settings
@@ -83,7 +85,8 @@ class Services:
     chats: Chats
     completions: Completions
     embeddings: Embeddings
-    responses: Responses
+    responses: Store
+    ollama_names: Names
     admissions: dict[str, Admission]
     shutdown: Callable[[], None] | None = None
 
@@ -135,7 +138,8 @@ def build_services(settings: Settings, *, shutdown: Callable[[], None] | None = 
                   Images(config.get, lambda: Policy.of(settings)))
     completions = Completions(requests, limits["completion"])
     embeddings = Embeddings(requests, limits["embedding"])
-    responses = Responses(chats, validators)
+    responses = Store()
+    ollama_names = Names(registry, lambda: settings["modelHubOrg"])
     # If you add a kind to localrt.admission.LIMITS, add its admission here.
     admissions = {"chat": chats.admission, "completion": completions.admission,
                   "embedding": embeddings.admission, "events": events.admission,
@@ -145,5 +149,6 @@ def build_services(settings: Settings, *, shutdown: Callable[[], None] | None = 
                     registry=registry, pulls=pulls, imports=imports, scheduler=scheduler,
                     metrics=metrics, remotes=remotes, requests=requests, chats=chats,
                     completions=completions,
-                    embeddings=embeddings, responses=responses, admissions=admissions,
+                    embeddings=embeddings, responses=responses, ollama_names=ollama_names,
+                    admissions=admissions,
                     shutdown=shutdown)

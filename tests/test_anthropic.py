@@ -25,7 +25,9 @@ from support.models import FAMILIES, NO_DRAFTS
 from support.servers import send
 
 from localrt.api import IMAGE_BODY
+from localrt import native
 from localrt.dialects import anthropic as dialect
+from localrt.remote import wire
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
            "input_schema": {"type": "object", "required": ["city", "metric"],
@@ -98,7 +100,7 @@ def read_stream(events_) -> dict:
 # --- the translation ----------------------------------------------------------------
 
 
-def test_a_conversation_becomes_a_chat_request():
+def test_a_conversation_becomes_a_native_request_and_an_upstreams_chat_request():
     body = {"model": "m", "max_tokens": 5, "system": [{"type": "text", "text": "Be brief."},
                                                        {"type": "text", "text": "Be kind."}],
             "messages": [
@@ -124,7 +126,12 @@ def test_a_conversation_becomes_a_chat_request():
             "stream": True, "metadata": {"user_id": "u"}}
     hashed = dialect.call_id("toolu_01D7FLrfh4GYq7yT1ULFeyMV")
     assert re.fullmatch(r"[0-9a-f]{9}", hashed)
-    assert dialect.chat_request(body) == {
+    request = dialect.read(body)
+    assert [m.role for m in request.messages] == ["system", "user", "assistant", "tool",
+                                                  "tool", "user"]
+    assert request.tool_choice == "function" and request.tool_function == "get_weather"
+    # A remote model's upstream gets the request as OpenAI's chat request.
+    assert wire.chat_body(request) == {
         "model": "m", "max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 20,
         "messages": [
             {"role": "system", "content": "Be brief.\nBe kind."},
@@ -145,8 +152,7 @@ def test_a_conversation_becomes_a_chat_request():
         "parallel_tool_calls": False, "stream": True,
         "stream_options": {"include_usage": True}}
     for choice, expected in (("auto", "auto"), ("any", "required"), ("none", "none")):
-        assert dialect.chat_request({**body, "tool_choice": {"type": choice}})[
-            "tool_choice"] == expected
+        assert dialect.read({**body, "tool_choice": {"type": choice}}).tool_choice == expected
 
 
 def test_chat_replies_become_messages():
@@ -154,7 +160,7 @@ def test_chat_replies_become_messages():
     completion = {"choices": [{"index": 0, "finish_reason": "stop", "stop_reason": "END",
                                "message": {"role": "assistant", "content": "Hi"}}],
                   "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}}
-    message = dialect.message(completion, body)
+    message = dialect.message(native.collect(wire.reply(completion, "m").events()), body)
     assert message["id"].startswith("msg_")
     assert {k: v for k, v in message.items() if k != "id"} == {
         "type": "message", "role": "assistant", "model": "m",

@@ -28,6 +28,7 @@ from support.vision import bmp, gif, jpeg, png, write_vision_pair
 from localrt.engines.contract import Image
 from localrt.errors import ImagesNotSupported, ImageTooLarge, InvalidField, InvalidImage
 from localrt.inference import images
+from localrt.dialects.openai import read_chat
 from localrt.inference.chat import Chats
 from localrt.inference.images import (MAX_BYTES, ImageFetchFailed, Images, ImageURLRefused,
                                       Policy)
@@ -272,7 +273,7 @@ def test_a_vision_models_messages_carry_image_parts_in_order():
         {"role": "assistant", "content": "Two squares."},
         {"role": "user", "content": [{"type": "text", "text": "a"},
                                      {"type": "text", "text": "b"}]}]}
-    messages = chats.messages(local, body)
+    messages = chats.messages(local, read_chat(body))
     assert messages[1]["content"] == [
         {"type": "text", "text": ASK},
         {"type": "image", "image": Image(PNG, "messages[1].content[1]")},
@@ -282,13 +283,14 @@ def test_a_vision_models_messages_carry_image_parts_in_order():
     plain = SimpleNamespace(model_id="plain", record={"id": "plain", "engine": "gguf-cpp",
                                                       "files": files[:1]})
     with pytest.raises(ImagesNotSupported) as err:
-        chats.messages(plain, body)
+        chats.messages(plain, read_chat(body))
     assert "plain" in err.value.message and err.value.code == "images_not_supported"
-    assert chats.messages(plain, {"messages": body["messages"][3:]})[0]["content"] == "a\nb"
-    many = {"messages": [{"role": "user", "content": [
+    assert chats.messages(plain, read_chat({"model": "plain", "messages": body["messages"][3:]}))[
+        0]["content"] == "a\nb"
+    many = {"model": "seer", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:,"}}] * 9}]}
     with pytest.raises(InvalidField) as err:  # counted before any is read
-        chats.messages(local, many)
+        chats.messages(local, read_chat(many))
     assert err.value.param == "messages[0].content[8]" and "8" in err.value.message
 
 

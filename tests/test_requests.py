@@ -7,13 +7,12 @@ import logging
 import pytest
 
 from localrt.dialects import anthropic, ollama, responses
-from localrt.dialects.common import Fields, NamedEvents, native
+from localrt.dialects.common import NamedEvents
 from localrt.errors import InvalidField, UpstreamError
 from localrt.events import EventBus, TooManyListeners
 from localrt.inference.requests import EventStream, stream_error
 from localrt.inference.scheduler import ModelStopped
 from localrt.routing import SSE_DONE, sse
-from localrt.schemas import Validators
 
 
 def test_a_failure_part_way_is_an_event_with_a_code_and_no_raw_text(caplog):
@@ -90,14 +89,22 @@ def test_each_dialect_names_chats_fields_its_own_way(fields, param, renamed):
     assert err.message == f"Invalid field '{renamed}': no" == str(err)
 
 
-def test_a_translation_is_checked_against_the_native_schema_in_the_dialects_names():
-    fields = Fields((r"max_tokens", "options.num_predict"))
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-    assert native(Validators(), "chat-completion.json", body, fields) is body
+def test_a_media_parts_own_path_is_not_renamed():
+    """A Media part's `where` is the dialect's path already: an error naming it keeps it,
+    where the dialect's rules would have renamed a native path of that shape."""
+    request = anthropic.read({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "url", "url": "https://x.invalid/a.png"}}]}]})
+    [media] = request.media()
+    assert media.where == "messages[0].content[0]"
     with pytest.raises(InvalidField) as caught:
-        native(Validators(), "chat-completion.json", {**body, "max_tokens": "many"}, fields)
-    assert caught.value.param == "options.num_predict"
-    assert "'options.num_predict'" in caught.value.message
+        with anthropic.FIELDS.named(request):
+            raise InvalidField(f"Invalid field '{media.where}': no", param=media.where)
+    assert caught.value.param == "messages[0].content[0]"
+    with pytest.raises(InvalidField) as caught:
+        with anthropic.FIELDS.named(request):
+            raise InvalidField("Invalid field 'messages[1].content': no",
+                               param="messages[1].content")
+    assert caught.value.param == "messages"
 
 
 def test_a_follower_gets_its_tasks_events_and_is_not_a_listener():

@@ -23,6 +23,7 @@ from support.apps import bind, call
 from support.models import KINDS, NO_DRAFTS
 from support.servers import run_foreground_server, send
 
+from localrt.dialects import responses
 from localrt.dialects.responses import Store
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
@@ -353,7 +354,8 @@ def test_a_model_stopped_mid_stream_ends_it_failed(app, slow_gguf):
     call(app, "POST", "/v1/models/import", {"path": str(slow_gguf), "id": "slow"})
     call(app, "POST", "/v1/models/slow/start", {"cpu_threads": 1, **NO_DRAFTS})
     body = {"model": "slow", "input": "Hello", "max_output_tokens": 3000}
-    stream = app.services.responses.create({**body, "stream": True})
+    stream = responses.create(app.services.chats, app.services.responses,
+                              {**body, "stream": True})
     try:
         got = stream.events()
         kinds = [next(got)[0] for _ in range(5)]  # created ... the first delta

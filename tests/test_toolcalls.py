@@ -16,6 +16,7 @@ import pytest
 from chattemplates import LLAMA31, MISTRAL_NEMO, QWEN25
 from ggufgen import CHATML_TEMPLATE
 
+from localrt.dialects.openai import read_chat
 from localrt.engines import toolcalls
 from localrt.errors import InvalidField
 
@@ -78,16 +79,23 @@ def test_call_ids_are_what_each_template_takes_back():
     assert re.fullmatch(r"call_[a-zA-Z0-9]{24}", FAMILY["hermes"].new_id())
 
 
+def tool_request(body: dict):
+    """The ToolRequest of a chat body's tool fields, read as OpenAI's dialect reads them."""
+    request = read_chat({"model": "m", "messages": [], **body})
+    return toolcalls.ToolRequest.read(request.tools, request.tool_choice,
+                                      request.tool_function, request.parallel_tool_calls)
+
+
 def test_tool_choice_is_checked_against_the_tools():
-    request = toolcalls.ToolRequest.read({"tools": [WEATHER, TIME]})
+    request = tool_request({"tools": [WEATHER, TIME]})
     assert (request.choice, request.parallel, request.forced()) == ("auto", True, [])
-    named = toolcalls.ToolRequest.read({"tools": [WEATHER, TIME], "parallel_tool_calls": False,
+    named = tool_request({"tools": [WEATHER, TIME], "parallel_tool_calls": False,
                                         "tool_choice": {"type": "function",
                                                         "function": {"name": "get_time"}}})
     assert named.forced() == [(1, TIME)] and not named.parallel
-    required = toolcalls.ToolRequest.read({"tools": [WEATHER, TIME], "tool_choice": "required"})
+    required = tool_request({"tools": [WEATHER, TIME], "tool_choice": "required"})
     assert required.forced() == [(0, WEATHER), (1, TIME)]
-    assert toolcalls.ToolRequest.read({"tool_choice": "auto"}) is None
+    assert tool_request({"tool_choice": "auto"}) is None
     for body, param in [
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
          "tool_choice.function.name"),
@@ -95,25 +103,25 @@ def test_tool_choice_is_checked_against_the_tools():
         ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
     ]:
         with pytest.raises(InvalidField) as info:
-            toolcalls.ToolRequest.read(body)
+            tool_request(body)
         assert info.value.param == param
 
 
 def test_a_template_without_calls_refuses_tools_unless_they_are_not_called():
     with pytest.raises(InvalidField) as info:
-        toolcalls.ToolRequest.read({"tools": [WEATHER]}).plan(CHATML_TEMPLATE)
+        tool_request({"tools": [WEATHER]}).plan(CHATML_TEMPLATE)
     assert info.value.param == "tools" and "hermes, llama3, mistral" in info.value.message
-    plan = toolcalls.ToolRequest.read({"tools": [WEATHER], "tool_choice": "none"}).plan(
+    plan = tool_request({"tools": [WEATHER], "tool_choice": "none"}).plan(
         CHATML_TEMPLATE)
     assert plan.params() == {"tools": [WEATHER]} and plan.parser() is None
-    plan = toolcalls.ToolRequest.read({"tools": [WEATHER], "tool_choice": "none"}).plan(QWEN25)
+    plan = tool_request({"tools": [WEATHER], "tool_choice": "none"}).plan(QWEN25)
     assert plan.params() == {"tools": [WEATHER]} and plan.parser() is None
 
 
 def test_plans_give_the_template_tools_and_force_calls_with_a_grammar():
-    auto = toolcalls.ToolRequest.read({"tools": [WEATHER]}).plan(MISTRAL_NEMO)
+    auto = tool_request({"tools": [WEATHER]}).plan(MISTRAL_NEMO)
     assert auto.params() == {"tools": [WEATHER], "preserved_tokens": ["[TOOL_CALLS]"]}
-    required = toolcalls.ToolRequest.read({"tools": [WEATHER], "tool_choice": "required"})
+    required = tool_request({"tools": [WEATHER], "tool_choice": "required"})
     params = required.plan(MISTRAL_NEMO).params()
     assert params["grammar"].startswith('root ::= "[TOOL_CALLS][" call (", " call)* "]"\n')
     # Llama 3.x templates render one call per message, whatever the request allows.
@@ -135,11 +143,10 @@ def test_the_grammars_are_llama_cpp_grammars(family):
 def test_a_schema_without_a_grammar_is_a_400_naming_the_tool():
     bad = {"type": "function", "function": {"name": "odd", "parameters": {"type": "strange"}}}
     toolcalls.check_schemas([WEATHER, bad], "auto")  # nothing is forced: no grammar needed
-    toolcalls.check_schemas([WEATHER, bad], {"type": "function",
-                                             "function": {"name": "get_weather"}})
-    for choice in ("required", {"type": "function", "function": {"name": "odd"}}):
+    toolcalls.check_schemas([WEATHER, bad], "function", "get_weather")
+    for choice, name in (("required", None), ("function", "odd")):
         with pytest.raises(InvalidField) as info:
-            toolcalls.check_schemas([WEATHER, bad], choice)
+            toolcalls.check_schemas([WEATHER, bad], choice, name)
         assert info.value.param == "tools[1].function.parameters"
         assert "'odd'" in info.value.message
 

@@ -141,12 +141,14 @@ def test_each_template_renders_the_tools_and_the_calls_history(api, models, fami
     import llama_cpp
 
     from localrt.engines.llama import GgufEngine
+    from localrt.dialects.openai import read_chat
     from localrt.inference.chat import _message
 
     ask, history = expected_prompts()[family]
     model = GgufEngine().load(str(models[family]), {"ctx_len": 4096})
     try:
-        messages = [_message(i, m) for i, m in enumerate(HISTORY)]
+        messages = [_message(m, None)
+                    for m in read_chat({"model": family, "messages": HISTORY}).messages]
         assert model._format(messages[:1], TOOLS)[0] == ask
         assert model._format(messages, TOOLS)[0] == history
     finally:

@@ -1,25 +1,26 @@
 """Anthropic's Messages API on localrt's chat: POST /v1/messages and its count_tokens.
 
-A thin translation, as Ollama's anthropic package is one: `chat_request(body)` turns a
-Messages request (schemas/anthropic-messages.json) into an OpenAI chat request for
-localrt.inference.chat (`Chats.create`, `Chats.count_tokens`); `message(completion, body)` turns
-the chat.completion back into a Message, and `MessageStream` turns the stream's
-chat.completion.chunk dicts into Anthropic's Server-Sent Events. There is no second
-generation path: models, starting them, tools (localrt.engines.toolcalls), stop sequences and
-usage are chat's, for local and remote models alike. `error_body(err)` is the error
-shape of these routes (api.DIALECTS). Pure functions over plain data; nothing here
-sees an engine or the WSGI environ.
+A dialect like the others, as Ollama's anthropic package is one: `read(body)` reads a
+Messages request (schemas/anthropic-messages.json) into a native request
+(localrt.native) for localrt.inference.chat (`Chats.create`, `Chats.count_tokens`);
+`message(whole, body)` writes a whole reply as a Message, and `MessageStream` writes
+the reply's events as Anthropic's Server-Sent Events. There is no second generation
+path: models, starting them, tools (localrt.engines.toolcalls), stop sequences and
+usage are chat's, for local and remote models alike; a remote model's reasoning
+becomes thinking blocks (with an empty signature, as llama-server writes them).
+`error_body(err)` is the error shape of these routes (api.DIALECTS). Pure functions
+over plain data; nothing here sees an engine or the WSGI environ.
 
-  Anthropic                                  OpenAI chat
+  Anthropic                                  native
   system (a string or text blocks)           a system message
-  text blocks                                the content, joined by newlines
-  image blocks (user, and in tool_result)    image_url parts: a base64 source as a
-                                             data: URL, a url source as it is
-  tool_use blocks (assistant)                tool_calls, arguments = json.dumps(input)
-  tool_result blocks (user)                  role "tool" messages, before the user's text
+  text blocks                                Text parts (joined by newlines)
+  image blocks (user, and in tool_result)    Media: a base64 source as a data: URL, a
+                                             url source as it is; `where` the block
+  tool_use blocks (assistant)                tool calls, arguments = json.dumps(input)
+  tool_result blocks (user)                  tool messages, before the user's text
   tools {name, description, input_schema}    function tools
-  tool_choice auto, any, tool, none          auto, required, the function, none;
-    disable_parallel_tool_use                parallel_tool_calls: false
+  tool_choice auto, any, tool, none          auto, required, function, none;
+    disable_parallel_tool_use                parallel_tool_calls false
   stop_sequences                             stop
   output_config.format (a json_schema)       response_format (a grammar keeps to it)
   max_tokens, temperature, top_p, top_k, stream   the same
@@ -36,9 +37,10 @@ family takes (Mistral's template refuses any other; Hermes, Qwen and Llama templ
 do not show ids): the id itself when it is that, else 9 hex digits of its hash, the
 same for a tool_use and its tool_result.
 
-stop_reason: chat's finish_reason "length" is max_tokens and "tool_calls" tool_use;
-"stop" is stop_sequence when the choice's `stop_reason` (vLLM's field, which localrt.inference.chat
-sets and vLLM upstreams send) is one of the request's stop_sequences, else end_turn.
+stop_reason: the reply's finish "length" is max_tokens and "tool_calls" tool_use;
+"stop" is stop_sequence when the stop sequence that ended it (Finish.stop_sequence;
+vLLM upstreams send it as stop_reason) is one of the request's stop_sequences, else
+end_turn.
 """
 
 from __future__ import annotations
@@ -49,8 +51,10 @@ import re
 import uuid
 from typing import Iterator
 
-from localrt.dialects.common import Fields, NamedEvents
-from localrt.errors import HTTPError, InvalidField, UpstreamError
+from localrt import native
+from localrt.admission import Disconnected, never
+from localrt.dialects.common import Fields, NamedEvents, failure
+from localrt.errors import HTTPError, InvalidField
 
 # Anthropic's error type for each HTTP status (its API's errors page); any other 4xx is
 # an invalid_request_error, any other 5xx an api_error.
@@ -75,61 +79,67 @@ def error_body(err: HTTPError) -> dict:
     return {"type": "error", "error": {"type": kind, "message": err.message}}
 
 
+# --- the route -----------------------------------------------------------------------
+
+
+def messages(chats, body: dict, disconnected: Disconnected = never):
+    """POST /v1/messages: a Message dict, or a MessageStream."""
+    request = read(body)
+    with FIELDS.named(request):
+        reply = chats.create(request, disconnected)
+        if request.stream:
+            return MessageStream(reply, body)
+        try:
+            return message(native.collect(reply.events()), body)
+        finally:
+            reply.close()
+
+
+def count_tokens(chats, body: dict, disconnected: Disconnected = never) -> dict:
+    """POST /v1/messages/count_tokens: the prompt's tokens in the model's chat template."""
+    request = read_count(body)
+    with FIELDS.named(request):
+        return {"input_tokens": chats.count_tokens(request, disconnected)}
+
+
 # --- the request ----------------------------------------------------------------------
 
 
-def chat_request(body: dict) -> dict:
-    """The OpenAI chat request (schemas/chat-completion.json) for a Messages request
-    (or a count_tokens one, which has no max_tokens)."""
-    return translate(body)[0]
-
-
-def translate(body: dict) -> tuple[dict, Fields]:
-    """(the chat request, `FIELDS` with the Anthropic path of each image part it made):
-    an error about an image names the block the client sent."""
-    messages, paths = [], {}
+def read(body: dict) -> native.Request:
+    """A Messages request (or a count_tokens one, which has no max_tokens) as a native
+    Request."""
+    messages = []
     system = _system_text(body.get("system"))
     if system:
-        messages.append({"role": "system", "content": system})
+        messages.append(native.Message("system", [native.Text(system)]))
     last = len(body["messages"]) - 1
     for i, message in enumerate(body["messages"]):
-        made, places = _messages(i, message, i == last)
-        for offset, part, where in places:
-            paths[f"messages[{len(messages) + offset}].content[{part}]"] = where
-        messages += made
-    return _request(body, messages), FIELDS.with_paths(paths)
-
-
-def _request(body: dict, messages: list) -> dict:
-    """The chat request of a Messages request, its messages translated already."""
-    out = {"model": body["model"], "messages": messages}
-    out.update((k, body[k]) for k in SAMPLING if body.get(k) is not None)
-    if body.get("stop_sequences"):
-        out["stop"] = list(body["stop_sequences"])
-    if body.get("tools"):
-        out["tools"] = [_tool(tool) for tool in body["tools"]]
+        messages += _messages(i, message, i == last)
+    request = native.Request(model=body["model"], messages=messages,
+                             sampling={k: body[k] for k in SAMPLING
+                                       if body.get(k) is not None},
+                             stop=list(body.get("stop_sequences") or []),
+                             tools=[_tool(tool) for tool in body.get("tools") or ()])
     choice = body.get("tool_choice")
     if choice:
-        out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(
-            choice["type"]) or {"type": "function", "function": {"name": choice["name"]}}
-        if choice.get("disable_parallel_tool_use"):
-            out["parallel_tool_calls"] = False
+        mode = {"auto": "auto", "any": "required", "none": "none"}.get(choice["type"])
+        request.tool_choice = mode or "function"
+        request.tool_function = None if mode else choice["name"]
+        request.parallel_tool_calls = not choice.get("disable_parallel_tool_use")
     fmt = (body.get("output_config") or {}).get("format")
     if fmt:
-        out["response_format"] = {"type": "json_schema",
-                                  "json_schema": {"name": "output", "schema": fmt["schema"]}}
+        request.response_format = {"type": "json_schema", "schema": fmt["schema"],
+                                   "name": "output"}
     if body.get("stream"):
-        out["stream"] = True
-        out["stream_options"] = {"include_usage": True}
-    return out
+        request.stream = request.include_usage = True
+    return request
 
 
-def translate_count(body: dict) -> tuple[dict, Fields]:
-    """The chat request whose prompt a count_tokens request counts (its model, system,
-    messages and tools; any other field is ignored), with its Fields (as `translate`
-    gives them)."""
-    return translate({k: body[k] for k in ("model", "system", "messages", "tools",
-                                           "tool_choice") if k in body})
+def read_count(body: dict) -> native.Request:
+    """The native request whose prompt a count_tokens request counts (its model, system,
+    messages and tools; any other field is ignored)."""
+    return read({k: body[k] for k in ("model", "system", "messages", "tools", "tool_choice")
+                 if k in body})
 
 
 def _system_text(system) -> str:
@@ -138,37 +148,32 @@ def _system_text(system) -> str:
     return system or ""
 
 
-def _messages(index: int, message: dict, last: bool) -> tuple[list, list]:
-    """The chat messages of one Anthropic message: a user's tool results become tool
+def _messages(index: int, message: dict, last: bool) -> list:
+    """The native messages of one Anthropic message: a user's tool results become tool
     messages (first, as chat templates want them right after the calls), its text and
     images a user message; an assistant's text and tool_use blocks one assistant
-    message. With them, (message offset, part index, Anthropic path) of each image."""
+    message."""
     role, content = message["role"], message["content"]
     if role == "assistant" and last:
         raise InvalidField(f"Invalid field 'messages[{index}]': the last message is the "
                            f"assistant's (a prefill), which localrt cannot continue; end "
                            f"with a user message", param=f"messages[{index}]")
     if isinstance(content, str):
-        return [{"role": role, "content": content}], []
-    parts, calls, results, places = [], [], [], []
+        return [native.Message(role, [native.Text(content)] if content else [])]
+    parts, calls, results = [], [], []
     for j, block in enumerate(content):
         field = f"messages[{index}].content[{j}]"
         kind = block["type"]
         if kind == "text":
-            parts.append({"type": "text", "text": block["text"]})
+            parts.append(native.Text(block["text"]))
         elif kind == "image" and role == "user":
-            places.append((None, len(parts), field))
-            parts.append(_image_part(block, field))
+            parts.append(_media(block, field))
         elif kind == "tool_use" and role == "assistant":
-            calls.append({"id": call_id(block["id"]), "type": "function",
-                          "function": {"name": block["name"],
-                                       "arguments": json.dumps(block["input"],
-                                                               ensure_ascii=False)}})
+            calls.append(native.ToolCall(call_id(block["id"]), block["name"],
+                                         json.dumps(block["input"], ensure_ascii=False)))
         elif kind == "tool_result" and role == "user":
-            result, images = _result_content(block.get("content"), field)
-            places += [(len(results), k, where) for k, where in images]
-            results.append({"role": "tool", "tool_call_id": call_id(block["tool_use_id"]),
-                            "content": result})
+            results.append(native.Message("tool", _result_parts(block.get("content"), field),
+                                          tool_call_id=call_id(block["tool_use_id"])))
         elif kind in SKIPPED_BLOCKS and role == "assistant":
             continue
         elif kind in UNSUPPORTED_BLOCKS:
@@ -180,55 +185,44 @@ def _messages(index: int, message: dict, last: bool) -> tuple[list, list]:
                                f"{', tool_use' if role == 'assistant' else ', image'}"
                                f"{', tool_result' if role == 'user' else ''})",
                                param=f"{field}.type")
-    text = "\n".join(p["text"] for p in parts if p["type"] == "text")
     if role == "assistant":
-        reply = {"role": "assistant", "content": text if text or not calls else None}
-        if calls:
-            reply["tool_calls"] = calls
-        return [reply], []
+        return [native.Message("assistant", parts, calls)]
     # The user's own message comes after its tool results.
-    places = [(len(results) if at is None else at, k, where) for at, k, where in places]
-    own = parts if any(p["type"] == "image_url" for p in parts) else text
     if results:
-        return results + ([{"role": role, "content": own}] if parts else []), places
-    return [{"role": role, "content": own}], places
+        return results + ([native.Message(role, parts)] if parts else [])
+    return [native.Message(role, parts)]
 
 
-def _image_part(block: dict, field: str) -> dict:
-    """An image block as chat's image_url part: a base64 source as a data: URL, a url
-    source as its URL (fetched by localrt.inference.images)."""
+def _media(block: dict, field: str) -> native.Media:
+    """An image block as a Media part: a base64 source as a data: URL, a url source as
+    its URL (both read by localrt.inference.images)."""
     source = block["source"]
     if source["type"] == "base64":
-        url = f"data:{source['media_type']};base64,{source['data']}"
-    else:
-        url = source["url"]
-    return {"type": "image_url", "image_url": {"url": url}}
+        return native.Media(f"data:{source['media_type']};base64,{source['data']}",
+                            source["media_type"], field)
+    return native.Media(source["url"], "image/*", field)
 
 
-def _result_content(content, field: str) -> tuple:
-    """A tool_result's content as a tool message's: its text, or with images a list of
-    text and image_url parts; and (part index, Anthropic path) of each image."""
+def _result_parts(content, field: str) -> list:
+    """A tool_result's content as a tool message's parts: its text, and its images."""
     if not isinstance(content, list):
-        return content or "", []
-    parts, places = [], []
+        return [native.Text(content)] if content else []
+    parts = []
     for k, block in enumerate(content):
         where = f"{field}.content[{k}]"
         if block["type"] == "text":
-            parts.append({"type": "text", "text": block["text"]})
+            parts.append(native.Text(block["text"]))
         elif block["type"] == "image":
-            places.append((len(parts), where))
-            parts.append(_image_part(block, where))
+            parts.append(_media(block, where))
         else:
             why = UNSUPPORTED_BLOCKS.get(block["type"], "only text and image blocks are "
                                                         "supported")
             raise InvalidField(f"Invalid field '{where}': {why}", param=where)
-    if places:
-        return parts, places
-    return "\n".join(p["text"] for p in parts), []
+    return parts
 
 
 def _tool(tool: dict) -> dict:
-    """An Anthropic (custom) tool as an OpenAI function tool."""
+    """An Anthropic (custom) tool as a function tool."""
     function = {"name": tool["name"], "parameters": tool["input_schema"]}
     if tool.get("description"):
         function["description"] = tool["description"]
@@ -250,7 +244,7 @@ def tool_use_id(chat_id: str | None) -> str:
     return chat_id if chat_id.startswith("toolu_") else f"toolu_{chat_id}"
 
 
-# Chat's names for the fields of its errors, and Anthropic's (the messages' indexes differ).
+# The native names of the fields of errors, and Anthropic's (the messages' indexes differ).
 FIELDS = Fields((r"tools\[(\d+)\]\.function\.parameters", r"tools[\1].input_schema"),
                 (r"tools\[(\d+)\]\.function\.name", r"tools[\1].name"),
                 (r"tool_choice\.function\.name", "tool_choice.name"),
@@ -263,30 +257,25 @@ FIELDS = Fields((r"tools\[(\d+)\]\.function\.parameters", r"tools[\1].input_sche
 # --- the reply ------------------------------------------------------------------------
 
 
-def message(completion: dict, body: dict) -> dict:
-    """The Message for a chat.completion (localrt's, or a remote upstream's)."""
-    try:
-        choice = completion["choices"][0]
-        reply = choice["message"]
-        content = []
-        if isinstance(reply.get("content"), str) and reply["content"]:
-            content.append({"type": "text", "text": reply["content"]})
-        for call in reply.get("tool_calls") or []:
-            content.append({"type": "tool_use", "id": tool_use_id(call.get("id")),
-                            "name": call["function"]["name"],
-                            "input": _input(call["function"].get("arguments"))})
-    except (KeyError, IndexError, TypeError, AttributeError):
-        raise UpstreamError("The model's reply was not a chat completion") from None
-    reason, sequence = stop_reason(choice.get("finish_reason"), choice.get("stop_reason"),
-                                   body)
+def message(whole: native.Whole, body: dict) -> dict:
+    """The Message of a whole reply (localrt's, or a remote upstream's)."""
+    content = []
+    if whole.reasoning:
+        content.append({"type": "thinking", "thinking": whole.reasoning, "signature": ""})
+    if whole.text:
+        content.append({"type": "text", "text": whole.text})
+    for call in whole.calls:
+        content.append({"type": "tool_use", "id": tool_use_id(call.id), "name": call.name,
+                        "input": _input(call.arguments)})
+    reason, sequence = stop_reason(whole.finish, whole.stop_sequence, body)
     return {"id": _message_id(), "type": "message", "role": "assistant", "content": content,
             "model": body["model"], "stop_reason": reason, "stop_sequence": sequence,
-            "usage": _usage(completion.get("usage"))}
+            "usage": _usage(whole.usage)}
 
 
 def stop_reason(finish_reason, matched, body: dict) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) for chat's finish_reason and the stop sequence that
-    ended the reply, if one did."""
+    """(stop_reason, stop_sequence) for the reply's finish reason and the stop sequence
+    that ended it, if one did."""
     if finish_reason in (None, "stop"):
         if isinstance(matched, str) and matched in (body.get("stop_sequences") or ()):
             return "stop_sequence", matched
@@ -303,14 +292,9 @@ def _input(arguments) -> dict:
     return parsed if isinstance(parsed, dict) else {}
 
 
-def _usage(usage) -> dict:
-    usage = usage if isinstance(usage, dict) else {}
-    return {"input_tokens": _count(usage.get("prompt_tokens")),
-            "output_tokens": _count(usage.get("completion_tokens"))}
-
-
-def _count(value) -> int:
-    return value if isinstance(value, int) and value >= 0 else 0
+def _usage(usage: native.Usage | None) -> dict:
+    usage = usage or native.Usage()
+    return {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}
 
 
 def _message_id() -> str:
@@ -320,12 +304,11 @@ def _message_id() -> str:
 class MessageStream(NamedEvents):
     """A streamed Message: Anthropic's Server-Sent Events (message_start, ping, each
     content block's start, deltas and stop, message_delta, message_stop) made from a
-    chat stream's chunks; a failure part way ends it with an `error` event. close()
-    closes the chat stream, which frees the model."""
+    native reply's events; a failure part way ends it with an `error` event. close()
+    closes the reply, which frees the model."""
 
-    def __init__(self, chat_stream, body: dict):
-        super().__init__(chat_stream)
-        self._chat = chat_stream
+    def __init__(self, reply: native.Reply, body: dict):
+        super().__init__(reply)
         self._body = body
 
     def named(self) -> Iterator[tuple[str, dict]]:
@@ -335,59 +318,62 @@ class MessageStream(NamedEvents):
 
     def events(self) -> Iterator[dict]:
         """The events as dicts, each with its `type`."""
-        usage = {"input_tokens": _count(getattr(self._chat, "prompt_tokens", 0)),
-                 "output_tokens": 0}
+        usage = {"input_tokens": self._reply.prompt_tokens, "output_tokens": 0}
         yield {"type": "message_start", "message": {
             "id": _message_id(), "type": "message", "role": "assistant", "content": [],
             "model": self._body["model"], "stop_reason": None, "stop_sequence": None,
             "usage": dict(usage)}}
         yield {"type": "ping"}
         blocks = _Blocks()
-        finish = matched = None
-        for chunk in self._chat.chunks():
-            if "error" in chunk and not chunk.get("choices"):
+        finish = native.Finish("stop")
+        for event in self._reply.events():
+            if isinstance(event, native.Failed):
                 yield from blocks.close()
-                yield _error_event(chunk["error"])
+                yield _error_event(failure(event.error, self._body["model"]))
                 return
-            if isinstance(chunk.get("usage"), dict):
-                usage = _usage(chunk["usage"])
-            for choice in chunk.get("choices") or ():
-                yield from blocks.read(choice.get("delta") or {})
-                if choice.get("finish_reason"):
-                    finish, matched = choice["finish_reason"], choice.get("stop_reason")
+            if isinstance(event, native.Finish):
+                finish = event
+            elif isinstance(event, native.Usage):
+                usage = _usage(event)
+            else:
+                yield from blocks.read(event)
         yield from blocks.close()
-        reason, sequence = stop_reason(finish, matched, self._body)
+        reason, sequence = stop_reason(finish.reason, finish.stop_sequence, self._body)
         yield {"type": "message_delta",
                "delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage}
         yield {"type": "message_stop"}
 
 
 class _Blocks:
-    """The content blocks of a streamed Message, from chat deltas: text goes to a text
-    block, each tool call to a tool_use block whose input comes as input_json_delta
-    pieces; a block stops when the next one starts."""
+    """The content blocks of a streamed Message, from native events: thinking goes to a
+    thinking block, text to a text block, each tool call to a tool_use block whose
+    input comes as input_json_delta pieces; a block stops when the next one starts."""
 
     def __init__(self):
         self.index = -1
-        self.open: tuple | None = None  # ("text",) or ("tool", chat's call index)
+        self.open: tuple | None = None  # ("text",), ("thinking",) or ("tool", index)
 
-    def read(self, delta: dict) -> Iterator[dict]:
-        """The events for one delta."""
-        text = delta.get("content")
-        if isinstance(text, str) and text:
+    def read(self, event) -> Iterator[dict]:
+        """The events for one native event."""
+        if isinstance(event, native.Text) and event.text:
             if self.open != ("text",):
                 yield from self._start(("text",), {"type": "text", "text": ""})
-            yield self._delta({"type": "text_delta", "text": text})
-        for call in delta.get("tool_calls") or ():
-            function = call.get("function") or {}
-            key = ("tool", call.get("index", 0))
-            if self.open != key:
-                block = {"type": "tool_use", "id": tool_use_id(call.get("id")),
-                         "name": function.get("name") or "", "input": {}}
-                yield from self._start(key, block)
-            arguments = function.get("arguments")
-            if isinstance(arguments, str) and arguments:
-                yield self._delta({"type": "input_json_delta", "partial_json": arguments})
+            yield self._delta({"type": "text_delta", "text": event.text})
+        elif isinstance(event, native.Reasoning) and event.text:
+            if self.open != ("thinking",):
+                yield from self._start(("thinking",), {"type": "thinking", "thinking": "",
+                                                       "signature": ""})
+            yield self._delta({"type": "thinking_delta", "thinking": event.text})
+        elif isinstance(event, native.CallStart):
+            yield from self._start(("tool", event.index),
+                                   {"type": "tool_use", "id": tool_use_id(event.id),
+                                    "name": event.name, "input": {}})
+        elif isinstance(event, native.CallArgs) and event.text:
+            if self.open != ("tool", event.index):  # an upstream may interleave calls
+                yield from self._start(("tool", event.index),
+                                       {"type": "tool_use", "id": tool_use_id(None),
+                                        "name": "", "input": {}})
+            yield self._delta({"type": "input_json_delta", "partial_json": event.text})
 
     def close(self) -> Iterator[dict]:
         """The stop of the block still open, if one is."""

@@ -1,13 +1,12 @@
-"""What the dialects share: their names for native fields in errors, the check of a
-translated body against the native schema, and their named-event streams.
+"""What the dialects share: their names for native fields in errors, the error of a
+reply that broke, and their named-event streams.
 
-A dialect turns its request into a native body (chat's, a completion's or an
-embedding's), checks that body against the native route's schema with `native`, and
-calls the native service. A 400 from either names the native field
+Every dialect reads its body (checked against its own schema) into a native request
+(localrt.native), calls the native call, and writes the reply's events in its wire
+format. A 400 from the native call names the native field
 (`tools[0].function.parameters`); `Fields` renames it to the dialect's own
-(`tools[0].input_schema`), so a client reads the name it sent; a translation that
-moves parts about (images) gives exact paths for one request (`Fields.with_paths`).
-A translation that went wrong is a 400 naming a field, never a 500.
+(`tools[0].input_schema`), so a client reads the name it sent. A media part carries
+the dialect's own path (`where`), which its errors name as it is.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ import re
 from typing import Iterator
 
 from localrt.errors import HTTPError
+from localrt.inference.requests import stream_error
 from localrt.routing import sse
 
 
@@ -26,20 +26,12 @@ class Fields:
     replaces what it matched (the rest of the param stays)."""
 
     def __init__(self, *rules: tuple[str, str]):
-        self._given = rules
         self._rules = tuple((re.compile(pattern), name) for pattern, name in rules)
 
-    def with_paths(self, paths: dict) -> "Fields":
-        """These rules after exact ones for one request: each native path in `paths`
-        (an image part, say: messages[2].content[1]) becomes the dialect's path of
-        what the translation made it from (messages[1].content[0].content[1])."""
-        exact = tuple((re.escape(native) + r"(?![\w\[])", ours.replace("\\", "\\\\"))
-                      for native, ours in paths.items())
-        return Fields(*exact, *self._given)
-
-    def rename(self, err: HTTPError) -> HTTPError:
-        """`err` with the dialect's name in its param and message (changed in place)."""
-        if err.param is None:
+    def rename(self, err: HTTPError, own: frozenset = frozenset()) -> HTTPError:
+        """`err` with the dialect's name in its param and message (changed in place); a
+        param in `own` is the dialect's own already (a Media part's `where`)."""
+        if err.param is None or err.param in own:
             return err
         for pattern, name in self._rules:
             if pattern.match(err.param):
@@ -51,31 +43,32 @@ class Fields:
         return err
 
     @contextlib.contextmanager
-    def named(self):
-        """Errors raised inside, with the dialect's field names."""
+    def named(self, request=None):
+        """Errors raised inside, with the dialect's field names; those naming a media
+        part of `request` (a native.Request) keep the dialect's path they have."""
+        own = frozenset(m.where for m in request.media()) if request is not None \
+            else frozenset()
         try:
             yield
         except HTTPError as err:
-            raise self.rename(err) from None
+            raise self.rename(err, own) from None
 
 
-def native(validators, schema: str, body: dict, fields: Fields) -> dict:
-    """`body`, a translation, once it passed the native route's schema (`schema`, a file
-    of schemas/): what the native route would have let in; a 400 in the dialect's names."""
-    with fields.named():
-        validators.validate(schema, body)
-    return body
+def failure(exc: BaseException, model_id: str) -> dict:
+    """The error of a reply that broke part way ({code, message, type, ...}), as
+    localrt.inference.requests.stream_error says it."""
+    return stream_error(exc, model_id)["error"]
 
 
 class NamedEvents:
     """A dialect's streamed reply: Server-Sent Events with an `event:` name each, made
-    from a native stream's chunks. Subclasses give `named()`, (name, data) pairs;
-    close() closes the native stream, which frees the model."""
+    from a native reply's events. Subclasses give `named()`, (name, data) pairs;
+    close() closes the native reply, which frees the model."""
 
     content_type = "text/event-stream"
 
-    def __init__(self, native_stream):
-        self._native = native_stream
+    def __init__(self, reply):
+        self._reply = reply
 
     def __iter__(self) -> Iterator[bytes]:
         for name, data in self.named():
@@ -87,4 +80,4 @@ class NamedEvents:
 
     def close(self) -> None:
         """Called by the server when the reply ends or the client goes away."""
-        self._native.close()
+        self._reply.close()

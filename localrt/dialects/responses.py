@@ -1,16 +1,16 @@
-"""OpenAI's Responses API (POST, GET and DELETE /v1/responses), as a translation onto chat.
+"""OpenAI's Responses API (POST, GET and DELETE /v1/responses), a dialect on native chat.
 
-`Responses.create(body)` takes a request that passed schemas/response-create.json and
-turns it into a chat-completions body (schemas/chat-completion.json): `instructions`
-become a system message, the input items become messages (a `function_call` an
-assistant's tool call, a `function_call_output` a "tool" message, an `input_image` part
-chat's image_url part), function tools
-become chat's tools, `max_output_tokens` becomes max_tokens and `text.format` becomes
-response_format. `Chats.create` (localrt.inference.chat; localrt.inference.remote for a remote model) runs
-it, and what it gives back is reshaped: a chat.completion into a `response` object
-(a `message` output item with `output_text`, one `function_call` item per tool call,
-`status`, `usage`), a stream of chat.completion.chunk dicts into the Responses API's
-typed Server-Sent Events (`ResponseStream`). Nothing here generates, or sees a model.
+`create(chats, store, body)` reads a request that passed schemas/response-create.json
+into a native request (localrt.native): `instructions` become a system message, the
+input items messages (a `function_call` an assistant's tool call, a
+`function_call_output` a tool message, an `input_image` part a Media part named by
+its path in `input`), function tools tools, `max_output_tokens` max_tokens and
+`text.format` the response format. `Chats.create` runs it (for a remote model through
+its upstreams), and its events are written as a `response` object (a `reasoning`
+item when the model's thinking came apart, a `message` output item with
+`output_text`, one `function_call` item per tool call, `status`, `usage`), or as the
+Responses API's typed Server-Sent Events (`ResponseStream`). Nothing here generates,
+or sees a model.
 
 Stored responses (`store: true`; the default is false) live in memory in a `Store`,
 for `GET /v1/responses/{id}`, `DELETE` and `previous_response_id`, which puts the
@@ -19,7 +19,7 @@ responses, but not its instructions, as OpenAI does) before the new input. The s
 keeps the MAX_STORED most recently used responses, and fewer when their
 conversations' JSON together passes MAX_STORED_BYTES; it empties when the server stops.
 
-Errors a chat raises name chat's fields; `FIELDS` gives them this API's names
+Errors of the native call name native fields; `FIELDS` gives them this API's names
 (`messages` is `input`, `tools[i].function.parameters` is `tools[i].parameters`, ...).
 """
 
@@ -32,17 +32,17 @@ import uuid
 from collections import OrderedDict
 from typing import Iterator
 
+from localrt import native
 from localrt.admission import Disconnected, never
-from localrt.dialects.common import Fields, NamedEvents, native
-from localrt.errors import HTTPError, InvalidField, NotFound
+from localrt.dialects.common import Fields, NamedEvents, failure
+from localrt.errors import InvalidField, NotFound
 
 # The store's bounds: responses, and the bytes of their conversations as JSON (each
 # counted whole, so a long chain counts its shared start again in each response).
 MAX_STORED = 1000
 MAX_STORED_BYTES = 64 * 1024 * 1024
 
-# Chat's field names in errors, and this API's names for them.
-# Chat's names for the fields of its errors, and this API's (each the whole param).
+# The native names of the fields of errors, and this API's (each the whole param).
 FIELDS = Fields((r"messages(\[.*)?$", "input"),
                 (r"tools\[(\d+)\]\.function\.(\w+)$", r"tools[\1].\2"),
                 (r"tool_choice\.function\.name$", "tool_choice.name"),
@@ -57,60 +57,51 @@ class PreviousNotFound(InvalidField):
     code = "previous_response_not_found"
 
 
-class Responses:
-    """Responses on top of `chats` (localrt.inference.chat.Chats), and the store of those kept.
-
-    `validators` (localrt.schemas.Validators) checks each chat body made here against
-    schemas/chat-completion.json, so a translation that went wrong is a 400, never a 500.
-    """
-
-    def __init__(self, chats, validators, store: "Store | None" = None):
-        self._chats = chats
-        self._validators = validators
-        self.store = store or Store()
-
-    def create(self, body: dict, disconnected: Disconnected = never):
-        """The response dict, or a ResponseStream when body["stream"] is true; a chat,
-        in chat's admission (`disconnected`: localrt.admission)."""
-        history = []
-        previous = body.get("previous_response_id")
-        if previous is not None:
-            stored = self.store.get(previous)
-            if stored is None:
-                raise PreviousNotFound(f"Previous response with id '{previous}' not found.",
-                                       param="previous_response_id")
-            history = list(stored[1])
-        places: list = []
-        conversation = history + input_messages(body["input"], places)
-        chat = chat_body(body, conversation)
-        shell = response_shell(body)
-        # Where each image of the input landed among chat's messages: errors name it.
-        offset = len(history) + (1 if body.get("instructions") else 0)
-        fields = FIELDS.with_paths({f"messages[{offset + at}].content[{j}]": where
-                                    for at, j, where in places})
-        native(self._validators, "chat-completion.json", chat, fields)
-        with fields.named():
-            result = self._chats.create(chat, disconnected)
-        keep = self.store.put if body.get("store") else None
-        if isinstance(result, dict):
-            response = finished(shell, *output_of_completion(result))
-            if keep:
-                keep(response, conversation + output_messages(response["output"]))
-            return response
-        return ResponseStream(result, shell, conversation, keep)
-
-    def get(self, response_id: str) -> dict:
-        """A stored response; a 404 for one never stored or forgotten."""
-        stored = self.store.get(response_id)
+def create(chats, store: "Store", body: dict, disconnected: Disconnected = never):
+    """POST /v1/responses: the response dict, or a ResponseStream when body["stream"] is
+    true; a chat on `chats` (localrt.inference.chat.Chats), kept in `store` with
+    store: true."""
+    history: list = []
+    previous = body.get("previous_response_id")
+    if previous is not None:
+        stored = store.get(previous)
         if stored is None:
-            raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
-        return stored[0]
+            raise PreviousNotFound(f"Previous response with id '{previous}' not found.",
+                                   param="previous_response_id")
+        history = list(stored[1])
+    given = body["input"]
+    items = [{"type": "message", "role": "user", "content": given}] \
+        if isinstance(given, str) else list(given)
+    request = read(body, history, items)
+    shell = response_shell(body)
+    conversation = history + items
+    keep = store.put if body.get("store") else None
+    with FIELDS.named(request):
+        reply = chats.create(request, disconnected)
+        if request.stream:
+            return ResponseStream(reply, shell, conversation, keep)
+        try:
+            response = finished(shell, *output_of(native.collect(reply.events())))
+        finally:
+            reply.close()
+    if keep:
+        keep(response, conversation + output_items(response["output"]))
+    return response
 
-    def delete(self, response_id: str) -> dict:
-        """Forget a stored response (OpenAI's deletion reply); a 404 for an unknown one."""
-        if not self.store.delete(response_id):
-            raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
-        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+def get(store: "Store", response_id: str) -> dict:
+    """A stored response; a 404 for one never stored or forgotten."""
+    stored = store.get(response_id)
+    if stored is None:
+        raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
+    return stored[0]
+
+
+def delete(store: "Store", response_id: str) -> dict:
+    """Forget a stored response (OpenAI's deletion reply); a 404 for an unknown one."""
+    if not store.delete(response_id):
+        raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
 class Store:
@@ -159,91 +150,82 @@ class Store:
             return len(self._entries)
 
 
-# --- requests: Responses input onto chat messages ------------------------------------
+# --- requests: Responses input as native messages ----------------------------------
 
 
-def input_messages(given, places: list | None = None) -> list[dict]:
-    """Chat messages from `input`: a string is a user message; items in order, an
-    assistant's function_call items joined to its message as tool_calls. `places`, when
-    given, gets (message index, part index, this API's path) for each image part."""
-    if isinstance(given, str):
-        return [{"role": "user", "content": given}]
-    places = [] if places is None else places
-    messages: list[dict] = []
-    for i, item in enumerate(given):
-        kind = item.get("type", "message")
-        if kind == "message":
-            messages.append({"role": item["role"], "content": _content(
-                item["content"], f"input[{i}].content", len(messages), places)})
-        elif kind == "function_call":
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "content": _content(item["output"], f"input[{i}].output",
-                                                 len(messages), places)})
-        # "reasoning" items: localrt's models show no reasoning; they are left out.
-    return messages
-
-
-def _content(content, field: str, at: int, places: list):
-    """A message's content as chat's: one string, its text parts joined as chat joins
-    them; with input_image parts, a list of text and image_url parts (each image's
-    (at, part index, path) added to `places`)."""
-    if isinstance(content, str):
-        return content
-    if not any(part.get("type") == "input_image" for part in content):
-        return "\n".join(part.get("text", part.get("refusal", "")) for part in content)
-    parts = []
-    for j, part in enumerate(content):
-        if part.get("type") == "input_image":
-            url = {"url": part["image_url"]}
-            if part.get("detail") is not None:
-                url["detail"] = part["detail"]
-            places.append((at, j, f"{field}[{j}]"))
-            parts.append({"type": "image_url", "image_url": url})
-        else:
-            parts.append({"type": "text", "text": part.get("text", part.get("refusal", ""))})
-    return parts
-
-
-def chat_body(body: dict, conversation: list) -> dict:
-    """The chat-completions request for a Responses request and its conversation."""
-    messages = list(conversation)
+def read(body: dict, history: list, items: list) -> native.Request:
+    """The native request of a Responses request: its instructions, the stored
+    conversation it continues (`history`, input items) and its own input `items`."""
+    messages = []
     if body.get("instructions"):
-        messages.insert(0, {"role": "system", "content": body["instructions"]})
+        messages.append(native.Message("system", [native.Text(body["instructions"])]))
+    messages += input_messages(history, "previous_response_id")
+    messages += input_messages(items, "input")
     if not messages:
         raise InvalidField("Invalid field 'input': there is no message to answer",
                            param="input")
-    chat = {"model": body["model"], "messages": messages}
-    for name, chat_name in (("max_output_tokens", "max_tokens"), ("temperature", None),
-                            ("top_p", None), ("seed", None), ("parallel_tool_calls", None)):
+    request = native.Request(model=body["model"], messages=messages)
+    for name, native_name in (("max_output_tokens", "max_tokens"), ("temperature", None),
+                              ("top_p", None), ("seed", None)):
         if body.get(name) is not None:
-            chat[chat_name or name] = body[name]
-    if body.get("tools"):
-        chat["tools"] = [{"type": "function", "function": {
-            k: tool[k] for k in ("name", "description", "parameters", "strict")
-            if tool.get(k) is not None}} for tool in body["tools"]]
+            request.sampling[native_name or name] = body[name]
+    request.parallel_tool_calls = body.get("parallel_tool_calls") is not False
+    request.tools = [{"type": "function", "function": {
+        k: tool[k] for k in ("name", "description", "parameters", "strict")
+        if tool.get(k) is not None}} for tool in body.get("tools") or ()]
     choice = body.get("tool_choice")
     if isinstance(choice, dict):
-        chat["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+        request.tool_choice, request.tool_function = "function", choice["name"]
     elif choice is not None:
-        chat["tool_choice"] = choice
+        request.tool_choice = choice
     fmt = (body.get("text") or {}).get("format")
     if fmt and fmt["type"] == "json_schema":
-        chat["response_format"] = {"type": "json_schema", "json_schema": {
-            "name": fmt.get("name") or "response", "schema": fmt["schema"]}}
-    elif fmt:
-        chat["response_format"] = {"type": fmt["type"]}
+        request.response_format = {"type": "json_schema", "schema": fmt["schema"],
+                                   "name": fmt.get("name") or "response"}
+    elif fmt and fmt["type"] == "json_object":
+        request.response_format = {"type": "json_object", "schema": None}
     if body.get("stream"):
-        chat["stream"] = True
-        chat["stream_options"] = {"include_usage": True}
-    return chat
+        request.stream = request.include_usage = True
+    return request
+
+
+def input_messages(items: list, field: str) -> list:
+    """Native messages from input items, in order, an assistant's function_call items
+    joined to its message as tool calls; `field` names the items in errors."""
+    messages: list = []
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = "system" if item["role"] == "developer" else item["role"]
+            messages.append(native.Message(role, _parts(item["content"],
+                                                         f"{field}[{i}].content")))
+        elif kind == "function_call":
+            call = native.ToolCall(item["call_id"], item["name"], item["arguments"])
+            last = messages[-1] if messages else None
+            if last is not None and last.role == "assistant":
+                last.tool_calls.append(call)
+            else:
+                messages.append(native.Message("assistant", [], [call]))
+        elif kind == "function_call_output":
+            messages.append(native.Message("tool", _parts(item["output"],
+                                                          f"{field}[{i}].output"),
+                                           tool_call_id=item["call_id"]))
+        # "reasoning" items: the model's thinking of an earlier turn; chat templates
+        # leave it out of the prompt, so it is left out here.
+    return messages
+
+
+def _parts(content, field: str) -> list:
+    """A message's content as native parts: text, and input_image parts as Media."""
+    if isinstance(content, str):
+        return [native.Text(content)] if content else []
+    parts = []
+    for j, part in enumerate(content):
+        if part.get("type") == "input_image":
+            parts.append(native.Media(part["image_url"], "image/*", f"{field}[{j}]"))
+        else:
+            parts.append(native.Text(part.get("text", part.get("refusal", ""))))
+    return parts
 
 
 # --- replies: chat onto Responses output -----------------------------------------------
@@ -272,8 +254,8 @@ def response_shell(body: dict) -> dict:
             "user": body.get("user"), "metadata": body.get("metadata") or {}}
 
 
-def finished(shell: dict, output: list, finish_reason: str | None, usage: dict | None,
-             error: dict | None = None) -> dict:
+def finished(shell: dict, output: list, finish_reason: str | None,
+             usage: native.Usage | None, error: dict | None = None) -> dict:
     """The response once its output is whole: completed, incomplete (cut at
     max_output_tokens or the context) or failed."""
     response = {**shell, "output": output, "usage": usage_of(usage)}
@@ -288,15 +270,15 @@ def finished(shell: dict, output: list, finish_reason: str | None, usage: dict |
     return response
 
 
-def usage_of(usage: dict | None) -> dict:
-    """Chat's usage in the Responses API's shape (zeros when an upstream gave none)."""
-    usage = usage or {}
-    prompt, completion = usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+def usage_of(usage: native.Usage | None) -> dict:
+    """A reply's usage in the Responses API's shape (zeros when an upstream gave none)."""
+    usage = usage or native.Usage()
+    prompt, completion = usage.prompt_tokens, usage.completion_tokens
     return {"input_tokens": prompt, "output_tokens": completion,
-            "total_tokens": usage.get("total_tokens") or prompt + completion,
-            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
-            "output_tokens_details": {"reasoning_tokens": 0}}
+            "total_tokens": prompt + completion,
+            "input_tokens_details": {"cached_tokens": usage.cached_tokens,
+                                     "cache_write_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens}}
 
 
 def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
@@ -313,57 +295,59 @@ def call_item(call_id: str, name: str, arguments: str, status: str = "completed"
             "call_id": call_id, "name": name, "arguments": arguments}
 
 
-def output_of_completion(completion: dict) -> tuple[list, str | None, dict | None]:
-    """(output items, finish_reason, usage) of a chat.completion: its text as a message
-    (also when it is empty and there are no calls), then its tool calls."""
-    choices = completion.get("choices") or [{}]
-    message = choices[0].get("message") or {}
-    finish = choices[0].get("finish_reason")
-    status = "incomplete" if finish == "length" else "completed"
-    calls = message.get("tool_calls") or []
+def reasoning_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
+    """A `reasoning` output item holding the model's thinking as one reasoning_text."""
+    return {"id": item_id or new_id("rs"), "type": "reasoning", "status": status,
+            "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def output_of(whole: native.Whole) -> tuple[list, str | None, native.Usage | None]:
+    """(output items, finish reason, usage) of a whole reply: its reasoning, its text as
+    a message (also when it is empty and there are no calls), then its tool calls."""
+    status = "incomplete" if whole.finish == "length" else "completed"
     output = []
-    if message.get("content") or not calls:
-        output.append(message_item(message.get("content") or "", status))
-    for call in calls:
-        function = call.get("function") or {}
-        output.append(call_item(call.get("id") or new_id("call"), function.get("name", ""),
-                                function.get("arguments") or "", status))
-    return output, finish, completion.get("usage")
+    if whole.reasoning:
+        output.append(reasoning_item(whole.reasoning, status))
+    if whole.text or not whole.calls:
+        output.append(message_item(whole.text, status))
+    for call in whole.calls:
+        output.append(call_item(call.id or new_id("call"), call.name, call.arguments or "",
+                                status))
+    return output, whole.finish, whole.usage
 
 
-def output_messages(output: list) -> list[dict]:
-    """The chat messages of a response's output, for the conversation a later
+def output_items(output: list) -> list[dict]:
+    """A response's output as input items, for the conversation a later
     previous_response_id continues."""
-    items = [{"type": "message", "role": "assistant", "content": item["content"]}
-             if item["type"] == "message" else item for item in output]
-    return input_messages(items)
+    return [{"type": "message", "role": "assistant", "content": item["content"]}
+            if item["type"] == "message" else item for item in output]
 
 
 # --- streams ----------------------------------------------------------------------------
 
 
 class ResponseStream(NamedEvents):
-    """A streamed response: the chat stream's chunks as the Responses API's typed events
+    """A streamed response: a native reply's events as the Responses API's typed events
     (`event:` and `data:` lines, each with its sequence_number); close() frees the model.
 
     The order, as OpenAI sends it: response.created, response.in_progress; for each
     output item, response.output_item.added, then a message's response.content_part.added,
     response.output_text.delta... response.output_text.done, response.content_part.done,
-    or a call's response.function_call_arguments.delta... .done; response.output_item.done;
+    a reasoning item's response.reasoning_text.delta... .done, or a call's
+    response.function_call_arguments.delta... .done; response.output_item.done;
     last response.completed, or response.incomplete, or an `error` event and
     response.failed when generation broke part way.
     """
 
-    def __init__(self, chat_stream, shell: dict, conversation: list, keep=None):
-        super().__init__(chat_stream)
-        self._chat = chat_stream
+    def __init__(self, reply: native.Reply, shell: dict, conversation: list, keep=None):
+        super().__init__(reply)
         self._shell = shell
         self._conversation = conversation
         self._keep = keep            # Store.put, when the response is to be stored
         self._sequence = 0
         self._output: list = []      # finished items, and the open one last
         self._open: dict | None = None
-        self._calls: dict = {}       # the chat stream's call index -> its output item
+        self._calls: dict = {}       # the reply's call index -> its output item
 
     def named(self) -> Iterator[tuple[str, dict]]:
         """The events, as (name, data)."""
@@ -374,24 +358,28 @@ class ResponseStream(NamedEvents):
         yield self._event("response.created", response=dict(self._shell))
         yield self._event("response.in_progress", response=dict(self._shell))
         finish, usage = None, None
-        for chunk in self._chat.chunks():
-            if chunk.get("error") and not chunk.get("choices"):  # generation broke
-                yield from self._failed(chunk["error"], usage)
+        for event in self._reply.events():
+            if isinstance(event, native.Failed):  # generation broke
+                yield from self._failed(failure(event.error, self._shell["model"]), usage)
                 return
-            usage = chunk.get("usage") or usage
-            for choice in chunk.get("choices") or []:
-                delta = choice.get("delta") or {}
-                if delta.get("content"):
-                    yield from self._text(delta["content"])
-                for call in delta.get("tool_calls") or []:
-                    yield from self._call(call)
-                finish = choice.get("finish_reason") or finish
+            if isinstance(event, native.Text) and event.text:
+                yield from self._text(event.text)
+            elif isinstance(event, native.Reasoning) and event.text:
+                yield from self._reasoning(event.text)
+            elif isinstance(event, native.CallStart):
+                yield from self._call(event.index, event.id, event.name, "")
+            elif isinstance(event, native.CallArgs) and event.text:
+                yield from self._call(event.index, None, "", event.text)
+            elif isinstance(event, native.Finish):
+                finish = event.reason
+            elif isinstance(event, native.Usage):
+                usage = event
         if not self._output:  # no text and no call: an empty message, as unstreamed
             yield from self._text("")
         yield from self._close("incomplete" if finish == "length" else "completed")
         response = finished(self._shell, self._output, finish, usage)
         if self._keep is not None:
-            self._keep(response, self._conversation + output_messages(self._output))
+            self._keep(response, self._conversation + output_items(self._output))
         yield self._event("response.incomplete" if finish == "length" else
                           "response.completed", response=response)
 
@@ -406,21 +394,27 @@ class ResponseStream(NamedEvents):
             yield self._event("response.output_text.delta", **self._at(), content_index=0,
                               delta=piece, logprobs=[])
 
-    def _call(self, delta: dict) -> Iterator[tuple[str, dict]]:
-        function = delta.get("function") or {}
-        index = delta.get("index", 0)
+    def _reasoning(self, piece: str) -> Iterator[tuple[str, dict]]:
+        if self._open is None or self._open["type"] != "reasoning":
+            yield from self._close("completed")
+            yield from self._added(reasoning_item("", "in_progress"))
+        self._open["content"][0]["text"] += piece
+        yield self._event("response.reasoning_text.delta", **self._at(), content_index=0,
+                          delta=piece)
+
+    def _call(self, index: int, call_id: str | None, name: str,
+              arguments: str) -> Iterator[tuple[str, dict]]:
         item = self._calls.get(index)
         if item is None:
             yield from self._close("completed")
-            item = self._calls[index] = call_item(delta.get("id") or new_id("call"),
-                                                  function.get("name") or "", "",
+            item = self._calls[index] = call_item(call_id or new_id("call"), name, "",
                                                   "in_progress")
             yield from self._added(item)
-        if function.get("arguments"):
-            item["arguments"] += function["arguments"]
-        if function.get("arguments") and item is self._open:  # an upstream may interleave
+        if arguments:
+            item["arguments"] += arguments
+        if arguments and item is self._open:  # an upstream may interleave
             yield self._event("response.function_call_arguments.delta", **self._at(),
-                              delta=function["arguments"])
+                              delta=arguments)
 
     def _added(self, item: dict) -> Iterator[tuple[str, dict]]:
         self._output.append(item)
@@ -440,6 +434,9 @@ class ResponseStream(NamedEvents):
                               logprobs=[])
             yield self._event("response.content_part.done", **at, content_index=0,
                               part=_part(text))
+        elif item["type"] == "reasoning":
+            yield self._event("response.reasoning_text.done", **at, content_index=0,
+                              text=item["content"][0]["text"])
         else:
             yield self._event("response.function_call_arguments.done", **at,
                               name=item["name"], arguments=item["arguments"])

@@ -84,7 +84,8 @@ class ChecksRequests(Protocol):
 
     def check_request(self, params: dict) -> None:
         """Raise InvalidField for a chat request the engine cannot serve (its
-        response_format, tools, tool_choice and logprobs)."""
+        response_format, tools, tool_choice ("auto", "none", "required" or
+        "function", with tool_function its name) and logprobs)."""
 
 
 # --- models ----------------------------------------------------------------------------

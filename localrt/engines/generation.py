@@ -225,3 +225,31 @@ def sampling_value(params: dict, name: str) -> float:
     """A sampling parameter of the request, else its default (SAMPLING_DEFAULTS)."""
     value = params.get(name)
     return SAMPLING_DEFAULTS[name] if value is None else value
+
+
+def render_template(template: str, messages: list) -> str:
+    """A prompt from a cortex-style template with {system_message} and {prompt}.
+
+    The text before {system_message} opens the system turn, the text between it and
+    {prompt} opens each user turn, and the text after {prompt} opens each assistant
+    turn, so a ChatML template renders a whole conversation in ChatML.
+    """
+    system = "\n".join(m["content"] for m in messages if m["role"] == "system")
+    head, has_system, rest = template.partition("{system_message}")
+    if not has_system:
+        head, rest = "", template
+    user_open, _, assistant_open = rest.partition("{prompt}")
+    out = [head, system] if has_system else []
+    pending_system = "" if has_system else system
+    for m in messages:
+        if m["role"] == "system":
+            continue
+        if m["role"] == "assistant":
+            out += [assistant_open, m["content"]]
+        else:
+            text = m["content"]
+            if pending_system:
+                text, pending_system = f"{pending_system}\n\n{text}", ""
+            out += [user_open, text]
+    out.append(assistant_open)
+    return "".join(out)

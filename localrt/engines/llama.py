@@ -27,8 +27,9 @@ from localrt.engines.llamabatch import LlamaBatch, Sampling
 from localrt.engines.drafting import DRAFT_MAX, Drafter, prediction_counts
 from localrt.engines.promptcache import PromptCache
 from localrt.engines.embedding import EmbeddingContext, LlamaEmbedder, embedding_pooling
-from localrt.engines.generation import (GeneratingModel, Generation, check_room, seed_of,
-                                        sampling_value, token_loop)
+from localrt.engines.generation import (GeneratingModel, Generation, check_room,
+                                        render_template, seed_of, sampling_value,
+                                        token_loop)
 from localrt.engines.grammar import json_grammar
 from localrt.engines.vision import (Projector, Prompt, has_images, refuse_images,
                                     texts_and_images)
@@ -104,7 +105,8 @@ class GgufEngine:
         """A 400 for a JSON Schema (a response format's or a forced tool's) that cannot
         become a grammar."""
         json_grammar(params.get("response_format"))
-        toolcalls.check_schemas(params.get("tools"), params.get("tool_choice"))
+        toolcalls.check_schemas(params.get("tools"), params.get("tool_choice") or "auto",
+                                params.get("tool_function"))
 
 
 class LlamaModel(GeneratingModel):
@@ -270,7 +272,10 @@ class LlamaModel(GeneratingModel):
             if projector is None:
                 raise refuse_images()
             messages, images = texts_and_images(messages, projector.marker)
-            text, _ = self._format(messages, params.get("tools"))
+            if params.get("prompt_template"):  # a cortex-style template: markers in {prompt}
+                text = render_template(params["prompt_template"], messages)
+            else:
+                text, _ = self._format(messages, params.get("tools"))
             # With the model's BOS unless the template wrote it, as llama-server and
             # llama-cpp-python's own mtmd handlers read a prompt with images.
             bos = model.token_bos()

@@ -12,7 +12,7 @@ print as text. Add a family by adding a row.
   llama3   Llama 3.1/3.2/3.3:           {"name": ..., "parameters": {...}}  (one call)
   mistral  Mistral v0.3, Nemo, Small:   [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]
 
-The flow, as localrt.inference.chat drives it: `ToolRequest.read(body)` checks the request's
+The flow, as localrt.inference.chat drives it: `ToolRequest.read(...)` checks the request's
 tools, tool_choice and parallel_tool_calls; the engine's check_request calls
 `check_schemas` (a tool schema that cannot become a grammar is a 400 naming it) before
 anything waits; once the model is leased, `ToolRequest.plan(template)` picks the family
@@ -109,13 +109,13 @@ class ToolRequest:
         self.parallel = parallel
 
     @classmethod
-    def read(cls, body: dict) -> "ToolRequest | None":
-        """The request's tool fields (schemas/chat-completion.json checked their shapes);
-        None when it gives no tools."""
-        tools = body.get("tools") or []
-        choice, function = body.get("tool_choice") or "auto", None
-        if isinstance(choice, dict):
-            choice, function = "function", choice["function"]["name"]
+    def read(cls, tools: list, choice: str = "auto", function: str | None = None,
+             parallel: bool = True) -> "ToolRequest | None":
+        """A request's tool fields (localrt.native.Request's: function tools, tool_choice
+        "auto", "none", "required" or "function" with the function's name); None when it
+        gives no tools."""
+        tools = tools or []
+        if choice == "function":
             if not any(t["function"]["name"] == function for t in tools):
                 raise InvalidField(f"Invalid field 'tool_choice.function.name': no tool is "
                                    f"called {function!r}", param="tool_choice.function.name")
@@ -131,7 +131,7 @@ class ToolRequest:
             seen.add(name)
         if not tools:
             return None
-        return cls(tools, choice, function, body.get("parallel_tool_calls") is not False)
+        return cls(tools, choice, function, parallel)
 
     @property
     def calling(self) -> bool:
@@ -159,10 +159,11 @@ class ToolRequest:
         return ToolPlan(self, family)
 
 
-def check_schemas(tools: list | None, choice) -> None:
+def check_schemas(tools: list | None, choice: str = "auto",
+                  function: str | None = None) -> None:
     """A 400 naming the tool whose parameters cannot become a grammar, for the tools a
     grammar will force (tool_choice "required" or a function). Before anything waits."""
-    request = ToolRequest.read({"tools": tools, "tool_choice": choice})
+    request = ToolRequest.read(tools, choice, function)
     for index, tool in request.forced() if request else ():
         try:
             _check_parameters(json.dumps(_parameters(tool), sort_keys=True))

@@ -1,65 +1,51 @@
-"""Chat completions, OpenAI compatible: the request's parameters, the prompt, the reply.
+"""Chat: a native request (localrt.native.Request) made into a reply of native events.
 
-`Chats.create(body)` takes a request that passed schemas/chat-completion.json and
-returns either the chat.completion dict or a `Stream` of Server-Sent Events. Every
-check that can fail happens before either is returned, so a streamed reply never
-starts with an error: only a failure in the middle of generating ends up inside it.
-`Chats.count_tokens(body)` gives the token count of the prompt create() would read.
-A choice that a stop sequence ended names it as `stop_reason` (vLLM's field), so
-localrt.dialects.anthropic can give Anthropic's stop_sequence.
+`Chats.create(request)` gives a `native.Reply`; every check that can fail happens
+before it is returned, so a streamed reply never starts with an error: only a failure
+in the middle of generating ends up inside it (a `Failed` event).
+`Chats.count_tokens(request)` gives the token count of the prompt create() would read.
+No wire format is known here: each dialect (localrt.dialects) reads its body into the
+request and writes the events its own way.
 
-This module keeps only OpenAI's shapes: a request takes the one path of
-localrt.inference.requests (a remote model's goes whole to its upstreams there), the
-engine checks what it can serve (localrt.engines.catalog), the scheduler gives the
-model and paces its tokens (`Lease.steps`, localrt.inference.scheduler), and
-localrt.engines.toolcalls knows each model family's tool-call syntax: the grammar
-that forces a call and the parser whose events become message.tool_calls and
-delta.tool_calls here.
+The steps: a request takes the one path of localrt.inference.requests (a remote
+model's goes to its upstreams there, through localrt.remote.wire, or, for OpenAI's
+own route, as the client sent it), the media of its messages are checked against the
+model and read (localrt.inference.images), the engine checks what it can serve
+(localrt.engines.catalog), the scheduler gives the model and paces its tokens
+(`Lease.steps`, localrt.inference.scheduler), and localrt.engines.toolcalls knows
+each model family's tool-call syntax: the grammar that forces a call and the parser
+whose events become CallStart and CallArgs here.
 
-`logprobs: true` (with `top_logprobs`, 0 to 20 alternatives; top_logprobs alone is a
-400) gives choices[0].logprobs = {"content": [...], "refusal": null}, one entry per
-generated token as localrt.engines.logprobs writes them (the model's own log-probabilities,
-before sampling settings). A stream's chunk carries the entries of the tokens whose
-text it sends, and its last chunk those whose text was held back or was none. With
-tool calls the entries cover every generated token, the calls' included: a token can
-be half text and half call syntax, so they are not split between content and calls.
-An engine that does not give them (a custom engine's generation has no `logprobs`
-Log) is a 400 naming logprobs.
-
-Images come as image_url parts (every dialect translates its own shape into them):
-`Chats.messages` checks them against the model (images_not_supported for one without
-a projector) and reads each into a contract.Image (localrt.inference.images), in the
-request's thread before the model's turn. A remote model's request goes to its
-upstreams with its parts as they came.
+A streamed reply's events come as the text does: each piece's Logprobs (when asked
+for: the entries of the tokens whose text it sends) before its Text or call events,
+the entries of tokens whose text was held back or was none before Finish. A whole
+reply (stream false) reads its text for calls at once, so a call whose JSON broke is
+text again, and gives all its Logprobs at the end. An engine that does not give
+log-probabilities (a custom engine's generation has no `logprobs` Log) is a 400
+naming logprobs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-import time
-import uuid
 from types import SimpleNamespace
 from typing import Iterator
 
-from localrt.engines import contract
-from localrt.errors import InvalidField, UpstreamError
-from localrt.inference import images as images_mod
-from localrt.models.registry import capabilities
-from localrt.engines import logprobs, toolcalls
+from localrt import native
 from localrt.admission import LIMITS, Disconnected, never
-from localrt.inference.requests import (EventStream, Kind, Local, RequestPath, respond,
-                                        stream_error)
+from localrt.engines import contract, toolcalls
+from localrt.engines.generation import render_template
+from localrt.errors import InvalidField
+from localrt.inference import images as images_mod
+from localrt.inference.requests import Kind, Local, RequestPath
 from localrt.inference.scheduler import Lease
 from localrt.metrics import Clock
+from localrt.models.registry import capabilities
+from localrt.remote import wire
 
 log = logging.getLogger(__name__)
-
-# Request fields that are sampling parameters, and stored model parameters with the
-# same meaning (schemas/model-update.json). If you add one, also pass it on in
-# localrt.engines.llama and localrt.engines.onnx (and add it to schemas/chat-completion.json).
-SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty",
-            "presence_penalty", "repeat_penalty", "max_tokens")
 
 
 def _direct() -> dict:
@@ -69,7 +55,8 @@ def _direct() -> dict:
 
 
 class Chats:
-    """Turns chat requests into generations on the scheduler's running models.
+    """Turns chat requests (native.Request) into replies (native.Reply) on the
+    scheduler's running models.
 
     At most `max_requests` chats are in progress (generating or queued) at once: each
     holds a server thread, and the rest of the API needs some. Past that, a 503.
@@ -86,48 +73,52 @@ class Chats:
         # fetches with no proxy, under the settings' defaults.
         self.images = images or images_mod.Images(_direct, images_mod.Policy)
 
-    def create(self, body: dict, disconnected: Disconnected = never,
-               messages: list | None = None):
-        """A chat.completion dict, or a Stream when body["stream"] is true. `messages`:
-        the body's messages as read_images() read them already, if it did."""
-        return self._path.serve(self.kind, body,
-                                lambda local: self._create(local, body, messages),
-                                disconnected=disconnected)
+    def create(self, request: native.Request, disconnected: Disconnected = never,
+               messages: list | None = None, upstream_body: dict | None = None):
+        """The reply (a native.Reply of events) to `request`. `messages`: its messages
+        as read_media() read them already, if it did. For a remote model given
+        `upstream_body` (OpenAI's own chat body, localrt.dialects.openai), the
+        upstream's reply to that body as it came: a dict, or a stream of its chunks."""
+        def remote(forward):
+            if upstream_body is not None:
+                return forward(upstream_body)
+            return wire.reply(forward(wire.chat_body(request)), request.model)
+        return self._path.serve(self.kind, request.model,
+                                lambda local: self._create(local, request, messages),
+                                remote=remote, disconnected=disconnected)
 
-    def read_images(self, body: dict) -> list | None:
-        """The body's messages with their images read and checked, for a route that
-        starts the model before it creates the chat (Ollama's), so that no image error
+    def read_media(self, request: native.Request) -> list | None:
+        """The request's messages with their media read and checked, for a route that
+        starts the model before it creates the chat (Ollama's), so that no media error
         waits for a start; create() takes them as they are. None when there is nothing
-        to read: no image, or a remote model, whose upstreams get the images as they
-        came."""
-        record = self._path.registry.get(body["model"])
-        if self._path.is_remote(record) or not any(images_mod.parts(body["messages"])):
+        to read: no media, or a remote model, whose upstreams get them as they came."""
+        record = self._path.registry.get(request.model)
+        if self._path.is_remote(record) or not any(request.media()):
             return None
-        return self.messages(SimpleNamespace(model_id=body["model"], record=record), body)
+        return self.messages(SimpleNamespace(model_id=request.model, record=record), request)
 
-    def messages(self, local, body: dict) -> list:
-        """The request's messages as chat templates take them, each image read (a URL
+    def messages(self, local, request: native.Request) -> list:
+        """The request's messages as chat templates take them, each medium read (a URL
         fetched) and checked: all before the model's turn, so before any compute.
         `local` needs only its model_id and record (a `Local`)."""
         images_mod.check(local.model_id, "vision" in capabilities(local.record),
-                         body["messages"], self.images.policy())
-        return [_message(i, m, self.images.read) for i, m in enumerate(body["messages"])]
+                         list(request.media()), self.images.policy())
+        return [_message(m, self.images.read_media) for m in request.messages]
 
-    def _create(self, local: Local, body: dict, messages: list | None = None):
+    def _create(self, local: Local, request: native.Request, messages: list | None = None):
         if messages is None:
-            messages = self.messages(local, body)
-        if body.get("n") not in (None, 1):
-            raise InvalidField("Invalid field 'n': only n=1 is supported", param="n")
-        top = _top_logprobs(body)
-        response_format = _response_format(body.get("response_format"))
-        tools = toolcalls.ToolRequest.read(body)
+            messages = self.messages(local, request)
+        top = request.logprobs
+        response_format = request.response_format
+        tools = _tools(request)
         # What the engine cannot serve (a schema it cannot follow): a 400 before waiting.
         local.check_request({"response_format": response_format,
                              "tools": tools and tools.tools,
-                             "tool_choice": body.get("tool_choice"), "logprobs": top})
+                             "tool_choice": request.tool_choice,
+                             "tool_function": request.tool_function, "logprobs": top})
         lease = local.lease()
         try:
-            params, plan = _prompt_params(body, local.record, lease, messages, tools)
+            params, plan = _prompt_params(request, local.record, lease, messages, tools)
             params["response_format"], params["logprobs"] = response_format, top
             generation = lease.generate(messages, params)
             if top is not None and generation.logprobs is None:
@@ -139,46 +130,52 @@ class Chats:
             raise
         completion = Completion(local.model_id, generation, lease,
                                 plan and plan.parser(), local.clock)
-        return respond(body, completion, Stream)
+        return native.Reply(completion.events(request.stream), completion.close,
+                            completion.prompt_tokens)
 
-    def count_tokens(self, body: dict, disconnected: Disconnected = never) -> int:
+    def count_tokens(self, request: native.Request,
+                     disconnected: Disconnected = never) -> int:
         """How many tokens the prompt of a chat request is, rendered as create() renders
         it, without generating (Anthropic's count_tokens). The model starts if it is
         not running; a remote model's count is the prompt_tokens of a one-token reply."""
-        return self._path.serve(self.kind, body, lambda local: self._count(local, body),
-                                remote=lambda forward: _remote_count(forward, body),
+        return self._path.serve(self.kind, request.model,
+                                lambda local: self._count(local, request),
+                                remote=lambda forward: _remote_count(forward, request),
                                 disconnected=disconnected)
 
-    def _count(self, local: Local, body: dict) -> int:
-        messages = self.messages(local, body)
-        tools = toolcalls.ToolRequest.read(body)
+    def _count(self, local: Local, request: native.Request) -> int:
+        messages = self.messages(local, request)
+        tools = _tools(request)
         lease = local.lease()
         try:
             if not lease.can(contract.Counting):
                 raise InvalidField(f"Invalid field 'model': the engine of {local.model_id} "
                                    f"({local.record['engine']}) cannot count tokens",
                                    param="model")
-            params, _ = _prompt_params(body, local.record, lease, messages, tools)
+            params, _ = _prompt_params(request, local.record, lease, messages, tools)
             return lease.model.count_tokens(messages, params)
         finally:
             lease.release()
 
 
-def _remote_count(forward, body: dict) -> int:
+def _tools(request: native.Request):
+    """The request's ToolRequest (localrt.engines.toolcalls); None without tools."""
+    return toolcalls.ToolRequest.read(request.tools, request.tool_choice,
+                                      request.tool_function, request.parallel_tool_calls)
+
+
+def _remote_count(forward, request: native.Request) -> int:
     """A remote model's prompt tokens: the usage of a one-token reply from its upstream."""
-    reply = forward({**body, "stream": False, "max_tokens": 1})
-    usage = reply.get("usage") if isinstance(reply, dict) else None
-    count = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-    if not isinstance(count, int):
-        raise UpstreamError(f"The upstream of remote model {body['model']} did not say how "
-                            f"many tokens the prompt is (usage.prompt_tokens)")
-    return count
+    one = dataclasses.replace(request, stream=False, include_usage=False,
+                              sampling={**request.sampling, "max_tokens": 1})
+    return wire.prompt_tokens(forward(wire.chat_body(one)), request.model)
 
 
-def _prompt_params(body: dict, record: dict, lease: Lease, messages: list, tools):
+def _prompt_params(request: native.Request, record: dict, lease: Lease, messages: list,
+                   tools):
     """(params, plan): the generation's parameters from the request, the model's stored
     ones and the leased model's template, and the tool plan (None without tools)."""
-    params = _params(body, record, lease.options)
+    params = _params(request, record, lease.options)
     plan = tools and tools.plan(lease.model.chat_template if lease.can(contract.Templated)
                                 else None)
     if plan:
@@ -187,205 +184,142 @@ def _prompt_params(body: dict, record: dict, lease: Lease, messages: list, tools
     # A prompt_template cannot show tools: calls need the model's own template.
     if template and not (plan and plan.parses):
         if any(isinstance(m["content"], list) for m in messages):
-            raise InvalidField("Invalid field 'messages': the model's prompt_template has "
-                               "no place for images; clear it to use the model's own chat "
-                               "template", param="messages")
-        params["prompt"] = render_template(template, messages)
+            # Media go where their parts were, inside {prompt}: the engine renders the
+            # template around its media markers (as llama-server puts its markers in
+            # the text).
+            params["prompt_template"] = template
+        else:
+            params["prompt"] = render_template(template, messages)
     return params, plan
 
 
-def _top_logprobs(body: dict) -> int | None:
-    """How many alternatives each token's log-probability comes with (0 to 20); None
-    when the request does not ask for logprobs. top_logprobs needs logprobs: true, as
-    OpenAI's does."""
-    top = body.get("top_logprobs")
-    if not body.get("logprobs"):
-        if top is not None:
-            raise InvalidField("Invalid field 'top_logprobs': it needs \"logprobs\": true",
-                               param="top_logprobs")
-        return None
-    return int(top or 0)  # 3.0 passes the schema as an integer
-
-
-def _message(index: int, message: dict, read=None) -> dict:
-    """An OpenAI message as chat templates take it: its content as one string (text
-    parts joined), or with images a list of parts in order ({"type": "text"} and
-    {"type": "image", "image": contract.Image}, each image read by `read(url, where)`);
-    an assistant's tool_calls with their arguments as objects, a tool reply's
+def _message(message: native.Message, read) -> dict:
+    """A native message as chat templates take it: its content as one string (text
+    parts joined), or with media a list of parts in order ({"type": "text"} and
+    {"type": "image", "image": contract.Image}, each medium read by `read(media)`); an
+    assistant's tool_calls with their arguments as objects, a tool reply's
     tool_call_id."""
-    content = message.get("content")
-    if isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            where = f"messages[{index}].content[{j}]"
-            if part.get("type") == "text":
-                parts.append({"type": "text", "text": part["text"]})
-            elif part.get("type") == "image_url" and read is not None:
-                parts.append({"type": "image",
-                              "image": read(images_mod.url_of(part), where)})
-            else:
-                raise InvalidField(f"Invalid field '{where}': only text and image_url parts "
-                                   f"are supported, got {part.get('type')!r}", param=where)
-        if any(p["type"] == "image" for p in parts):
-            content = parts
-        else:
-            content = "\n".join(p["text"] for p in parts)
-    # Chat templates know system, user and assistant; OpenAI's newer "developer"
-    # messages are system messages to them.
-    role = "system" if message["role"] == "developer" else message["role"]
-    out = {"role": role, "content": content or ""}
-    if role == "assistant" and message.get("tool_calls"):
-        out["tool_calls"] = [_call_of(call) for call in message["tool_calls"]]
-    elif role == "tool":
-        out["tool_call_id"] = message["tool_call_id"]
-        if message.get("name"):
-            out["name"] = message["name"]
+    if message.media:
+        content = [{"type": "text", "text": part.text} if isinstance(part, native.Text)
+                   else {"type": "image", "image": read(part)} for part in message.parts]
+    else:
+        content = message.text
+    out = {"role": message.role, "content": content or ""}
+    if message.role == "assistant" and message.tool_calls:
+        out["tool_calls"] = [_call_of(call) for call in message.tool_calls]
+    elif message.role == "tool":
+        out["tool_call_id"] = message.tool_call_id
+        if message.name:
+            out["name"] = message.name
     return out
 
 
-def _call_of(call: dict) -> dict:
+def _call_of(call: native.ToolCall) -> dict:
     """A tool call of the history, its arguments an object as chat templates write them
     (Hugging Face's convention; the JSON text when it is not an object)."""
-    arguments = call["function"].get("arguments")
+    arguments = call.arguments
     try:
         parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
     except ValueError:
         parsed = arguments
-    return {"id": call.get("id", ""), "type": "function",
-            "function": {"name": call["function"]["name"],
+    return {"id": call.id or "", "type": "function",
+            "function": {"name": call.name,
                          "arguments": parsed if isinstance(parsed, dict) else arguments}}
 
 
-def _params(body: dict, record: dict, options: dict) -> dict:
+def _params(request: native.Request, record: dict, options: dict) -> dict:
     """Sampling parameters: the request's, else the model's stored ones."""
-    params = {k: record[k] for k in SAMPLING if record.get(k) is not None}
-    params.update((k, body[k]) for k in SAMPLING if body.get(k) is not None)
-    if body.get("max_completion_tokens") is not None:
-        params["max_tokens"] = body["max_completion_tokens"]
-    stop = body.get("stop")
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    params = {k: record[k] for k in native.SAMPLING if record.get(k) is not None}
+    params.update((k, v) for k, v in request.sampling.items() if v is not None)
+    stops = list(request.stop)
     for s in options.get("stop") or []:  # the model's own stop sequences always apply
         if s not in stops:
             stops.append(s)
     params["stop"] = stops
-    if body.get("logit_bias"):
-        params["logit_bias"] = body["logit_bias"]
-    if body.get("speculative") is False:
+    if request.logit_bias:
+        params["logit_bias"] = request.logit_bias
+    if request.speculative is False:
         params["speculative"] = False
-    prediction = (body.get("prediction") or {}).get("content")
-    if prediction:  # text, or text parts
-        params["prediction"] = prediction if isinstance(prediction, str) else \
-            "".join(part["text"] for part in prediction)
+    if request.prediction:
+        params["prediction"] = request.prediction
     return params
 
 
-def _response_format(fmt: dict | None) -> dict | None:
-    """{"type": "json_object"} or {"type": "json_schema", "schema"}; None for text."""
-    if not fmt or fmt.get("type") == "text":
-        return None
-    if fmt["type"] == "json_object":
-        return {"type": "json_object", "schema": fmt.get("schema")}
-    schema = (fmt.get("json_schema") or {}).get("schema")
-    if not isinstance(schema, dict):
-        raise InvalidField("Invalid field 'response_format.json_schema.schema': a json_schema "
-                           "response format needs the JSON Schema object",
-                           param="response_format.json_schema.schema")
-    return {"type": "json_schema", "schema": schema}
-
-
-def render_template(template: str, messages: list) -> str:
-    """A prompt from a cortex-style template with {system_message} and {prompt}.
-
-    The text before {system_message} opens the system turn, the text between it and
-    {prompt} opens each user turn, and the text after {prompt} opens each assistant
-    turn, so a ChatML template renders a whole conversation in ChatML.
-    """
-    system = "\n".join(m["content"] for m in messages if m["role"] == "system")
-    head, has_system, rest = template.partition("{system_message}")
-    if not has_system:
-        head, rest = "", template
-    user_open, _, assistant_open = rest.partition("{prompt}")
-    out = [head, system] if has_system else []
-    pending_system = "" if has_system else system
-    for m in messages:
-        if m["role"] == "system":
-            continue
-        if m["role"] == "assistant":
-            out += [assistant_open, m["content"]]
-        else:
-            text = m["content"]
-            if pending_system:
-                text, pending_system = f"{pending_system}\n\n{text}", ""
-            out += [user_open, text]
-    out.append(assistant_open)
-    return "".join(out)
-
-
 class Completion:
-    """One chat completion: its id, its generation, the lease it holds, the parser of
-    its tool calls (None when the request offers none), and the `Clock` it is timed on."""
+    """One chat completion: its generation, the lease it holds, the parser of its tool
+    calls (None when the request offers none), and the `Clock` it is timed on."""
 
     def __init__(self, model_id: str, generation, lease: Lease, parser=None,
                  clock: Clock | None = None):
-        self.id = f"chatcmpl-{uuid.uuid4().hex}"
-        self.created = int(time.time())
         self.model_id = model_id
         self.generation = generation
         self.parser = parser
         self._lease = lease
         self._clock = clock or Clock(None, model_id)
+        self._called: bool | None = None  # a whole reply's: whether it holds calls
+
+    def prompt_tokens(self) -> int:
+        """The prompt's tokens, known before the first event."""
+        return self.generation.usage["prompt_tokens"]
 
     def pieces(self) -> Iterator[str]:
         """Text pieces as the scheduler computes them; ModelStopped if the model stops."""
         return self._clock.pieces(self._lease.steps(self.generation))
 
-    def logprobs(self) -> list | None:
-        """The logprobs.content entries of the tokens whose text has gone out since the
-        last call ([] when none); None when the request did not ask for them."""
+    def events(self, streamed: bool) -> Iterator:
+        """The reply's native events. Streamed, text and calls as they come, each
+        preceded by the log-probabilities of the tokens whose text it sends; whole, the
+        text read for calls at once (a call that broke is text again). A failure ends
+        them with Failed."""
         log = self.generation.logprobs
-        return None if log is None else logprobs.chat_content(log.take())
-
-    def usage(self) -> dict:
-        """OpenAI's usage object."""
-        u = self.generation.usage
-        return {"prompt_tokens": u["prompt_tokens"],
-                "completion_tokens": u["completion_tokens"],
-                "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
-                "prompt_tokens_details": {"cached_tokens": u.get("cached_tokens", 0)},
-                "completion_tokens_details": {
-                    "reasoning_tokens": 0,
-                    "accepted_prediction_tokens": u.get("accepted_prediction_tokens", 0),
-                    "rejected_prediction_tokens": u.get("rejected_prediction_tokens", 0)}}
-
-    def finish_reason(self, called: bool) -> str:
-        """OpenAI's finish_reason; "tool_calls" when the reply ended with calls."""
+        try:
+            if streamed:
+                yield from self._streamed(log)
+            else:
+                yield from self._whole()
+        except Exception as exc:  # noqa: BLE001 - the reply has started: say so in it
+            yield native.Failed(exc)
+            return
+        if log is not None:  # tokens whose text came last, or was none
+            entries = log.take()
+            if entries or not streamed:
+                yield native.Logprobs(entries)
+        called = self._called if self._called is not None else \
+            bool(self.parser and self.parser.calls)
         reason = self.generation.finish_reason or "stop"
-        return "tool_calls" if called and reason == "stop" else reason
+        matched = getattr(self.generation, "stop_sequence", None)  # custom engines lack it
+        yield native.Finish("tool_calls" if called and reason == "stop" else reason,
+                            matched)
+        u = self.generation.usage
+        yield native.Usage(u["prompt_tokens"], u["completion_tokens"],
+                           cached_tokens=u.get("cached_tokens", 0),
+                           accepted_prediction_tokens=u.get("accepted_prediction_tokens", 0),
+                           rejected_prediction_tokens=u.get("rejected_prediction_tokens", 0))
 
-    def complete(self) -> dict:
-        """The whole reply as a chat.completion."""
-        content = "".join(self.pieces())
-        message = {"role": "assistant", "content": content}
-        calls = []
-        if self.parser is not None:
-            content, calls = toolcalls.read_reply(self.parser, content)
-            message["content"] = content if content or not calls else None
-        if calls:
-            message["tool_calls"] = [
-                {"id": call_id, "type": "function",
-                 "function": {"name": name, "arguments": arguments}}
-                for call_id, name, arguments in calls]
-        content = self.logprobs()
-        choice = {"index": 0, "message": message, "logprobs": _logprobs(content),
-                  "finish_reason": self.finish_reason(bool(calls)), **self.stop_reason()}
-        return {"id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.model_id, "choices": [choice], "usage": self.usage()}
+    def _streamed(self, log) -> Iterator:
+        parser = self.parser
+        for piece in self.pieces():
+            entries = log.take() if log is not None else None
+            if entries:
+                yield native.Logprobs(entries)
+            if parser is None:
+                yield native.Text(piece)
+            else:
+                yield from _events(parser.feed(piece))
+        if parser is not None:
+            yield from _events(parser.close())
 
-    def stop_reason(self) -> dict:
-        """{"stop_reason": the stop sequence} when one ended the reply (vLLM's field, which
-        Anthropic's stop_sequence is made from), else {}."""
-        matched = getattr(self.generation, "stop_sequence", None)  # custom engines may lack it
-        return {"stop_reason": matched} if matched is not None else {}
+    def _whole(self) -> Iterator:
+        text = "".join(self.pieces())
+        if self.parser is None:
+            yield native.Text(text)
+            return
+        text, calls = toolcalls.read_reply(self.parser, text)
+        self._called = bool(calls)  # a call that broke is text again: not a call
+        yield native.Text(text)
+        for index, (call_id, name, arguments) in enumerate(calls):
+            yield native.CallStart(index, call_id, name)
+            yield native.CallArgs(index, arguments)
 
     def close(self) -> None:
         """Stop generating (if still going), give the model to the next request, and
@@ -399,83 +333,12 @@ class Completion:
                 self._clock.end(self.generation.usage)
 
 
-class Stream(EventStream):
-    """The reply as Server-Sent Events of chat.completion.chunk; close() frees the model."""
-
-    def __init__(self, completion: Completion, include_usage: bool):
-        self._completion = completion
-        self._include_usage = include_usage
-        self._pending: list = []  # logprobs.content entries the next event carries
-
-    @property
-    def prompt_tokens(self) -> int:
-        """The prompt's tokens, known before the first chunk (Anthropic's message_start
-        gives them)."""
-        return self._completion.generation.usage["prompt_tokens"]
-
-    def chunks(self) -> Iterator[dict]:
-        """The reply as chat.completion.chunk dicts; one {"error": ...} dict ends a reply
-        that failed part way. The other dialects (localrt.dialects.anthropic, ...) translate these."""
-        completion, parser = self._completion, self._completion.parser
-        yield self._event({"role": "assistant", "content": ""})
-        try:
-            for piece in completion.pieces():
-                self._took(completion.logprobs())
-                if parser is None:
-                    yield self._event({"content": piece})
-                else:
-                    yield from self._deltas(parser.feed(piece))
-            if parser is not None:
-                yield from self._deltas(parser.close())
-        except Exception as exc:  # noqa: BLE001 - the reply has started: say so in it
-            yield stream_error(exc, completion.model_id)
-            return
-        self._took(completion.logprobs())  # tokens whose text came last, or was none
-        last = self._event({}, completion.finish_reason(bool(parser and parser.calls)))
-        last["choices"][0].update(completion.stop_reason())
-        yield last
-        if self._include_usage:
-            yield self._chunk([], usage=completion.usage())
-
-    def close(self) -> None:
-        """Called by the server when the reply ends or the client goes away."""
-        self._completion.close()
-
-    def _deltas(self, events: list) -> Iterator[dict]:
-        """The events of a tool-call parser as deltas: content, a call's id and name
-        (with empty arguments, as OpenAI sends them), then its arguments in pieces."""
-        for event in events:
-            if event[0] == "text":
-                delta = {"content": event[1]}
-            elif event[0] == "call":
-                delta = {"tool_calls": [{"index": event[1], "id": event[2],
-                                         "type": "function",
-                                         "function": {"name": event[3], "arguments": ""}}]}
-            else:
-                delta = {"tool_calls": [{"index": event[1],
-                                         "function": {"arguments": event[2]}}]}
-            yield self._event(delta)
-
-    def _took(self, content: list | None) -> None:
-        """Tokens whose text has gone out: the next event carries their logprobs."""
-        if content:
-            self._pending.extend(content)
-
-    def _event(self, delta: dict, finish_reason: str | None = None) -> dict:
-        content, self._pending = self._pending, []
-        choice = {"index": 0, "delta": delta, "logprobs": _logprobs(content or None),
-                  "finish_reason": finish_reason}
-        return self._chunk([choice])
-
-    def _chunk(self, choices: list, usage: dict | None = None) -> dict:
-        c = self._completion
-        chunk = {"id": c.id, "object": "chat.completion.chunk", "created": c.created,
-                 "model": c.model_id, "choices": choices}
-        if self._include_usage:
-            chunk["usage"] = usage
-        return chunk
-
-
-def _logprobs(content: list | None) -> dict | None:
-    """A choice's logprobs in OpenAI's shape; None when there are none to give."""
-    return None if content is None else {"content": content, "refusal": None}
+def _events(parsed: list) -> Iterator:
+    """A tool-call parser's events as native ones."""
+    for event in parsed:
+        if event[0] == "text":
+            yield native.Text(event[1])
+        elif event[0] == "call":
+            yield native.CallStart(event[1], event[2], event[3])
+        else:
+            yield native.CallArgs(event[1], event[2])

@@ -1,50 +1,48 @@
-"""Text completions, OpenAI compatible (the legacy API): the prompt, the choices, the reply.
+"""Text completions (the legacy API): a native.TextRequest made into a reply of events.
 
-`Completions.create(body)` takes a request that passed schemas/completion.json and
-returns either the text_completion dict or a `Stream` of Server-Sent Events. As with
-chat, every check that can fail happens before either is returned.
+`Completions.create(request)` gives a `native.Reply`; as with chat, every check that can
+fail happens before it is returned. OpenAI's reading and writing of them is
+localrt.dialects.openai's.
 
 The prompt is raw text or tokens, never a chat template (nor a model's
-prompt_template): a string, an array of strings (one choice each, in order), an array
-of token ids, or an array of such arrays. Token prompts need a model that takes them
+prompt_template): each of `request.prompts` (strings or token-id lists) is one choice,
+in order. Token prompts need a model that takes them
 (localrt.engines.contract.Tokenizing, params["prompt_tokens"]). `suffix` makes a
 fill-in-the-middle prompt with the model's FIM tokens (`fim_prompt`); a model without
 them is a 400 naming `suffix`. `echo` puts the prompt's text before the completion.
-The sampling fields are chat's (localrt.inference.chat.SAMPLING): a field left out takes the
+The sampling fields are chat's (localrt.native.SAMPLING): a field left out takes the
 model's stored parameter, and the model's own stop sequences always apply; max_tokens
-defaults to 16, as OpenAI's does. `n` and `best_of` can only be 1. The choices are
-generated one after another in one turn of the model (`Lease.steps` paces their
-tokens), so a reply with several is as long as their sum.
+defaults to 16, as OpenAI's does. The choices are generated one after another in one
+turn of the model (`Lease.steps` paces their tokens), so a reply with several is as
+long as their sum.
 
-`logprobs` (0 to 20 alternatives) gives each choice OpenAI's legacy object: tokens,
-token_logprobs, top_logprobs (a dict per token of the alternatives and the chosen
-token) and text_offset (characters from the start of the prompt's text, echoed or
-not, as OpenAI counts them); localrt.engines.logprobs computes and writes them. With `echo`
-the prompt's tokens come first, the first with nulls (nothing came before it): the
+The events: for each choice a Choice, its echo (a Text, after the Logprobs of the
+prompt's tokens, which are known once the prompt is read: so a streamed echo waits
+for the first piece), its pieces (each after the Logprobs of its tokens, whose
+`base` is the prompt's length when it is not echoed, as OpenAI's text_offset
+counts), and a Finish; one Usage over all of them last. With `echo` and logprobs the
 engine scores the prompt too (gguf-cpp reads it whole then, without its cached
 prefix); an engine that cannot, or a suffix (the echo is only the prefix), is a 400
 naming logprobs.
 
 Each request takes chat's path (localrt.inference.requests): timed and counted in
 /metrics, and a remote model's request goes whole to an upstream's /v1/completions
-(its `logprobs` too).
+(its `logprobs` too), given as the client sent it (`upstream_body`).
 """
 
 from __future__ import annotations
 
-import time
-import uuid
 from dataclasses import dataclass
 from typing import Iterator
 
+from localrt import native
+from localrt.admission import LIMITS, Disconnected, never
 from localrt.engines import contract
 from localrt.errors import InvalidField
-from localrt.engines import logprobs
-from localrt.inference.chat import SAMPLING
-from localrt.admission import LIMITS, Disconnected, never
-from localrt.inference.requests import EventStream, Kind, Local, RequestPath, respond, stream_error
+from localrt.inference.requests import Kind, Local, RequestPath
 from localrt.inference.scheduler import Lease
 from localrt.metrics import Clock
+from localrt.remote import wire
 
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's, when neither the request nor the model says
@@ -63,22 +61,25 @@ class Completions:
         self.kind = Kind("completion", "/completions", max_requests)
         self.admission = self.kind.admission
 
-    def create(self, body: dict, disconnected: Disconnected = never):
-        """A text_completion dict, or a Stream when body["stream"] is true."""
-        return self._path.serve(self.kind, body, lambda local: self._create(local, body),
-                                disconnected=disconnected)
+    def create(self, request: native.TextRequest, disconnected: Disconnected = never,
+               upstream_body: dict | None = None):
+        """The reply (a native.Reply) to `request`. For a remote model given
+        `upstream_body` (OpenAI's own completion body), the upstream's reply to that
+        body as it came: a dict, or a stream of its chunks."""
+        def remote(forward):
+            if upstream_body is not None:
+                return forward(upstream_body)
+            return wire.text_reply(forward(wire.completion_body(request)), request.model)
+        return self._path.serve(self.kind, request.model,
+                                lambda local: self._create(local, request),
+                                remote=remote, disconnected=disconnected)
 
-    def _create(self, local: Local, body: dict):
-        for name in ("n", "best_of"):
-            if body.get(name) not in (None, 1):
-                raise InvalidField(f"Invalid field '{name}': only {name}=1 is supported",
-                                   param=name)
-        prompts = read_prompt(body["prompt"])
-        if body.get("suffix") is not None and not all(isinstance(p, str) for p in prompts):
+    def _create(self, local: Local, request: native.TextRequest):
+        prompts = request.prompts
+        if request.suffix is not None and not all(isinstance(p, str) for p in prompts):
             raise InvalidField("Invalid field 'suffix': a suffix needs a text prompt",
                                param="suffix")
-        if body.get("logprobs") is not None and body.get("echo") and \
-                body.get("suffix") is not None:
+        if request.logprobs is not None and request.echo and request.suffix is not None:
             raise InvalidField("Invalid field 'logprobs': an echoed prompt's log "
                                "probabilities need a prompt without suffix (the echo is "
                                "the prefix only)", param="logprobs")
@@ -86,22 +87,24 @@ class Completions:
         lease = local.lease(purpose="a completion request")
         choices: list = []
         try:
-            params = _params(body, local.record, lease.options)
+            params = _params(request, local.record, lease.options)
             for i, prompt in enumerate(prompts):
                 field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-                choices.append(_choice(lease, model_id, field, prompt, body, params))
+                choices.append(_choice(lease, model_id, field, prompt, request, params))
         except BaseException:
             for choice in choices:
                 choice.generation.close()
             lease.release()
             raise
-        return respond(body, TextCompletion(model_id, choices, lease, local.clock), Stream)
+        completion = TextCompletion(model_id, choices, lease, local.clock)
+        return native.Reply(completion.events(request.stream), completion.close,
+                            completion.prompt_tokens)
 
 
 def read_prompt(value) -> list:
-    """The prompts as a list of strings and token lists (the schema allows only these
-    shapes): a string or one token array is a single prompt. Token ids become ints:
-    JSON Schema counts 1.0 as an integer."""
+    """The prompts as a list of strings and token lists (completion.json and
+    embedding.json allow only these shapes): a string or one token array is a single
+    prompt. Token ids become ints: JSON Schema counts 1.0 as an integer."""
     if isinstance(value, str):
         return [value]
     if value and not isinstance(value[0], (str, list)):
@@ -109,37 +112,36 @@ def read_prompt(value) -> list:
     return [v if isinstance(v, str) else [int(t) for t in v] for v in value]
 
 
-def _params(body: dict, record: dict, options: dict) -> dict:
+def _params(request: native.TextRequest, record: dict, options: dict) -> dict:
     """Sampling parameters: the request's, else the model's stored ones, else 16 tokens."""
-    params = {k: record[k] for k in SAMPLING if record.get(k) is not None}
-    params.update((k, body[k]) for k in SAMPLING if body.get(k) is not None)
+    params = {k: record[k] for k in native.SAMPLING if record.get(k) is not None}
+    params.update((k, v) for k, v in request.sampling.items() if v is not None)
     params.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
     for name in ("max_tokens", "top_k"):  # 8.0 passes the schema as an integer
         if params.get(name) is not None:
             params[name] = int(params[name])
-    stop = body.get("stop")
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    stops = list(request.stop)
     for s in options.get("stop") or []:  # the model's own stop sequences always apply
         if s not in stops:
             stops.append(s)
     params["stop"] = stops
-    if body.get("logit_bias"):
-        params["logit_bias"] = body["logit_bias"]
-    if body.get("speculative") is False:
+    if request.logit_bias:
+        params["logit_bias"] = request.logit_bias
+    if request.speculative is False:
         params["speculative"] = False
-    if body.get("logprobs") is not None:  # the alternatives; echo scores the prompt too
-        params["logprobs"] = int(body["logprobs"])
-        params["prompt_logprobs"] = bool(body.get("echo"))
+    if request.logprobs is not None:  # the alternatives; echo scores the prompt too
+        params["logprobs"] = int(request.logprobs)
+        params["prompt_logprobs"] = bool(request.echo)
     return params
 
 
-def _choice(lease: Lease, model_id: str, field: str, prompt, body: dict,
+def _choice(lease: Lease, model_id: str, field: str, prompt, request: native.TextRequest,
             params: dict) -> "Choice":
     """One prompt's Choice; a 400 naming `field` for a prompt the model cannot take,
     and one naming logprobs when its engine cannot give what they ask."""
     params = dict(params)
     model, tokenizing = lease.model, lease.can(contract.Tokenizing)
-    suffix, tokens = body.get("suffix"), None
+    suffix, tokens = request.suffix, None
     if suffix is not None:
         tokens = model.fim_prompt(prompt, suffix) if tokenizing else None
         if tokens is None:
@@ -181,49 +183,40 @@ def _choice(lease: Lease, model_id: str, field: str, prompt, body: dict,
         what = "an echoed prompt's log" if log is not None else "log"
         raise InvalidField(f"Invalid field 'logprobs': model {model_id}'s engine does not "
                            f"give {what} probabilities", param="logprobs")
-    return Choice(text if body.get("echo") else "", text, generation)
+    return Choice(text if request.echo else "", text, generation)
 
 
 @dataclass
 class Choice:
     """One prompt's completion: the text it echoes ("" without echo), the prompt's text
-    (logprobs' text_offset counts from its start, echoed or not, as OpenAI's), and its
-    Generation."""
+    (log-probabilities' offsets count from its start, echoed or not, as OpenAI's), and
+    its Generation."""
 
     echo: str
     prompt: str
     generation: object
 
-    def logprobs(self) -> dict | None:
-        """The legacy logprobs object of the tokens whose text went out since the last
-        call; None when not asked for."""
+    def logprobs(self) -> native.Logprobs | None:
+        """The Logprobs of the tokens whose text went out since the last call; None when
+        not asked for."""
         log = self.generation.logprobs
-        return None if log is None else logprobs.legacy(log.take(), len(self.prompt))
+        return None if log is None else native.Logprobs(log.take(), len(self.prompt))
 
-    def echoed(self) -> dict | None:
-        """The legacy logprobs object of the echoed prompt's tokens (its first has
-        nulls), once the prompt is read; None when not asked for, or not echoed."""
+    def echoed(self) -> native.Logprobs | None:
+        """The Logprobs of the echoed prompt's tokens (its first has no log-probability),
+        once the prompt is read; None when not asked for, or not echoed."""
         log = self.generation.logprobs
         if log is None or not self.echo:
             return None
-        return logprobs.legacy(log.prompt(self.echo))
-
-    def all_logprobs(self) -> dict | None:
-        """The echoed prompt's and then the reply's: a whole reply's logprobs object."""
-        echoed, out = self.echoed(), self.logprobs()
-        if echoed is None or out is None:
-            return out
-        return {key: echoed[key] + out[key] for key in out}
+        return native.Logprobs(log.prompt(self.echo))
 
 
 class TextCompletion:
-    """One completion request: its id, its Choices (read one after another), the lease
-    it holds, and the `Clock` it is timed on (its first piece is the time to first
-    token; all choices' tokens are counted)."""
+    """One completion request: its Choices (read one after another), the lease it holds,
+    and the `Clock` it is timed on (its first piece is the time to first token; all
+    choices' tokens are counted)."""
 
     def __init__(self, model_id: str, choices: list, lease: Lease, clock: Clock | None = None):
-        self.id = f"cmpl-{uuid.uuid4().hex}"
-        self.created = int(time.time())
         self.model_id = model_id
         self.choices = choices
         self._lease = lease
@@ -236,25 +229,73 @@ class TextCompletion:
             self._clock.piece()
             yield piece
 
-    def usage(self) -> dict:
-        """OpenAI's usage object, over every choice."""
-        prompt = sum(c.generation.usage["prompt_tokens"] for c in self.choices)
-        completion = sum(c.generation.usage["completion_tokens"] for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+    def prompt_tokens(self) -> int:
+        """The prompts' tokens, over every choice."""
+        return sum(c.generation.usage["prompt_tokens"] for c in self.choices)
 
-    def complete(self) -> dict:
-        """The whole reply as a text_completion."""
-        choices = []
-        for i, choice in enumerate(self.choices):
-            generation = choice.generation
-            text = choice.echo + "".join(self.pieces(generation))
-            generation.close()  # its sequence is done; the next choice's starts
-            choices.append({"text": text, "index": i,
-                            "logprobs": choice.all_logprobs(),
-                            "finish_reason": generation.finish_reason or "stop"})
-        return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model_id, "choices": choices, "usage": self.usage()}
+    def usage(self) -> dict:
+        """The tokens read and written, over every choice."""
+        prompt = self.prompt_tokens()
+        completion = sum(c.generation.usage["completion_tokens"] for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion}
+
+    def events(self, streamed: bool) -> Iterator:
+        """The reply's native events (see the module); a failure ends them with Failed."""
+        try:
+            for i, choice in enumerate(self.choices):
+                yield native.Choice(i)
+                if streamed:
+                    yield from self._streamed(choice)
+                else:
+                    yield from self._whole(choice)
+        except Exception as exc:  # noqa: BLE001 - the reply has started: say so in it
+            yield native.Failed(exc)
+            return
+        usage = self.usage()
+        yield native.Usage(usage["prompt_tokens"], usage["completion_tokens"])
+
+    def _whole(self, choice: Choice) -> Iterator:
+        generation = choice.generation
+        text = "".join(self.pieces(generation))
+        generation.close()  # its sequence is done; the next choice's starts
+        echoed = choice.echoed()
+        if echoed is not None:
+            yield echoed
+        if choice.echo:
+            yield native.Text(choice.echo)
+        out = choice.logprobs()
+        if out is not None:
+            yield out
+        yield native.Text(text)
+        yield native.Finish(generation.finish_reason or "stop")
+
+    def _streamed(self, choice: Choice) -> Iterator:
+        generation = choice.generation
+        pieces = iter(self.pieces(generation))
+        if choice.echo:
+            first = None
+            if generation.logprobs is not None:  # the prompt's are known once it is read
+                first = next(pieces, None)
+            echoed = choice.echoed()
+            if echoed is not None:
+                yield echoed
+            yield native.Text(choice.echo)
+            if first is not None:
+                yield from self._piece(choice, first)
+        for piece in pieces:
+            yield from self._piece(choice, piece)
+        generation.close()
+        out = choice.logprobs()
+        if out is not None:
+            yield out
+        yield native.Finish(generation.finish_reason or "stop")
+
+    @staticmethod
+    def _piece(choice: Choice, piece: str) -> Iterator:
+        out = choice.logprobs()
+        if out is not None:
+            yield out
+        yield native.Text(piece)
 
     def close(self) -> None:
         """Stop generating (if still going), give the model to the next request, and
@@ -268,66 +309,3 @@ class TextCompletion:
             finally:
                 self._clock.done()
                 self._clock.end(self.usage())
-
-
-class Stream(EventStream):
-    """The reply as Server-Sent Events of text_completion chunks; close() frees the model.
-
-    Each choice sends its echo (when asked), its pieces, then an empty text with its
-    finish_reason; with stream_options.include_usage a last chunk with no choices
-    carries the usage, as chat's does. With logprobs each chunk carries those of the
-    tokens whose text it sends (the echo's: the prompt's, known once the prompt is
-    read, so the echo waits for the first piece), the last one those left.
-    """
-
-    def __init__(self, completion: TextCompletion, include_usage: bool):
-        self._completion = completion
-        self._include_usage = include_usage
-
-    def chunks(self) -> Iterator[dict]:
-        """The reply as text_completion chunk dicts; one {"error": ...} dict ends a reply
-        that failed part way. Ollama's /api/generate (localrt.dialects.ollama) translates these."""
-        completion = self._completion
-        try:
-            for i, choice in enumerate(completion.choices):
-                yield from self._choice(i, choice)
-        except Exception as exc:  # noqa: BLE001 - the reply has started: say so in it
-            yield stream_error(exc, completion.model_id)
-            return
-        if self._include_usage:
-            yield self._chunk([], usage=completion.usage())
-
-    def _choice(self, i: int, choice: Choice) -> Iterator[dict]:
-        generation = choice.generation
-        pieces = iter(self._completion.pieces(generation))
-        if choice.echo:
-            first = None
-            if generation.logprobs is not None:  # the prompt's are known once it is read
-                first = next(pieces, None)
-            yield self._event(i, choice.echo, choice.echoed())
-            if first is not None:
-                yield self._event(i, first, choice.logprobs())
-        for piece in pieces:
-            yield self._event(i, piece, choice.logprobs())
-        generation.close()
-        yield self._event(i, "", choice.logprobs(), generation.finish_reason or "stop")
-
-    def close(self) -> None:
-        """Called by the server when the reply ends or the client goes away."""
-        self._completion.close()
-
-    def _event(self, index: int, text: str, logprobs: dict | None = None,
-               finish_reason: str | None = None) -> dict:
-        if logprobs is not None and not logprobs["tokens"]:
-            logprobs = None  # nothing of this chunk's text came from a token
-        choice = {"text": text, "index": index, "logprobs": logprobs,
-                  "finish_reason": finish_reason}
-        return self._chunk([choice])
-
-    def _chunk(self, choices: list, usage: dict | None = None) -> dict:
-        c = self._completion
-        chunk = {"id": c.id, "object": "text_completion", "created": c.created,
-                 "model": c.model_id, "choices": choices}
-        if self._include_usage:
-            chunk["usage"] = usage
-        return chunk

@@ -61,7 +61,9 @@ class Embeddings:
 
     def create(self, body: dict, disconnected: Disconnected = never) -> dict:
         """OpenAI's {"object": "list", "data": [embedding...], "model", "usage"}."""
-        return self._path.serve(self.kind, body, lambda local: self._create(local, body),
+        return self._path.serve(self.kind, body["model"],
+                                lambda local: self._create(local, body),
+                                remote=lambda forward: forward(body),
                                 disconnected=disconnected)
 
     def check_mode(self, model_id: str) -> None:

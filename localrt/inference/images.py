@@ -1,7 +1,8 @@
 """The images of a chat request: where each comes from, read and checked before any compute.
 
-Every dialect turns its own image shape into OpenAI's part, {"type": "image_url",
-"image_url": {"url": ...}} (localrt.dialects), so one place reads them all:
+Every dialect turns its own image shape into a Media part (localrt.native.Media: bytes,
+or a data: or http(s) URL, with the dialect's own path of the part), so one place reads
+them all:
 
   check     before anything else (before a model starts): a request with images for a
             model that has no projector is images_not_supported, naming the model; one
@@ -32,7 +33,7 @@ import socket
 import time
 import urllib.error
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Mapping
 from urllib.parse import unquote_to_bytes, urljoin, urlsplit, urlunsplit
 
 from localrt.engines.contract import Image
@@ -79,20 +80,11 @@ class Policy:
 # --- the parts of a request -----------------------------------------------------------
 
 
-def parts(messages: list) -> Iterator[tuple[str, dict]]:
-    """(where, part) for each image part of OpenAI chat messages, in order."""
-    for i, message in enumerate(messages):
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):
-            for j, part in enumerate(content):
-                if isinstance(part, dict) and part.get("type") == "image_url":
-                    yield f"messages[{i}].content[{j}]", part
-
-
-def check(model_id: str, vision: bool, messages: list, policy: Policy) -> int:
-    """How many images the messages carry, once the model can take them and they are
-    not too many: ImagesNotSupported, or a 400 naming the first one past the limit."""
-    found = [where for where, _ in parts(messages)]
+def check(model_id: str, vision: bool, media: list, policy: Policy) -> int:
+    """How many images the request's Media parts (localrt.native.Media) are, once the
+    model can take them and they are not too many: ImagesNotSupported, or a 400 naming
+    the first one past the limit."""
+    found = [m.where for m in media]
     if found and not vision:
         raise refuse_images(model_id)
     if len(found) > policy.max_images:
@@ -101,12 +93,6 @@ def check(model_id: str, vision: bool, messages: list, policy: Policy) -> int:
                            f"at most {policy.max_images} are taken (maxImagesPerRequest)",
                            param=where)
     return len(found)
-
-
-def url_of(part: dict) -> str:
-    """The URL of an image_url part (a string, or {"url": ...}; detail is ignored)."""
-    given = part.get("image_url")
-    return given.get("url") if isinstance(given, dict) else given
 
 
 # --- bytes ----------------------------------------------------------------------------
@@ -240,6 +226,13 @@ class Images:
         self._config = config
         self.policy = policy
         self._resolve = resolve or _resolve
+
+    def read_media(self, media) -> Image:
+        """The image of a Media part (localrt.native.Media): its bytes, or what its URL
+        holds, checked; a 400 (or a 413) naming the part's `where` otherwise."""
+        if isinstance(media.data, bytes):
+            return image(media.data, media.where)
+        return self.read(media.data, media.where)
 
     def read(self, url, where: str) -> Image:
         """The image a URL (data: or http(s)) holds, checked; a 400 (or a 413) naming

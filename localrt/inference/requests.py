@@ -8,7 +8,7 @@ Each of the three kinds takes the same steps, written here once:
              (localrt.inference.remote), counted in the kind's admission until it ends
     local    otherwise the kind's own code reads the request, takes a turn on the
              running model (`Local.lease`: the kind's admission, then the scheduler's
-             lease) and makes the reply: a dict, or an `EventStream`
+             lease) and makes the reply (native events for chat and completions)
 
 A request holds its place in the kind's admission (localrt.admission) until its reply
 is closed: a streamed one until the server closes it. `disconnected()`, the app's
@@ -20,7 +20,8 @@ HTTP error. What fails part way ends the stream with one error event (`stream_er
 which carries the error's code and a message, never an exception's raw text.
 
 Dialects (localrt.dialects) use `start` and `keep_for` to load a model before its
-first request and to say how long it stays loaded after it.
+first request and to say how long it stays loaded after it, and Ollama's `running`
+and `remove`: no dialect sees the scheduler.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Callable, Iterator
 
 from localrt.errors import HTTPError
 from localrt.admission import Admission, Disconnected, never
-from localrt.inference.scheduler import Lease
+from localrt.inference.scheduler import Lease, ModelNotRunning
 from localrt.metrics import Clock
 from localrt.routing import SSE_DONE, sse
 
@@ -92,14 +93,13 @@ class RequestPath:
         self.remotes = remotes  # localrt.inference.remote.Remotes
         self.metrics = metrics
 
-    def serve(self, kind: Kind, body: dict, local: Callable[[Local], object],
-              remote: Callable[[Callable[[dict], object]], object] | None = None,
+    def serve(self, kind: Kind, model_id: str, local: Callable[[Local], object],
+              remote: Callable[[Callable[[dict], object]], object],
               disconnected: Disconnected = never):
-        """The reply to `body`: local(request) for a model loaded here; for a remote
-        model its upstream's reply, or remote(forward) where the kind asks the upstream
-        something else (`forward(body)` sends a body of its own). `disconnected()` says
-        the client has gone (localrt.admission)."""
-        model_id = body["model"]
+        """The reply to a request for `model_id`: local(request) for a model loaded
+        here; for a remote model remote(forward), where `forward(body)` sends a body
+        to its upstreams and gives their reply. `disconnected()` says the client has
+        gone (localrt.admission)."""
         # From the arrival; an untimed kind's clock counts nowhere (metrics None).
         clock = Clock(self.metrics if kind.timed else None, model_id)
         record = self.registry.get(model_id)  # 404 before anything starts
@@ -107,7 +107,7 @@ class RequestPath:
             def forward(sent: dict):
                 return self.remotes.forward(record, sent, kind.admission, kind.path,
                                             clock, disconnected)
-            return forward(body) if remote is None else remote(forward)
+            return remote(forward)
         return local(Local(model_id, record, clock, kind, self, disconnected))
 
     def is_remote(self, record: dict) -> bool:
@@ -124,25 +124,25 @@ class RequestPath:
         self.scheduler.start(model_id, options)
         return time.monotonic_ns() - began
 
+    def running(self) -> list[dict]:
+        """The running models' rows (Scheduler.status)."""
+        return self.scheduler.status()
+
+    def remove(self, model_id: str, why: str) -> None:
+        """Delete a model: stopped first if it runs (`why` tells a reply it ends), then
+        its files and definition; a 404 for no such model."""
+        self.registry.get(model_id)  # the 404
+        if self.scheduler.is_running(model_id):
+            try:
+                self.scheduler.stop(model_id, why)
+            except ModelNotRunning:  # it stopped meanwhile
+                pass
+        with self.scheduler.not_running(model_id):
+            self.registry.remove(model_id)
+
     def keep_for(self, model_id: str, seconds: float | None) -> None:
         """How long a running model stays loaded once idle (Scheduler.keep_for)."""
         self.scheduler.keep_for(model_id, seconds)
-
-
-def respond(body: dict, reply, stream: Callable[[object, bool], "EventStream"]):
-    """A local reply: `stream(reply, include_usage)` when the request streams, else the
-    whole reply dict (`reply.complete()`), the model freed either way (`reply.close()`)."""
-    if body.get("stream"):
-        return stream(reply, include_usage(body))
-    try:
-        return reply.complete()
-    finally:
-        reply.close()
-
-
-def include_usage(body: dict) -> bool:
-    """Whether a streamed reply ends with a chunk of its usage (stream_options)."""
-    return bool((body.get("stream_options") or {}).get("include_usage"))
 
 
 def stream_error(exc: BaseException, model_id: str) -> dict:

@@ -1,0 +1,397 @@
+"""OpenAI's API, a dialect like the others: POST /v1/chat/completions and /v1/completions.
+
+Each route is the dialect template: read the body (which passed its schema,
+schemas/chat-completion.json or completion.json) into a native request
+(`read_chat`, `read_text`: localrt.native), call the native call (Chats.create,
+Completions.create), and write the reply's events in OpenAI's shapes: a whole
+chat.completion or text_completion (`chat_completion`, `text_completion`), or
+Server-Sent Events of chunks then [DONE] (`ChatChunks`, `TextChunks`).
+
+One deliberate branch: a remote model's reply is its upstream's own, to the body as
+the client sent it, passed through untouched (a dict, or a stream of its chunks), so
+fields localrt does not know (vLLM's) reach the client.
+
+  OpenAI                                      native
+  messages[i].content: a string, or text and    Message.parts: Text, and Media
+    image_url parts                               (the URL, read later), `where`
+                                                  messages[i].content[j]
+  developer messages                            system messages (chat templates know
+                                                  system, user and assistant)
+  tool_calls, tool_call_id, name                Message.tool_calls (ToolCall), ...
+  tools, tool_choice, parallel_tool_calls       the same; tool_choice "function" with
+                                                  tool_function for {"type": "function"}
+  max_completion_tokens                         sampling["max_tokens"]
+  stop (a string or a list)                     stop (a list)
+  logprobs: true, top_logprobs                  logprobs (the count of alternatives)
+  response_format                               {"type", "schema", "name"}
+  prediction.content (text or text parts)       prediction (text)
+  stream_options.include_usage                  include_usage
+
+A reply's choice that a stop sequence ended names it as `stop_reason` (vLLM's field).
+Log-probabilities are written by localrt.engines.logprobs: chat's logprobs.content
+({"content": [...], "refusal": null}; a stream's chunk carries those of the tokens
+whose text it sends) and the legacy completions object.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Iterator
+
+from localrt import native
+from localrt.admission import Disconnected, never
+from localrt.engines import logprobs as logprobs_mod
+from localrt.errors import InvalidField
+from localrt.inference.completions import read_prompt
+from localrt.inference.requests import EventStream, stream_error
+
+PART_TYPES = ("text", "image_url")  # the content parts localrt reads
+
+
+# --- chat -----------------------------------------------------------------------------
+
+
+def chat(chats, body: dict, disconnected: Disconnected = never):
+    """POST /v1/chat/completions: a chat.completion dict, or a stream of its chunks."""
+    request = read_chat(body)
+    reply = chats.create(request, disconnected, upstream_body=body)
+    if not isinstance(reply, native.Reply):
+        return reply  # a remote model's upstream's own reply, untouched
+    if request.stream:
+        return ChatChunks(reply, request)
+    try:
+        return chat_completion(native.collect(reply.events()), request)
+    finally:
+        reply.close()
+
+
+def read_chat(body: dict) -> native.Request:
+    """A chat-completions body as a native Request; a 400 naming the field that
+    localrt cannot take (n above 1, top_logprobs without logprobs, a json_schema
+    response_format without its schema, a content part of another type)."""
+    if body.get("n") not in (None, 1):
+        raise InvalidField("Invalid field 'n': only n=1 is supported", param="n")
+    return native.Request(
+        model=body["model"],
+        messages=[_message(i, m) for i, m in enumerate(body["messages"])],
+        sampling=sampling(body), stop=stops(body.get("stop")),
+        tools=list(body.get("tools") or []), **_tool_choice(body.get("tool_choice")),
+        parallel_tool_calls=body.get("parallel_tool_calls") is not False,
+        response_format=response_format(body.get("response_format")),
+        logprobs=_top_logprobs(body), logit_bias=body.get("logit_bias") or None,
+        prediction=_prediction(body.get("prediction")),
+        speculative=body.get("speculative"), stream=bool(body.get("stream")),
+        include_usage=include_usage(body))
+
+
+def sampling(body: dict) -> dict:
+    """The sampling fields a body sets (native.SAMPLING; max_completion_tokens is
+    max_tokens)."""
+    out = {k: body[k] for k in native.SAMPLING if body.get(k) is not None}
+    if body.get("max_completion_tokens") is not None:
+        out["max_tokens"] = body["max_completion_tokens"]
+    return out
+
+
+def stops(stop) -> list:
+    """A stop field (a string or a list) as a list."""
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+def include_usage(body: dict) -> bool:
+    """Whether a streamed reply ends with a chunk of its usage (stream_options)."""
+    return bool((body.get("stream_options") or {}).get("include_usage"))
+
+
+def _message(index: int, message: dict) -> native.Message:
+    content = message.get("content")
+    parts: list = []
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            where = f"messages[{index}].content[{j}]"
+            if part.get("type") == "text":
+                parts.append(native.Text(part["text"]))
+            elif part.get("type") == "image_url":
+                given = part.get("image_url")
+                url = given.get("url") if isinstance(given, dict) else given
+                parts.append(native.Media(url, "image/*", where))
+            else:
+                raise InvalidField(f"Invalid field '{where}': only text and image_url parts "
+                                   f"are supported, got {part.get('type')!r}", param=where)
+    elif content:
+        parts.append(native.Text(content))
+    # Chat templates know system, user and assistant; OpenAI's newer "developer"
+    # messages are system messages to them.
+    role = "system" if message["role"] == "developer" else message["role"]
+    calls = [native.ToolCall(call.get("id", ""), call["function"]["name"],
+                             call["function"].get("arguments"))
+             for call in message.get("tool_calls") or ()] if role == "assistant" else []
+    return native.Message(role, parts, calls,
+                          message.get("tool_call_id") if role == "tool" else None,
+                          message.get("name") if role == "tool" else None)
+
+
+def _tool_choice(choice) -> dict:
+    if isinstance(choice, dict):
+        return {"tool_choice": "function", "tool_function": choice["function"]["name"]}
+    return {"tool_choice": choice or "auto"}
+
+
+def _top_logprobs(body: dict) -> int | None:
+    """How many alternatives each token's log-probability comes with (0 to 20); None
+    when the request does not ask for logprobs. top_logprobs needs logprobs: true, as
+    OpenAI's does."""
+    top = body.get("top_logprobs")
+    if not body.get("logprobs"):
+        if top is not None:
+            raise InvalidField("Invalid field 'top_logprobs': it needs \"logprobs\": true",
+                               param="top_logprobs")
+        return None
+    return int(top or 0)  # 3.0 passes the schema as an integer
+
+
+def response_format(fmt: dict | None) -> dict | None:
+    """{"type": "json_object"} or {"type": "json_schema", "schema", "name"}; None for
+    text."""
+    if not fmt or fmt.get("type") == "text":
+        return None
+    if fmt["type"] == "json_object":
+        return {"type": "json_object", "schema": fmt.get("schema")}
+    given = fmt.get("json_schema") or {}
+    schema = given.get("schema")
+    if not isinstance(schema, dict):
+        raise InvalidField("Invalid field 'response_format.json_schema.schema': a json_schema "
+                           "response format needs the JSON Schema object",
+                           param="response_format.json_schema.schema")
+    return {"type": "json_schema", "schema": schema, "name": given.get("name")}
+
+
+def _prediction(prediction) -> str | None:
+    content = (prediction or {}).get("content")
+    if not content:
+        return None
+    return content if isinstance(content, str) else "".join(p["text"] for p in content)
+
+
+def chat_completion(whole: native.Whole, request: native.Request) -> dict:
+    """A whole reply as a chat.completion."""
+    message = {"role": "assistant",
+               "content": whole.text if whole.text or not whole.calls else None}
+    if whole.reasoning:
+        message["reasoning_content"] = whole.reasoning
+    if whole.calls:
+        message["tool_calls"] = [{"id": call.id, "type": "function",
+                                  "function": {"name": call.name,
+                                               "arguments": call.arguments}}
+                                 for call in whole.calls]
+    choice = {"index": 0, "message": message, "logprobs": _chat_logprobs(whole.logprobs),
+              "finish_reason": whole.finish, **_stop_reason(whole.stop_sequence)}
+    return {"id": _id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
+            "model": request.model, "choices": [choice], "usage": usage(whole.usage)}
+
+
+def usage(u: native.Usage | None) -> dict:
+    """OpenAI's usage object of a chat."""
+    u = u or native.Usage()
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+            "completion_tokens_details": {
+                "reasoning_tokens": u.reasoning_tokens,
+                "accepted_prediction_tokens": u.accepted_prediction_tokens,
+                "rejected_prediction_tokens": u.rejected_prediction_tokens}}
+
+
+def _chat_logprobs(entries: list | None) -> dict | None:
+    """A choice's logprobs in OpenAI's shape; None when there are none to give."""
+    if entries is None:
+        return None
+    return {"content": logprobs_mod.chat_content(entries), "refusal": None}
+
+
+def _stop_reason(matched: str | None) -> dict:
+    """{"stop_reason": the stop sequence} when one ended the reply, else {}."""
+    return {"stop_reason": matched} if matched is not None else {}
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class ChatChunks(EventStream):
+    """A streamed chat: Server-Sent Events of chat.completion.chunk, then [DONE]; the
+    first chunk gives the role, the last the finish_reason (and with include_usage a
+    chunk of no choices the usage); one {"error"} chunk ends a reply that broke part
+    way. close() frees the model."""
+
+    def __init__(self, reply: native.Reply, request: native.Request):
+        self._reply = reply
+        self._request = request
+        self.id = _id("chatcmpl")
+        self.created = int(time.time())
+        self._pending: list = []  # log-probability entries the next chunk carries
+
+    def chunks(self) -> Iterator[dict]:
+        """The reply's chunk dicts."""
+        yield self._event({"role": "assistant", "content": ""})
+        for event in self._reply.events():
+            if isinstance(event, native.Logprobs):
+                self._pending.extend(event.entries)
+            elif isinstance(event, native.Text):
+                yield self._event({"content": event.text})
+            elif isinstance(event, native.Reasoning):
+                yield self._event({"reasoning_content": event.text})
+            elif isinstance(event, native.CallStart):
+                yield self._event({"tool_calls": [
+                    {"index": event.index, "id": event.id, "type": "function",
+                     "function": {"name": event.name, "arguments": ""}}]})
+            elif isinstance(event, native.CallArgs):
+                yield self._event({"tool_calls": [
+                    {"index": event.index, "function": {"arguments": event.text}}]})
+            elif isinstance(event, native.Finish):
+                last = self._event({}, event.reason)
+                last["choices"][0].update(_stop_reason(event.stop_sequence))
+                yield last
+            elif isinstance(event, native.Usage):
+                if self._request.include_usage:
+                    yield self._chunk([], usage=usage(event))
+            elif isinstance(event, native.Failed):
+                yield stream_error(event.error, self._request.model)
+                return
+
+    def close(self) -> None:
+        """Called by the server when the reply ends or the client goes away."""
+        self._reply.close()
+
+    def _event(self, delta: dict, finish_reason: str | None = None) -> dict:
+        entries, self._pending = self._pending, []
+        choice = {"index": 0, "delta": delta, "logprobs": _chat_logprobs(entries or None),
+                  "finish_reason": finish_reason}
+        return self._chunk([choice])
+
+    def _chunk(self, choices: list, usage: dict | None = None) -> dict:
+        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                 "model": self._request.model, "choices": choices}
+        if self._request.include_usage:
+            chunk["usage"] = usage
+        return chunk
+
+
+# --- text completions -----------------------------------------------------------------
+
+
+def completion(completions, body: dict, disconnected: Disconnected = never):
+    """POST /v1/completions: a text_completion dict, or a stream of its chunks."""
+    request = read_text(body)
+    reply = completions.create(request, disconnected, upstream_body=body)
+    if not isinstance(reply, native.Reply):
+        return reply  # a remote model's upstream's own reply, untouched
+    if request.stream:
+        return TextChunks(reply, request)
+    try:
+        return text_completion(reply.events(), request)
+    finally:
+        reply.close()
+
+
+def read_text(body: dict) -> native.TextRequest:
+    """A completions body as a native TextRequest; a 400 for n or best_of above 1."""
+    for name in ("n", "best_of"):
+        if body.get(name) not in (None, 1):
+            raise InvalidField(f"Invalid field '{name}': only {name}=1 is supported",
+                               param=name)
+    return native.TextRequest(
+        model=body["model"], prompts=read_prompt(body["prompt"]), suffix=body.get("suffix"),
+        echo=bool(body.get("echo")), sampling=sampling(body), stop=stops(body.get("stop")),
+        logprobs=None if body.get("logprobs") is None else int(body["logprobs"]),
+        logit_bias=body.get("logit_bias") or None, speculative=body.get("speculative"),
+        stream=bool(body.get("stream")), include_usage=include_usage(body))
+
+
+def text_completion(events, request: native.TextRequest) -> dict:
+    """A whole reply's events as a text_completion; a Failed event's error is raised."""
+    choices, text_usage = [], native.Usage()
+    for event in events:
+        if isinstance(event, native.Choice):
+            choices.append({"text": [], "index": event.index, "logprobs": None,
+                            "finish_reason": "stop"})
+        elif isinstance(event, native.Text):
+            choices[-1]["text"].append(event.text)
+        elif isinstance(event, native.Logprobs):
+            choices[-1]["logprobs"] = _legacy(choices[-1]["logprobs"], event)
+        elif isinstance(event, native.Finish):
+            choices[-1]["finish_reason"] = event.reason
+        elif isinstance(event, native.Usage):
+            text_usage = event
+        elif isinstance(event, native.Failed):
+            raise event.error
+    for choice in choices:
+        choice["text"] = "".join(choice["text"])
+    return {"id": _id("cmpl"), "object": "text_completion", "created": int(time.time()),
+            "model": request.model, "choices": choices, "usage": _text_usage(text_usage)}
+
+
+def _text_usage(u: native.Usage) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens}
+
+
+def _legacy(before: dict | None, event: native.Logprobs) -> dict:
+    """The legacy logprobs object `before` with the event's tokens after its own."""
+    out = logprobs_mod.legacy(event.entries, event.base)
+    return out if before is None else {key: before[key] + out[key] for key in out}
+
+
+class TextChunks(EventStream):
+    """A streamed text completion: Server-Sent Events of text_completion chunks, then
+    [DONE]. Each choice sends its echo (when asked), its pieces, then an empty text
+    with its finish_reason; with include_usage a last chunk with no choices carries the
+    usage. With logprobs each chunk carries those of the tokens whose text it sends.
+    close() frees the model."""
+
+    def __init__(self, reply: native.Reply, request: native.TextRequest):
+        self._reply = reply
+        self._request = request
+        self.id = _id("cmpl")
+        self.created = int(time.time())
+
+    def chunks(self) -> Iterator[dict]:
+        """The reply's chunk dicts; one {"error": ...} dict ends a reply that broke."""
+        index, pending = 0, None
+        for event in self._reply.events():
+            if isinstance(event, native.Choice):
+                index, pending = event.index, None
+            elif isinstance(event, native.Logprobs):
+                pending = _legacy(pending, event)
+            elif isinstance(event, native.Text):
+                yield self._event(index, event.text, pending)
+                pending = None
+            elif isinstance(event, native.Finish):
+                yield self._event(index, "", pending, event.reason)
+                pending = None
+            elif isinstance(event, native.Usage):
+                if self._request.include_usage:
+                    yield self._chunk([], usage=_text_usage(event))
+            elif isinstance(event, native.Failed):
+                yield stream_error(event.error, self._request.model)
+                return
+
+    def close(self) -> None:
+        """Called by the server when the reply ends or the client goes away."""
+        self._reply.close()
+
+    def _event(self, index: int, text: str, logprobs: dict | None = None,
+               finish_reason: str | None = None) -> dict:
+        if logprobs is not None and not logprobs["tokens"]:
+            logprobs = None  # nothing of this chunk's text came from a token
+        choice = {"text": text, "index": index, "logprobs": logprobs,
+                  "finish_reason": finish_reason}
+        return self._chunk([choice])
+
+    def _chunk(self, choices: list, usage: dict | None = None) -> dict:
+        chunk = {"id": self.id, "object": "text_completion", "created": self.created,
+                 "model": self._request.model, "choices": choices}
+        if self._request.include_usage:
+            chunk["usage"] = usage
+        return chunk
