@@ -51,7 +51,7 @@ from localrt.metrics import Metrics
 from localrt.models.imports import Imports
 from localrt.models.pulls import Pulls
 from localrt.models.registry import Registry
-from localrt.inference.remote import Remotes
+from localrt.remote.remotes import Remotes
 from localrt.inference.requests import RequestPath
 from localrt.dialects.responses import Responses
 from localrt.inference.scheduler import Scheduler

@@ -28,8 +28,8 @@ LONG_MODULES = {
 }
 # The only modules that may compare or spell out the built-in engines' names: the
 # engines' adapters and the catalog.
-ENGINE_NAME_OWNERS = {"localrt.engines.catalog", "localrt.engines.llama",
-                      "localrt.engines.embedding", "localrt.engines.onnx"}
+ENGINE_NAME_OWNERS = {"localrt.engines.catalog", "localrt.engines.llama.model",
+                      "localrt.engines.llama.embedding", "localrt.engines.onnx"}
 ENGINE_NAMES = ("gguf-cpp", "onnx-runtime")
 ENGINE_CONSTANTS = ("GGUF_ENGINE", "ONNX_ENGINE")
 
@@ -37,12 +37,15 @@ ENGINE_CONSTANTS = ("GGUF_ENGINE", "ONNX_ENGINE")
 # Who may import whom. Each part of the package, top down, with the parts it may import
 # besides itself: a request comes in through the server and the app, the route table
 # and its services, and goes down through the dialects to the one request path
-# (inference), which uses models and engines; downloads serve models and engines; the
-# HTTP core's leaves (CORE) serve everyone. The CLI talks to the server only through
-# the client (it may start the server). If an arrow is new, decide it here.
-CORE = {"localrt", "localrt.errors", "localrt.web", "localrt.admission", "localrt.fsutil",
-        "localrt.settings", "localrt.security", "localrt.config", "localrt.routing", "localrt.schemas", "localrt.events",
-        "localrt.metrics", "localrt.bootstrap"}
+# (inference), which uses models and engines; a remote model's requests go from that
+# path to its upstreams (remote, which the services hand to inference, so inference
+# never imports it); downloads serve models and engines; the HTTP core's leaves (CORE),
+# the outbound opener among them, serve everyone. The CLI talks to the server only
+# through the client (it may start the server). If an arrow is new, decide it here.
+CORE = {"localrt", "localrt.errors", "localrt.outbound", "localrt.web", "localrt.admission",
+        "localrt.fsutil", "localrt.settings", "localrt.security", "localrt.config",
+        "localrt.routing", "localrt.schemas", "localrt.events", "localrt.metrics",
+        "localrt.bootstrap"}
 LAYERS = {
     "localrt.__main__": {"localrt.cli"},
     "localrt.cli": {"localrt.client", "localrt.server"} | CORE,
@@ -53,18 +56,20 @@ LAYERS = {
     "localrt.api": {"localrt.services", "localrt.openapi", "localrt.dialects",
                     "localrt.models"} | CORE,
     "localrt.openapi": CORE,
-    "localrt.services": {"localrt.dialects", "localrt.inference", "localrt.models",
-                         "localrt.engines", "localrt.downloads"} | CORE,
+    "localrt.services": {"localrt.dialects", "localrt.remote", "localrt.inference",
+                         "localrt.models", "localrt.engines", "localrt.downloads"} | CORE,
     "localrt.dialects": {"localrt.inference", "localrt.models", "localrt.engines"} | CORE,
-    "localrt.inference": {"localrt.models", "localrt.engines", "localrt.downloads"} | CORE,
+    "localrt.remote": {"localrt.inference", "localrt.models", "localrt.engines"} | CORE,
+    "localrt.inference": {"localrt.models", "localrt.engines"} | CORE,
     "localrt.models": {"localrt.engines", "localrt.downloads"} | CORE,
     "localrt.engines": {"localrt.downloads"} | CORE,
     "localrt.downloads": CORE,
 }
 # The core's leaves, bottom up: each may import those before it.
-CORE_ORDER = ("localrt.errors", "localrt.web", "localrt.admission", "localrt.fsutil", "localrt.settings", "localrt.security",
-              "localrt.config", "localrt.routing", "localrt.schemas", "localrt.events",
-              "localrt.metrics", "localrt.bootstrap")
+CORE_ORDER = ("localrt.errors", "localrt.outbound", "localrt.web", "localrt.admission",
+              "localrt.fsutil", "localrt.settings", "localrt.security", "localrt.config",
+              "localrt.routing", "localrt.schemas", "localrt.events", "localrt.metrics",
+              "localrt.bootstrap")
 
 
 def part_of(name: str) -> str:

@@ -1,4 +1,4 @@
-"""The prompt cache in RAM (localrt.engines.promptcache), on real llama.cpp: slot states
+"""The prompt cache in RAM (localrt.engines.llama.promptcache), on real llama.cpp: slot states
 saved when a slot goes to another prompt, restored when their conversation comes back.
 """
 
@@ -8,7 +8,7 @@ import pytest
 from ggufgen import _vocab, write_gguf
 from support.models import quantize
 
-from localrt.engines.llama import LlamaModel
+from localrt.engines.llama.model import LlamaModel
 
 SCRIPT = [t for t in _vocab(400)[0][300:340]][:24]
 SYSTEM = "You are a careful assistant. " * 6

@@ -9,7 +9,7 @@ Progress is published on the EventBus, as cortex's events: `{"type":
 "DownloadUpdated", "task": {"id", "type", "items": [{"id", "downloadUrl",
 "localPath", "checksum", "bytes", "downloadedBytes"}]}}`, with localrt's own fields
 (the task's status and error, each item's url) beside them. Outbound HTTP, with
-the proxy and TLS fields of Config, is localrt.downloads.opener. `stats()` gives GET /metrics
+the proxy and TLS fields of Config, is localrt.outbound. `stats()` gives GET /metrics
 the bytes received and the running tasks.
 
 Callers take Item, Task, DownloadFailed, part_path and map_path (localrt.downloads.fetch's)

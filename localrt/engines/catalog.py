@@ -3,7 +3,7 @@
 The built-in engines are the rows of `CATALOG`: each names its adapter (imported at
 its first use), the files it loads, its installable variants and its names in
 model.yml. Adding one is an adapter module (an Engine of localrt.engines.contract, as
-localrt.engines.llama and localrt.engines.onnx are) and a row. localrt.models.registry
+localrt.engines.llama.model and localrt.engines.onnx are) and a row. localrt.models.registry
 asks the catalog which engine loads a model's files; no module but the catalog and the
 adapters compares engine names.
 
@@ -11,7 +11,7 @@ adapters compares engine names.
                 so it is Ready on a fresh install once its probe passes.
   onnx-runtime  onnxruntime-genai, installed on request from the package index.
   remote        part of localrt: a remote model has no files, and its chats are
-                forwarded to OpenAI-compatible servers (localrt.inference.remote); nothing to
+                forwarded to OpenAI-compatible servers (localrt.remote); nothing to
                 install (`EngineSpec.forwards`).
 Custom engines come from the `localrt.engines` entry-point group (localrt.engines.plugins).
 
@@ -127,12 +127,13 @@ def _onnx_variants(hw: Hardware) -> list[Variant]:
             Variant(f"{hw.platform}-cuda-12", "onnxruntime-genai-cuda", None, "cuda-12")]
 
 
-REMOTE_ENGINE = "remote"  # the engine of remote models (localrt.inference.remote writes it)
+REMOTE_ENGINE = "remote"  # the engine of remote models (localrt.remote.remotes writes it)
 
 # In order of preference: a model with files of two engines is the first one's.
 CATALOG = {spec.name: spec for spec in (
     EngineSpec("gguf-cpp", "GGUF", "llama.cpp through llama-cpp-python; runs GGUF models",
-               "localrt.engines.llama:GgufEngine", ("*.gguf",), "llama_cpp", _gguf_variants,
+               "localrt.engines.llama.model:GgufEngine", ("*.gguf",), "llama_cpp",
+               _gguf_variants,
                aliases=("llama-cpp", "llamacpp", "llama.cpp"),
                builtin="llama-cpp-python", probed=True),
     EngineSpec("onnx-runtime", "ONNX", "onnxruntime-genai; runs ONNX models",
@@ -144,7 +145,8 @@ CATALOG = {spec.name: spec for spec in (
                min_python=(3, 10)),
     EngineSpec(REMOTE_ENGINE, "OpenAI API", "forwards chats to OpenAI-compatible servers "
                "(vLLM, llama-server, another localrt); ships with localrt",
-               "localrt.inference.remote:RemoteEngine", (), "localrt.inference.remote", lambda hw: [],
+               "localrt.remote.remotes:RemoteEngine", (), "localrt.remote.remotes",
+               lambda hw: [],
                builtin="localrt", forwards=True),
 )}
 
@@ -365,7 +367,7 @@ class Engines:
 
     def forwards(self, name: str) -> bool:
         """Whether models of this engine are served elsewhere (remote ones): their chats
-        go to localrt.inference.remote, never to a loaded model."""
+        go to localrt.remote.remotes, never to a loaded model."""
         spec = CATALOG.get(name)
         return spec is not None and spec.forwards
 

@@ -2,8 +2,7 @@
 
 `scheduler` loads and unloads models, and `lanes` paces who computes when; `requests`
 is the path every chat, completion and embedding takes (local or remote, decided
-once); `chat`, `completions` and `embeddings` are OpenAI's native APIs on it, and
-`images` reads and checks a chat's images (data: URLs, fetched URLs); `remote`
-forwards a remote model's requests to its upstreams, whose health and routing are
-`upstreams`.
+once; a remote model's goes to localrt.remote); `chat`, `completions` and
+`embeddings` are OpenAI's native APIs on it, and `images` reads and checks a chat's
+images (data: URLs, fetched URLs).
 """

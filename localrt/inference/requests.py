@@ -5,7 +5,7 @@ Each of the three kinds takes the same steps, written here once:
     record   the model's definition (a 404 before anything starts)
     clock    its times from the request's arrival, counted in /metrics (`Kind.timed`)
     remote?  decided here, once: a remote model's request goes whole to its upstreams
-             (localrt.inference.remote), counted in the kind's admission until it ends
+             (localrt.remote.remotes), counted in the kind's admission until it ends
     local    otherwise the kind's own code reads the request, takes a turn on the
              running model (`Local.lease`: the kind's admission, then the scheduler's
              lease) and makes the reply: a dict, or an `EventStream`
@@ -89,7 +89,7 @@ class RequestPath:
         self.registry = registry
         self.engines = engines
         self.scheduler = scheduler
-        self.remotes = remotes  # localrt.inference.remote.Remotes
+        self.remotes = remotes  # localrt.remote.remotes.Remotes
         self.metrics = metrics
 
     def serve(self, kind: Kind, body: dict, local: Callable[[Local], object],

@@ -17,7 +17,7 @@ fight over the CPU:
   * every step of every model is computed on a compute lane (`Scheduler.lanes`):
     `computeLanes` threads (default 1) taking steps in arrival order. A batched
     model's step is one decode that gives each of its requests its next token
-    (localrt.engines.batching); the first request that needs a token runs the step
+    (localrt.engines.llama.batch); the first request that needs a token runs the step
     and the others wait for it (`Stepper`). Any other model's step is one token of
     its one request. `Lease.generate` gives a batched model's generation the wait for
     a step, and `Lease.steps` reads its tokens, ending with ModelStopped when the
@@ -502,7 +502,7 @@ class Scheduler:
         path = self._model_path(record)
         before = _rss()
         # What the engine loads beside the options: a vision model's projector
-        # (localrt.engines.vision), the RAM the prompt cache may keep (promptCacheMiB).
+        # (localrt.engines.llama.media), the RAM the prompt cache may keep (promptCacheMiB).
         loading = {**options, "prompt_cache_bytes": self.prompt_cache}
         projector = projector_path(record)
         if projector is not None:

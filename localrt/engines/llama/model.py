@@ -2,14 +2,14 @@
 
 `GgufEngine` loads a GGUF as a `LlamaModel`, localrt.engines.contract's Batched,
 Measured, Tokenizing, Counting, Embedding and Templated model: one llama.cpp context
-whose n_parallel sequences share each decode step (localrt.engines.batching), with the
+whose n_parallel sequences share each decode step (localrt.engines.llama.batch), with the
 prompt cache, and embeddings on a second context of its own
-(localrt.engines.embedding.EmbeddingContext). An embedding model, or one started with
+(localrt.engines.llama.embedding.EmbeddingContext). An embedding model, or one started with
 the start option `embedding`, loads in llama.cpp's embedding mode instead
-(localrt.engines.embedding). A model with a projector (the option `mmproj`,
+(localrt.engines.llama.embedding). A model with a projector (the option `mmproj`,
 which localrt.inference.scheduler sets from the record) loads it through llama.cpp's
-mtmd and reads chats with images (localrt.engines.vision). A JSON
-response_format becomes a grammar (localrt.engines.grammar); log probabilities
+mtmd and reads chats with images (localrt.engines.llama.media). A JSON
+response_format becomes a grammar (localrt.engines.llama.grammar); log probabilities
 (localrt.engines.logprobs) are read from the logits before sampling, in
 LlamaBatch.decode, for the prompt too. llama_cpp is imported only when a model loads.
 """
@@ -22,16 +22,16 @@ import logging
 from pathlib import Path
 from typing import Callable, Iterator
 
-from localrt.engines.batching import Batcher, Sequence
-from localrt.engines.llamabatch import LlamaBatch, Sampling
-from localrt.engines.drafting import DRAFT_MAX, Drafter, prediction_counts
-from localrt.engines.promptcache import PromptCache
-from localrt.engines.embedding import EmbeddingContext, LlamaEmbedder, embedding_pooling
+from localrt.engines.llama.batch import Batcher, Sequence
+from localrt.engines.llama.decode import LlamaBatch, Sampling
+from localrt.engines.llama.drafting import DRAFT_MAX, Drafter, prediction_counts
+from localrt.engines.llama.promptcache import PromptCache
+from localrt.engines.llama.embedding import EmbeddingContext, LlamaEmbedder, embedding_pooling
 from localrt.engines.generation import (GeneratingModel, Generation, check_room, seed_of,
                                         sampling_value, token_loop)
-from localrt.engines.grammar import json_grammar
-from localrt.engines.vision import (Projector, Prompt, has_images, refuse_images,
-                                    texts_and_images)
+from localrt.engines.llama.grammar import json_grammar
+from localrt.engines.llama.media import (Projector, Prompt, has_images, refuse_images,
+                                         texts_and_images)
 from localrt.errors import InvalidField
 from localrt.engines import toolcalls
 from localrt.engines.logprobs import Log, TokenLogprob
@@ -109,7 +109,7 @@ class GgufEngine:
 
 class LlamaModel(GeneratingModel):
     """A loaded GGUF model: one llama.cpp context whose `slots` sequences (n_parallel)
-    share each decode step (localrt.engines.batching), and the generations read from them.
+    share each decode step (localrt.engines.llama.batch), and the generations read from them.
 
     It is Batched (localrt.engines.contract): localrt.inference.scheduler lets `slots`
     requests in at once and runs the steps.
@@ -160,7 +160,7 @@ class LlamaModel(GeneratingModel):
         self._embedding = EmbeddingContext(self._model, llama_arguments(options),
                                            self.context, params.n_batch)
         self._cache_type = options.get("cache_type") or "f16"
-        # Speculative decoding (localrt.engines.drafting), on unless the start option
+        # Speculative decoding (localrt.engines.llama.drafting), on unless the start option
         # says off, and never for a model whose memory cannot cut a sequence short
         # (a recurrent or hybrid one: a rejected draft's KV could not go).
         model = self._model.model
@@ -282,7 +282,7 @@ class LlamaModel(GeneratingModel):
         return Prompt(tokens, n_tokens=len(tokens))
 
     def step(self) -> None:
-        """One decode for every sequence (localrt.engines.batching.Batcher.step)."""
+        """One decode for every sequence (localrt.engines.llama.batch.Batcher.step)."""
         self._batcher.step()
 
     def report(self) -> dict:
@@ -295,7 +295,7 @@ class LlamaModel(GeneratingModel):
 
     def embed(self, inputs: list, compute: Callable | None = None) -> tuple:
         """Embeddings as the start option `embedding` gives them, beside the chats
-        (localrt.engines.embedding.EmbeddingContext): each decode is `compute(fn, *args)`
+        (localrt.engines.llama.embedding.EmbeddingContext): each decode is `compute(fn, *args)`
         (the scheduler's compute lane; here when None)."""
         return self._embedding.embed(inputs, compute)
 
