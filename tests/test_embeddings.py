@@ -21,7 +21,7 @@ from ggufgen import write_bert_gguf, write_gguf
 from support.models import NO_EOS, tokens_of
 
 from localrt.engines.llama.embedding import embedding_params
-from localrt.engines.llama.model import llama_arguments
+from localrt.engines.llama.params import llama_arguments
 from localrt.engines.onnx import OnnxEngine
 
 TEXTS = ["the quick brown fox", "jumps over", "the lazy dog", "a"]

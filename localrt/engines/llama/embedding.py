@@ -161,8 +161,8 @@ class LlamaEmbedder(GeneratingModel):
     def open(cls, model_path: str, arguments: dict, context: int | None,
              pooling: int) -> "LlamaEmbedder":
         """Load a GGUF in embedding mode: llama_cpp.Llama with `arguments` (the start
-        options', localrt.engines.llama.model.llama_arguments), one batch of `context` tokens
-        (ctx_len; 512 when None) and the pooling type `pooling`."""
+        options', localrt.engines.llama.params.llama_arguments), one batch of `context`
+        tokens (ctx_len; 512 when None) and the pooling type `pooling`."""
         import llama_cpp
 
         context = context or 512
@@ -209,10 +209,11 @@ class LlamaEmbedder(GeneratingModel):
 
 def embedding_params(llama_cpp, arguments: dict, context: int, pooling: int):
     """llama_context_params of one embedding context: those llama_cpp.Llama makes for
-    LlamaEmbedder.open's `arguments` (localrt.engines.llama.model.llama_arguments), `context`
-    tokens in one batch and the pooling type `pooling`; a chat model's EmbeddingContext
-    makes its own with them, so it pools as the embedding mode does. If llama-cpp-python
-    changes what Llama sets, change this too (tests/test_embeddings.py compares them)."""
+    LlamaEmbedder.open's `arguments` (localrt.engines.llama.params.llama_arguments),
+    `context` tokens in one batch and the pooling type `pooling`; a chat model's
+    EmbeddingContext makes its own with them, so it pools as the embedding mode does. If
+    llama-cpp-python changes what Llama sets, change this too (tests/test_embeddings.py
+    compares them)."""
     import multiprocessing
 
     params = llama_cpp.llama_context_default_params()
