@@ -143,9 +143,6 @@ class Task:
     # A build's progress, for an engine variant compiled from source (localrt.engines.builds):
     # {"stage", "step", "steps", "line"}, shown as the task's `build`.
     build: dict | None = None
-    # Set by Downloads.start: publishes the task as a DownloadUpdated event (a build's
-    # progress; fetches publish their own).
-    publish: Callable[[], None] | None = field(default=None, repr=False)
     # The sockets of the task's open connections (one per worker), to shut on a cancel.
     _sockets: set = field(default_factory=set, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False,

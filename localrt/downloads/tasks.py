@@ -68,13 +68,17 @@ class Downloads:
                 raise Conflict(f"{task.id} is already downloading (taskId {task.id})",
                                extra={"taskId": task.id})
             self._tasks[task.id] = task
-            task.publish = lambda: self._publish("DownloadUpdated", task)
             self._forget_finished()
             thread = threading.Thread(target=self._run, args=(task,), daemon=True,
                                       name=f"download {task.id}")
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
         return task
+
+    def progress(self, task: Task) -> None:
+        """Say that a running task moved on: a DownloadUpdated event (a build's progress,
+        localrt.engines.builds; fetches say their own through the Link)."""
+        self._publish("DownloadUpdated", task)
 
     def running(self, task_id: str) -> Task | None:
         """The running task with this id, if any."""
