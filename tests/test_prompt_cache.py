@@ -23,8 +23,8 @@ def path(tmp_path_factory):
 
 
 def load(path, cache: int) -> LlamaModel:
-    return LlamaModel(str(path), {"ctx_len": 1024, "n_parallel": 4, "speculative": "off",
-                                  "prompt_cache_bytes": cache})
+    return LlamaModel(str(path), {"ctx_len": 1024, "n_parallel": 4, "speculative": "off"},
+                      prompt_cache_bytes=cache)
 
 
 def turn(model, messages):
@@ -118,8 +118,8 @@ def test_a_state_with_an_image_is_restored_by_the_images_hash(tmp_path):
 
     model_path, mmproj = write_vision_pair(tmp_path)
     model = LlamaModel(str(model_path), {"ctx_len": 512, "n_parallel": 1,
-                                         "mmproj": str(mmproj), "speculative": "off",
-                                         "prompt_cache_bytes": 4 << 20})
+                                         "mmproj": str(mmproj), "speculative": "off"},
+                       prompt_cache_bytes=4 << 20)
 
     def ask(image: bytes, text: str):
         return [{"role": "user", "content": [

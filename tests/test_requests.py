@@ -11,7 +11,7 @@ from localrt.dialects.common import Fields, NamedEvents, native
 from localrt.errors import InvalidField, UpstreamError
 from localrt.events import EventBus, TooManyListeners
 from localrt.inference.requests import EventStream, stream_error
-from localrt.inference.scheduler import ModelStopped
+from localrt.inference.running import ModelStopped
 from localrt.routing import SSE_DONE, sse
 from localrt.schemas import Validators
 

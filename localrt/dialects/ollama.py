@@ -69,7 +69,8 @@ from localrt.dialects.common import Fields, native
 from localrt.errors import Conflict, HTTPError, InternalError, InvalidField, UpstreamError
 from localrt.inference.images import data_url
 from localrt.models.registry import capabilities as registry_capabilities, weights_path
-from localrt.inference.scheduler import ModelNotRunning, ModelStopped
+from localrt.inference.running import ModelStopped
+from localrt.inference.scheduler import ModelNotRunning
 
 log = logging.getLogger(__name__)
 

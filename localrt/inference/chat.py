@@ -50,7 +50,7 @@ from localrt.engines import logprobs, toolcalls
 from localrt.admission import LIMITS, Disconnected, never
 from localrt.inference.requests import (EventStream, Kind, Local, RequestPath, respond,
                                         stream_error)
-from localrt.inference.scheduler import Lease
+from localrt.inference.running import Lease
 from localrt.metrics import Clock
 
 log = logging.getLogger(__name__)

@@ -43,7 +43,7 @@ from localrt.engines import logprobs
 from localrt.inference.chat import SAMPLING
 from localrt.admission import LIMITS, Disconnected, never
 from localrt.inference.requests import EventStream, Kind, Local, RequestPath, respond, stream_error
-from localrt.inference.scheduler import Lease
+from localrt.inference.running import Lease
 from localrt.metrics import Clock
 
 

@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 
 from localrt.errors import HTTPError
 from localrt.admission import Admission, Disconnected, never
-from localrt.inference.scheduler import Lease
+from localrt.inference.running import Lease
 from localrt.metrics import Clock
 from localrt.routing import SSE_DONE, sse
 

@@ -45,16 +45,18 @@ GGUF_ENGINE = "gguf-cpp"
 class GgufEngine:
     """gguf-cpp: llama.cpp through llama-cpp-python, imported at the first load.
 
-    `_rpc` is this process's use of rpc-servers (localrt.engines.rpc.Client), shared by the
-    models it loads with `rpc_servers`.
+    `prompt_cache_bytes` is the RAM each model it loads may keep of prompt states
+    (promptCacheMiB; 0: none). `_rpc` is this process's use of rpc-servers
+    (localrt.engines.rpc.Client), shared by the models it loads with `rpc_servers`.
     """
 
     name, format = GGUF_ENGINE, "GGUF"
     description = "llama.cpp through llama-cpp-python; runs GGUF models"
 
-    def __init__(self):
+    def __init__(self, prompt_cache_bytes: int = 0):
         from localrt.engines import rpc
 
+        self.prompt_cache_bytes = prompt_cache_bytes
         self._rpc = rpc.Client()
 
     def load(self, model_path: str, options: dict) -> "LlamaModel":
@@ -68,7 +70,7 @@ class GgufEngine:
                                    "on this machine only", param="rpc_servers")
             return LlamaEmbedder.open(model_path, llama_arguments(options),
                                       options.get("ctx_len"), pooling)
-        return LlamaModel(model_path, options, self._rpc)
+        return LlamaModel(model_path, options, self._rpc, self.prompt_cache_bytes)
 
     @staticmethod
     def check_options(options: dict) -> Iterator[tuple[str, str]]:
@@ -97,7 +99,8 @@ class LlamaModel(GeneratingModel):
     requests in at once and runs the steps.
     """
 
-    def __init__(self, model_path: str, options: dict, rpc_client=None):
+    def __init__(self, model_path: str, options: dict, rpc_client=None,
+                 prompt_cache_bytes: int = 0):
         import llama_cpp
         from llama_cpp import _internals
 
@@ -116,28 +119,27 @@ class LlamaModel(GeneratingModel):
             self._release_rpc()
             raise
         self._mmproj = options.get("mmproj")
-        batch = None
+        projector = None
         try:
             self.slots = options.get("n_parallel") or 1  # the scheduler's default is 4
             # Each sequence has ctx_len tokens of KV; llama.cpp may round the context up.
             self.context = options.get("ctx_len") or self._model.n_ctx_train()
             params = context_params(llama_cpp, options, self.slots * self.context,
-                                     self.slots)
-            batch = LlamaBatch(llama_cpp, self._model.model, params)
+                                    self.slots)
             if self._mmproj:
-                batch.projector = Projector(llama_cpp, self._mmproj, self._model.model,
-                                            options)
+                projector = Projector(llama_cpp, self._mmproj, self._model.model, options)
+            # The batch owns the projector from here: its close() frees it.
+            self._batch = LlamaBatch(llama_cpp, self._model.model, params, projector)
         except BaseException:
-            if batch is not None:
-                batch.close()
+            if projector is not None:
+                projector.close()
             self._model.close()
             self._release_rpc()
             raise
-        self._batch = batch
-        cache = options.get("prompt_cache_bytes")
         self._batcher = Batcher(self.slots, params.n_batch, self._batch,
                                 caching=options.get("caching_enabled", True),
-                                cache=PromptCache(cache) if cache else None)
+                                cache=PromptCache(prompt_cache_bytes)
+                                if prompt_cache_bytes else None)
         # Embeddings beside the chats, on a context of their own (made at the first).
         self._embedding = EmbeddingContext(self._model, llama_arguments(options),
                                            self.context, params.n_batch)
