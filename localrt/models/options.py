@@ -19,7 +19,8 @@ from localrt.models.registry import DEFAULT_CTX_LEN
 
 # The start options (schemas/model-start.json): they are also stored model parameters.
 # If you add one, also map it in localrt.engines.llama.params and add it to the CLI
-# (models start). `embedding` (llama.cpp's embedding mode) is a start option only, never stored.
+# (models start). `embedding` (llama.cpp's embedding mode) is a start option only,
+# never stored.
 START_OPTIONS = ("prompt_template", "stop", "ngl", "ctx_len", "cpu_threads", "n_batch",
                  "n_parallel", "caching_enabled", "grp_attn_n", "grp_attn_w", "mlock",
                  "flash_attn", "cache_type", "use_mmap", "speculative", "draft_max",
