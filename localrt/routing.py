@@ -9,12 +9,13 @@ A pattern is a path with `{name}` parts, which match one path segment, and
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from localrt.admission import Disconnected, never
-from localrt.errors import MethodNotAllowed, NotFound
+from localrt.errors import HTTPError, MethodNotAllowed, NotFound
 
 _PART = re.compile(r"\{(\w+)(?::(path))?\}")
 
@@ -155,3 +156,42 @@ class Router:
         if "GET" in methods:
             methods.append("HEAD")
         return methods
+
+
+# --- streamed replies ---------------------------------------------------------------
+
+
+log = logging.getLogger(__name__)
+
+
+def stream_error(exc: BaseException, model_id: str) -> dict:
+    """The {"error": ...} event that ends a stream broken part way: an HTTPError's own
+    code and message (a model stopped mid-reply, an upstream that broke off); anything
+    else is logged and said as generation_failed, its text kept out of the reply."""
+    if isinstance(exc, HTTPError):
+        return {"error": exc.body()["error"]}
+    log.error("generation failed in a stream of %s", model_id, exc_info=exc)
+    return {"error": {"message": f"Generation failed part way through the reply of model "
+                                 f"{model_id}; the server log has the details",
+                      "type": "server_error", "code": "generation_failed"}}
+
+
+class EventStream:
+    """A streamed reply as OpenAI writes it: Server-Sent Events of chunk dicts, then
+    [DONE]. Subclasses give `chunks()` (one {"error"} dict ends a broken one) and
+    `close()`, which the server calls once when the reply ends or the client goes away."""
+
+    content_type = "text/event-stream"
+
+    def __iter__(self) -> Iterator[bytes]:
+        for chunk in self.chunks():
+            yield sse(chunk)
+        yield SSE_DONE
+
+    def chunks(self) -> Iterator[dict]:
+        """The reply's chunk dicts."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Free what the reply holds."""
+        raise NotImplementedError

@@ -6,14 +6,16 @@ nothing is assigned to it afterwards:
     config      the settings file (localrt.config)
     events      the event bus of GET /v1/events
     downloads   download tasks, with the config's outbound options
-    engines     the engine catalog, the listing and loading (engines.json's EngineState
-                is shared with installs; probe results are engines.probes)
+    engines     the engine catalog, the listing and loading, one adapter per engine made
+                with its settings (engines.json's EngineState is shared with installs;
+                probe results are engines.probes)
     installs    engine installs, uninstalls and defaults, which download with `downloads`
     registry    the downloaded models' definitions (localrt.models.registry.Registry)
     pulls       pulls from the hub, which download with `downloads` and add to the registry
     imports     imports of local files and folders, which add to the registry
-    scheduler   what runs: loads through `engines`, reads the `registry`, and refuses
-                to delete a running model or uninstall an engine in use
+    scheduler   what runs: loads through `engines` with the options `StartOptions`
+                resolves, reads the `registry`, and refuses to delete a running model
+                or uninstall an engine in use
     metrics     what GET /metrics says: reads the scheduler's status and the downloads'
                 totals at scrape time; the app counts requests in it
     remotes     remote models: their upstreams' health, and forwarding their chats
@@ -50,9 +52,10 @@ from localrt.events import EventBus
 from localrt.engines.installs import EngineState, Installs
 from localrt.metrics import Metrics
 from localrt.models.imports import Imports
+from localrt.models.options import StartOptions
 from localrt.models.pulls import Pulls
 from localrt.models.registry import Registry
-from localrt.inference.remote import Remotes
+from localrt.remote.remotes import Remotes
 from localrt.inference.requests import RequestPath
 from localrt.dialects.ollama_models import Names
 from localrt.dialects.responses import Store
@@ -119,17 +122,20 @@ def build_services(settings: Settings, *, shutdown: Callable[[], None] | None = 
     events = EventBus(limits["events"])
     downloads = Downloads(config.get, events, lambda: settings["downloadConnections"])
     state = EngineState(settings.data_dir / "engines")
+    # `settings`: what the engines' adapters are made with (the catalog's rows name theirs).
     engines = Engines(settings.data_dir / "engines", state, hardware=hardware,
-                      run_probe=run_probe, rpc_trusted=lambda: settings["rpcTrustedHosts"])
+                      run_probe=run_probe, rpc_trusted=lambda: settings["rpcTrustedHosts"],
+                      settings={"prompt_cache_bytes": settings["promptCacheMiB"] << 20})
     installs = Installs(engines, state, downloads, config.get,
                         lambda: settings["engineIndexUrl"])
     registry = Registry(settings.data_dir / "models", validators)
     pulls = Pulls(settings, config, downloads, registry)
     imports = Imports(registry)
-    scheduler = Scheduler(registry, engines, max_models=settings["maxRunningModels"],
+    options = StartOptions(engines, lanes=settings["computeLanes"])
+    scheduler = Scheduler(registry, engines, options,
+                          max_models=settings["maxRunningModels"],
                           keep_alive=settings["keepAlive"] * 60,
-                          lanes=settings["computeLanes"],
-                          prompt_cache=settings["promptCacheMiB"] << 20)
+                          lanes=settings["computeLanes"])
     metrics = Metrics(running=scheduler.status, downloads=downloads.stats)
     remotes = Remotes(registry, engines, config.get, lambda: settings["upstreamTimeout"],
                       lambda: security.secrets_of(settings.snapshot()))

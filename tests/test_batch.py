@@ -1,4 +1,4 @@
-"""Continuous batching and the prompt cache, on real llama.cpp (localrt.engines.batching).
+"""Continuous batching and the prompt cache, on real llama.cpp (localrt.engines.llama.batch).
 
 The models are tests/ggufgen.py's tiny random llama (conftest's `quantized`, and an F16
 one here). Their vocabulary is fixed, so a logit bias of +100 on one ordinary token
@@ -24,8 +24,8 @@ import pytest
 from ggufgen import write_gguf
 from support.models import NO_EOS
 
-from localrt.engines.batching import Batcher, Entry, Sequence
-from localrt.engines.vision import whole_images
+from localrt.engines.llama.batch import Batcher, Entry, Sequence
+from localrt.engines.llama.media import whole_images
 from localrt.errors import InvalidField
 
 LETTERS = "etao"  # tokens 262.. of the tiny vocabulary
@@ -579,7 +579,7 @@ def test_repeat_frequency_and_presence_penalties_steer_each_sequence(api, app, t
 
 
 def _image(digest: str, n: int) -> list:
-    """An image's positions in a prompt, as localrt.engines.vision writes them."""
+    """An image's positions in a prompt, as localrt.engines.llama.media writes them."""
     return [("image", digest, k) for k in range(n)]
 
 

@@ -11,7 +11,7 @@ from hubemu import HubEmulator
 from proxyfix import need_tinyproxy, start_proxy, start_tinyproxy
 from support.config import outbound_config as config
 
-from localrt.downloads.opener import ProxyAuthFailed, no_proxy_matches, open_url, proxy_refused
+from localrt.outbound import ProxyAuthFailed, no_proxy_matches, open_url, proxy_refused
 from localrt.errors import UpstreamError
 
 @pytest.fixture

@@ -20,8 +20,8 @@ import pytest
 from ggufgen import write_bert_gguf, write_gguf
 from support.models import NO_EOS, tokens_of
 
-from localrt.engines.embedding import embedding_params
-from localrt.engines.llama import llama_arguments
+from localrt.engines.llama.embedding import embedding_params
+from localrt.engines.llama.params import llama_arguments
 from localrt.engines.onnx import OnnxEngine
 
 TEXTS = ["the quick brown fox", "jumps over", "the lazy dog", "a"]

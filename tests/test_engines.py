@@ -368,6 +368,18 @@ def test_gguf_cpp_runs_quantized_models(app, quantized, quant):
         model.unload()
 
 
+def test_each_engine_has_one_adapter_made_with_its_settings(app, settings):
+    """The catalog makes an engine's adapter once, with the engine settings its row
+    names (gguf-cpp's prompt cache, promptCacheMiB in bytes), whether a request's checks
+    or a load asks for it first."""
+    engines = app.services.engines
+    engines.check_request("gguf-cpp", {})
+    adapter = engines.adapter("gguf-cpp")
+    engines.check_options("gguf-cpp", {})
+    assert engines.adapter("gguf-cpp") is adapter
+    assert adapter.prompt_cache_bytes == settings["promptCacheMiB"] << 20 > 0
+
+
 # --- installing onnx-runtime from the index emulator --------------------------------
 
 

@@ -542,7 +542,7 @@ def test_errors_reach_the_client_as_ollama_errors(client):
 
 
 def test_a_remote_model_answers_in_ollamas_shape(app, api, server):
-    """A remote model (localrt.inference.remote) whose upstream is the live server's OpenAI API:
+    """A remote model (localrt.remote.remotes) whose upstream is the live server's OpenAI API:
     the forwarded stream's chunks become Ollama's lines too."""
     r = api("POST", "/v1/models/remote", {"id": "far", "upstreams": [
         {"url": server.url + "/v1", "model": "tiny"}]})

@@ -25,7 +25,7 @@ from support.tasks import wait_task
 from localrt.app import create_app
 from localrt.downloads.tasks import Downloads, Item, Task, map_path, part_path
 from localrt.events import EventBus
-from localrt.downloads.opener import retry_after_seconds
+from localrt.outbound import retry_after_seconds
 
 MiB = 1024 * 1024
 READ_TIMEOUT = 30.0  # seconds: localrt.downloads.fetch's read timeout, which a cancel must not wait out

@@ -1,4 +1,4 @@
-"""The prompt cache in RAM (localrt.engines.promptcache), on real llama.cpp: slot states
+"""The prompt cache in RAM (localrt.engines.llama.promptcache), on real llama.cpp: slot states
 saved when a slot goes to another prompt, restored when their conversation comes back.
 """
 
@@ -8,7 +8,7 @@ import pytest
 from ggufgen import _vocab, write_gguf
 from support.models import quantize
 
-from localrt.engines.llama import LlamaModel
+from localrt.engines.llama.model import LlamaModel
 
 SCRIPT = [t for t in _vocab(400)[0][300:340]][:24]
 SYSTEM = "You are a careful assistant. " * 6
@@ -23,8 +23,8 @@ def path(tmp_path_factory):
 
 
 def load(path, cache: int) -> LlamaModel:
-    return LlamaModel(str(path), {"ctx_len": 1024, "n_parallel": 4, "speculative": "off",
-                                  "prompt_cache_bytes": cache})
+    return LlamaModel(str(path), {"ctx_len": 1024, "n_parallel": 4, "speculative": "off"},
+                      prompt_cache_bytes=cache)
 
 
 def turn(model, messages):
@@ -118,8 +118,8 @@ def test_a_state_with_an_image_is_restored_by_the_images_hash(tmp_path):
 
     model_path, mmproj = write_vision_pair(tmp_path)
     model = LlamaModel(str(model_path), {"ctx_len": 512, "n_parallel": 1,
-                                         "mmproj": str(mmproj), "speculative": "off",
-                                         "prompt_cache_bytes": 4 << 20})
+                                         "mmproj": str(mmproj), "speculative": "off"},
+                       prompt_cache_bytes=4 << 20)
 
     def ask(image: bytes, text: str):
         return [{"role": "user", "content": [

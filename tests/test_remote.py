@@ -17,8 +17,8 @@ import pytest
 from support.cli import run
 
 from localrt.cli import ExitCode
-from localrt.inference.upstreams import (HEALTHY, UNHEALTHY, NoHealthyUpstream, Pool, Probe,
-                                         UpstreamKeyRefused, UpstreamTimeout, parse_upstreams)
+from localrt.remote.upstreams import (HEALTHY, UNHEALTHY, NoHealthyUpstream, Pool, Probe,
+                                      UpstreamKeyRefused, UpstreamTimeout, parse_upstreams)
 
 KEY = "sk-upstream-1234567890"
 
@@ -282,7 +282,7 @@ def test_a_remote_upstreams_probe_names_tinyproxys_refusal_not_the_key(tmp_path)
     from support.config import outbound_config as config
     from proxyfix import need_tinyproxy, start_target, start_tinyproxy
 
-    from localrt.inference.upstreams import Upstream, probe
+    from localrt.remote.upstreams import Upstream, probe
 
     need_tinyproxy()
     with start_target(b'{"data": []}') as target, \

@@ -10,13 +10,13 @@ from localrt.dialects import anthropic, ollama, responses
 from localrt.dialects.common import NamedEvents
 from localrt.errors import InvalidField, UpstreamError
 from localrt.events import EventBus, TooManyListeners
-from localrt.inference.requests import EventStream, stream_error
-from localrt.inference.scheduler import ModelStopped
+from localrt.routing import EventStream, stream_error
+from localrt.inference.running import ModelStopped
 from localrt.routing import SSE_DONE, sse
 
 
 def test_a_failure_part_way_is_an_event_with_a_code_and_no_raw_text(caplog):
-    with caplog.at_level(logging.ERROR, logger="localrt.inference.requests"):
+    with caplog.at_level(logging.ERROR, logger="localrt.routing"):
         event = stream_error(RuntimeError("llama_decode returned -3 at /secret/path"), "m1")
     error = event["error"]
     assert error["code"] == "generation_failed" and error["type"] == "server_error"

@@ -377,7 +377,7 @@ def test_a_model_stopped_mid_stream_ends_it_failed(app, slow_gguf):
 
 def test_a_remote_models_reply_is_translated_the_same_way(app, api, weights, tmp_path):
     """A remote model (llama-cpp-python's server upstream, tests/upstreams.py): its chat
-    comes back through localrt.inference.remote, streamed or not, and becomes the same response."""
+    comes back through localrt.remote.remotes, streamed or not, and becomes the same response."""
     from upstreams import start_replica
 
     replica = start_replica(weights["tiny"], tmp_path / "replica.log", n_ctx=512)

@@ -1,4 +1,4 @@
-"""Speculative decoding from the context (localrt.engines.drafting in the batched step),
+"""Speculative decoding from the context (localrt.engines.llama.drafting in the batched step),
 on real llama.cpp with generated models.
 
 Two kinds of model: ggufgen's scripted one, which always writes its script whatever
@@ -14,8 +14,8 @@ from support.apps import call
 from support.models import NO_EOS, quantize
 from support.servers import send
 
-from localrt.engines.drafting import prediction_counts
-from localrt.engines.llama import LlamaModel
+from localrt.engines.llama.drafting import prediction_counts
+from localrt.engines.llama.model import LlamaModel
 
 SCRIPT = [t for t in _vocab(400)[0][300:340]][:30]
 COPY_PROMPT = "Repeat this: " + "".join(SCRIPT).replace("\u2581", " ")
@@ -213,7 +213,7 @@ def test_the_openai_sdk_sends_a_prediction_and_reads_its_counts(live_server, mod
 
 
 def test_a_drafter_proposes_what_followed_and_sizes_its_drafts_by_their_fate():
-    from localrt.engines.drafting import REST, Drafter
+    from localrt.engines.llama.drafting import REST, Drafter
 
     d = Drafter([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3])
     assert d.propose(16) == [4, 5, 6, 7]  # after the last 1 2 3: the first size is 4

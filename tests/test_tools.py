@@ -140,8 +140,8 @@ def expected_prompts() -> dict:
 def test_each_template_renders_the_tools_and_the_calls_history(api, models, family):
     import llama_cpp
 
-    from localrt.engines.llama import GgufEngine
     from localrt.dialects.openai import read_chat
+    from localrt.engines.llama.model import GgufEngine
     from localrt.inference.chat import _message
 
     ask, history = expected_prompts()[family]

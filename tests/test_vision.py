@@ -1,5 +1,5 @@
-"""Vision models on real llama.cpp and mtmd: the engine's side (localrt.engines.vision
-inside localrt.engines.batching), on support.vision's tiny random pair.
+"""Vision models on real llama.cpp and mtmd: the engine's side (localrt.engines.llama.media
+inside localrt.engines.llama.batch), on support.vision's tiny random pair.
 
 The reference is llama-cpp-python's own mtmd path (support.vision.raw_mtmd_reply):
 one sequence, the prompt's chunks evaluated by mtmd's helper, greedy decoding.
@@ -13,8 +13,8 @@ from support.vision import (IMAGE_TOKENS, MARKER, bmp, gif, jpeg, png, prompt_to
                             raw_mtmd_reply, write_vision_pair)
 
 from localrt.engines.contract import Image
-from localrt.engines.llama import LlamaModel
-from localrt.engines.vision import image_format, texts_and_images
+from localrt.engines.llama.model import LlamaModel
+from localrt.engines.llama.media import image_format, texts_and_images
 from localrt.errors import ImagesNotSupported, InvalidImage
 
 

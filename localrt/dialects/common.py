@@ -16,7 +16,7 @@ import re
 from typing import Iterator
 
 from localrt.errors import HTTPError
-from localrt.inference.requests import stream_error
+from localrt.routing import stream_error
 from localrt.routing import sse
 
 

@@ -44,7 +44,7 @@ from localrt.admission import Disconnected, never
 from localrt.engines import logprobs as logprobs_mod
 from localrt.errors import InvalidField
 from localrt.inference.completions import read_prompt
-from localrt.inference.requests import EventStream, stream_error
+from localrt.routing import EventStream, stream_error
 
 PART_TYPES = ("text", "image_url")  # the content parts localrt reads
 

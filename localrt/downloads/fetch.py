@@ -4,7 +4,7 @@ A file is written to `<name>.part`, resumed with a Range request after a cancel,
 dropped connection or a kill, and renamed into place only once its size and
 checksum match (`install`); an item that is in place already (an engine installed
 before) is only checked there (`check_in_place`). `Item` and `Task` are what a
-download is made of. A `Link` is how a fetch reaches the network (localrt.downloads.opener,
+download is made of. A `Link` is how a fetch reaches the network (localrt.outbound,
 with the Config of the moment) and reports progress; a `Request` is one GET, its
 sockets, and what its failures mean. localrt.downloads.pieces fetches big files in pieces
 with these same parts; localrt.downloads.tasks runs the tasks.
@@ -30,8 +30,8 @@ from urllib.parse import urlsplit
 from localrt import security
 from localrt.errors import UpstreamError
 from localrt.fsutil import fsync_dir
-from localrt.downloads.opener import (CertificateFailed, ProxyAuthFailed, open_url, origin,
-                            retry_after_seconds)
+from localrt.outbound import (CertificateFailed, ProxyAuthFailed, open_url, origin,
+                              retry_after_seconds)
 
 log = logging.getLogger(__name__)
 
@@ -143,9 +143,6 @@ class Task:
     # A build's progress, for an engine variant compiled from source (localrt.engines.builds):
     # {"stage", "step", "steps", "line"}, shown as the task's `build`.
     build: dict | None = None
-    # Set by Downloads.start: publishes the task as a DownloadUpdated event (a build's
-    # progress; fetches publish their own).
-    publish: Callable[[], None] | None = field(default=None, repr=False)
     # The sockets of the task's open connections (one per worker), to shut on a cancel.
     _sockets: set = field(default_factory=set, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False,

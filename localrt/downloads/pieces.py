@@ -24,7 +24,7 @@ from localrt.downloads.fetch import (CHUNK, UPDATE_INTERVAL, Backoff, Cancelled,
                            Item, Link, Request, Retry, Task, content_range, install, map_path,
                            shut, start_writeback)
 from localrt.fsutil import atomic_write, human_size
-from localrt.downloads.opener import origin
+from localrt.outbound import origin
 
 log = logging.getLogger(__name__)
 

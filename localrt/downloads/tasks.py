@@ -9,7 +9,7 @@ Progress is published on the EventBus, as cortex's events: `{"type":
 "DownloadUpdated", "task": {"id", "type", "items": [{"id", "downloadUrl",
 "localPath", "checksum", "bytes", "downloadedBytes"}]}}`, with localrt's own fields
 (the task's status and error, each item's url) beside them. Outbound HTTP, with
-the proxy and TLS fields of Config, is localrt.downloads.opener. `stats()` gives GET /metrics
+the proxy and TLS fields of Config, is localrt.outbound. `stats()` gives GET /metrics
 the bytes received and the running tasks.
 
 Callers take Item, Task, DownloadFailed, part_path and map_path (localrt.downloads.fetch's)
@@ -68,13 +68,17 @@ class Downloads:
                 raise Conflict(f"{task.id} is already downloading (taskId {task.id})",
                                extra={"taskId": task.id})
             self._tasks[task.id] = task
-            task.publish = lambda: self._publish("DownloadUpdated", task)
             self._forget_finished()
             thread = threading.Thread(target=self._run, args=(task,), daemon=True,
                                       name=f"download {task.id}")
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
         return task
+
+    def progress(self, task: Task) -> None:
+        """Say that a running task moved on: a DownloadUpdated event (a build's progress,
+        localrt.engines.builds; fetches say their own through the Link)."""
+        self._publish("DownloadUpdated", task)
 
     def running(self, task_id: str) -> Task | None:
         """The running task with this id, if any."""

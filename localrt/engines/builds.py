@@ -42,7 +42,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from localrt.engines import wheels
@@ -119,9 +119,10 @@ class Plan:
 
 
 def plan(engines_root: Path, engine: str, variant, version: str | None, config: Mapping,
-         index_url: str) -> Plan:
+         index_url: str, progress: Callable[[Task], None]) -> Plan:
     """The sdist of `version` (None: the newest final one) of a variant
-    (localrt.engines.catalog.Variant with `cmake`) to compile, or its wheel built before.
+    (localrt.engines.catalog.Variant with `cmake`) to compile, or its wheel built before;
+    its Build says how far it is with `progress(task)` (Downloads.progress).
 
     A 400 when the index has no such sdist, an error when it gives no sha256."""
     try:
@@ -145,7 +146,7 @@ def plan(engines_root: Path, engine: str, variant, version: str | None, config: 
         return Plan(ver, wheel=wheel, note=f"{wheel.name} was built here before from "
                                            f"{sdist.filename} with the same flags")
     what = f"{engine} {variant.name} v{ver}"
-    return Plan(ver, sdist, Build(what, folder, flags, index_url, config),
+    return Plan(ver, sdist, Build(what, folder, flags, index_url, config, progress),
                 note=f"the package index has no wheel of {variant.name}: localrt "
                      f"compiles {sdist.filename} (minutes; the task's `build` says how "
                      f"far it is)")
@@ -155,12 +156,13 @@ class Build:
     """One sdist compiled into a wheel in `folder` (see the module docstring)."""
 
     def __init__(self, what: str, folder: Path, flags: Mapping[str, str], index_url: str,
-                 config: Mapping):
+                 config: Mapping, progress: Callable[[Task], None]):
         self.what = what          # "gguf-cpp linux-amd64-avx2+rpc 0.3.36", for messages
         self.folder = folder      # cache_folder(...)
         self.flags = dict(flags)  # build_flags(...)
         self.index_url = index_url
         self.config = config
+        self.progress = progress  # publishes a task's `build` (a DownloadUpdated event)
 
     def run(self, task: Task, sdist: Path) -> Path:
         """Compile `sdist`; the wheel, in `folder`. Raises DownloadFailed if it fails."""
@@ -187,8 +189,7 @@ class Build:
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         task.build = {**task.build, "stage": "done"}
-        if task.publish:
-            task.publish()
+        self.progress(task)
         log.info("built %s in %.0f s: %s", self.what, time.monotonic() - started, wheel.name)
         return wheel
 
@@ -214,10 +215,9 @@ class Build:
             if not line:
                 continue
             tail.append(line[:400])
-            if _progress(task.build, line) and time.monotonic() - last >= PUBLISH_EVERY \
-                    and task.publish:
+            if _progress(task.build, line) and time.monotonic() - last >= PUBLISH_EVERY:
                 last = time.monotonic()
-                task.publish()
+                self.progress(task)
         code = proc.wait()
         stopper.join()
         return code

@@ -3,7 +3,7 @@
 The built-in engines are the rows of `CATALOG`: each names its adapter (imported at
 its first use), the files it loads, its installable variants and its names in
 model.yml. Adding one is an adapter module (an Engine of localrt.engines.contract, as
-localrt.engines.llama and localrt.engines.onnx are) and a row. localrt.models.registry
+localrt.engines.llama.model and localrt.engines.onnx are) and a row. localrt.models.registry
 asks the catalog which engine loads a model's files; no module but the catalog and the
 adapters compares engine names.
 
@@ -11,7 +11,7 @@ adapters compares engine names.
                 so it is Ready on a fresh install once its probe passes.
   onnx-runtime  onnxruntime-genai, installed on request from the package index.
   remote        part of localrt: a remote model has no files, and its chats are
-                forwarded to OpenAI-compatible servers (localrt.inference.remote); nothing to
+                forwarded to OpenAI-compatible servers (localrt.remote); nothing to
                 install (`EngineSpec.forwards`).
 Custom engines come from the `localrt.engines` entry-point group (localrt.engines.plugins).
 
@@ -35,7 +35,7 @@ import threading
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 from localrt import __version__
 from localrt.engines import contract, plugins
@@ -91,12 +91,17 @@ class EngineSpec:
     probed: bool = False                         # its builds run localrt.engines.probe first
     forwards: bool = False                       # its models are served elsewhere: part of
                                                  # localrt, it loads nothing (remote)
+    settings: tuple[str, ...] = ()               # the engine settings its adapter is made
+                                                 # with (keyword arguments; Engines' own)
 
-    def adapter(self) -> contract.Engine:
-        """A new adapter object, its module imported now; a TypeError for one that is
-        not an Engine of localrt.engines.contract."""
+    def adapter(self, settings: Mapping[str, object] | None = None) -> contract.Engine:
+        """A new adapter object, made with those of `settings` it takes (its defaults for
+        the rest), its module imported now; a TypeError for one that is not an Engine of
+        localrt.engines.contract."""
         module, _, attr = self.factory.partition(":")
-        engine = getattr(importlib.import_module(module), attr)()
+        given = {name: settings[name] for name in self.settings
+                 if settings is not None and name in settings}
+        engine = getattr(importlib.import_module(module), attr)(**given)
         lacks = contract.missing(engine, contract.Engine)
         if lacks:
             raise TypeError(f"{self.factory}, the adapter of engine {self.name}, lacks "
@@ -127,14 +132,15 @@ def _onnx_variants(hw: Hardware) -> list[Variant]:
             Variant(f"{hw.platform}-cuda-12", "onnxruntime-genai-cuda", None, "cuda-12")]
 
 
-REMOTE_ENGINE = "remote"  # the engine of remote models (localrt.inference.remote writes it)
+REMOTE_ENGINE = "remote"  # the engine of remote models (localrt.remote.remotes writes it)
 
 # In order of preference: a model with files of two engines is the first one's.
 CATALOG = {spec.name: spec for spec in (
     EngineSpec("gguf-cpp", "GGUF", "llama.cpp through llama-cpp-python; runs GGUF models",
-               "localrt.engines.llama:GgufEngine", ("*.gguf",), "llama_cpp", _gguf_variants,
+               "localrt.engines.llama.model:GgufEngine", ("*.gguf",), "llama_cpp",
+               _gguf_variants,
                aliases=("llama-cpp", "llamacpp", "llama.cpp"),
-               builtin="llama-cpp-python", probed=True),
+               builtin="llama-cpp-python", probed=True, settings=("prompt_cache_bytes",)),
     EngineSpec("onnx-runtime", "ONNX", "onnxruntime-genai; runs ONNX models",
                "localrt.engines.onnx:OnnxEngine", ("*.onnx", "genai_config.json"),
                "onnxruntime_genai", _onnx_variants, aliases=("onnxruntime", "onnx"),
@@ -144,7 +150,8 @@ CATALOG = {spec.name: spec for spec in (
                min_python=(3, 10)),
     EngineSpec(REMOTE_ENGINE, "OpenAI API", "forwards chats to OpenAI-compatible servers "
                "(vLLM, llama-server, another localrt); ships with localrt",
-               "localrt.inference.remote:RemoteEngine", (), "localrt.inference.remote", lambda hw: [],
+               "localrt.remote.remotes:RemoteEngine", (), "localrt.remote.remotes",
+               lambda hw: [],
                builtin="localrt", forwards=True),
 )}
 
@@ -193,20 +200,24 @@ def builtin_on(entry: dict) -> bool:
 
 
 class Engines:
-    """The engines this server knows, their status, and the adapters it made.
+    """The engines this server knows, their status, and the adapters it made: one object
+    per engine, made at its first use with the engine `settings` it takes (a built-in's
+    row names them: gguf-cpp's `prompt_cache_bytes`, promptCacheMiB in bytes).
 
     `_lock` guards `_objects` (adapter objects made in this process) and `_imported`
-    (engine -> the folder its module was imported from), and is never held while a
-    build is probed or a model loads. engines.json is `state`'s, probe results are
-    `probes`'. An uninstall is refused while the engine runs a model by the scheduler
-    (Scheduler.engine_unused).
+    (engine -> the folder its module was imported from, once a model may load with it),
+    and is never held while a build is probed or a model loads. engines.json is
+    `state`'s, probe results are `probes`'. An uninstall is refused while the engine
+    runs a model by the scheduler (Scheduler.engine_unused).
     """
 
     def __init__(self, root: Path, state, hardware: Hardware | None = None,
                  entry_points: Callable[[], list] | None = None,
                  run_probe: Callable[[str | None, Hardware], dict] | None = None,
-                 rpc_trusted: Callable[[], list] = list):
+                 rpc_trusted: Callable[[], list] = list,
+                 settings: Mapping[str, object] | None = None):
         self.root = root
+        self._settings = dict(settings or {})  # the adapters' settings, by keyword
         self._rpc_trusted = rpc_trusted  # rpcTrustedHosts, read per start
         self.state = state  # localrt.engines.installs.EngineState: engines.json
         self.hardware = hardware or detect_hardware()
@@ -365,7 +376,7 @@ class Engines:
 
     def forwards(self, name: str) -> bool:
         """Whether models of this engine are served elsewhere (remote ones): their chats
-        go to localrt.inference.remote, never to a loaded model."""
+        go to localrt.remote.remotes, never to a loaded model."""
         spec = CATALOG.get(name)
         return spec is not None and spec.forwards
 
@@ -447,7 +458,7 @@ class Engines:
         custom engine's object (None when it cannot be loaded; its start says why)."""
         spec = CATALOG.get(name)
         if spec is not None:
-            return spec.adapter()
+            return self._made(spec)
         try:
             return self._custom_adapter(name)
         except HTTPError:
@@ -463,8 +474,15 @@ class Engines:
             self.require_known(name)
             return self._custom_adapter(name)
         with self._lock:
-            if name in self._objects:
-                return self._objects[name]
+            ready = name in self._imported
+        if not ready:
+            self._ready(spec)
+        return self._made(spec)
+
+    def _ready(self, spec: EngineSpec) -> None:
+        """Check that a built-in engine is installed and runs here (409s say why), and put
+        its active variant's folder on sys.path, once, before its first load."""
+        name = spec.name
         reason = self.platform_reason(spec)
         active = None if reason else self.active(name)  # probes a build here, unlocked
         if active is None:
@@ -476,12 +494,18 @@ class Engines:
                                      f"({active['variant']}) cannot run on this machine: "
                                      f"{problem}", param="engine")
         with self._lock:
-            if name not in self._objects:  # else another thread made it meanwhile
+            if name not in self._imported:  # else another thread did it meanwhile
                 if active.get("path"):
                     plugins.on_sys_path(active["path"])
-                self._objects[name] = spec.adapter()
                 self._imported[name] = str(active.get("path"))
-            return self._objects[name]
+
+    def _made(self, spec: EngineSpec):
+        """A built-in engine's one adapter object, made with its settings at its first use
+        (its checks may come before it is installed; its loads only after)."""
+        with self._lock:
+            if spec.name not in self._objects:
+                self._objects[spec.name] = spec.adapter(self._settings)
+            return self._objects[spec.name]
 
 
 def _rpc_problem(engines: Engines, name: str, text: str, trusted: list) -> str | None:

@@ -18,7 +18,7 @@ Every model's generate() raises InvalidField before it computes anything (a prom
 longer than the context, a bad response_format or grammar), so a streamed reply never
 starts with an error. It does no locking of its own: localrt.inference.scheduler lets
 one request at a time use a model (`slots` at a time for a Batched one), and runs
-each token, or each step, on a compute lane. gguf-cpp batches (localrt.engines.llama);
+each token, or each step, on a compute lane. gguf-cpp batches (localrt.engines.llama.model);
 onnx-runtime serves one request at a time (localrt.engines.onnx). llama_cpp and
 onnxruntime_genai are imported only when a model loads.
 """
@@ -139,7 +139,7 @@ class ChatModel(Protocol):
 class Batched(Protocol):
     """A model that serves `slots` generations at once, in steps: each step() gives
     every generation its next token (gguf-cpp's n_parallel sequences in one context,
-    localrt.engines.batching). localrt.inference.scheduler lets `slots` requests in
+    localrt.engines.llama.batch). localrt.inference.scheduler lets `slots` requests in
     at once and runs the steps on a compute lane, one at a time."""
 
     slots: int
@@ -195,7 +195,7 @@ class Counting(Protocol):
 class Embedding(Protocol):
     """A model that gives embeddings (POST /v1/embeddings): one loaded in an embedding
     mode only, whose generate() is a 409, or a chat model that embeds beside its
-    generations (gguf-cpp's decoders: localrt.engines.embedding)."""
+    generations (gguf-cpp's decoders: localrt.engines.llama.embedding)."""
 
     def embed(self, inputs: list, compute: Callable) -> tuple:
         """(vectors, tokens read): one vector per input, a text or a token list. Each

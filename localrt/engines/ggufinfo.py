@@ -338,7 +338,7 @@ def declares_pooling(md: dict) -> bool:
 def is_embedding(md: dict) -> bool:
     """Whether a GGUF's header makes it an embedding model: it declares how it pools
     or has non-causal attention (an encoder, such as BERT). The registry's capabilities
-    and localrt.engines.embedding.embedding_pooling (which loads such a model in
+    and localrt.engines.llama.embedding.embedding_pooling (which loads such a model in
     llama.cpp's embedding mode) both ask this."""
     arch = md.get("general.architecture", "")
     return declares_pooling(md) or md.get(f"{arch}.attention.causal") is False

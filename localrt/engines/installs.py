@@ -148,7 +148,8 @@ class Installs:
     def _build(self, name: str, chosen: Variant, version: str | None,
                installed: dict) -> dict:
         """Install a variant the index has no wheel of from its sdist (localrt.engines.builds)."""
-        plan = builds.plan(self.root, name, chosen, version, self._config(), self._index_url())
+        plan = builds.plan(self.root, name, chosen, version, self._config(), self._index_url(),
+                           self._downloads.progress)
         if (chosen.name, plan.version) in installed:
             return self._check(name, installed[chosen.name, plan.version])
         if plan.build is not None:

@@ -36,7 +36,7 @@ from packaging.utils import (InvalidSdistFilename, InvalidWheelFilename, canonic
                              parse_sdist_filename, parse_wheel_filename)
 from packaging.version import InvalidVersion, Version
 
-from localrt.downloads.opener import open_url
+from localrt.outbound import open_url
 from localrt.errors import UpstreamError
 
 JSON_TYPE = "application/vnd.pypi.simple.v1+json"

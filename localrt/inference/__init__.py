@@ -1,9 +1,8 @@
 """Inference: running models and the one request path of generation.
 
-`scheduler` loads and unloads models, and `lanes` paces who computes when; `requests`
-is the path every chat, completion and embedding takes (local or remote, decided
-once); `chat`, `completions` and `embeddings` are OpenAI's native APIs on it, and
-`images` reads and checks a chat's images (data: URLs, fetched URLs); `remote`
-forwards a remote model's requests to its upstreams, whose health and routing are
-`upstreams`.
+`scheduler` loads and unloads models, and `lanes` paces who computes when; `running`
+is a loaded model's record and a request's lease on it; `requests` is the path every
+chat, completion and embedding takes (local or remote, decided once; a remote model's
+goes to localrt.remote); `chat`, `completions` and `embeddings` are OpenAI's native
+APIs on it, and `images` reads and checks a chat's images (data: URLs, fetched URLs).
 """

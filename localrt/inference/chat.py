@@ -40,7 +40,7 @@ from localrt.engines.generation import render_template
 from localrt.errors import InvalidField
 from localrt.inference import images as images_mod
 from localrt.inference.requests import Kind, Local, RequestPath
-from localrt.inference.scheduler import Lease
+from localrt.inference.running import Lease
 from localrt.metrics import Clock
 from localrt.models.registry import capabilities
 from localrt.remote import wire

@@ -40,7 +40,7 @@ from localrt.admission import LIMITS, Disconnected, never
 from localrt.engines import contract
 from localrt.errors import InvalidField
 from localrt.inference.requests import Kind, Local, RequestPath
-from localrt.inference.scheduler import Lease
+from localrt.inference.running import Lease
 from localrt.metrics import Clock
 from localrt.remote import wire
 

@@ -9,7 +9,7 @@ the order given.
 The model must be localrt.engines.contract's Embedding (it has embed()). A request for
 a model that is not running starts it with its stored parameters, as a chat does. A
 GGUF decoder then runs for chat and embeds too, on a context of its own pooled by the
-mean of its tokens (localrt.engines.embedding.EmbeddingContext): chats and embeddings
+mean of its tokens (localrt.engines.llama.embedding.EmbeddingContext): chats and embeddings
 share it in either order, and the vectors are those of llama.cpp's embedding mode,
 which the start option `embedding` still gives (a model that only embeds). A GGUF
 embedding model (BERT, nomic-bert, ...: its GGUF declares a pooling type) always runs

@@ -37,7 +37,7 @@ from typing import Callable, Mapping
 from urllib.parse import unquote_to_bytes, urljoin, urlsplit, urlunsplit
 
 from localrt.engines.contract import Image
-from localrt.engines.vision import image_format, refuse_images
+from localrt.engines.llama.media import image_format, refuse_images
 from localrt.errors import HTTPError, ImageTooLarge, InvalidField, InvalidImage
 
 MAX_BYTES = 20 * 1024 * 1024  # one image; what Anthropic and OpenAI take, about
@@ -251,7 +251,7 @@ class Images:
     def fetch(self, url: str, where: str) -> bytes:
         """The body at an http(s) URL, following redirects here (each checked), within
         MAX_BYTES and FETCH_TIMEOUT."""
-        from localrt.downloads.opener import open_url
+        from localrt.outbound import open_url
 
         policy = self.policy()
         if not policy.fetch:
@@ -356,7 +356,7 @@ def _resolve(host: str, port: int) -> list:
 
 def _proxied(config: Mapping, host: str) -> bool:
     """Whether a request to `host` goes through the Config's proxy."""
-    from localrt.downloads.opener import no_proxy_matches
+    from localrt.outbound import no_proxy_matches
 
     return bool(config.get("proxy_url")) and \
         not no_proxy_matches(host, config.get("no_proxy") or "")

@@ -5,7 +5,7 @@ Each of the three kinds takes the same steps, written here once:
     record   the model's definition (a 404 before anything starts)
     clock    its times from the request's arrival, counted in /metrics (`Kind.timed`)
     remote?  decided here, once: a remote model's request goes whole to its upstreams
-             (localrt.inference.remote), counted in the kind's admission until it ends
+             (localrt.remote.remotes), counted in the kind's admission until it ends
     local    otherwise the kind's own code reads the request, takes a turn on the
              running model (`Local.lease`: the kind's admission, then the scheduler's
              lease) and makes the reply (native events for chat and completions)
@@ -16,8 +16,9 @@ look at the client's connection, ends a wait for a turn or an upstream, and a
 generation, once the client has gone (localrt.admission.ClientGone).
 
 A streamed reply never starts with an error: what fails before its first event is an
-HTTP error. What fails part way ends the stream with one error event (`stream_error`),
-which carries the error's code and a message, never an exception's raw text.
+HTTP error. What fails part way ends the stream with one error event
+(localrt.routing.stream_error), which carries the error's code and a message, never an
+exception's raw text.
 
 Dialects (localrt.dialects) use `start` and `keep_for` to load a model before its
 first request and to say how long it stays loaded after it, and Ollama's `running`
@@ -26,18 +27,14 @@ and `remove`: no dialect sees the scheduler.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
-from localrt.errors import HTTPError
 from localrt.admission import Admission, Disconnected, never
-from localrt.inference.scheduler import Lease, ModelNotRunning
+from localrt.inference.running import Lease
+from localrt.inference.scheduler import ModelNotRunning
 from localrt.metrics import Clock
-from localrt.routing import SSE_DONE, sse
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -90,7 +87,7 @@ class RequestPath:
         self.registry = registry
         self.engines = engines
         self.scheduler = scheduler
-        self.remotes = remotes  # localrt.inference.remote.Remotes
+        self.remotes = remotes  # localrt.remote.remotes.Remotes
         self.metrics = metrics
 
     def serve(self, kind: Kind, model_id: str, local: Callable[[Local], object],
@@ -143,36 +140,3 @@ class RequestPath:
     def keep_for(self, model_id: str, seconds: float | None) -> None:
         """How long a running model stays loaded once idle (Scheduler.keep_for)."""
         self.scheduler.keep_for(model_id, seconds)
-
-
-def stream_error(exc: BaseException, model_id: str) -> dict:
-    """The {"error": ...} event that ends a stream broken part way: an HTTPError's own
-    code and message (a model stopped mid-reply, an upstream that broke off); anything
-    else is logged and said as generation_failed, its text kept out of the reply."""
-    if isinstance(exc, HTTPError):
-        return {"error": exc.body()["error"]}
-    log.error("generation failed in a stream of %s", model_id, exc_info=exc)
-    return {"error": {"message": f"Generation failed part way through the reply of model "
-                                 f"{model_id}; the server log has the details",
-                      "type": "server_error", "code": "generation_failed"}}
-
-
-class EventStream:
-    """A streamed reply as OpenAI writes it: Server-Sent Events of chunk dicts, then
-    [DONE]. Subclasses give `chunks()` (one {"error"} dict ends a broken one) and
-    `close()`, which the server calls once when the reply ends or the client goes away."""
-
-    content_type = "text/event-stream"
-
-    def __iter__(self) -> Iterator[bytes]:
-        for chunk in self.chunks():
-            yield sse(chunk)
-        yield SSE_DONE
-
-    def chunks(self) -> Iterator[dict]:
-        """The reply's chunk dicts."""
-        raise NotImplementedError
-
-    def close(self) -> None:
-        """Free what the reply holds."""
-        raise NotImplementedError

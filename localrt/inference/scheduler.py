@@ -1,10 +1,11 @@
 """Running models: starting and stopping them, how many stay loaded, and who computes when.
 
-A model starts with its stored parameters, overridden by the start options of the
-request (schemas/model-start.json). At most `maxRunningModels` stay loaded: starting
-one more unloads the least recently used. With `keepAlive` set, a model idle that
-long is unloaded too; `keep_for` gives one running model its own time (Ollama's
-per-request keep_alive: localrt.dialects.ollama), and 0 unloads it as soon as it is idle.
+A model starts with the options localrt.models.options resolves (its stored
+parameters, overridden by the start options of the request). At most
+`maxRunningModels` stay loaded: starting one more unloads the least recently used.
+With `keepAlive` set, a model idle that long is unloaded too; `keep_for` gives one
+running model its own time (Ollama's per-request keep_alive: localrt.dialects.ollama),
+and 0 unloads it as soon as it is idle.
 
 The scheduler owns what runs, so it also refuses what must not happen to a running
 model: deleting it, or uninstalling its engine (`not_running`, `engine_unused`).
@@ -13,17 +14,19 @@ Compute is scheduled in two steps (localrt.inference.lanes), so generations neve
 fight over the CPU:
   * a model serves as many requests at once as it has slots (a gguf-cpp model's
     n_parallel; one for an engine that cannot batch); more requests queue for it in
-    arrival order (`Running.turn`), and `lease(model_id)` waits for a slot;
+    arrival order (`Running.turn`, localrt.inference.running), and `lease(model_id)`
+    waits for a slot;
   * every step of every model is computed on a compute lane (`Scheduler.lanes`):
     `computeLanes` threads (default 1) taking steps in arrival order. A batched
     model's step is one decode that gives each of its requests its next token
-    (localrt.engines.batching); the first request that needs a token runs the step
+    (localrt.engines.llama.batch); the first request that needs a token runs the step
     and the others wait for it (`Stepper`). Any other model's step is one token of
-    its one request. `Lease.generate` gives a batched model's generation the wait for
-    a step, and `Lease.steps` reads its tokens, ending with ModelStopped when the
-    model is stopped meanwhile. Two llama.cpp computations that share the cores are
-    both many times slower than one after the other, so on a machine with cores for
-    several models, raise computeLanes and give each model `cpu_threads` = cores / lanes.
+    its one request. `Lease.generate` (localrt.inference.running) gives a batched
+    model's generation the wait for a step, and `Lease.steps` reads its tokens, ending
+    with ModelStopped when the model is stopped meanwhile. Two llama.cpp computations
+    that share the cores are both many times slower than one after the other, so on a
+    machine with cores for several models, raise computeLanes and give each model
+    `cpu_threads` = cores / lanes.
 
 A request's `disconnected()` (localrt.admission) ends its wait for a turn or for room
 under maxRunningModels, and its generation at the next token, once its client has gone.
@@ -32,51 +35,28 @@ under maxRunningModels, and its generation at the next token, once its client ha
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
-from localrt.admission import ClientGone, Disconnected, never, wait
+from localrt.admission import Disconnected, never, wait
 from localrt.engines import contract
-from localrt.engines.catalog import EngineNotFound
-from localrt.errors import BadRequest, Conflict, HTTPError, InvalidField, ServiceUnavailable
-from localrt.engines.hardware import available_cores
+from localrt.errors import BadRequest, Conflict, HTTPError, ServiceUnavailable
 from localrt.inference.lanes import ComputeLanes, FairLock, Stepper
-from localrt.models.registry import DEFAULT_CTX_LEN, projector_path, weights_path
+from localrt.inference.running import Lease, Running
+from localrt.models.options import StartOptions
+from localrt.models.registry import projector_path, weights_path
 
 log = logging.getLogger(__name__)
 
-# The start options (schemas/model-start.json): they are also stored model parameters.
-# If you add one, also map it in localrt.engines.llama and add it to the CLI (models start).
-# `embedding` (llama.cpp's embedding mode) is a start option only, never stored.
-START_OPTIONS = ("prompt_template", "stop", "ngl", "ctx_len", "cpu_threads", "n_batch",
-                 "n_parallel", "caching_enabled", "grp_attn_n", "grp_attn_w", "mlock",
-                 "flash_attn", "cache_type", "use_mmap", "speculative", "draft_max",
-                 "rpc_servers", "engine")
-DEFAULT_PARALLEL = 4  # n_parallel (a gguf-cpp model's slots) when nothing says
 MAX_TURN_RETRIES = 3  # a request whose model was stopped while it waited restarts it this often
 
 
 class ModelNotRunning(Conflict):
     code = "model_not_running"
-
-
-class ModelStopped(Conflict):
-    """The model was stopped (`models stop`, the server stopping) while it replied."""
-
-    code = "model_stopped"
-
-
-class InvalidStoredParameter(Conflict):
-    """A stored parameter the model cannot start with; `models update` fixes it."""
-
-    code = "invalid_stored_parameter"
 
 
 class ModelLoadFailed(HTTPError):
@@ -85,118 +65,6 @@ class ModelLoadFailed(HTTPError):
     status = 422
     type = "invalid_request_error"
     code = "model_load_failed"
-
-
-@dataclass
-class Running:
-    """A loaded model and what `ps` shows about it."""
-
-    model_id: str
-    engine: str
-    model: contract.Model
-    options: dict
-    ram: int
-    vram: int
-    kv: int = 0  # bytes of KV cache, in ram or vram
-    slots: int = 1  # requests served at once
-    stepper: Stepper | None = None  # a batched model's steps; None: one request at a time
-    capabilities: frozenset = frozenset()  # its contract.OPTIONAL protocols (Lease.can)
-    report: Callable[[], dict] = dict  # a Reporting model's own status fields
-    started_at: float = field(default_factory=time.time)
-    last_used: float = field(default_factory=time.monotonic)
-    turn: FairLock = field(default_factory=FairLock)  # a slot per request, in order
-    active: int = 0  # requests holding or waiting for a slot; guarded by Scheduler._lock
-    stopping: threading.Event = field(default_factory=threading.Event)
-    # Seconds it stays loaded once idle (Scheduler.keep_for): None is the scheduler's
-    # keep_alive, math.inf until stopped. Guarded by Scheduler._lock.
-    keep_alive: float | None = None
-
-
-class Lease:
-    """A request's turn on a running model: the `model`, its `options`, what it `can`
-    do, `generate()` and `steps()`. `release()` exactly once when done. `disconnected()`
-    says the request's client has gone: its generation stops at the next token."""
-
-    def __init__(self, scheduler: "Scheduler", running: Running,
-                 disconnected: Disconnected = never):
-        self.running = running
-        self.disconnected = disconnected
-        self.model = running.model
-        self.options = running.options
-        self._scheduler = scheduler
-        self._released = False
-        self._callbacks: list = []
-
-    def can(self, protocol: type) -> bool:
-        """Whether the model has one of localrt.engines.contract's OPTIONAL protocols
-        (contract.Tokenizing, contract.Embedding, ...), as found when it loaded."""
-        return protocol in self.running.capabilities
-
-    def generate(self, messages: list, params: dict):
-        """The model's Generation of a reply (contract.Model.generate); a batched
-        model's waits for its tokens on the scheduler's steps. Read it with steps()."""
-        if self.running.stepper is None:
-            return self.model.generate(messages, params)
-        return self.model.generate(messages, params, wait=self._wait_step)
-
-    def steps(self, generation) -> Iterator[str]:
-        """The pieces of a generation made by generate(), computed on a compute lane:
-        each token in its turn, or for a batched model by the steps that serve all its
-        requests; ModelStopped if the model is stopped before the generation ends."""
-        running = self.running
-        if running.stepper is None:
-            lanes, pieces = self._scheduler.lanes, iter(generation)
-
-            def read():
-                return lanes.run(next, pieces, None)
-        else:
-            pieces = iter(generation)  # its waits run the steps (_wait_step)
-
-            def read():
-                return next(pieces, None)
-        try:
-            while not running.stopping.is_set():
-                if self.disconnected():  # nobody would read the rest
-                    raise ClientGone(f"The client disconnected during a reply of "
-                                     f"{running.model_id}")
-                piece = read()
-                if piece is None:
-                    return
-                yield piece
-            raise ModelStopped(f"Model {running.model_id} was stopped during this reply")
-        except ModelStopped:
-            log.info("a reply of %s was cut short: the model was stopped", running.model_id)
-            raise
-
-    def _wait_step(self) -> None:
-        """How a batched model's generation waits for its next token."""
-        running = self.running
-        if running.stopping.is_set():
-            raise ModelStopped(f"Model {running.model_id} was stopped during this reply")
-        running.stepper.next()
-
-    def run(self, fn, *args):
-        """fn(*args) on a compute lane in this lease's turn (one decode of an embedding
-        batch, say, which a batched model's steps take turns with): its result;
-        ModelStopped if the model was stopped meanwhile."""
-        running = self.running
-        if running.stopping.is_set():
-            raise ModelStopped(f"Model {running.model_id} was stopped during this request")
-        return self._scheduler.lanes.run(fn, *args)
-
-    def on_release(self, callback) -> None:
-        """Run `callback` after the release."""
-        self._callbacks.append(callback)
-
-    def release(self) -> None:
-        """Give the model to the next request."""
-        if not self._released:
-            self._released = True
-            try:
-                self._scheduler._release(self.running)
-            finally:
-                for callback in self._callbacks:
-                    callback()
 
 
 class Scheduler:
@@ -208,18 +76,15 @@ class Scheduler:
     loaded twice and the RSS measured around a load is that model's. Neither is held
     while a model computes."""
 
-    def __init__(self, registry, engines, max_models: int = 2, keep_alive: float = 0.0,
-                 lanes: int = 1, cores: int | None = None, prompt_cache: int = 0):
+    def __init__(self, registry, engines, options: StartOptions, max_models: int = 2,
+                 keep_alive: float = 0.0, lanes: int = 1):
         self._registry = registry
         self._engines = engines
-        self.prompt_cache = prompt_cache  # bytes of RAM cache per model (promptCacheMiB)
+        self._options = options  # what a model starts with (localrt.models.options)
         self.max_models = max_models
         self.keep_alive = keep_alive  # seconds; 0 is off
         self.reaper = Reaper(self)
         self.lanes = ComputeLanes(lanes)
-        # Each lane's generation gets its share of the cores, so together they never
-        # use more threads than there are cores.
-        self.default_threads = max(1, (cores or available_cores()) // lanes)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._start_lock = threading.Lock()
@@ -347,7 +212,7 @@ class Scheduler:
         """Load a model; (running, False) if it was running already. A request's start
         waiting for room (maxRunningModels) gives up once `disconnected()`."""
         record = self._registry.get(model_id)  # 404 when it is not downloaded
-        effective = self.effective_options(record, options or {})  # 400s before waiting
+        effective = self._options.resolve(record, options or {})  # 400s before waiting
         with self._lock:
             if model_id in self._running:
                 return self._running[model_id], False
@@ -416,7 +281,7 @@ class Scheduler:
                 continue
             with self._lock:
                 running.last_used = time.monotonic()
-            return Lease(self, running, disconnected)
+            return Lease(running, self.lanes, self._release, disconnected)
         raise Conflict(f"Model {model_id} kept being stopped while this request waited; "
                        f"raise maxRunningModels or send fewer models at once", param="model")
 
@@ -433,50 +298,6 @@ class Scheduler:
                 self._idle.notify_all()
 
     # --- internals -------------------------------------------------------------
-
-    def effective_options(self, record: dict, requested: dict) -> dict:
-        """Stored parameters overridden by the request; 400 for what the model cannot take.
-
-        A stored parameter the model cannot take is a 409 that says how to change it.
-        """
-        stored = {k: record[k] for k in START_OPTIONS if record.get(k) is not None}
-        options = {"engine": record["engine"], "ctx_len": DEFAULT_CTX_LEN,
-                   "cpu_threads": self.default_threads, "ngl": -1, "caching_enabled": True,
-                   "n_parallel": DEFAULT_PARALLEL,
-                   **stored, **{k: v for k, v in requested.items() if v is not None}}
-
-        def refuse(name: str, why: str):
-            if name in requested:
-                raise InvalidField(f"Invalid field '{name}': {why}", param=name)
-            raise InvalidStoredParameter(
-                f"Model {record['id']} has the stored parameter {name}="
-                f"{json.dumps(options[name])}, but {why}; change it with `localrt models "
-                f"update {record['id']} --{name} ...` or override it in the start request",
-                param=name)
-
-        engine = options["engine"]
-        if engine != record["engine"]:
-            try:
-                self._engines.require_known(engine)
-            except EngineNotFound as exc:
-                refuse("engine", exc.message[0].lower() + exc.message[1:])
-            wanted = self._engines.entry(record["engine"])["format"]
-            runs = self._engines.entry(engine)["format"]
-            if runs != wanted:
-                refuse("engine", f"model {record['id']} is {wanted}, and engine {engine} "
-                                 f"runs {runs or 'other'} models")
-        trained = (record.get("metadata") or {}).get("context_length")
-        if isinstance(trained, int) and options["ctx_len"] > trained:
-            if "ctx_len" in requested:
-                refuse("ctx_len", f"{options['ctx_len']} is beyond the {trained} tokens "
-                                  f"model {record['id']} was trained on")
-            options["ctx_len"] = trained
-        for name, why in self._engines.check_options(engine, options):
-            refuse(name, why)
-        template = options.get("prompt_template")
-        if template is not None and "{prompt}" not in template:
-            refuse("prompt_template", "it needs a {prompt} placeholder")
-        return options
 
     def _make_room(self, disconnected: Disconnected = never) -> None:
         """Unload least recently used models until one more fits under max_models.
@@ -502,8 +323,8 @@ class Scheduler:
         path = self._model_path(record)
         before = _rss()
         # What the engine loads beside the options: a vision model's projector
-        # (localrt.engines.vision), the RAM the prompt cache may keep (promptCacheMiB).
-        loading = {**options, "prompt_cache_bytes": self.prompt_cache}
+        # (localrt.engines.llama.media).
+        loading = dict(options)
         projector = projector_path(record)
         if projector is not None:
             loading["mmproj"] = str(projector)

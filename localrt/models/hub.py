@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Mapping
 from urllib.parse import quote, urljoin
 
-from localrt.downloads.opener import ProxyAuthFailed, open_url, retry_after_seconds
+from localrt.outbound import ProxyAuthFailed, open_url, retry_after_seconds
 from localrt.errors import Forbidden, HTTPError, NotFound, UpstreamError
 
 log = logging.getLogger(__name__)

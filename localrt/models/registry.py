@@ -5,7 +5,7 @@ definition file, `model.json` (schemas/model.json), written atomically and only 
 every file is complete and checked. `new_definition()` builds one from the files: its
 `engine` is model.yml's, else the engine catalog's (localrt.engines.catalog) for the
 files, and its defaults come from model.yml and the GGUF header. A remote model
-(localrt.inference.remote) has a definition with no files and its `upstreams`, under
+(localrt.remote.remotes) has a definition with no files and its `upstreams`, under
 `<dataFolderPath>/models/remote/`; their api keys are secrets, which a record never
 shows (`api_key_set` says whether one is stored).
 """
@@ -50,7 +50,7 @@ class ModelNotFound(NotFound):
 @functools.lru_cache(maxsize=None)  # the schema file does not change while localrt runs
 def parameter_names() -> tuple[str, ...]:
     """The stored parameters a model can have: the properties of schemas/model-update.json,
-    less the id and a remote model's upstreams (localrt.inference.remote sets those)."""
+    less the id and a remote model's upstreams (localrt.remote.remotes sets those)."""
     return tuple(k for k in schemas.load("model-update.json")["properties"]
                  if k not in ("id", "upstreams"))
 
@@ -93,7 +93,7 @@ class Registry:
 
     def definition(self, model_id: str) -> dict:
         """A model's definition as stored, secrets included (a remote model's upstream
-        keys): for localrt.inference.remote to use, never for a reply."""
+        keys): for localrt.remote.remotes to use, never for a reply."""
         with self._lock:
             return json.loads(json.dumps(self._find(model_id)[1]))
 

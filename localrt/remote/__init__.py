@@ -1,5 +1,9 @@
-"""Remote models: requests served by OpenAI-compatible upstream servers.
+"""Remote models: requests forwarded whole to OpenAI-compatible servers.
 
-`wire` writes a native request (localrt.native) as the chat body an upstream takes and
-reads the upstream's reply back into native events.
+`remotes` registers remote models and forwards their chats, completions and
+embeddings to an upstream (`Remotes`; the catalog's `remote` engine is its
+`RemoteEngine`); `upstreams` is the upstreams' health, in-flight counts, routing and
+probes; `wire` writes a native request (localrt.native) as the chat body an upstream
+takes and reads its reply back into native events. Connections go out through
+localrt.outbound, with the Config's proxy and TLS flags.
 """

@@ -2,14 +2,15 @@
 
 `GgufEngine` loads a GGUF as a `LlamaModel`, localrt.engines.contract's Batched,
 Measured, Tokenizing, Counting, Embedding and Templated model: one llama.cpp context
-whose n_parallel sequences share each decode step (localrt.engines.batching), with the
-prompt cache, and embeddings on a second context of its own
-(localrt.engines.embedding.EmbeddingContext). An embedding model, or one started with
-the start option `embedding`, loads in llama.cpp's embedding mode instead
-(localrt.engines.embedding). A model with a projector (the option `mmproj`,
+whose n_parallel sequences share each decode step (localrt.engines.llama.batch), with
+the prompt cache, and embeddings on a second context of its own
+(localrt.engines.llama.embedding.EmbeddingContext). Its start options become
+llama.cpp's parameters in localrt.engines.llama.params. An embedding model, or one
+started with the start option `embedding`, loads in llama.cpp's embedding mode instead
+(localrt.engines.llama.embedding). A model with a projector (the option `mmproj`,
 which localrt.inference.scheduler sets from the record) loads it through llama.cpp's
-mtmd and reads chats with images (localrt.engines.vision). A JSON
-response_format becomes a grammar (localrt.engines.grammar); log probabilities
+mtmd and reads chats with images (localrt.engines.llama.media). A JSON
+response_format becomes a grammar (localrt.engines.llama.grammar); log probabilities
 (localrt.engines.logprobs) are read from the logits before sampling, in
 LlamaBatch.decode, for the prompt too. llama_cpp is imported only when a model loads.
 """
@@ -22,58 +23,41 @@ import logging
 from pathlib import Path
 from typing import Callable, Iterator
 
-from localrt.engines.batching import Batcher, Sequence
-from localrt.engines.llamabatch import LlamaBatch, Sampling
-from localrt.engines.drafting import DRAFT_MAX, Drafter, prediction_counts
-from localrt.engines.promptcache import PromptCache
-from localrt.engines.embedding import EmbeddingContext, LlamaEmbedder, embedding_pooling
+from localrt.engines.llama.batch import Batcher, Sequence
+from localrt.engines.llama.decode import LlamaBatch, Sampling
+from localrt.engines.llama.drafting import DRAFT_MAX, Drafter, prediction_counts
+from localrt.engines.llama.promptcache import PromptCache
+from localrt.engines.llama.embedding import EmbeddingContext, LlamaEmbedder, embedding_pooling
 from localrt.engines.generation import (GeneratingModel, Generation, check_room,
                                         render_template, seed_of, sampling_value,
                                         token_loop)
-from localrt.engines.grammar import json_grammar
-from localrt.engines.vision import (Projector, Prompt, has_images, refuse_images,
-                                    texts_and_images)
+from localrt.engines.llama.grammar import json_grammar
+from localrt.engines.llama.media import (Projector, Prompt, has_images, refuse_images,
+                                         texts_and_images)
+from localrt.engines.llama.params import (CACHE_TYPE_BYTES, QUANTIZED_CACHE, context_params,
+                                          engine_dir, llama_arguments, model_params,
+                                          rpc_targets)
 from localrt.errors import InvalidField
 from localrt.engines import toolcalls
 from localrt.engines.logprobs import Log, TokenLogprob
 
 GGUF_ENGINE = "gguf-cpp"
 
-# Model start options (schemas/model-start.json) become llama.cpp's parameters in
-# _model_params (ngl, use_mmap, mlock; rpc_servers: the devices, localrt.engines.rpc) and
-# _context_params (ctx_len x n_parallel, n_parallel, n_batch, cpu_threads, flash_attn,
-# cache_type); caching_enabled is the Batcher's. If you add one, also map it there.
-DEFAULT_BATCH = 512  # n_batch when not given (and the most n_ubatch is), llama-cpp-python's
-# cache_type -> ggml_type, for the context's type_k and type_v (ggml.h's enum ggml_type),
-# and the bytes each value of the KV cache takes in it (ggml's block size / block length).
-# If you add one, also add it to the cache_type enum of schemas/model-update.json.
-CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
-               "iq4_nl": 20, "bf16": 30}
-CACHE_TYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 34 / 32, "q4_0": 18 / 32,
-                    "q4_1": 20 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32, "iq4_nl": 18 / 32}
-# Start options -> llama_cpp.Llama arguments, for the embedding mode's Llama
-# (llama_arguments; the batched LlamaModel makes its own llama.cpp parameters:
-# _model_params, _context_params). If you add a start option, also map it here.
-LLAMA_OPTIONS = {"ctx_len": "n_ctx", "ngl": "n_gpu_layers", "cpu_threads": "n_threads",
-                 "n_batch": "n_batch", "mlock": "use_mlock", "use_mmap": "use_mmap",
-                 "flash_attn": "flash_attn"}
-# Quantized V caches need flash attention in llama.cpp.
-QUANTIZED_CACHE = tuple(k for k in CACHE_TYPES if k not in ("f32", "f16", "bf16"))
-
-
 class GgufEngine:
     """gguf-cpp: llama.cpp through llama-cpp-python, imported at the first load.
 
-    `_rpc` is this process's use of rpc-servers (localrt.engines.rpc.Client), shared by the
-    models it loads with `rpc_servers`.
+    `prompt_cache_bytes` is the RAM each model it loads may keep of prompt states
+    (promptCacheMiB; 0: none). `_rpc` is this process's use of rpc-servers
+    (localrt.engines.rpc.Client), shared by the models it loads with `rpc_servers`.
     """
 
     name, format = GGUF_ENGINE, "GGUF"
     description = "llama.cpp through llama-cpp-python; runs GGUF models"
 
-    def __init__(self):
+    def __init__(self, prompt_cache_bytes: int = 0):
         from localrt.engines import rpc
 
+        self.prompt_cache_bytes = prompt_cache_bytes
         self._rpc = rpc.Client()
 
     def load(self, model_path: str, options: dict) -> "LlamaModel":
@@ -87,7 +71,7 @@ class GgufEngine:
                                    "on this machine only", param="rpc_servers")
             return LlamaEmbedder.open(model_path, llama_arguments(options),
                                       options.get("ctx_len"), pooling)
-        return LlamaModel(model_path, options, self._rpc)
+        return LlamaModel(model_path, options, self._rpc, self.prompt_cache_bytes)
 
     @staticmethod
     def check_options(options: dict) -> Iterator[tuple[str, str]]:
@@ -111,23 +95,24 @@ class GgufEngine:
 
 class LlamaModel(GeneratingModel):
     """A loaded GGUF model: one llama.cpp context whose `slots` sequences (n_parallel)
-    share each decode step (localrt.engines.batching), and the generations read from them.
+    share each decode step (localrt.engines.llama.batch), and the generations read from them.
 
     It is Batched (localrt.engines.contract): localrt.inference.scheduler lets `slots`
     requests in at once and runs the steps.
     """
 
-    def __init__(self, model_path: str, options: dict, rpc_client=None):
+    def __init__(self, model_path: str, options: dict, rpc_client=None,
+                 prompt_cache_bytes: int = 0):
         import llama_cpp
         from llama_cpp import _internals
 
         # llama.cpp logs through llama-cpp-python's logger; errors only, as Llama(verbose=False).
         logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
         self._llama_cpp = llama_cpp
-        params = _model_params(llama_cpp, options)
-        self._rpc, self._rpc_targets = rpc_client, _rpc_targets(llama_cpp, options)
+        params = model_params(llama_cpp, options)
+        self._rpc, self._rpc_targets = rpc_client, rpc_targets(llama_cpp, options)
         if self._rpc_targets:
-            devices = rpc_client.devices(self._rpc_targets, _engine_dir(llama_cpp))
+            devices = rpc_client.devices(self._rpc_targets, engine_dir(llama_cpp))
             params.devices = ctypes.cast(devices, ctypes.c_void_p)  # kept until loaded
         try:
             self._model = _internals.LlamaModel(path_model=model_path, verbose=False,
@@ -136,33 +121,32 @@ class LlamaModel(GeneratingModel):
             self._release_rpc()
             raise
         self._mmproj = options.get("mmproj")
-        batch = None
+        projector = None
         try:
             self.slots = options.get("n_parallel") or 1  # the scheduler's default is 4
             # Each sequence has ctx_len tokens of KV; llama.cpp may round the context up.
             self.context = options.get("ctx_len") or self._model.n_ctx_train()
-            params = _context_params(llama_cpp, options, self.slots * self.context,
-                                     self.slots)
-            batch = LlamaBatch(llama_cpp, self._model.model, params)
+            params = context_params(llama_cpp, options, self.slots * self.context,
+                                    self.slots)
             if self._mmproj:
-                batch.projector = Projector(llama_cpp, self._mmproj, self._model.model,
-                                            options)
+                projector = Projector(llama_cpp, self._mmproj, self._model.model, options)
+            # The batch owns the projector from here: its close() frees it.
+            self._batch = LlamaBatch(llama_cpp, self._model.model, params, projector)
         except BaseException:
-            if batch is not None:
-                batch.close()
+            if projector is not None:
+                projector.close()
             self._model.close()
             self._release_rpc()
             raise
-        self._batch = batch
-        cache = options.get("prompt_cache_bytes")
         self._batcher = Batcher(self.slots, params.n_batch, self._batch,
                                 caching=options.get("caching_enabled", True),
-                                cache=PromptCache(cache) if cache else None)
+                                cache=PromptCache(prompt_cache_bytes)
+                                if prompt_cache_bytes else None)
         # Embeddings beside the chats, on a context of their own (made at the first).
         self._embedding = EmbeddingContext(self._model, llama_arguments(options),
                                            self.context, params.n_batch)
         self._cache_type = options.get("cache_type") or "f16"
-        # Speculative decoding (localrt.engines.drafting), on unless the start option
+        # Speculative decoding (localrt.engines.llama.drafting), on unless the start option
         # says off, and never for a model whose memory cannot cut a sequence short
         # (a recurrent or hybrid one: a rejected draft's KV could not go).
         model = self._model.model
@@ -287,7 +271,7 @@ class LlamaModel(GeneratingModel):
         return Prompt(tokens, n_tokens=len(tokens))
 
     def step(self) -> None:
-        """One decode for every sequence (localrt.engines.batching.Batcher.step)."""
+        """One decode for every sequence (localrt.engines.llama.batch.Batcher.step)."""
         self._batcher.step()
 
     def report(self) -> dict:
@@ -300,7 +284,7 @@ class LlamaModel(GeneratingModel):
 
     def embed(self, inputs: list, compute: Callable | None = None) -> tuple:
         """Embeddings as the start option `embedding` gives them, beside the chats
-        (localrt.engines.embedding.EmbeddingContext): each decode is `compute(fn, *args)`
+        (localrt.engines.llama.embedding.EmbeddingContext): each decode is `compute(fn, *args)`
         (the scheduler's compute lane; here when None)."""
         return self._embedding.embed(inputs, compute)
 
@@ -473,71 +457,3 @@ class LlamaModel(GeneratingModel):
         if self._rpc_targets:
             self._rpc.release(self._rpc_targets)
             self._rpc_targets = []
-
-
-def _rpc_targets(llama_cpp, options: dict) -> list[str]:
-    """The rpc-servers of the start option `rpc_servers` ("host:port" each); a 400 when
-    this llama.cpp has no RPC backend (localrt.engines.catalog names the variant that has)."""
-    from localrt.engines import rpc
-
-    if not options.get("rpc_servers"):
-        return []
-    if not llama_cpp.llama_supports_rpc():
-        raise InvalidField("Invalid field 'rpc_servers': the llama.cpp this server loaded "
-                           "has no RPC backend; install a gguf-cpp +rpc variant (localrt "
-                           "engines install gguf-cpp --variant ...+rpc), or, if it is the "
-                           "active one already, restart the server to load it",
-                           param="rpc_servers")
-    try:
-        return rpc.endpoints(rpc.parse_servers(options["rpc_servers"]))
-    except ValueError as exc:
-        raise InvalidField(f"Invalid field 'rpc_servers': {exc}", param="rpc_servers") \
-            from None
-
-
-def _engine_dir(llama_cpp) -> str:
-    """The folder llama_cpp was imported from (an engine variant's, or site-packages)."""
-    return str(Path(llama_cpp.__file__).resolve().parent.parent)
-
-
-def _model_params(llama_cpp, options: dict):
-    """llama_model_params for the start options (ngl, use_mmap, mlock)."""
-    params = llama_cpp.llama_model_default_params()
-    ngl = options.get("ngl")
-    if ngl is not None:
-        params.n_gpu_layers = 0x7FFFFFFF if ngl < 0 else ngl  # INT32_MAX: every layer
-    mmap, mlock = options.get("use_mmap", True) is not False, bool(options.get("mlock"))
-    params.load_mode = {(True, True): llama_cpp.LLAMA_LOAD_MODE_MMAP_MLOCK,
-                        (False, True): llama_cpp.LLAMA_LOAD_MODE_MLOCK,
-                        (True, False): llama_cpp.LLAMA_LOAD_MODE_MMAP,
-                        (False, False): llama_cpp.LLAMA_LOAD_MODE_NONE}[mmap, mlock]
-    return params
-
-
-def _context_params(llama_cpp, options: dict, n_ctx: int, slots: int):
-    """llama_context_params: `slots` sequences of their own (no unified KV) in n_ctx."""
-    params = llama_cpp.llama_context_default_params()
-    params.n_ctx, params.n_seq_max, params.kv_unified = n_ctx, slots, False
-    n_batch = max(options.get("n_batch") or DEFAULT_BATCH, slots)
-    params.n_batch, params.n_ubatch = n_batch, min(n_batch, DEFAULT_BATCH)
-    threads = options.get("cpu_threads")
-    if threads:
-        params.n_threads = params.n_threads_batch = threads
-    params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if options.get("flash_attn")
-                              else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-    if options.get("cache_type"):
-        params.type_k = params.type_v = CACHE_TYPES[options["cache_type"]]
-    params.no_perf = False  # keeps llama.cpp's count of evaluated prompt tokens
-    return params
-
-
-def llama_arguments(options: dict) -> dict:
-    """llama_cpp.Llama's arguments for the start options (LLAMA_OPTIONS), for the
-    embedding mode's Llama."""
-    arguments = {LLAMA_OPTIONS[k]: v for k, v in options.items()
-                 if k in LLAMA_OPTIONS and v is not None}
-    if options.get("cache_type"):
-        arguments["type_k"] = arguments["type_v"] = CACHE_TYPES[options["cache_type"]]
-    if "n_threads" in arguments:
-        arguments["n_threads_batch"] = arguments["n_threads"]
-    return arguments

@@ -14,7 +14,7 @@ once (`Pool.failed`), and probes bring it back: every upstream's GET /models eve
 PROBE_INTERVAL s (PROBE_RETRY s while it is out, and at once after a failure). A slow
 answer is not a failure: llama-cpp-python's server answers a probe only between two
 replies. A refused or reset connection is, and so are a 5xx answer and a 401 or 403
-(the upstream refuses localrt's key; its own words say why). localrt.inference.remote
+(the upstream refuses localrt's key; its own words say why). localrt.remote.remotes
 forwards the requests.
 """
 
@@ -33,7 +33,7 @@ from typing import Iterable, Mapping
 from urllib.parse import urlsplit
 
 from localrt.admission import Disconnected, never, wait
-from localrt.downloads.opener import build_opener, origin, proxy_refused
+from localrt.outbound import build_opener, origin, proxy_refused
 from localrt.engines.catalog import REMOTE_ENGINE
 from localrt.errors import BadRequest, HTTPError, InvalidField, ServiceUnavailable, UpstreamError
 

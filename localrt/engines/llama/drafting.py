@@ -3,7 +3,7 @@
 Agents copy long runs of their prompt into their replies: an edit, a quote, a JSON
 rewrite. A `Drafter` watches one sequence's tokens (its prompt, then what it
 generates) and, when the last few tokens appeared before, proposes the tokens that
-followed them then. localrt.engines.batching verifies a draft in the same decode as
+followed them then. localrt.engines.llama.batch verifies a draft in the same decode as
 the other sequences' tokens: the model's own sampler picks each position's token from
 the target's distribution, and the draft's tokens count only as long as they agree,
 so a reply is the one it would be without drafting (the same tokens, greedy or

@@ -1,8 +1,8 @@
 """Continuous batching: the generations of one model share each decode step.
 
-A batched model (localrt.engines.llama's LlamaModel) keeps `slots` sequences in one llama.cpp
-context, each with its own KV cache of ctx_len tokens. `Batcher` decides what each
-step computes; `LlamaBatch` (localrt.engines.llamabatch) computes it with llama.cpp:
+A batched model (localrt.engines.llama.model's LlamaModel) keeps `slots` sequences in
+one llama.cpp context, each with its own KV cache of ctx_len tokens. `Batcher` decides what each
+step computes; `LlamaBatch` (localrt.engines.llama.decode) computes it with llama.cpp:
 
   * A generation joins (`join`) when it is first read, and takes a slot at the next
     step, in arrival order (localrt.inference.scheduler lets at most `slots` generations in).
@@ -21,7 +21,7 @@ step computes; `LlamaBatch` (localrt.engines.llamabatch) computes it with llama.
     half, or whose cache holds at least half the prompt, is chosen that way;
     otherwise the least recently used slot is, so other conversations keep theirs.
     With caching off, every prompt is read whole.
-  * The prompt cache in RAM (localrt.engines.promptcache), when the engine can save
+  * The prompt cache in RAM (localrt.engines.llama.promptcache), when the engine can save
     and restore a sequence's state: a slot about to lose cached tokens to a new
     prompt is saved there first, and a prompt that shares more with a saved state
     than with any free slot has it restored into its slot; `cached` counts those too.
@@ -30,14 +30,14 @@ step computes; `LlamaBatch` (localrt.engines.llamabatch) computes it with llama.
     with `prompt_logprobs` (a completion's echo) so is every prompt token, which takes
     logits for each: such a prompt is read whole (its cached prefix has no logits
     left), SCORED_CHUNK tokens a step. The other sequences of the batch pay nothing.
-  * Images (localrt.engines.vision): a prompt item is a text token or one position of
+  * Images (localrt.engines.llama.media): a prompt item is a text token or one position of
     an image. A prompt is read as text up to its next image; that image is one step's
     work for its sequence (the engine's encode and decode of its embeddings, after the
     step's text, the text before it among them), at most one image a step, beside the
     text the other sequences decode in the same step, so an image holds the others up
     by one image's time at most. A cached prefix never ends inside an image
     (vision.whole_images).
-  * Speculation (localrt.engines.drafting): a generating sequence with a Drafter feeds
+  * Speculation (localrt.engines.llama.drafting): a generating sequence with a Drafter feeds
     its next token and a draft of the tokens that may follow it, all in the same
     decode; the engine samples each position in turn from the sequence's own sampler
     and keeps the draft as far as it agrees, so one step may give several tokens. The
@@ -49,7 +49,7 @@ step computes; `LlamaBatch` (localrt.engines.llamabatch) computes it with llama.
 
 Who calls step(), and when, is localrt.inference.lanes' business (`Stepper`): one step
 at a time, on a compute lane, when a generation needs its next token. What a step
-computes on llama.cpp is localrt.engines.llamabatch's.
+computes on llama.cpp is localrt.engines.llama.decode's.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from localrt.engines.promptcache import PromptCache, common_prefix
-from localrt.engines.vision import image_item, whole_images
+from localrt.engines.llama.promptcache import PromptCache, common_prefix
+from localrt.engines.llama.media import image_item, whole_images
 
 log = logging.getLogger(__name__)
 

@@ -1,14 +1,14 @@
-"""The Batcher's engine on llama.cpp (localrt.engines.batching decides what each step
+"""The Batcher's engine on llama.cpp (localrt.engines.llama.batch decides what each step
 computes; this computes it): one context holding a sequence per slot, the llama_batch
 each step fills, each sequence's sampler chain, and the saving and restoring of a
-slot's state for the RAM prompt cache (localrt.engines.promptcache).
+slot's state for the RAM prompt cache (localrt.engines.llama.promptcache).
 
-Sampling a draft (localrt.engines.drafting): a step feeds a generating sequence's next
+Sampling a draft (localrt.engines.llama.drafting): a step feeds a generating sequence's next
 token and its draft; each position's logits are kept, and the sequence's own sampler
 chain picks a token from each in turn while the picks agree with the draft, so the
-chain sees only the tokens the reply keeps. An image entry (localrt.engines.vision) is
+chain sees only the tokens the reply keeps. An image entry (localrt.engines.llama.media) is
 evaluated after the text's decode and its sampling, since its decode overwrites the
-logits. llama_cpp is imported by the caller (localrt.engines.llama) when a model loads.
+logits. llama_cpp is imported by the caller (localrt.engines.llama.model) when a model loads.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import logging
 from dataclasses import dataclass
 
 from localrt.engines import logprobs
-from localrt.engines.batching import Entry, Sequence
-from localrt.engines.vision import image_item
+from localrt.engines.llama.batch import Entry, Sequence
+from localrt.engines.llama.media import image_item
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class LlamaBatch:
 
     def __init__(self, llama_cpp, model, params, projector=None):
         self._ll = llama_cpp
-        self.projector = projector  # a vision model's (localrt.engines.vision.Projector)
+        self.projector = projector  # a vision model's (localrt.engines.llama.media.Projector)
         self.ctx = llama_cpp.llama_init_from_model(model, params)
         if self.ctx is None:
             raise ValueError("llama.cpp could not make the context (not enough memory for "

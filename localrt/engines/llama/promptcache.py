@@ -1,6 +1,6 @@
 """The prompt cache in RAM: sequence states that outlive their slots.
 
-A batched model's slots keep the KV of their last sequence (localrt.engines.batching),
+A batched model's slots keep the KV of their last sequence (localrt.engines.llama.batch),
 but only `n_parallel` of them: a fifth conversation takes a slot and its next turn
 would read its whole prompt again. So when a slot is about to lose cached tokens to a
 new prompt, the Batcher saves its sequence's state (llama.cpp's per-sequence state:
@@ -11,7 +11,7 @@ that state restored into its slot, and reads only the rest (as llama-server's
 
 The cache holds at most `limit` bytes (the setting promptCacheMiB), evicting the
 least recently used state. Tokens are the Batcher's prompt items, so an image's
-positions (localrt.engines.vision) match by the image's hash. States shorter than
+positions (localrt.engines.llama.media) match by the image's hash. States shorter than
 MIN_TOKENS are not worth a copy. It lives and dies with its model: stopping or
 unloading the model drops it.
 """

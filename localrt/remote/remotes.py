@@ -12,7 +12,7 @@ model's chat, completion or embedding request here whole.
   Exchange  one request on the wire to one upstream; `close()` hangs up
   RemoteStream  a streamed reply, the upstream's events as they come
 
-Which upstream takes a request, and their health, is localrt.inference.upstreams
+Which upstream takes a request, and their health, is localrt.remote.upstreams
 (`Pool`); the kind's admission bounds how many requests wait. A connection that
 fails before the first byte takes its upstream out at once and is retried once on
 another.
@@ -24,7 +24,7 @@ the upstream's own words), 504 when no first byte comes within upstreamTimeout, 
 when no upstream is healthy; a stream that breaks after its first byte ends with an
 error event, never silently. Upstream keys are secrets: records never show them
 (localrt.models.registry), and `secrets()` feeds the redaction of logs and error
-bodies (localrt.security). Connections go through localrt.downloads.opener, with the
+bodies (localrt.security). Connections go through localrt.outbound, with the
 Config's proxy, no_proxy and TLS flags.
 """
 
@@ -49,14 +49,14 @@ from localrt.errors import (BadRequest, Conflict, HTTPError, InvalidField,
                             ServiceUnavailable, UpstreamError)
 from localrt.models.ids import check_new_id, folder_name
 from localrt.metrics import Clock
-from localrt.downloads.opener import (CertificateFailed, ProxyAuthFailed, build_opener, origin,
-                                      proxy_refused)
-from localrt.inference.requests import EventStream, stream_error
+from localrt.outbound import (CertificateFailed, ProxyAuthFailed, build_opener, origin,
+                              proxy_refused)
+from localrt.routing import EventStream, stream_error
 from localrt.admission import Admission, Disconnected, never
-from localrt.inference.upstreams import (FIRST_PROBE_WAIT, PROBE_TICK, UNHEALTHY, Pool, Probe,
-                                         Upstream, UpstreamKeyRefused, UpstreamRejected,
-                                         UpstreamTimeout, parse_upstreams, probe, reason_of,
-                                         answer_of, request_to, text_of, timed_out)
+from localrt.remote.upstreams import (FIRST_PROBE_WAIT, PROBE_TICK, UNHEALTHY, Pool, Probe,
+                                      Upstream, UpstreamKeyRefused, UpstreamRejected,
+                                      UpstreamTimeout, parse_upstreams, probe, reason_of,
+                                      answer_of, request_to, text_of, timed_out)
 
 log = logging.getLogger(__name__)
 

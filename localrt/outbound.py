@@ -4,8 +4,9 @@ Proxy, credentials, no_proxy and the SSL flags come only from Config (localrt.co
 never from the environment, and are read afresh for every request, so a change
 applies to the next one without a restart. The hub token is added as an
 unredirected header, so it reaches the hub and never the host a redirect leads to.
-Used by the downloads (localrt.downloads.fetch, localrt.downloads.pieces), the hub client and the
-package index client.
+Used by the downloads (localrt.downloads.fetch, localrt.downloads.pieces), the hub
+client, the package index client, a chat's image fetches and the remote models'
+upstreams (localrt.remote): the core's, so each of them reaches the network one way.
 """
 
 from __future__ import annotations

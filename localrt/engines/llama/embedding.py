@@ -4,7 +4,7 @@ A GGUF embedding model (it declares a pooling type, or non-causal attention; see
 `embedding_pooling`), or any GGUF started with the start option `embedding`, loads in
 llama.cpp's embedding mode (`LlamaEmbedder`): it answers POST /v1/embeddings
 (localrt.inference.embeddings), and its generate() is a 409. A decoder started
-without that option is a chat model (localrt.engines.llama.LlamaModel) that embeds
+without that option is a chat model (localrt.engines.llama.model.LlamaModel) that embeds
 too, on a second context of its own in embedding mode over the same weights
 (`EmbeddingContext`), made at its first embeddings request. Both compute with one
 `Embedder`, with the same context parameters (`embedding_params`), so a decoder's
@@ -161,8 +161,8 @@ class LlamaEmbedder(GeneratingModel):
     def open(cls, model_path: str, arguments: dict, context: int | None,
              pooling: int) -> "LlamaEmbedder":
         """Load a GGUF in embedding mode: llama_cpp.Llama with `arguments` (the start
-        options', localrt.engines.llama.llama_arguments), one batch of `context` tokens
-        (ctx_len; 512 when None) and the pooling type `pooling`."""
+        options', localrt.engines.llama.params.llama_arguments), one batch of `context`
+        tokens (ctx_len; 512 when None) and the pooling type `pooling`."""
         import llama_cpp
 
         context = context or 512
@@ -209,10 +209,11 @@ class LlamaEmbedder(GeneratingModel):
 
 def embedding_params(llama_cpp, arguments: dict, context: int, pooling: int):
     """llama_context_params of one embedding context: those llama_cpp.Llama makes for
-    LlamaEmbedder.open's `arguments` (localrt.engines.llama.llama_arguments), `context`
-    tokens in one batch and the pooling type `pooling`; a chat model's EmbeddingContext
-    makes its own with them, so it pools as the embedding mode does. If llama-cpp-python
-    changes what Llama sets, change this too (tests/test_embeddings.py compares them)."""
+    LlamaEmbedder.open's `arguments` (localrt.engines.llama.params.llama_arguments),
+    `context` tokens in one batch and the pooling type `pooling`; a chat model's
+    EmbeddingContext makes its own with them, so it pools as the embedding mode does. If
+    llama-cpp-python changes what Llama sets, change this too (tests/test_embeddings.py
+    compares them)."""
     import multiprocessing
 
     params = llama_cpp.llama_context_default_params()
