@@ -41,6 +41,7 @@ from support.servers import free_port, send, wait_for
 from localrt import connections, server
 from localrt.admission import LIMITS, SPARE_THREADS, ClientGone, never, threads_for
 from localrt.app import create_app
+from localrt.dialects import openai
 from localrt.inference.lanes import FairLock
 from localrt.services import MAX_EVENT_LISTENERS
 
@@ -456,7 +457,7 @@ def test_a_reply_whose_client_leaves_stops_generating_and_frees_its_place(app, a
 
     body = {"model": tiny, "messages": USER, "max_tokens": 200, "logit_bias": NO_EOS}
     with pytest.raises(ClientGone):
-        app.services.chats.create(body, disconnected)
+        openai.chat(app.services.chats, body, disconnected)
     assert admission.in_progress == 0
     assert [r["requests"] for r in app.services.scheduler.status()] == [0]
     assert api("POST", "/v1/chat/completions", {**body, "max_tokens": 4}).status == 200

@@ -184,6 +184,55 @@ def test_pulled_vision_models_of_both_repo_shapes_start_as_vision_models(hub_app
     assert answers[0] == answers[1]  # the same pair, whichever way it came
 
 
+# A cortexso branch's model.yml, as the real hub's carry one: its prompt_template is the
+# model's own ChatML (cortex's {system_message} and {prompt}).
+MODEL_YML = ("model: seer\nname: seer\nengine: llama-cpp\nctx_len: 1024\n"
+             "prompt_template: \"{system_message}<|im_start|>user\\n{prompt}<|im_end|>\\n"
+             "<|im_start|>assistant\\n\"\n")
+
+
+def test_a_pulled_vision_model_with_a_prompt_template_takes_images_where_the_parts_were(
+        hub_app, hub, pair):
+    """The mend of issue 33: a cortexso vision branch's prompt_template has no place for
+    images; the images go where their parts were, inside {prompt}, so the model sees the
+    prompt its own template would give: the reply is mtmd's for it, in every dialect."""
+    import llama_cpp
+
+    from support.apps import bind
+    from support.tasks import wait_task
+
+    api = bind(hub_app)
+    r = api("POST", "/v1/models/pull", {"model": "seer"})
+    assert r.status == 200, r.body
+    assert wait_task(api, r.json["task"]["id"])["status"] == "Success"
+    model_id = r.json["model"]
+    model = api("GET", f"/v1/models/{model_id}").json
+    assert model["prompt_template"].startswith("{system_message}<|im_start|>user")
+    assert model["capabilities"] == ["chat", "vision"]
+    vocab = llama_cpp.Llama(model_path=str(pair[0]), vocab_only=True, verbose=False)
+    try:
+        expected = vocab.detokenize(raw_mtmd_reply(*pair, PROMPT, [A], 8)).decode(
+            "utf-8", errors="replace")
+    finally:
+        vocab.close()
+    reply = api("POST", "/v1/chat/completions", {
+        "model": model_id, "max_tokens": 8, "temperature": 0, "messages": [
+            {"role": "user", "content": [
+                {"type": "text", "text": ASK},
+                {"type": "image_url", "image_url": {"url": data_url(A)}}]}]})
+    assert reply.status == 200, reply.body
+    assert reply.json["choices"][0]["message"]["content"] == expected
+    reply = api("POST", "/v1/messages", {
+        "model": model_id, "max_tokens": 8, "temperature": 0, "messages": [
+            {"role": "user", "content": [
+                {"type": "text", "text": ASK},
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": base64.b64encode(A).decode()}}]}]})
+    assert reply.status == 200, reply.body
+    assert "".join(b["text"] for b in reply.json["content"]) == expected
+    api("POST", f"/v1/models/{model_id}/stop")
+
+
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory, pair):
     root = tmp_path_factory.mktemp("hub")
@@ -191,6 +240,8 @@ def hub(tmp_path_factory, pair):
     with HubEmulator() as emu:
         emu.add_cortexso("eye", {"2b": {"model.gguf": pair[0], "mmproj.gguf": pair[1]}},
                          default="2b")
+        emu.add_cortexso("seer", {"2b": {"model.gguf": pair[0], "mmproj.gguf": pair[1],
+                                         "model.yml": MODEL_YML.encode()}}, default="2b")
         emu.add_repo("org/eye-GGUF", {"eye-Q8_0.gguf": pair[0],
                                       "mmproj-eye-Q8_0.gguf": other,
                                       "mmproj-eye-f16.gguf": pair[1]})

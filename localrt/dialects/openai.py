@@ -54,10 +54,11 @@ PART_TYPES = ("text", "image_url")  # the content parts localrt reads
 
 def chat(chats, body: dict, disconnected: Disconnected = never):
     """POST /v1/chat/completions: a chat.completion dict, or a stream of its chunks."""
+    upstream = chats.passthrough(body, disconnected)
+    if upstream is not None:
+        return upstream  # a remote model's upstream's own reply, untouched
     request = read_chat(body)
-    reply = chats.create(request, disconnected, upstream_body=body)
-    if not isinstance(reply, native.Reply):
-        return reply  # a remote model's upstream's own reply, untouched
+    reply = chats.create(request, disconnected)
     if request.stream:
         return ChatChunks(reply, request)
     try:
@@ -283,10 +284,11 @@ class ChatChunks(EventStream):
 
 def completion(completions, body: dict, disconnected: Disconnected = never):
     """POST /v1/completions: a text_completion dict, or a stream of its chunks."""
+    upstream = completions.passthrough(body, disconnected)
+    if upstream is not None:
+        return upstream  # a remote model's upstream's own reply, untouched
     request = read_text(body)
-    reply = completions.create(request, disconnected, upstream_body=body)
-    if not isinstance(reply, native.Reply):
-        return reply  # a remote model's upstream's own reply, untouched
+    reply = completions.create(request, disconnected)
     if request.stream:
         return TextChunks(reply, request)
     try:

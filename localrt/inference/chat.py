@@ -74,18 +74,27 @@ class Chats:
         self.images = images or images_mod.Images(_direct, images_mod.Policy)
 
     def create(self, request: native.Request, disconnected: Disconnected = never,
-               messages: list | None = None, upstream_body: dict | None = None):
+               messages: list | None = None):
         """The reply (a native.Reply of events) to `request`. `messages`: its messages
-        as read_media() read them already, if it did. For a remote model given
-        `upstream_body` (OpenAI's own chat body, localrt.dialects.openai), the
-        upstream's reply to that body as it came: a dict, or a stream of its chunks."""
-        def remote(forward):
-            if upstream_body is not None:
-                return forward(upstream_body)
-            return wire.reply(forward(wire.chat_body(request)), request.model)
-        return self._path.serve(self.kind, request.model,
-                                lambda local: self._create(local, request, messages),
-                                remote=remote, disconnected=disconnected)
+        as read_media() read them already, if it did. A remote model's request goes to
+        its upstreams, written and read back by localrt.remote.wire."""
+        return self._path.serve(
+            self.kind, request.model,
+            lambda local: self._create(local, request, messages),
+            remote=lambda forward: wire.reply(forward(wire.chat_body(request)),
+                                              request.model),
+            disconnected=disconnected)
+
+    def passthrough(self, body: dict, disconnected: Disconnected = never):
+        """For a remote model, its upstream's own reply to OpenAI's chat body as the
+        client sent it (a dict, or a stream of its chunks): the one deliberate branch
+        of OpenAI's route, so fields localrt does not know (vLLM's) reach its clients.
+        None for a model loaded here; a 404 for no such model."""
+        if not self._path.is_remote(self._path.registry.get(body["model"])):
+            return None
+        return self._path.serve(self.kind, body["model"], _never_local,
+                                remote=lambda forward: forward(body),
+                                disconnected=disconnected)
 
     def read_media(self, request: native.Request) -> list | None:
         """The request's messages with their media read and checked, for a route that
@@ -156,6 +165,11 @@ class Chats:
             return lease.model.count_tokens(messages, params)
         finally:
             lease.release()
+
+
+def _never_local(local: Local):
+    """The local branch of a request path that only a remote model takes."""
+    raise AssertionError(f"model {local.model_id} is not remote")
 
 
 def _tools(request: native.Request):

@@ -26,8 +26,8 @@ prefix); an engine that cannot, or a suffix (the echo is only the prefix), is a 
 naming logprobs.
 
 Each request takes chat's path (localrt.inference.requests): timed and counted in
-/metrics, and a remote model's request goes whole to an upstream's /v1/completions
-(its `logprobs` too), given as the client sent it (`upstream_body`).
+/metrics, and a remote model's request goes to an upstream's /v1/completions (its
+`logprobs` too): as the client sent it on OpenAI's route (`passthrough`).
 """
 
 from __future__ import annotations
@@ -61,18 +61,24 @@ class Completions:
         self.kind = Kind("completion", "/completions", max_requests)
         self.admission = self.kind.admission
 
-    def create(self, request: native.TextRequest, disconnected: Disconnected = never,
-               upstream_body: dict | None = None):
-        """The reply (a native.Reply) to `request`. For a remote model given
-        `upstream_body` (OpenAI's own completion body), the upstream's reply to that
-        body as it came: a dict, or a stream of its chunks."""
-        def remote(forward):
-            if upstream_body is not None:
-                return forward(upstream_body)
-            return wire.text_reply(forward(wire.completion_body(request)), request.model)
-        return self._path.serve(self.kind, request.model,
-                                lambda local: self._create(local, request),
-                                remote=remote, disconnected=disconnected)
+    def create(self, request: native.TextRequest, disconnected: Disconnected = never):
+        """The reply (a native.Reply) to `request`; a remote model's goes to its
+        upstreams, written and read back by localrt.remote.wire."""
+        return self._path.serve(
+            self.kind, request.model, lambda local: self._create(local, request),
+            remote=lambda forward: wire.text_reply(
+                forward(wire.completion_body(request)), request.model),
+            disconnected=disconnected)
+
+    def passthrough(self, body: dict, disconnected: Disconnected = never):
+        """For a remote model, its upstream's own reply to OpenAI's completion body as
+        the client sent it (OpenAI's route's one deliberate branch); None for a model
+        loaded here; a 404 for no such model."""
+        if not self._path.is_remote(self._path.registry.get(body["model"])):
+            return None
+        return self._path.serve(self.kind, body["model"], _never_local,
+                                remote=lambda forward: forward(body),
+                                disconnected=disconnected)
 
     def _create(self, local: Local, request: native.TextRequest):
         prompts = request.prompts
@@ -99,6 +105,11 @@ class Completions:
         completion = TextCompletion(model_id, choices, lease, local.clock)
         return native.Reply(completion.events(request.stream), completion.close,
                             completion.prompt_tokens)
+
+
+def _never_local(local: Local):
+    """The local branch of a request path that only a remote model takes."""
+    raise AssertionError(f"model {local.model_id} is not remote")
 
 
 def read_prompt(value) -> list:
