@@ -19,6 +19,7 @@ from localrt import __version__, web
 from localrt.dialects import anthropic, ollama, ollama_models, openai, responses
 from localrt.errors import Conflict, InvalidField, NotFound
 from localrt.metrics import CONTENT_TYPE
+from localrt.models import roles
 from localrt.models.ids import check_id
 from localrt.routing import STREAM_HEADERS, Dialect, Reply, Request, Route
 from localrt.services import Services
@@ -129,18 +130,17 @@ def update_model(services: Services, request: Request):
 
     The fields are schemas/model-update.json's."""
     model_id = _path_model(request)
-    changes = dict(request.body)
-    mmproj = changes.pop("mmproj", None)
-    if mmproj is not None:  # a path: a GGUF model's vision projector (never a remote's)
-        model = services.imports.set_projector(model_id, mmproj, changes)
+    beside = roles.given(request.body)  # paths: files of a GGUF model (never a remote's)
+    changes = {k: v for k, v in request.body.items() if k not in roles.KEYS}
+    if beside:
+        model = services.imports.set_files(model_id, beside, changes)
     elif "upstreams" in changes:
         model = services.remotes.update(model_id, request.body)
     else:
         model = services.registry.update(model_id, changes)
     message = f"Model {model['id']} updated"
-    if mmproj is not None and services.scheduler.is_running(model_id):
-        message += ("; it is running with the projector it started with, and loads this "
-                    "one when it is started again")
+    if beside and services.scheduler.is_running(model_id):
+        message += "".join(role.running_note for role in beside)
     return {"message": message, "model": _with_status(services, model)}
 
 
@@ -190,7 +190,7 @@ def import_model(services: Services, request: Request):
     model = services.imports.import_file(body["modelPath" if cortex else "path"],
                                          body.get("model" if cortex else "id"),
                                          body.get("option", "symlink"), body.get("name"),
-                                         cortex=cortex, mmproj=body.get("mmproj"))
+                                         cortex=cortex, beside=roles.given(body))
     return {"message": f"Model {model['id']} imported", "model": _with_status(services, model)}
 
 

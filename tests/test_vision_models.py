@@ -17,7 +17,8 @@ from support.projectors import OUTPUT_TENSORS, write_projector
 
 from localrt.cli import ExitCode
 from localrt.engines import ggufinfo
-from localrt.models.registry import capabilities, projector_path, weights_path
+from localrt.models.registry import capabilities, weights_path
+from localrt.models.roles import PROJECTOR
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +109,7 @@ def test_a_record_written_before_embedding_was_recorded_reads_it_once(app, api, 
 def test_import_links_the_projector_as_the_model(api, files):
     model = import_(api, path=files.model, id="seeing", mmproj=files.proj)
     assert model["mmproj"] == files.proj.name and model["capabilities"] == ["chat", "vision"]
-    link = projector_path(model)
+    link = PROJECTOR.path(model)
     assert link.is_symlink() and link.resolve() == files.proj.resolve()
     assert [f["path"] for f in model["files"]] == [files.model.name, files.proj.name]
     assert model["size"] == files.model.stat().st_size + files.proj.stat().st_size
@@ -118,8 +119,8 @@ def test_import_links_the_projector_as_the_model(api, files):
 
 def test_import_by_copy_copies_the_projector_under_a_projector_name(api, files):
     model = import_(api, path=files.model, id="seeing", mmproj=files.other, option="copy")
-    assert model["mmproj"] == "mmproj-vision-64.gguf"  # registry.is_projector knows it
-    copy = projector_path(model)
+    assert model["mmproj"] == "mmproj-vision-64.gguf"  # PROJECTOR.claims it
+    copy = PROJECTOR.path(model)
     assert not copy.is_symlink() and copy.read_bytes() == files.other.read_bytes()
     assert len(model["files"][1]["sha256"]) == 64
 
@@ -166,7 +167,7 @@ def test_patch_sets_then_replaces_a_projector(api, files):
     assert first["mmproj"] == files.proj.name and first["top_k"] == 7
     assert first["capabilities"] == ["chat", "vision"] and r.json["message"] == \
         "Model chat updated"
-    assert projector_path(first).resolve() == files.proj.resolve()
+    assert PROJECTOR.path(first).resolve() == files.proj.resolve()
 
     r = api("PATCH", "/v1/models/chat", {"mmproj": str(files.other)})
     assert r.status == 200, r.body
@@ -179,7 +180,7 @@ def test_patch_sets_then_replaces_a_projector(api, files):
     assert stored["mmproj"] == second["mmproj"] and stored["files"] == second["files"]
 
     # The projector the model has, by its name or its path, changes nothing.
-    for same in (second["mmproj"], str(projector_path(second))):
+    for same in (second["mmproj"], str(PROJECTOR.path(second))):
         r = api("PATCH", "/v1/models/chat", {"mmproj": same})
         assert r.status == 200 and r.json["model"]["files"] == second["files"]
 
@@ -190,8 +191,8 @@ def test_patch_with_a_projector_of_the_same_name_keeps_a_whole_model(api, files,
     r = api("PATCH", "/v1/models/chat", {"mmproj": str(again)})
     assert r.status == 200, r.body
     model = r.json["model"]
-    assert model["mmproj"] != files.proj.name and projector_path(model).resolve() == again
-    assert ggufinfo.projector(projector_path(model)).type == "idefics3"
+    assert model["mmproj"] != files.proj.name and PROJECTOR.path(model).resolve() == again
+    assert ggufinfo.projector(PROJECTOR.path(model)).type == "idefics3"
 
 
 @pytest.mark.parametrize("which, words", [

@@ -67,7 +67,9 @@ class Engine(Protocol):
 
     def load(self, model_path: str, options: dict) -> object:
         """A loaded Model (or ChatModel) of the file or folder at `model_path`, with the
-        start options `options` (schemas/model-start.json's names)."""
+        start options `options` (schemas/model-start.json's names) and the absolute path
+        of each file the model has beside its weights, under its role's key
+        (localrt.models.roles: `mmproj`, a projector GGUF)."""
 
 
 @runtime_checkable

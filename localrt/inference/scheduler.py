@@ -47,8 +47,9 @@ from localrt.engines import contract
 from localrt.errors import BadRequest, Conflict, HTTPError, ServiceUnavailable
 from localrt.inference.lanes import ComputeLanes, FairLock, Stepper
 from localrt.inference.running import Lease, Running
+from localrt.models import roles
 from localrt.models.options import StartOptions
-from localrt.models.registry import projector_path, weights_path
+from localrt.models.registry import weights_path
 
 log = logging.getLogger(__name__)
 
@@ -322,12 +323,10 @@ class Scheduler:
         engine = options["engine"]
         path = self._model_path(record)
         before = _rss()
-        # What the engine loads beside the options: a vision model's projector
-        # (localrt.engines.llama.media).
-        loading = dict(options)
-        projector = projector_path(record)
-        if projector is not None:
-            loading["mmproj"] = str(projector)
+        # The files the engine loads beside the weights, each under its role's key
+        # (a vision model's projector: localrt.engines.llama.media); never in the
+        # options a status row shows.
+        loading = {**options, **roles.beside(record)}
         try:
             model = self._engines.open(engine, str(path), loading)
         except HTTPError:

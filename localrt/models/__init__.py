@@ -4,5 +4,7 @@
 definitions on disk; `options` resolves what a model starts with (its stored
 parameters, the defaults and a start request's options); `pulls` plans what a pull
 downloads (candidates, quantizations, split files) and starts it; `imports` registers
-local files; `hub` is the Hugging Face hub's API.
+local files; `roles` is the table of a model's files by role (the weights, a
+projector): how each is found, pulled, imported, checked, stored and updated; `hub` is
+the Hugging Face hub's API.
 """

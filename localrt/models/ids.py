@@ -35,6 +35,9 @@ RESERVED_IDS = ("pull", "import", "start", "stop", "status", "variants", "remote
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")  # hub org, repo and branch names
 # A split GGUF's part: (stem)-(part)-of-(total).gguf; localrt.models.pulls groups them.
 SPLIT_GGUF = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf\Z", re.IGNORECASE)
+# A quantization in a GGUF file name: Q4_K_M, q8_0, IQ4_XS, TQ1_0, F16, BF16, F32.
+_QUANT = re.compile(r"(?<![A-Za-z0-9])(?:[IT]?Q[0-9]+(?:_[A-Za-z0-9]+)*|BF16|F16|F32|FP16|FP32)"
+                    r"(?![A-Za-z0-9])", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -179,3 +182,12 @@ def safe_relative(path: str) -> bool:
     return bool(path) and len(path.encode("utf-8")) <= 1024 and "\\" not in path and \
         not path.startswith("/") and all(p not in ("", ".", "..") for p in parts) and \
         not any(ord(c) < 32 or ord(c) == 127 for c in path)
+
+
+def quantization(path: str) -> str | None:
+    """The quantization a GGUF file's name says (Q4_K_M, Q8_0, F16...), upper-cased."""
+    stem = path.rsplit("/", 1)[-1]
+    split = SPLIT_GGUF.match(stem)
+    stem = split.group(1) if split else stem[:-5] if stem.lower().endswith(".gguf") else stem
+    found = _QUANT.findall(stem)
+    return found[-1].upper() if found else None

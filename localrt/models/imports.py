@@ -1,12 +1,14 @@
 """Imports: registering a local GGUF file or ONNX model folder, linked or copied in,
-and a GGUF model's vision projector (mmproj), given with the import or later.
+and a GGUF model's files beside its weights (a vision projector: localrt.models.roles),
+given with the import or later.
 
 An imported model's folder is `<dataFolderPath>/models/imported/<quoted id>`. A link
 points at the file or folder as it is; a copy goes through a part file, is fsynced
 and renamed, and records its sha256. The definition is written last, so a crash
-part-way leaves no registered model with missing files. A projector is brought in the
-same way, under a name that starts with "mmproj" (registry.is_projector), and must be
-a vision projector GGUF whose output fits the model's embeddings (check_projector).
+part-way leaves no registered model with missing files. A file beside the weights is
+brought in the same way, under a name its role knows (Role.file_name), once its role's
+check passes (a projector's: a vision projector GGUF whose output fits the model's
+embeddings).
 """
 
 from __future__ import annotations
@@ -20,10 +22,9 @@ from pathlib import Path
 from localrt.downloads.tasks import Item, check_disk_space, fsync_dir
 from localrt.errors import Conflict, InvalidField
 from localrt.fsutil import private_dir
-from localrt.engines import ggufinfo
 from localrt.models.ids import check_new_id, folder_name
-from localrt.models.registry import (ONNX_CONFIG, Registry, is_projector, new_definition,
-                                    projector_path, weights_path)
+from localrt.models.registry import ONNX_CONFIG, Registry, new_definition, weights_path
+from localrt.models.roles import BadSource, Role, check_file
 
 
 class Imports:
@@ -36,13 +37,15 @@ class Imports:
 
     def import_file(self, path: str, model_id: str | None = None, option: str = "symlink",
                     name: str | None = None, cortex: bool = False,
-                    mmproj: str | None = None) -> dict:
+                    beside: dict[Role, str] | None = None) -> dict:
         """Register a local GGUF file or ONNX model folder, linked or copied in, with the
-        vision projector `mmproj` (a GGUF model's only), brought in the same way.
+        files `beside` its weights (role -> path: a GGUF model's only, as roles.given
+        reads them from the body), brought in the same way.
 
-        The path is checked first, then the projector, then the id. With `cortex`, the
-        request was cortex's {"model", "modelPath"}: errors name those fields, and a path
-        that cannot be imported is worded as cortex words it ("Error importing model ...").
+        The path is checked first, then the files beside it, then the id. With `cortex`,
+        the request was cortex's {"model", "modelPath"}: errors name those fields, and a
+        path that cannot be imported is worded as cortex words it ("Error importing
+        model ...").
         """
         path_field, id_field = ("modelPath", "model") if cortex else ("path", "id")
 
@@ -55,14 +58,14 @@ class Imports:
         src = Path(path)
         try:
             _check_source(src, path)
-        except _BadSource as exc:
+        except BadSource as exc:
             raise bad_path(str(exc)) from None
-        projector = None
-        if mmproj is not None:
+        checked = {}
+        for role, given in (beside or {}).items():
             if src.is_dir():
-                raise InvalidField("Invalid field 'mmproj': a vision projector goes with a "
-                                   "GGUF model file, not an ONNX folder", param="mmproj")
-            projector = check_projector(mmproj, src)
+                raise role.invalid(f"a {role.label} goes with a GGUF model file, not an "
+                                   f"ONNX folder")
+            checked[role] = role.check(given, src)
         if model_id is None:
             model_id = src.name[:-5] if src.name.lower().endswith(".gguf") else src.name
         check_new_id(model_id, id_field)
@@ -71,15 +74,15 @@ class Imports:
                 raise Conflict(f"A model with id {model_id} already exists", param=id_field)
             self._importing.add(model_id)
         try:
-            return self._import(src, model_id, option, name, projector)
-        except _BadSource as exc:
+            return self._import(src, model_id, option, name, checked)
+        except BadSource as exc:
             raise bad_path(str(exc)) from None
         finally:
             with self._lock:
                 self._importing.discard(model_id)
 
     def _import(self, src: Path, model_id: str, option: str, name: str | None,
-                projector: Path | None) -> dict:
+                beside: dict[Role, Path]) -> dict:
         folder = self.registry.root / "imported" / folder_name(model_id)
         shutil.rmtree(folder, ignore_errors=True)  # what a crashed import left
         private_dir(folder)
@@ -92,13 +95,15 @@ class Imports:
                 definition = new_definition(model_id, "local", paths, files, source,
                                              self.registry.usable)
             except ValueError as exc:
-                raise _BadSource(str(exc)) from None
-            if projector is not None:
-                mmproj = _projector_name(projector, {src.name})
-                entry = _import_file(projector, folder / mmproj, model_id, option)[0][0]
-                definition["files"].append({**entry, "path": mmproj})
-                definition["mmproj"] = mmproj
-                definition["source"]["mmproj"] = str(projector)
+                raise BadSource(str(exc)) from None
+            taken = {src.name}
+            for role, path in beside.items():
+                kept = role.file_name(path, taken)
+                taken.add(kept)
+                entry = _import_file(path, folder / kept, model_id, option)[0][0]
+                definition["files"].append({**entry, "path": kept})
+                definition[role.key] = kept
+                definition["source"][role.key] = str(path)
             if name:
                 definition["name"] = name
             return self.registry.add(folder, definition)
@@ -106,106 +111,52 @@ class Imports:
             shutil.rmtree(folder, ignore_errors=True)
             raise
 
-    def set_projector(self, model_id: str, path: str, changes: dict) -> dict:
-        """Give a registered GGUF model the vision projector at `path` (PATCH's `mmproj`),
-        linked into its folder, or replace the one it has, with the other `changes` of
-        the PATCH (Registry.update): the projector is checked before anything changes.
-        A `path` that is the projector the model has (its name in the folder, or its path
-        there) changes nothing.
+    def set_files(self, model_id: str, beside: dict[Role, str], changes: dict) -> dict:
+        """Give a registered GGUF model the files `beside` its weights (role -> path: a
+        PATCH's, as roles.given reads them), each linked into its folder, replacing the
+        one of its role it has, with the other `changes` of the PATCH (Registry.update):
+        every file is checked before anything changes. A path that is the file the
+        model has in that role (its name in the folder, or its path there) changes
+        nothing.
 
-        The model's engine loads a projector when it starts: a running model keeps the
-        one it started with until it is started again.
+        The model's engine loads these files when it starts: a running model keeps the
+        ones it started with until it is started again.
         """
         record = self.registry.get(model_id)
-        current = projector_path(record)
-        if path == record.get("mmproj") or (current is not None and path == str(current)):
+        checked = {}
+        for role, path in beside.items():
+            current = role.path(record)
+            if path == record.get(role.key) or (current is not None and path == str(current)):
+                continue
+            weights = weights_path(record)
+            if weights is None or not weights.name.lower().endswith(".gguf"):
+                raise role.invalid(f"model {model_id} has no GGUF weights; a {role.label} "
+                                   f"goes with a GGUF model")
+            checked[role] = role.check(path, weights)
+        if not checked:
             return self.registry.update(model_id, changes)
-        weights = weights_path(record)
-        if weights is None or not weights.name.lower().endswith(".gguf"):
-            raise InvalidField(f"Invalid field 'mmproj': model {model_id} has no GGUF "
-                               f"weights; a vision projector goes with a GGUF model",
-                               param="mmproj")
-        projector = check_projector(path, weights)
         if changes:
             self.registry.update(model_id, changes)
         folder = Path(record["path"])
-        # Never the old projector's name either: its file goes only once the definition
-        # names the new one, so a crash part-way leaves a whole model.
+        # Never the old file's name either: its file goes only once the definition names
+        # the new one, so a crash part-way leaves a whole model.
         taken = {f["path"] for f in record["files"]}
-        mmproj = _projector_name(projector, taken)
-        entry = _import_file(projector, folder / mmproj, model_id, "symlink")[0][0]
-        return self.registry.set_projector(model_id, mmproj, {**entry, "path": mmproj})
-
-
-def check_projector(path: str, model: Path) -> Path:
-    """The projector GGUF at `path`, once it is one for images whose output size is the
-    model GGUF's embedding size; else an InvalidField naming `mmproj` that says why.
-
-    The sizes are read from both headers, as llama.cpp's mtmd compares them when it
-    loads the pair (clip_n_mmproj_embd against the model's input embedding size); a
-    projector type whose output localrt cannot read is left to that check at start.
-    """
-    def bad(reason: str) -> InvalidField:
-        return InvalidField(f"Invalid field 'mmproj': {reason}", param="mmproj")
-
-    src = Path(path)
-    if src.is_absolute() and src.is_dir():
-        raise bad(f"{path} is a folder, not a projector GGUF file")
-    try:
-        _check_source(src, path)
-    except _BadSource as exc:
-        raise bad(str(exc)) from None
-    try:
-        found = ggufinfo.projector(src)
-    except (OSError, ggufinfo.GGUFError):
-        raise bad(f"{path} is not a vision projector GGUF (mmproj): it has no "
-                  f"clip.projector_type") from None
-    if not found.vision:
-        raise bad(f"{path} is a {found.type} projector without a vision encoder "
-                  f"(clip.has_vision_encoder); localrt takes images only")
-    try:
-        meta = ggufinfo.read_metadata(model)
-    except (OSError, ggufinfo.GGUFError) as exc:
-        raise bad(f"the model's GGUF header cannot be read: {exc}") from None
-    wanted = ggufinfo.model_input_size(meta)
-    if found.output_size is not None and wanted is not None and found.output_size != wanted:
-        arch = meta.get("general.architecture", "")
-        raise bad(f"the projector {path} gives embeddings of size {found.output_size}, but "
-                  f"the model {model.name} takes embeddings of size {wanted} "
-                  f"({arch}.embedding_length); they are not a pair")
-    return src
-
-
-def _projector_name(src: Path, taken: set) -> str:
-    """The name a projector gets in a model's folder: one that registry.is_projector
-    knows (so it is never taken for the weights), and no other file of the model has."""
-    name = src.name if is_projector(src.name) else f"mmproj-{src.name}"
-    if not name.lower().endswith(".gguf"):
-        name += ".gguf"
-    candidate, n = name, 1
-    while candidate in taken:
-        candidate, n = f"mmproj-{n}-{name}", n + 1
-    return candidate
-
-
-class _BadSource(ValueError):
-    """Why a path cannot be imported; import_file words it for the request's shape."""
+        for role, path in checked.items():
+            name = role.file_name(path, taken)
+            taken.add(name)
+            entry = _import_file(path, folder / name, model_id, "symlink")[0][0]
+            record = self.registry.set_file(model_id, role, name, {**entry, "path": name})
+        return record
 
 
 def _check_source(src: Path, path: str) -> None:
-    """Raise _BadSource unless `src` is an absolute path to a readable GGUF file or an
-    ONNX model folder."""
-    if not src.is_absolute():
-        raise _BadSource(f"{path} is not an absolute path")
-    if src.is_dir():
+    """Raise BadSource (roles) unless `src` is an absolute path to a readable GGUF file
+    or an ONNX model folder: the weights an import takes."""
+    if src.is_absolute() and src.is_dir():
         if not (src / ONNX_CONFIG).is_file():
-            raise _BadSource(f"{path} is a folder without {ONNX_CONFIG}, so not an ONNX model")
-    elif not src.exists():
-        raise _BadSource(f"{path} is not a readable file: it does not exist")
-    elif not src.is_file() or not os.access(src, os.R_OK):
-        raise _BadSource(f"{path} is not a readable file")
-    elif not ggufinfo.is_gguf(src):
-        raise _BadSource(f"{path} is not a GGUF file: its header cannot be read")
+            raise BadSource(f"{path} is a folder without {ONNX_CONFIG}, so not an ONNX model")
+    else:
+        check_file(src, path)
 
 
 def _import_file(src: Path, target: Path, model_id: str, option: str) -> tuple[list, list]:

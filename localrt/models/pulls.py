@@ -1,35 +1,33 @@
 """Pulls: what a model id downloads from the hub, and the download itself.
 
 A pull plans first (which repo, revision and files: a repo's GGUF candidates, its
-quantizations, a split model's parts, the projector that comes along), then starts
-one download task (localrt.downloads.tasks), which registers the model once every
-file is checked. A split GGUF (-00001-of-00003.gguf) is one model: every part is
-pulled, the first loaded. Projector files (mmproj*.gguf) are never the model; one
-comes along, recorded as the model's `mmproj`.
+quantizations, a split model's parts, the files that come along), then starts one
+download task (localrt.downloads.tasks), which registers the model once every file is
+checked. A split GGUF (-00001-of-00003.gguf) is one model: every part is pulled, the
+first loaded. A file of another role than the weights (a projector, mmproj*.gguf:
+localrt.models.roles) is never the model; the one its role picks comes along, recorded
+under its role's key.
 """
 
 from __future__ import annotations
 
 import logging
-import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from localrt.downloads.tasks import DownloadFailed, Downloads, Item, Task
 from localrt.engines.catalog import engine_for_files
 from localrt.errors import BadRequest, Conflict, HTTPError, InvalidField, NotFound, UpstreamError
+from localrt.models import roles
 from localrt.models.hub import Hub, HubFile, NotOnHub, RevisionNotOnHub
 from localrt.models.ids import (SPLIT_GGUF, ModelRef, check_id, check_new_id, parse_id,
-                                safe_relative)
-from localrt.models.registry import Registry, is_projector, new_definition, yml_mapping
+                                quantization, safe_relative)
+from localrt.models.registry import Registry, new_definition, yml_mapping
 
 log = logging.getLogger(__name__)
 
 DEFAULT_QUANT = "Q4_K_M"  # what Ollama's hf.co/... and llama.cpp's -hf take by default
-# A quantization in a GGUF file name: Q4_K_M, q8_0, IQ4_XS, TQ1_0, F16, BF16, F32.
-_QUANT = re.compile(r"(?<![A-Za-z0-9])(?:[IT]?Q[0-9]+(?:_[A-Za-z0-9]+)*|BF16|F16|F32|FP16|FP32)"
-                    r"(?![A-Za-z0-9])", re.IGNORECASE)
 SKIPPED_FILES = (".gitattributes",)  # repo files a pull leaves on the hub
 
 
@@ -42,7 +40,8 @@ class _Plan:
     task_id: str
     folder: Path
     items: list
-    mmproj: str | None = None  # the projector's path in the folder, if one comes along
+    # The files that come along beside the weights: role -> its path in the folder.
+    beside: dict = field(default_factory=dict)
     name: str | None = None    # the display name the pull asked for
 
 
@@ -123,9 +122,9 @@ class Pulls:
                     on_success=lambda task: self._register(plan))
         self.downloads.start(task)
         message = f"Model {plan.local_id} starts downloading"
-        if plan.mmproj:  # the one chosen when the repo has several (_projector)
-            message += f", with its vision projector {plan.mmproj}"
-            log.info("pull %s: vision projector %s", plan.task_id, plan.mmproj)
+        for role, path in plan.beside.items():  # the one picked when the repo has several
+            message += f", with its {role.label} {path}"
+            log.info("pull %s: %s %s", plan.task_id, role.label, path)
         return {"message": message, "model": plan.local_id, "task": task.to_dict()}
 
     def variants(self, model_id: str) -> dict:
@@ -207,12 +206,12 @@ class Pulls:
         resolved = ModelRef(ref.repo, revision, chosen.path, builtin=False)
         org, name = ref.repo.split("/")
         folder = self.registry.root / _host(hub) / ref.repo / chosen.path.replace("/", "_")
-        projector = _projector(files)
-        wanted = list(chosen.parts) + ([projector] if projector else [])
+        beside = _beside(files)
+        wanted = list(chosen.parts) + list(beside.values())
         items = [Item(f.path, hub.file_url(ref.repo, revision, f.path),
                       folder / Path(f.path).name, f.size, f.sha256, f.git_oid) for f in wanted]
         return _Plan(resolved, f"{org}:{name}:{chosen.path}", _task_id(resolved), folder,
-                     items, projector and Path(projector.path).name)
+                     items, {role: Path(f.path).name for role, f in beside.items()})
 
     def _plan_builtin(self, ref: ModelRef, hub: Hub) -> _Plan:
         name = ref.repo.split("/")[1]
@@ -254,9 +253,8 @@ class Pulls:
         folder = self.registry.root / _host(hub) / ref.repo / ref.revision
         items = [Item(f.path, hub.file_url(ref.repo, ref.revision, f.path), folder / f.path,
                       f.size, f.sha256, f.git_oid) for f in files]
-        projector = _projector(files)
         return _Plan(ref, local_id, _task_id(ref), folder, items,
-                     projector and projector.path)
+                     {role: f.path for role, f in _beside(files).items()})
 
     def _default_branch(self, ref: ModelRef, hub: Hub, branches: list[str]) -> str | None:
         """The branch a built-in's metadata.yml names as default, or its only branch."""
@@ -280,8 +278,8 @@ class Pulls:
         try:
             definition = new_definition(plan.local_id, org, paths, files, source,
                                          self.registry.usable)
-            if plan.mmproj:
-                definition["mmproj"] = plan.mmproj
+            for role, path in plan.beside.items():
+                definition[role.key] = path
             if plan.name:
                 definition["name"] = plan.name
             other = self.registry.at(plan.folder)
@@ -306,21 +304,12 @@ def _host(hub: Hub) -> str:
     return urlsplit(hub.url).netloc.lower().replace(":", "_")
 
 
-def quantization(path: str) -> str | None:
-    """The quantization a GGUF file's name says (Q4_K_M, Q8_0, F16...), upper-cased."""
-    stem = path.rsplit("/", 1)[-1]
-    split = SPLIT_GGUF.match(stem)
-    stem = split.group(1) if split else stem[:-5] if stem.lower().endswith(".gguf") else stem
-    found = _QUANT.findall(stem)
-    return found[-1].upper() if found else None
-
-
 def _candidates(files: list[HubFile]) -> list[_Candidate]:
     """The GGUF models among a revision's files: a split model's parts make one, in part
-    order (every part must be listed); projectors are not models."""
+    order (every part must be listed); files of other roles (projectors) are not models."""
     singles, splits = [], {}
     for f in sorted(files, key=lambda f: f.path):
-        if not f.path.lower().endswith(".gguf") or is_projector(f.path):
+        if not f.path.lower().endswith(".gguf") or roles.role_of(f.path) is not roles.WEIGHTS:
             continue
         m = SPLIT_GGUF.match(f.path)
         if m:
@@ -363,9 +352,10 @@ def _by_file(files: list[HubFile], candidates: list[_Candidate], path: str):
     f = next((f for f in files if f.path == path), None)
     if f is None:
         return None
-    if is_projector(path):
-        raise BadRequest(f"{path} is a vision projector (mmproj), not a model; choose the "
-                         f"model file, and its projector comes along", param="file")
+    role = roles.role_of(path)
+    if role is not roles.WEIGHTS:
+        raise BadRequest(f"{path} is a {role.label} ({role.key}), not a model; choose the "
+                         f"model file, and its {role.noun} comes along", param="file")
     if engine_for_files([path]) is None:
         raise BadRequest(f"{path} is not a GGUF or ONNX model file", param="file")
     return _Candidate((f,), quantization(path))
@@ -375,23 +365,8 @@ def _listed(candidates: list[_Candidate]) -> str:
     return ", ".join(c.path for c in candidates) or "none"
 
 
-# The projector a pull takes when a repo holds several (mmproj-F16.gguf, mmproj-Q8_0.gguf...):
-# the first quantization here that one has; a projector is small, and one quantized
-# harder costs more of what the model sees than it saves.
-PROJECTOR_QUANTS = ("F16", "BF16", "Q8_0")
-
-
-def _projector(files: list[HubFile]) -> HubFile | None:
-    """The projector that comes with a model: the repo's only one; else the first of
-    PROJECTOR_QUANTS it has (by name when two have it); else the largest (by name when two
-    are as large), the least quantized, as the choice is then about precision too."""
-    found = sorted((f for f in files if is_projector(f.path)), key=lambda f: f.path)
-    if len(found) <= 1:
-        return found[0] if found else None
-    named = {"FP16": "F16"}
-    for quant in PROJECTOR_QUANTS:
-        preferred = [f for f in found
-                     if named.get(quantization(f.path), quantization(f.path)) == quant]
-        if preferred:
-            return preferred[0]
-    return min(found, key=lambda f: (-f.size, f.path))
+def _beside(files: list[HubFile]) -> dict:
+    """The files that come along with a model from a revision's `files`: role -> the
+    file its role picks, for each role that picks one (localrt.models.roles)."""
+    picked = {role: role.pick(files) for role in roles.BESIDE if role.pick is not None}
+    return {role: f for role, f in picked.items() if f is not None}

@@ -28,6 +28,7 @@ from localrt.engines.catalog import engine_alias, engine_for_files, weights_file
 from localrt.errors import Conflict, HTTPError, InvalidField, NotFound
 from localrt.fsutil import atomic_write, remove_stale_temps
 from localrt.engines import ggufinfo
+from localrt.models import roles
 
 log = logging.getLogger(__name__)
 
@@ -131,21 +132,22 @@ class Registry:
                     raise Conflict(f"Model {model_id}'s {key} changes only through {by}, "
                                    f"never an update; it is {_shown(record[key])}",
                                    param=key)
-            # mmproj, a path to check and link in, is Imports.set_projector's to set.
-            dropped = ("id", "model", "object", "mmproj", *FIXED_FIELDS)
+            # A file beside the weights (roles.KEYS), a path to check and link in, is
+            # Imports.set_files' to set.
+            dropped = ("id", "model", "object", *roles.KEYS, *FIXED_FIELDS)
             updated = {**d, **{k: v for k, v in changes.items() if k not in dropped}}
             self._write(folder, updated)
         return self._record(folder, updated)
 
-    def set_projector(self, model_id: str, name: str, entry: dict) -> dict:
+    def set_file(self, model_id: str, role: roles.Role, name: str, entry: dict) -> dict:
         """Record `name`, a file now in the model's folder (its files entry `entry`), as
-        the model's projector (`mmproj`); the file of the one it replaces is deleted from
-        the folder (a link's target never is)."""
+        the model's file in `role` (under the role's key); the file of the one it
+        replaces is deleted from the folder (a link's target never is)."""
         with self._lock:
             folder, d = self._find(model_id)
-            old = d.get("mmproj")
+            old = d.get(role.key)
             files = [f for f in d["files"] if f["path"] not in (old, name)] + [entry]
-            updated = {**d, "files": files, "mmproj": name}
+            updated = {**d, "files": files, role.key: name}
             self._write(folder, updated)
             # A definition's paths are relative (schemas/model.json); a hand-edited one
             # that leaves the folder is left alone.
@@ -309,50 +311,41 @@ def _inside(folder: Path, root: Path) -> bool:
     return folder != root and root in folder.parents
 
 
-def is_projector(path: str) -> bool:
-    """Whether a GGUF file is a vision projector (mmproj*.gguf), never a model to load."""
-    name = path.lower().rsplit("/", 1)[-1]
-    return name.startswith("mmproj") and name.endswith(".gguf")
-
-
-def projector_path(record: dict) -> Path | None:
-    """The vision projector (mmproj GGUF) a model record names, or None: a model with
-    one is a vision model (gguf-cpp loads it through llama.cpp's mtmd)."""
-    mmproj = record.get("mmproj")
-    return Path(record["path"]) / mmproj if mmproj else None
-
-
 def capabilities(record: dict) -> list[str]:
     """What a model can be asked for, as GET /v1/models and Ollama's /api/show say:
     ["embedding"] for an embedding model (its GGUF says so: metadata.embedding, which
-    a pull or an import records), ["chat", "vision"] for a GGUF with a projector, else
+    a pull or an import records), ["chat", "vision"] for a GGUF with a projector (the
+    capability of each file it has beside its weights: localrt.models.roles), else
     ["chat"]."""
     if (record.get("metadata") or {}).get("embedding") is True:
         return ["embedding"]
-    if record.get("mmproj"):  # a GGUF's projector: llama.cpp's mtmd loads it
+    added = [r.capability for r in roles.BESIDE if r.capability and record.get(r.key)]
+    if added:  # files that go with GGUF weights, which llama.cpp loads beside them
         weights = _weights_name(record)
         if weights is not None and weights.lower().endswith(".gguf"):
-            return ["chat", "vision"]
+            return ["chat", *added]
     return ["chat"]
 
 
 def weights_path(record: dict) -> Path | None:
     """The file an engine loads for a model record: its GGUF (a split one's first part,
-    never a projector), else its ONNX model file."""
+    never a file of another role, such as a projector), else its ONNX model file."""
     found = _weights_name(record)
     return Path(record["path"]) / found if found is not None else None
 
 
 def _weights_name(definition: dict) -> str | None:
     """The path, in a model's folder, of the file an engine loads (weights_path)."""
+    beside = {definition.get(k) for k in roles.KEYS}
     return weights_file(f["path"] for f in definition.get("files", ())
-                        if not is_projector(f["path"]) and f["path"] != definition.get("mmproj"))
+                        if roles.role_of(f["path"]) is roles.WEIGHTS
+                        and f["path"] not in beside)
 
 
 # Record fields that model.yml cannot set: localrt's own, and those it derives
 # (`model` is the id, as cortex calls it).
 RECORD_FIELDS = ("id", "object", "created", "owned_by", "files", "source", "metadata",
-                 "path", "size", "status", "engine", "mmproj", "model")
+                 "path", "size", "status", "engine", "model", *roles.KEYS)
 
 
 def new_definition(model_id: str, owner: str, paths: list[Path], files: list[dict],
@@ -373,7 +366,7 @@ def new_definition(model_id: str, owner: str, paths: list[Path], files: list[dic
                   "created": int(time.time()), "owned_by": owner, "files": files,
                   "source": source}
     ggufs = sorted((p for p in paths if p.name.lower().endswith(".gguf")
-                    and not is_projector(p.name)), key=lambda p: p.name)
+                    and roles.role_of(p.name) is roles.WEIGHTS), key=lambda p: p.name)
     if ggufs:  # a split model's metadata is in its first part
         try:
             meta = ggufinfo.model_defaults(ggufs[0])

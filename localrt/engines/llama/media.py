@@ -1,6 +1,6 @@
 """Images into a gguf-cpp model: its projector (mmproj) through llama.cpp's mtmd.
 
-A model whose record names a projector (localrt.models.registry.projector_path) loads
+A model whose record names a projector (localrt.models.roles.PROJECTOR) loads
 it as a `Projector` beside the text model, on the GPU when the text model uses one.
 A chat with images (localrt.engines.contract.Image parts) becomes one prompt:
 
