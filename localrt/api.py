@@ -434,7 +434,7 @@ def _streamed(result):
 
 
 # The body a route that takes images may have: base64 makes 20 MiB (the most one image
-# may be, localrt.inference.images) 27 MiB, and a few smaller ones fit beside it.
+# may be, localrt.inference.media) 27 MiB, and a few smaller ones fit beside it.
 IMAGE_BODY = 64 * 1024 * 1024
 
 # Fixed paths come before `{model_id:path}` ones: model ids hold "/" and ":".

@@ -102,7 +102,7 @@ class PayloadTooLarge(HTTPError):
 
 
 class ImageTooLarge(PayloadTooLarge):
-    """One image of more than the 20 MiB a request may carry (localrt.inference.images)."""
+    """One image of more than the 20 MiB a request may carry (localrt.inference.media)."""
 
     code = "image_too_large"
 

@@ -16,7 +16,7 @@ A request:
   Text          a part that is text
   Media         a part that is bytes of a media type (an image today): `data` is the
                 bytes, or a URL to read them from (data: or http(s)), read and checked
-                by localrt.inference.images; `where` is the dialect's own path of the
+                by localrt.inference.media; `where` is the dialect's own path of the
                 part, which its errors name (messages[1].content[0].source)
   ToolCall      an assistant's call in the history: id, name, arguments (JSON text)
 

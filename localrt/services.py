@@ -46,7 +46,7 @@ from localrt.inference.completions import Completions
 from localrt.config import Config
 from localrt.downloads.tasks import Downloads
 from localrt.inference.embeddings import Embeddings
-from localrt.inference.images import Images, Policy
+from localrt.inference.media import Images, Policy
 from localrt.engines.catalog import Engines
 from localrt.events import EventBus
 from localrt.engines.installs import EngineState, Installs

@@ -221,7 +221,7 @@ KEYS: tuple[Key, ...] = (
     Key("rpcTrustedHosts", _hosts, [],
         "hosts (names, addresses or CIDR ranges) besides loopback whose rpc-server a "
         "model may be split across (start option rpc_servers)"),
-    # Image URLs in chat requests (localrt.inference.images). A request's URL is the
+    # Image URLs in chat requests (localrt.inference.media). A request's URL is the
     # client's choice, so by default it never reaches this host or its networks.
     Key("imageUrlFetch", _boolean, True,
         "whether http(s) image URLs in chat requests are fetched; false refuses them "

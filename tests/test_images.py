@@ -1,4 +1,4 @@
-"""Images in requests: localrt.inference.images and the dialects' translations.
+"""Images in requests: localrt.inference.media and the dialects' translations.
 
 Every shape a client sends (OpenAI's image_url part, Anthropic's image block, Ollama's
 images, Responses' input_image) becomes contract.Image parts, checked before any
@@ -27,10 +27,10 @@ from support.vision import bmp, gif, jpeg, png, write_vision_pair
 
 from localrt.engines.contract import Image
 from localrt.errors import ImagesNotSupported, ImageTooLarge, InvalidField, InvalidImage
-from localrt.inference import images
+from localrt.inference import media as images
 from localrt.dialects.openai import read_chat
 from localrt.inference.chat import Chats
-from localrt.inference.images import (MAX_BYTES, ImageFetchFailed, Images, ImageURLRefused,
+from localrt.inference.media import (MAX_BYTES, ImageFetchFailed, Images, ImageURLRefused,
                                       Policy)
 
 PNG = png(8, 8, 0)
@@ -527,3 +527,17 @@ def test_a_remote_models_upstream_gets_the_image_parts_as_they_came(api):
     finally:
         upstream.shutdown()
         upstream.server_close()
+
+
+def test_media_of_a_kind_the_model_does_not_take_is_refused_naming_the_part():
+    from localrt import native
+
+    image = native.Media(PNG, "image/png", "messages[0].content[0]")
+    sound = native.Media(b"RIFF", "audio/wav", "messages[0].content[1]")
+    assert images.check("seer", {"image"}, [image], images.Policy()) == 1
+    with pytest.raises(ImagesNotSupported):
+        images.check("plain", set(), [image], images.Policy())
+    with pytest.raises(InvalidField) as err:
+        images.check("seer", {"image"}, [image, sound], images.Policy())
+    assert err.value.param == "messages[0].content[1]" and "audio/wav" in err.value.message
+    assert images.KINDS == {"image": "vision"}  # a record says "vision" for images

@@ -195,7 +195,7 @@ def _messages(index: int, message: dict, last: bool) -> list:
 
 def _media(block: dict, field: str) -> native.Media:
     """An image block as a Media part: a base64 source as a data: URL, a url source as
-    its URL (both read by localrt.inference.images)."""
+    its URL (both read by localrt.inference.media)."""
     source = block["source"]
     if source["type"] == "base64":
         return native.Media(f"data:{source['media_type']};base64,{source['data']}",

@@ -52,7 +52,7 @@ from localrt.admission import Disconnected, never
 from localrt.dialects.common import Fields, failure
 from localrt.dialects.ollama_models import SAMPLING, Lines, Names, now
 from localrt.errors import HTTPError, InternalError, InvalidField
-from localrt.inference.images import data_url
+from localrt.inference.media import data_url
 from localrt.inference.running import ModelStopped
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ request and writes the events its own way.
 The steps: a request takes the one path of localrt.inference.requests (a remote
 model's goes to its upstreams there, through localrt.remote.wire, or, for OpenAI's
 own route, as the client sent it), the media of its messages are checked against the
-model and read (localrt.inference.images), the engine checks what it can serve
+model and read (localrt.inference.media), the engine checks what it can serve
 (localrt.engines.catalog), the scheduler gives the model and paces its tokens
 (`Lease.steps`, localrt.inference.scheduler), and localrt.engines.toolcalls knows
 each model family's tool-call syntax: the grammar that forces a call and the parser
@@ -38,11 +38,10 @@ from localrt.admission import LIMITS, Disconnected, never
 from localrt.engines import contract, toolcalls
 from localrt.engines.generation import render_template
 from localrt.errors import InvalidField
-from localrt.inference import images as images_mod
+from localrt.inference import media as media_mod
 from localrt.inference.requests import Kind, Local, RequestPath
 from localrt.inference.running import Lease
 from localrt.metrics import Clock
-from localrt.models.registry import capabilities
 from localrt.remote import wire
 
 log = logging.getLogger(__name__)
@@ -65,13 +64,13 @@ class Chats:
     """
 
     def __init__(self, path: RequestPath, max_requests: int = LIMITS["chat"],
-                 images: images_mod.Images | None = None):
+                 images: media_mod.Images | None = None):
         self._path = path
         self.kind = Kind("chat", "/chat/completions", max_requests)
         self.admission = self.kind.admission
-        # Reads the images of a request (localrt.inference.images); the default one
+        # Reads the images of a request (localrt.inference.media); the default one
         # fetches with no proxy, under the settings' defaults.
-        self.images = images or images_mod.Images(_direct, images_mod.Policy)
+        self.images = images or media_mod.Images(_direct, media_mod.Policy)
 
     def create(self, request: native.Request, disconnected: Disconnected = never,
                messages: list | None = None):
@@ -110,8 +109,8 @@ class Chats:
         """The request's messages as chat templates take them, each medium read (a URL
         fetched) and checked: all before the model's turn, so before any compute.
         `local` needs only its model_id and record (a `Local`)."""
-        images_mod.check(local.model_id, "vision" in capabilities(local.record),
-                         list(request.media()), self.images.policy())
+        media_mod.check(local.model_id, media_mod.kinds(local.record),
+                        list(request.media()), self.images.policy())
         return [_message(m, self.images.read_media) for m in request.messages]
 
     def _create(self, local: Local, request: native.Request, messages: list | None = None):

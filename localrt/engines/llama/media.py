@@ -214,7 +214,7 @@ class Projector:
 
 
 def refuse_images(model_id: str | None = None) -> ImagesNotSupported:
-    """The error for images sent to a model without a projector (localrt.inference.images
+    """The error for images sent to a model without a projector (localrt.inference.media
     gives it before the model starts; the engine, should one reach it anyway)."""
     name = f"Model {model_id}" if model_id else "This model"
     return ImagesNotSupported(f"{name} does not take images: it has no vision projector "

@@ -1,27 +1,31 @@
-"""The images of a chat request: where each comes from, read and checked before any compute.
+"""The media of a chat request (localrt.native.Media parts): which kinds the model takes,
+and each part read and checked before any compute.
 
-Every dialect turns its own image shape into a Media part (localrt.native.Media: bytes,
-or a data: or http(s) URL, with the dialect's own path of the part), so one place reads
-them all:
+Every dialect turns its own shapes into Media parts (bytes, or a data: or http(s) URL,
+with the dialect's own path of the part, `where`), so one place reads them all:
 
-  check     before anything else (before a model starts): a request with images for a
-            model that has no projector is images_not_supported, naming the model; one
-            with more than maxImagesPerRequest is a 400 naming the first one too many
-  Images    the URL of one part as a contract.Image: a data: URL is decoded; an http(s)
-            URL is fetched (imageUrlFetch), in the request's own thread, before the
-            model's turn; the bytes must start as PNG, JPEG, BMP or GIF do (llama.cpp
-            decodes them later, and says invalid_image if it cannot)
+  KINDS     each kind of media a model may take, with the capability its record names
+            it by (localrt.models.registry.capabilities): an image is "vision", as the
+            records and Ollama's /api/show say it. Audio will be one more row.
+  check     before anything else (before a model starts): a part of a kind the model
+            does not take is refused, naming the model (images_not_supported for an
+            image); more than maxImagesPerRequest images is a 400 naming the first one
+            too many
+  Images    an image part as a contract.Image: bytes as they are; a data: URL is
+            decoded; an http(s) URL is fetched (imageUrlFetch), in the request's own
+            thread, before the model's turn; the bytes must start as PNG, JPEG, BMP or
+            GIF do (llama.cpp decodes them later, and says invalid_image if it cannot)
 
-Fetches go through localrt.downloads.opener, so the Config's proxy, no_proxy and TLS
-flags apply, with at most MAX_BYTES an image and FETCH_TIMEOUT seconds all told. An
-address on loopback, a link-local or private network, or one that is unspecified,
-multicast or reserved is refused unless imageUrlHosts names its host or a range that
-holds it: the name is resolved and checked first, and the connected socket's peer again
-(so a name that resolves elsewhere the second time is caught), on every redirect, which
-are followed here, at most MAX_REDIRECTS. Through a proxy the peer is the proxy, and the
+Fetches go through localrt.outbound, so the Config's proxy, no_proxy and TLS flags
+apply, with at most MAX_BYTES an image and FETCH_TIMEOUT seconds all told. An address
+on loopback, a link-local or private network, or one that is unspecified, multicast or
+reserved is refused unless imageUrlHosts names its host or a range that holds it: the
+name is resolved and checked first, and the connected socket's peer again (so a name
+that resolves elsewhere the second time is caught), on every redirect, which are
+followed here, at most MAX_REDIRECTS. Through a proxy the peer is the proxy, and the
 proxy resolves the name: only the first check applies, and a name this host cannot
-resolve is left to the proxy. Each error names the part (`where`, chat's field path,
-which a dialect renames to its own: localrt.dialects.common.Fields).
+resolve is left to the proxy. Each error names the part (`where`, the dialect's own
+path of it).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from urllib.parse import unquote_to_bytes, urljoin, urlsplit, urlunsplit
 from localrt.engines.contract import Image
 from localrt.engines.llama.media import image_format, refuse_images
 from localrt.errors import HTTPError, ImageTooLarge, InvalidField, InvalidImage
+from localrt.models.registry import capabilities
 
 MAX_BYTES = 20 * 1024 * 1024  # one image; what Anthropic and OpenAI take, about
 FETCH_TIMEOUT = 30.0          # seconds for one image's fetch, redirects included
@@ -80,13 +85,30 @@ class Policy:
 # --- the parts of a request -----------------------------------------------------------
 
 
-def check(model_id: str, vision: bool, media: list, policy: Policy) -> int:
-    """How many images the request's Media parts (localrt.native.Media) are, once the
-    model can take them and they are not too many: ImagesNotSupported, or a 400 naming
-    the first one past the limit."""
-    found = [m.where for m in media]
-    if found and not vision:
-        raise refuse_images(model_id)
+# The kinds of media a model may take, each with the capability that says it takes them
+# (a record's capabilities: localrt.models.registry, from its files' roles). If you add
+# a kind, also give it a reader (`read` of Images' kind) and a refusal in `check`.
+KINDS = {"image": "vision"}
+
+
+def kinds(record: dict) -> set:
+    """The kinds of media a model takes, by its record's capabilities."""
+    own = capabilities(record)
+    return {kind for kind, capability in KINDS.items() if capability in own}
+
+
+def check(model_id: str, takes: set, media: list, policy: Policy) -> int:
+    """How many images the request's Media parts are, once the model takes each part's
+    kind (`takes`, from `kinds`) and they are not too many: ImagesNotSupported for an
+    image a model cannot take, a 400 naming a part of a kind no model takes here, or a
+    400 naming the first image past the limit."""
+    for part in media:
+        if part.kind not in takes:
+            if part.kind == "image":
+                raise refuse_images(model_id)
+            raise InvalidField(f"Invalid field '{part.where}': localrt reads no "
+                               f"{part.media_type} media", param=part.where)
+    found = [m.where for m in media if m.kind == "image"]
     if len(found) > policy.max_images:
         where = found[policy.max_images]
         raise InvalidField(f"Invalid field '{where}': the request has {len(found)} images; "
