@@ -53,7 +53,7 @@ from typing import Iterator
 
 from localrt import native
 from localrt.admission import Disconnected, never
-from localrt.dialects.common import Fields, NamedEvents, failure
+from localrt.dialects.common import Fields, NamedEvents, failure, write
 from localrt.errors import HTTPError, InvalidField
 
 # Anthropic's error type for each HTTP status (its API's errors page); any other 4xx is
@@ -86,13 +86,9 @@ def messages(chats, body: dict, disconnected: Disconnected = never):
     """POST /v1/messages: a Message dict, or a MessageStream."""
     request = read(body)
     with FIELDS.named(request):
-        reply = chats.create(request, disconnected)
-        if request.stream:
-            return MessageStream(reply, body)
-        try:
-            return message(native.collect(reply.events()), body)
-        finally:
-            reply.close()
+        return write(chats.create(request, disconnected), request.stream,
+                     lambda reply: MessageStream(reply, body),
+                     lambda whole: message(whole, body))
 
 
 def count_tokens(chats, body: dict, disconnected: Disconnected = never) -> dict:

@@ -3,7 +3,7 @@ reply that broke, and their named-event streams.
 
 Every dialect reads its body (checked against its own schema) into a native request
 (localrt.native), calls the native call, and writes the reply's events in its wire
-format. A 400 from the native call names the native field
+format (`write`: streamed, or whole through native.collect). A 400 from the native call names the native field
 (`tools[0].function.parameters`); `Fields` renames it to the dialect's own
 (`tools[0].input_schema`), so a client reads the name it sent. A media part carries
 the dialect's own path (`where`), which its errors name as it is.
@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import Iterator
+from typing import Callable, Iterator
 
+from localrt import native
 from localrt.errors import HTTPError
 from localrt.routing import stream_error
 from localrt.routing import sse
@@ -52,6 +53,18 @@ class Fields:
             yield
         except HTTPError as err:
             raise self.rename(err, own) from None
+
+
+def write(reply, streamed: bool, stream: Callable, whole: Callable):
+    """The dialect template's last step: `stream(reply)`, the dialect's streamed writer
+    (closed by the server), or with streamed false `whole(native.collect(events))`, the
+    whole reply written, the reply closed either way."""
+    if streamed:
+        return stream(reply)
+    try:
+        return whole(native.collect(reply.events()))
+    finally:
+        reply.close()
 
 
 def failure(exc: BaseException, model_id: str) -> dict:

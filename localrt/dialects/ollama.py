@@ -44,13 +44,12 @@ import logging
 import math
 import re
 import time
-from datetime import timedelta
 from typing import Callable, Iterator
 
 from localrt import __version__, native
 from localrt.admission import Disconnected, never
 from localrt.dialects.common import Fields, failure
-from localrt.dialects.ollama_models import SAMPLING, Lines, Names, now
+from localrt.dialects.ollama_models import FOREVER, SAMPLING, Lines, Names, now
 from localrt.errors import HTTPError, InternalError, InvalidField
 from localrt.inference.media import data_url
 from localrt.inference.running import ModelStopped
@@ -59,7 +58,6 @@ log = logging.getLogger(__name__)
 
 VERSION = "0.33.0"  # the Ollama release whose API (docs/api.md) this module follows
 UNLIMITED = 16777216  # max_tokens for "no limit but the context" (completions default to 16)
-FOREVER = timedelta(microseconds=(2 ** 63 - 1) // 1000)  # Go's longest Duration, as Ollama
 _DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|µs|μs|ms|s|m|h)")
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
           "h": 3600.0}

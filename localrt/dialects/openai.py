@@ -41,6 +41,7 @@ from typing import Iterator
 
 from localrt import native
 from localrt.admission import Disconnected, never
+from localrt.dialects.common import write
 from localrt.engines import logprobs as logprobs_mod
 from localrt.errors import InvalidField
 from localrt.inference.completions import read_prompt
@@ -58,13 +59,9 @@ def chat(chats, body: dict, disconnected: Disconnected = never):
     if upstream is not None:
         return upstream  # a remote model's upstream's own reply, untouched
     request = read_chat(body)
-    reply = chats.create(request, disconnected)
-    if request.stream:
-        return ChatChunks(reply, request)
-    try:
-        return chat_completion(native.collect(reply.events()), request)
-    finally:
-        reply.close()
+    return write(chats.create(request, disconnected), request.stream,
+                 lambda reply: ChatChunks(reply, request),
+                 lambda whole: chat_completion(whole, request))
 
 
 def read_chat(body: dict) -> native.Request:

@@ -34,7 +34,7 @@ from typing import Iterator
 
 from localrt import native
 from localrt.admission import Disconnected, never
-from localrt.dialects.common import Fields, NamedEvents, failure
+from localrt.dialects.common import Fields, NamedEvents, failure, write
 from localrt.errors import InvalidField, NotFound
 
 # The store's bounds: responses, and the bytes of their conversations as JSON (each
@@ -76,17 +76,15 @@ def create(chats, store: "Store", body: dict, disconnected: Disconnected = never
     shell = response_shell(body)
     conversation = history + items
     keep = store.put if body.get("store") else None
+    def whole(whole: native.Whole) -> dict:
+        response = finished(shell, *output_of(whole))
+        if keep:
+            keep(response, conversation + output_items(response["output"]))
+        return response
+
     with FIELDS.named(request):
-        reply = chats.create(request, disconnected)
-        if request.stream:
-            return ResponseStream(reply, shell, conversation, keep)
-        try:
-            response = finished(shell, *output_of(native.collect(reply.events())))
-        finally:
-            reply.close()
-    if keep:
-        keep(response, conversation + output_items(response["output"]))
-    return response
+        return write(chats.create(request, disconnected), request.stream,
+                     lambda reply: ResponseStream(reply, shell, conversation, keep), whole)
 
 
 def get(store: "Store", response_id: str) -> dict:
