@@ -50,6 +50,7 @@ DEFAULT_REFERENCE = "fb993c4"
 
 def unpack(revision: str, folder: Path) -> Path:
     """The tree of `revision`, unpacked into `folder` (git archive)."""
+    folder.mkdir(parents=True, exist_ok=True)
     archive = folder / "tree.tar"
     subprocess.run(["git", "archive", "--format=tar", "-o", str(archive), revision],
                    cwd=REPO, check=True)
