@@ -111,24 +111,19 @@ def read(body: dict) -> native.Request:
     last = len(body["messages"]) - 1
     for i, message in enumerate(body["messages"]):
         messages += _messages(i, message, i == last)
-    request = native.Request(model=body["model"], messages=messages,
-                             sampling={k: body[k] for k in SAMPLING
-                                       if body.get(k) is not None},
-                             stop=list(body.get("stop_sequences") or []),
-                             tools=[_tool(tool) for tool in body.get("tools") or ()])
-    choice = body.get("tool_choice")
-    if choice:
-        mode = {"auto": "auto", "any": "required", "none": "none"}.get(choice["type"])
-        request.tool_choice = mode or "function"
-        request.tool_function = None if mode else choice["name"]
-        request.parallel_tool_calls = not choice.get("disable_parallel_tool_use")
+    choice = body.get("tool_choice") or {"type": "auto"}
+    mode = {"auto": "auto", "any": "required", "none": "none"}.get(choice["type"])
     fmt = (body.get("output_config") or {}).get("format")
-    if fmt:
-        request.response_format = {"type": "json_schema", "schema": fmt["schema"],
-                                   "name": "output"}
-    if body.get("stream"):
-        request.stream = request.include_usage = True
-    return request
+    return native.Request(
+        model=body["model"], messages=messages,
+        sampling={k: body[k] for k in SAMPLING if body.get(k) is not None},
+        stop=list(body.get("stop_sequences") or []),
+        tools=[_tool(tool) for tool in body.get("tools") or ()],
+        tool_choice=mode or "function", tool_function=None if mode else choice["name"],
+        parallel_tool_calls=not choice.get("disable_parallel_tool_use"),
+        response_format={"type": "json_schema", "schema": fmt["schema"], "name": "output"}
+        if fmt else None,
+        stream=bool(body.get("stream")), include_usage=bool(body.get("stream")))
 
 
 def read_count(body: dict) -> native.Request:

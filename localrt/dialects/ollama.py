@@ -153,28 +153,26 @@ def messages(given: list) -> list:
     tool_name)."""
     out, unanswered, count = [], [], 0
     for i, m in enumerate(given):
-        message = native.Message(m["role"], parts(m.get("content"), m.get("images"),
-                                                  f"messages[{i}].images"))
+        calls, call_id, name = [], None, None
         if m["role"] == "assistant" and m.get("tool_calls"):
             for call in m["tool_calls"]:
                 count += 1
-                call_id = call.get("id") or f"call{count:05d}"
+                own = call.get("id") or f"call{count:05d}"
                 function = call["function"]
-                message.tool_calls.append(native.ToolCall(
-                    call_id, function["name"], json.dumps(function.get("arguments") or {})))
-                unanswered.append((call_id, function["name"]))
+                calls.append(native.ToolCall(own, function["name"],
+                                             json.dumps(function.get("arguments") or {})))
+                unanswered.append((own, function["name"]))
         elif m["role"] == "tool":
-            name = m.get("tool_name")
+            name = m.get("tool_name") or None
             call_id = m.get("tool_call_id")
             if not call_id:
                 match = next((c for c in unanswered if name in (None, c[1])), None)
                 count += 1
                 call_id = match[0] if match else f"call{count:05d}"
             unanswered = [c for c in unanswered if c[0] != call_id]
-            message.tool_call_id = call_id
-            if name:
-                message.name = name
-        out.append(message)
+        out.append(native.Message(m["role"], parts(m.get("content"), m.get("images"),
+                                                   f"messages[{i}].images"),
+                                  calls, call_id, name))
     return out
 
 

@@ -162,29 +162,26 @@ def read(body: dict, history: list, items: list) -> native.Request:
     if not messages:
         raise InvalidField("Invalid field 'input': there is no message to answer",
                            param="input")
-    request = native.Request(model=body["model"], messages=messages)
-    for name, native_name in (("max_output_tokens", "max_tokens"), ("temperature", None),
-                              ("top_p", None), ("seed", None)):
-        if body.get(name) is not None:
-            request.sampling[native_name or name] = body[name]
-    request.parallel_tool_calls = body.get("parallel_tool_calls") is not False
-    request.tools = [{"type": "function", "function": {
-        k: tool[k] for k in ("name", "description", "parameters", "strict")
-        if tool.get(k) is not None}} for tool in body.get("tools") or ()]
+    sampling = {native_name or name: body[name]
+                for name, native_name in (("max_output_tokens", "max_tokens"),
+                                          ("temperature", None), ("top_p", None),
+                                          ("seed", None))
+                if body.get(name) is not None}
     choice = body.get("tool_choice")
-    if isinstance(choice, dict):
-        request.tool_choice, request.tool_function = "function", choice["name"]
-    elif choice is not None:
-        request.tool_choice = choice
-    fmt = (body.get("text") or {}).get("format")
-    if fmt and fmt["type"] == "json_schema":
-        request.response_format = {"type": "json_schema", "schema": fmt["schema"],
-                                   "name": fmt.get("name") or "response"}
-    elif fmt and fmt["type"] == "json_object":
-        request.response_format = {"type": "json_object", "schema": None}
-    if body.get("stream"):
-        request.stream = request.include_usage = True
-    return request
+    fmt = (body.get("text") or {}).get("format") or {"type": "text"}
+    response_format = {"json_schema": {"type": "json_schema", "schema": fmt.get("schema"),
+                                       "name": fmt.get("name") or "response"},
+                       "json_object": {"type": "json_object", "schema": None}}.get(fmt["type"])
+    return native.Request(
+        model=body["model"], messages=messages, sampling=sampling,
+        tools=[{"type": "function", "function": {
+            k: tool[k] for k in ("name", "description", "parameters", "strict")
+            if tool.get(k) is not None}} for tool in body.get("tools") or ()],
+        tool_choice="function" if isinstance(choice, dict) else choice or "auto",
+        tool_function=choice["name"] if isinstance(choice, dict) else None,
+        parallel_tool_calls=body.get("parallel_tool_calls") is not False,
+        response_format=response_format,
+        stream=bool(body.get("stream")), include_usage=bool(body.get("stream")))
 
 
 def input_messages(items: list, field: str) -> list:
