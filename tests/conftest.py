@@ -16,7 +16,7 @@ from types import SimpleNamespace
 from wsgiref.simple_server import make_server
 
 import pytest
-from ggufgen import write_gguf
+from emulators.ggufgen import write_gguf
 from support import REPO, WHEELS
 from support.apps import bind
 from support.models import quantize, write_family_models
@@ -153,7 +153,7 @@ def index_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("index")
     for wheel in WHEELS.glob("*.whl"):
         (root / wheel.name).symlink_to(wheel)
-    from enginepkg import build_echo_engine_wheel
+    from emulators.enginepkg import build_echo_engine_wheel
 
     build_echo_engine_wheel(root)
     return root

@@ -9,7 +9,7 @@ event streams (localrt.events.EventBus).
 
 A test takes every slot but the ones it needs by entering the real admission itself,
 as that many requests in progress would, and gives them back after, so no test has to
-hold sixteen requests open. The model is a tiny random llama (tests/ggufgen.py); the
+hold sixteen requests open. The model is a tiny random llama (tests/emulators/ggufgen.py); the
 remote model's upstream is an address nothing listens on, so only the admission can
 answer its 503 with these words.
 
@@ -32,8 +32,8 @@ from wsgiref.util import setup_testing_defaults
 from wsgiref.validate import validator
 
 import pytest
-from ggufgen import write_gguf
-from hubemu import HubEmulator
+from emulators.ggufgen import write_gguf
+from emulators.hubemu import HubEmulator
 from support.apps import bind, events
 from support.models import NO_EOS
 from support.servers import free_port, send, wait_for

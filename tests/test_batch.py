@@ -1,6 +1,6 @@
 """Continuous batching and the prompt cache, on real llama.cpp (localrt.engines.batching).
 
-The models are tests/ggufgen.py's tiny random llama (conftest's `quantized`, and an F16
+The models are tests/emulators/ggufgen.py's tiny random llama (conftest's `quantized`, and an F16
 one here). Their vocabulary is fixed, so a logit bias of +100 on one ordinary token
 makes a reply that token over and over: token 262 is "e", 263 "t", 264 "a", 265 "o".
 Greedy replies are checked against the same request served alone: llama.cpp computes a
@@ -21,7 +21,7 @@ from wsgiref.util import setup_testing_defaults
 from wsgiref.validate import validator
 
 import pytest
-from ggufgen import write_gguf
+from emulators.ggufgen import write_gguf
 from support.models import NO_EOS
 
 from localrt.engines.batching import Batcher, Entry, Sequence

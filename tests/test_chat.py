@@ -1,6 +1,6 @@
 """Running models and chat completions, through the WSGI app, on real llama.cpp.
 
-The models are tests/ggufgen.py's tiny random llama, quantized by llama.cpp to Q8_0
+The models are tests/emulators/ggufgen.py's tiny random llama, quantized by llama.cpp to Q8_0
 and Q4_0 (the `quantized` fixture in conftest), registered with POST /v1/models/import.
 Its end-of-sequence token is id 2, so `"logit_bias": {"2": -100}` makes a reply run
 to max_tokens and `{"2": 100}` ends it at once.
@@ -108,7 +108,7 @@ def test_start_errors_for_missing_models_and_engines(api, tiny, tmp_path):
 
 
 def test_a_model_whose_engine_is_not_installed_gets_a_409_naming_it(api, tmp_path):
-    from onnxgen import write_onnx_model
+    from emulators.onnxgen import write_onnx_model
 
     folder = write_onnx_model(tmp_path / "onnx-model")
     add_model(api, folder, "tiny-onnx")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from ggufgen import write_gguf
+from emulators.ggufgen import write_gguf
 from support.cli import run
 
 from localrt.cli import ExitCode

@@ -11,8 +11,8 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from ggufgen import write_gguf
-from hubemu import HubEmulator
+from emulators.ggufgen import write_gguf
+from emulators.hubemu import HubEmulator
 from support.cli import run
 from support.servers import subprocess_env
 

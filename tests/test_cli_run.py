@@ -20,7 +20,7 @@ import sys
 import time
 
 import pytest
-from hubemu import HubEmulator
+from emulators.hubemu import HubEmulator
 from support.cli import run
 from support.models import NO_DRAFTS, NO_EOS
 from support.servers import run_foreground_server, subprocess_env

@@ -1,6 +1,6 @@
 """POST /v1/completions through the WSGI app, on real llama.cpp.
 
-The models are tests/ggufgen.py's tiny random llama (quantized by llama.cpp, the
+The models are tests/emulators/ggufgen.py's tiny random llama (quantized by llama.cpp, the
 `quantized` fixture) and the same llama with Qwen 2.5 Coder's fill-in-the-middle tokens
 in its vocabulary. Their end-of-sequence token is id 2, so `"logit_bias": {"2": -100}`
 makes a reply run to max_tokens. Random weights make gibberish: the tests check shapes,
@@ -11,7 +11,7 @@ time, so one request's text can be compared with another's.
 from __future__ import annotations
 
 import pytest
-from ggufgen import FIM_TOKENS, write_gguf
+from emulators.ggufgen import FIM_TOKENS, write_gguf
 from support.apps import events
 from support.models import NO_EOS, tokens_of
 

@@ -9,8 +9,8 @@ import json
 import os
 
 import pytest
-from ggufgen import write_gguf
-from hubemu import HubEmulator
+from emulators.ggufgen import write_gguf
+from emulators.hubemu import HubEmulator
 from support.servers import run_foreground_server, send
 from support.tasks import wait_pull
 

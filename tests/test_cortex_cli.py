@@ -15,10 +15,10 @@ import subprocess
 import sys
 
 import pytest
-from enginepkg import build_wheel
-from ggufgen import write_gguf
-from hubemu import HubEmulator
-from pkgindex import PackageIndex
+from emulators.enginepkg import build_wheel
+from emulators.ggufgen import write_gguf
+from emulators.hubemu import HubEmulator
+from emulators.pkgindex import PackageIndex
 from support.cli import run
 from support.servers import subprocess_env
 

@@ -6,9 +6,9 @@ import urllib.error
 
 import pytest
 import trustme
-from ggufgen import write_gguf
-from hubemu import HubEmulator
-from proxyfix import need_tinyproxy, start_proxy, start_tinyproxy
+from emulators.ggufgen import write_gguf
+from emulators.hubemu import HubEmulator
+from emulators.proxyfix import need_tinyproxy, start_proxy, start_tinyproxy
 from support.config import outbound_config as config
 
 from localrt.downloads.opener import ProxyAuthFailed, no_proxy_matches, open_url, proxy_refused

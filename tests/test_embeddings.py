@@ -1,6 +1,6 @@
 """POST /v1/embeddings through the WSGI app, on real llama.cpp.
 
-The models are generated (tests/ggufgen.py): a tiny random llama (a decoder, pooled by
+The models are generated (tests/emulators/ggufgen.py): a tiny random llama (a decoder, pooled by
 the mean of its tokens, which chats too), the same llama declaring a pooling type in
 its GGUF (an embedding model made of a decoder, as Qwen3-Embedding is), and a tiny
 random BERT (an encoder with its own pooling, as BERT and nomic GGUFs have). Random
@@ -17,7 +17,7 @@ import threading
 import gguf
 import numpy as np
 import pytest
-from ggufgen import write_bert_gguf, write_gguf
+from emulators.ggufgen import write_bert_gguf, write_gguf
 from support.models import NO_EOS, tokens_of
 
 from localrt.engines.embedding import embedding_params

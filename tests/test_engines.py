@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-from enginepkg import build_wheel, write_echo_model
-from onnxgen import write_onnx_model
-from pkgindex import PackageIndex
+from emulators.enginepkg import build_wheel, write_echo_model
+from emulators.onnxgen import write_onnx_model
+from emulators.pkgindex import PackageIndex
 from support.apps import bind, call
 from support.tasks import wait_bytes, wait_task
 

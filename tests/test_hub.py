@@ -4,8 +4,8 @@ import hashlib
 import time
 
 import pytest
-from ggufgen import write_gguf
-from hubemu import HubEmulator
+from emulators.ggufgen import write_gguf
+from emulators.hubemu import HubEmulator
 from support.config import outbound_config as config
 
 from localrt.models.hub import (RATE_LIMIT_TRIES, Hub, HubTokenRejected, HubTokenRequired, NotOnHub,

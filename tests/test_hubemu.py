@@ -18,8 +18,8 @@ import urllib.request
 import pytest
 import yaml
 
-from ggufgen import read_gguf_metadata, write_fake_blob, write_gguf
-from hubemu import HubEmulator
+from emulators.ggufgen import read_gguf_metadata, write_fake_blob, write_gguf
+from emulators.hubemu import HubEmulator
 
 REPO = "acme/tiny-llama"
 

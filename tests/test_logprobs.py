@@ -19,11 +19,11 @@ import sys
 import gguf
 import openai
 import pytest
-from chattemplates import TEMPLATES, TOKENS
-from enginepkg import write_echo_model
-from ggufgen import write_gguf
-from onnxgen import write_onnx_model
-from pkgindex import PackageIndex
+from emulators.chattemplates import TEMPLATES, TOKENS
+from emulators.enginepkg import write_echo_model
+from emulators.ggufgen import write_gguf
+from emulators.onnxgen import write_onnx_model
+from emulators.pkgindex import PackageIndex
 from support.apps import bind
 from support.models import NO_EOS, tokens_of
 from support.servers import send

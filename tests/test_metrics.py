@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from ggufgen import write_gguf
-from hubemu import HubEmulator
+from emulators.ggufgen import write_gguf
+from emulators.hubemu import HubEmulator
 from prometheus_client.parser import text_string_to_metric_families  # a test dependency
 from support.apps import call
 from support.config import outbound_config

@@ -6,7 +6,7 @@ import json
 import os
 
 import pytest
-from ggufgen import write_gguf
+from emulators.ggufgen import write_gguf
 from support.servers import send
 
 

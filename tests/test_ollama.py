@@ -1,12 +1,12 @@
 """Ollama's API under /api/ (localrt.dialects.ollama): the real `ollama` client against a live
 server, and each route's edges through the WSGI app, on real llama.cpp.
 
-The models are generated (tests/ggufgen.py): a tiny random llama with a ChatML template
+The models are generated (tests/emulators/ggufgen.py): a tiny random llama with a ChatML template
 (gibberish, so the tests check shapes, counts, finish reasons and that a grammar holds),
 the same llama with fill-in-the-middle tokens, a tiny random BERT for embeddings, and a
 "scripted" llama carrying Qwen 2.5's real chat template whose weights make it always
 answer with one Hermes tool call, so an Ollama request, which has no tool_choice, gets a
-call from real llama.cpp. Pulls come from the hub emulator (tests/hubemu.py).
+call from real llama.cpp. Pulls come from the hub emulator (tests/emulators/hubemu.py).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from datetime import datetime, timezone
 import gguf
 import ollama
 import pytest
-from chattemplates import TEMPLATES
-from ggufgen import FIM_TOKENS, write_bert_gguf, write_gguf
-from hubemu import HubEmulator
+from emulators.chattemplates import TEMPLATES
+from emulators.ggufgen import FIM_TOKENS, write_bert_gguf, write_gguf
+from emulators.hubemu import HubEmulator
 from support.apps import bind, call
 from support.servers import run_foreground_server, send
 

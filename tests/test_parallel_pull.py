@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-from ggufgen import write_fake_blob, write_gguf
-from hubemu import HubEmulator
-from loopback import LoopbackHandler, LoopbackServer
+from emulators.ggufgen import write_fake_blob, write_gguf
+from emulators.hubemu import HubEmulator
+from emulators.loopback import LoopbackHandler, LoopbackServer
 from support.apps import call
 from support.config import outbound_config
 from support.tasks import wait_task

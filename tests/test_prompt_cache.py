@@ -5,7 +5,7 @@ saved when a slot goes to another prompt, restored when their conversation comes
 from __future__ import annotations
 
 import pytest
-from ggufgen import _vocab, write_gguf
+from emulators.ggufgen import _vocab, write_gguf
 from support.models import quantize
 
 from localrt.engines.llama import LlamaModel

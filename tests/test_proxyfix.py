@@ -27,7 +27,7 @@ import urllib.request
 
 import pytest
 
-from proxyfix import start_proxy, start_target, tls_contexts
+from emulators.proxyfix import start_proxy, start_target, tls_contexts
 
 USER = "alice"
 PASSWORD = "s3cret:with@odd/chars"  # exercises percent-encoding in the userinfo form

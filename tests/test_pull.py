@@ -7,8 +7,8 @@ from collections import namedtuple
 from pathlib import Path
 
 import pytest
-from ggufgen import write_gguf
-from hubemu import HubEmulator
+from emulators.ggufgen import write_gguf
+from emulators.hubemu import HubEmulator
 from support.apps import bind, call
 from support.tasks import wait_bytes, wait_task
 
@@ -291,7 +291,7 @@ def test_a_hub_file_path_cannot_escape_the_models_folder(api, hub, weights, sett
 
 
 def test_proxy_credentials_never_reach_a_cdn_that_is_not_proxied(api, hub, settings, tmp_path):
-    from proxyfix import start_proxy
+    from emulators.proxyfix import start_proxy
 
     with start_proxy(tmp_path, username="u", password="s3cret") as proxy:
         settings.update({"modelHubUrl": f"http://localhost:{hub.port}"})

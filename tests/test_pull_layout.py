@@ -8,8 +8,8 @@ import hashlib
 from collections import namedtuple
 
 import pytest
-from ggufgen import write_gguf
-from hubemu import HubEmulator
+from emulators.ggufgen import write_gguf
+from emulators.hubemu import HubEmulator
 from support.apps import bind
 from support.projectors import write_projector
 from support.servers import send
@@ -304,7 +304,7 @@ def test_a_percent_encoded_newline_reaches_the_route_over_http(live_server):
 
 
 def test_a_wrong_proxy_password_is_never_a_token_error(api, hub, tmp_path):
-    from proxyfix import start_proxy
+    from emulators.proxyfix import start_proxy
 
     with start_proxy(tmp_path, username="alice", password="s3cret") as proxy:
         api("PATCH", "/v1/configs", {"proxy_url": proxy.url, "proxy_username": "alice",

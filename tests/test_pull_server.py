@@ -10,9 +10,9 @@ import urllib.error
 import urllib.request
 
 import pytest
-from ggufgen import write_gguf
-from hubemu import HubEmulator
-from proxyfix import need_tinyproxy, start_proxy, start_tinyproxy
+from emulators.ggufgen import write_gguf
+from emulators.hubemu import HubEmulator
+from emulators.proxyfix import need_tinyproxy, start_proxy, start_tinyproxy
 from support.servers import run_foreground_server, send
 from support.tasks import wait_pull
 

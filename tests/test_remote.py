@@ -280,7 +280,7 @@ def test_a_remote_upstreams_probe_names_tinyproxys_refusal_not_the_key(tmp_path)
     # The same rule holds for remote models' upstreams, which localrt probes through
     # the proxy: tinyproxy's 401 is not the upstream refusing localrt's key.
     from support.config import outbound_config as config
-    from proxyfix import need_tinyproxy, start_target, start_tinyproxy
+    from emulators.proxyfix import need_tinyproxy, start_target, start_tinyproxy
 
     from localrt.inference.upstreams import Upstream, probe
 

@@ -3,7 +3,7 @@
 stream, function calls, previous_response_id chains, the store, and bad bodies; then the
 real `openai` SDK's client.responses against a live server.
 
-The models are tiny random llamas (tests/ggufgen.py): "tiny" with a ChatML template, and
+The models are tiny random llamas (tests/emulators/ggufgen.py): "tiny" with a ChatML template, and
 "qwen25" carrying Qwen 2.5's real chat template and <tool_call> token (as in
 tests/test_tools.py), whose calls are forced (tool_choice "required") because random
 weights write gibberish. Replies are greedy (temperature 0), so the same prompt gives
@@ -17,8 +17,8 @@ import threading
 
 import jsonschema
 import pytest
-from chattemplates import TEMPLATES, TOKENS
-from ggufgen import write_gguf
+from emulators.chattemplates import TEMPLATES, TOKENS
+from emulators.ggufgen import write_gguf
 from support.apps import bind, call
 from support.models import KINDS, NO_DRAFTS
 from support.servers import run_foreground_server, send
@@ -374,9 +374,9 @@ def test_a_model_stopped_mid_stream_ends_it_failed(app, slow_gguf):
 
 
 def test_a_remote_models_reply_is_translated_the_same_way(app, api, weights, tmp_path):
-    """A remote model (llama-cpp-python's server upstream, tests/upstreams.py): its chat
+    """A remote model (llama-cpp-python's server upstream, tests/emulators/upstreams.py): its chat
     comes back through localrt.inference.remote, streamed or not, and becomes the same response."""
-    from upstreams import start_replica
+    from emulators.upstreams import start_replica
 
     replica = start_replica(weights["tiny"], tmp_path / "replica.log", n_ctx=512)
     try:

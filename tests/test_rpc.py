@@ -207,7 +207,7 @@ def test_a_build_that_fails_fails_its_task_with_the_end_of_its_output(settings, 
     from support.tasks import wait_task
     from localrt.app import create_app
     from localrt.engines.hardware import detect_hardware
-    from pkgindex import PackageIndex
+    from emulators.pkgindex import PackageIndex
 
     if shutil.which("cc") is None or shutil.which("c++") is None:
         pytest.skip("no C/C++ compiler: the install refuses to build (a 400)")
@@ -246,7 +246,7 @@ def test_a_build_that_fails_fails_its_task_with_the_end_of_its_output(settings, 
 def test_an_index_with_neither_wheel_nor_sdist_is_a_400(settings, tmp_path):
     from localrt.app import create_app
     from localrt.engines.hardware import detect_hardware
-    from pkgindex import PackageIndex
+    from emulators.pkgindex import PackageIndex
 
     hw = detect_hardware()
     if hw.cpu_level() is None:

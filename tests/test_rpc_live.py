@@ -29,8 +29,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from ggufgen import write_gguf
-from pkgindex import PackageIndex
+from emulators.ggufgen import write_gguf
+from emulators.pkgindex import PackageIndex
 from support import REPO
 from support.apps import call
 from support.servers import free_port, run_foreground_server, send

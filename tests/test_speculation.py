@@ -9,7 +9,7 @@ edit is), and a random one whose replies do not repeat the prompt.
 from __future__ import annotations
 
 import pytest
-from ggufgen import _vocab, write_gguf
+from emulators.ggufgen import _vocab, write_gguf
 from support.apps import call
 from support.models import NO_EOS, quantize
 from support.servers import send

@@ -17,7 +17,7 @@ import anthropic
 import ollama
 import openai
 import pytest
-from hubemu import HubEmulator
+from emulators.hubemu import HubEmulator
 from support.models import quantize
 from support.vision import MARKER, png, raw_mtmd_reply, write_projector, write_vision_pair
 

@@ -11,7 +11,7 @@ import os
 
 import gguf
 import pytest
-from ggufgen import write_bert_gguf, write_gguf
+from emulators.ggufgen import write_bert_gguf, write_gguf
 from support.cli import run
 from support.projectors import OUTPUT_TENSORS, write_projector
 

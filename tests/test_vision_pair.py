@@ -10,7 +10,7 @@ import jinja2
 import llama_cpp
 import pytest
 
-from ggufgen import read_gguf_metadata
+from emulators.ggufgen import read_gguf_metadata
 from support.models import quantize
 from support.vision import (IMAGE_TOKENS, MARKER, bitmap_loads, bmp, gif, gif_rgb,
                             image_tokens, jpeg, jpeg_gray, pixels, png, prompt_tokens,

@@ -16,8 +16,8 @@ import urllib.request
 
 import gguf
 import pytest
-from ggufgen import write_gguf
-from hubemu import HubEmulator
+from emulators.ggufgen import write_gguf
+from emulators.hubemu import HubEmulator
 from support.browser import require_chromium, start_chromium
 from support.models import NO_DRAFTS
 from support.servers import run_foreground_server, send, wait_for

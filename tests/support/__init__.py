@@ -10,8 +10,7 @@
 
 Tests import them (`from support.apps import call`). tests/conftest.py holds the
 fixtures and builds them from these modules. The generators and emulators
-(ggufgen, hubemu, pkgindex, ...) stay in tests/: the benchmarks in tests/bench and the
-emulators' child processes import them by those names.
+(ggufgen, hubemu, pkgindex, ...) are tests/emulators/.
 """
 
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""Generated models (tests/ggufgen.py) as the tests use them: constants for their
+"""Generated models (tests/emulators/ggufgen.py) as the tests use them: constants for their
 vocabulary, quantized copies, the chat-template families, and their tokenizer."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import gguf
-from chattemplates import TEMPLATES, TOKENS
-from ggufgen import EOS_ID, write_gguf
+from emulators.chattemplates import TEMPLATES, TOKENS
+from emulators.ggufgen import EOS_ID, write_gguf
 
 # A logit bias under which the generated models never end a reply: exactly max_tokens come.
 NO_EOS = {str(EOS_ID): -100}
