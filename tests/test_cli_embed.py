@@ -11,13 +11,19 @@ from support.cli import run
 
 from localrt.cli import ExitCode
 
+pytestmark = pytest.mark.live
+
 
 @pytest.fixture
-def tiny(thread_server, tmp_path):
-    path = write_gguf(tmp_path / "tiny.gguf")
-    code, _, err = run("models", "import", "--path", str(path), "--id", "tiny")
-    assert code == ExitCode.OK, err
-    return "tiny"
+def api(thread_server):
+    """Where conftest's `tiny` goes: the app on the port the CLI talks to."""
+    return thread_server.url
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path):
+    """A tiny llama in F32, whose vectors have its 64 dimensions."""
+    return write_gguf(tmp_path / "tiny.gguf")
 
 
 def test_embed_prints_one_json_array_per_text(tiny, thread_server):

@@ -11,6 +11,8 @@ from support.cli import run
 
 from localrt.cli import ExitCode
 
+pytestmark = pytest.mark.live
+
 
 def rows(out):
     """The cells of a bordered table's lines: [["#", "Name", ...], ["1", ...]]."""

@@ -21,6 +21,8 @@ import threading
 import pytest
 from emulators.ggufgen import write_gguf
 
+pytestmark = pytest.mark.live
+
 # The model's ctx_len: each slot holds that many tokens. llama.cpp pads a context to
 # 256 tokens, so with 256 a slot's KV cache is exactly full when its reply ends.
 CTX = 256

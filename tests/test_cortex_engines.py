@@ -23,6 +23,8 @@ from support.servers import run_foreground_server, send
 
 from localrt import settings as settings_mod
 
+pytestmark = pytest.mark.live
+
 CORTEX_EVENTS = ("DownloadStarted", "DownloadUpdated", "DownloadSuccess", "DownloadStopped",
                  "DownloadError")
 ENDS = ("DownloadSuccess", "DownloadError", "DownloadStopped")

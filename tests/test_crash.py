@@ -29,6 +29,8 @@ from emulators.pkgindex import PackageIndex
 from support.servers import run_foreground_server, send
 from support.tasks import wait_pull
 
+pytestmark = [pytest.mark.live, pytest.mark.slow]
+
 SEED = 20261121
 
 

@@ -14,6 +14,9 @@ from support.config import outbound_config as config
 from localrt.downloads.opener import ProxyAuthFailed, no_proxy_matches, open_url, proxy_refused
 from localrt.errors import UpstreamError
 
+pytestmark = pytest.mark.live
+
+
 @pytest.fixture
 def model(tmp_path):
     return write_gguf(tmp_path / "tiny.gguf")

@@ -23,6 +23,8 @@ from emulators.ggufgen import write_bert_gguf, write_gguf
 from support.models import NO_EOS
 from support.servers import send
 
+pytestmark = pytest.mark.live
+
 TEXTS = ["the quick brown fox", "jumps over the lazy dog", "a"]
 
 

@@ -233,6 +233,7 @@ def test_get_engine_lists_installed_variants(api):
     assert r.status == 404 and r.json["error"]["code"] == "engine_not_found"
 
 
+@pytest.mark.live  # the probe loads tiny models in a child process
 def test_the_probe_runs_in_a_child_and_is_cached(settings, probe_result):
     hw, result = probe_result
     assert "reason" not in result, result

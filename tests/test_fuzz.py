@@ -35,6 +35,8 @@ from localrt.openapi import NDJSON, document_path
 from localrt.routing import dialect_of
 from localrt.schemas import Validators
 
+pytestmark = [pytest.mark.live, pytest.mark.slow]
+
 FUZZ_EXAMPLES = int(os.environ.get("LOCALRT_FUZZ_EXAMPLES", "25"))
 
 

@@ -31,6 +31,8 @@ from emulators.enginepkg import (ENTRY_POINT_GROUP, build_echo_engine_wheel, whe
                                  write_echo_model)
 from emulators.pkgindex import CHUNK, JSON_TYPE, PackageIndex
 
+pytestmark = pytest.mark.live
+
 PROJECT = "localrt-echo-engine"
 WHEEL = wheel_filename()
 SDIST = "localrt_echo_engine-0.9.0.tar.gz"

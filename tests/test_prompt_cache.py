@@ -10,6 +10,8 @@ from support.models import quantize
 
 from localrt.engines.llama import LlamaModel
 
+pytestmark = pytest.mark.live
+
 SCRIPT = [t for t in _vocab(400)[0][300:340]][:24]
 SYSTEM = "You are a careful assistant. " * 6
 

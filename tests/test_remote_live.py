@@ -27,11 +27,14 @@ import openai
 import pytest
 from emulators.ggufgen import MIN_VOCAB_SIZE, write_bert_gguf
 from prometheus_client.parser import text_string_to_metric_families
-from support.servers import RawStream, send, subprocess_env, wait_for
+from support.servers import RawStream, send, subprocess_env
+from support.waiting import wait_for
 from emulators.upstreams import start_replica
 
 from localrt import server as server_mod
 from localrt import settings as settings_mod
+
+pytestmark = pytest.mark.live
 
 KEY = "upstream-key-7c41d9e2"        # what the replicas require
 WRONG_KEY = "wrong-key-0b8f3a55"

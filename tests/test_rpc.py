@@ -14,14 +14,6 @@ from localrt.engines.catalog import RPC_SUFFIX
 from localrt.errors import HTTPError
 
 
-@pytest.fixture
-def tiny(api, quantized):
-    r = api("POST", "/v1/models/import", {"path": str(quantized["Q8_0"]), "id": "tiny",
-                                          "option": "symlink"})
-    assert r.status == 200, r.body
-    return "tiny"
-
-
 def test_parse_servers_takes_llama_cpps_rpc_list():
     assert rpc.parse_servers("127.0.0.1:50052,gpu1:1") == [("127.0.0.1", 50052), ("gpu1", 1)]
     for bad, why in (("gpu1", "not host:port"), (":1", "not host:port"),
@@ -201,6 +193,7 @@ def write_sdist(folder, version="9.9.9"):
     return path
 
 
+@pytest.mark.live
 def test_a_build_that_fails_fails_its_task_with_the_end_of_its_output(settings, tmp_path):
     import shutil
 
@@ -243,6 +236,7 @@ def test_a_build_that_fails_fails_its_task_with_the_end_of_its_output(settings, 
     assert not (engines / "gguf-cpp" / variant).exists()
 
 
+@pytest.mark.live
 def test_an_index_with_neither_wheel_nor_sdist_is_a_400(settings, tmp_path):
     from localrt.app import create_app
     from localrt.engines.hardware import detect_hardware

@@ -41,6 +41,8 @@ from localrt.app import create_app
 from localrt.bootstrap import AMX_OFF
 from localrt.engines.hardware import detect_hardware
 
+pytestmark = [pytest.mark.live, pytest.mark.slow]
+
 RPC_DIR = REPO / "tests" / ".rpc-build"
 SOURCES, BUILT = RPC_DIR / "sources", RPC_DIR / "built"
 BUILD_TIMEOUT = 40 * 60  # seconds; a compile takes 5 to 15 minutes on two cores

@@ -211,6 +211,7 @@ def test_log_lines_never_carry_secrets(home):
         assert secret not in text
 
 
+@pytest.mark.live
 def test_a_failed_pull_shows_no_secret_in_tasks_events_or_the_log(home, settings, tmp_path):
     """A real server, a hub that refuses the token, a proxy that refuses the password."""
     from emulators.hubemu import HubEmulator

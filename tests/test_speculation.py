@@ -17,6 +17,8 @@ from support.servers import send
 from localrt.engines.drafting import prediction_counts
 from localrt.engines.llama import LlamaModel
 
+pytestmark = pytest.mark.live
+
 SCRIPT = [t for t in _vocab(400)[0][300:340]][:30]
 COPY_PROMPT = "Repeat this: " + "".join(SCRIPT).replace("\u2581", " ")
 

@@ -16,6 +16,8 @@ from support.vision import (IMAGE_TOKENS, MARKER, bitmap_loads, bmp, gif, gif_rg
                             image_tokens, jpeg, jpeg_gray, pixels, png, prompt_tokens,
                             raw_mtmd_reply, write_vision_pair)
 
+pytestmark = pytest.mark.live
+
 BEFORE = "<|im_start|>user\n"
 AFTER = "What is in this picture?<|im_end|>\n<|im_start|>assistant\n"
 PROMPT = BEFORE + MARKER + AFTER

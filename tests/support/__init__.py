@@ -3,6 +3,7 @@
 - `apps`: the app in process, through WSGI (`call`, `bind`, `events`);
 - `servers`: real servers and sockets (`send`, `run_foreground_server`, `RawStream`);
 - `tasks`: waiting for download tasks (`wait_task`, `wait_pull`, `wait_bytes`);
+- `waiting`: waiting for a condition, never for a fixed time (`wait_for`);
 - `cli`: the CLI through `main([...])` (`run`);
 - `models`: generated models and their constants (`NO_EOS`, `quantize`, `tokens_of`);
 - `config`: the Config fields for outbound requests (`outbound_config`);
