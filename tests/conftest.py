@@ -54,30 +54,39 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.unit)
 
 
-@pytest.hookimpl(hookwrapper=True)
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item):
-    """Under a `unit` test and its fixtures, listening and loading a model fail."""
+    """Under a `unit` test and its fixtures, listening and loading a model fail, and
+    are noted in case the code under test turns the failure into a reply."""
     if item.get_closest_marker("unit"):
         from llama_cpp import _internals
 
-        def refuse(what):
-            def refused(*args, **kwargs):
-                raise AssertionError(f"a unit test {what}: mark it live (setup.cfg)")
-            return refused
+        refused = []
 
-        guard = item.stash[_UNIT_GUARD] = pytest.MonkeyPatch()
+        def refuse(what):
+            def refused_call(*args, **kwargs):
+                refused.append(what)
+                raise AssertionError(f"a unit test {what}: mark it live (setup.cfg)")
+            return refused_call
+
+        guard = pytest.MonkeyPatch()
+        item.stash[_UNIT_GUARD] = guard, refused
         guard.setattr(socket.socket, "listen", refuse("listens on a socket"))
         guard.setattr(_internals.LlamaModel, "__init__", refuse("loads a model"))
-    yield
+    return (yield)
 
 
-@pytest.hookimpl(hookwrapper=True)
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    """Lift pytest_runtest_setup's guard once the test's fixtures are torn down."""
-    yield
-    guard = item.stash.get(_UNIT_GUARD, None)
+    """Lift pytest_runtest_setup's guard once the test's fixtures are torn down; an
+    error if the test tried what a unit test must not."""
+    result = yield
+    guard, refused = item.stash.get(_UNIT_GUARD, (None, []))
     if guard is not None:
         guard.undo()
+    if refused:
+        raise AssertionError(f"a unit test {refused[0]}: mark it live (setup.cfg)")
+    return result
 
 
 @pytest.fixture(autouse=True)

@@ -299,6 +299,7 @@ def test_tags_list_every_model_by_its_id(api, ggufs):
     assert tiny["digest"] != models["fim"]["digest"]
 
 
+@pytest.mark.live
 def test_delete_stops_a_running_model_first(api):
     api("POST", "/api/chat", {"model": "tiny", "messages": []})
     r = api("DELETE", "/api/delete", {"model": "tiny"})

@@ -5,7 +5,8 @@
 - `tasks`: waiting for download tasks (`wait_task`, `wait_pull`, `wait_bytes`);
 - `waiting`: waiting for a condition, never for a fixed time (`wait_for`);
 - `cli`: the CLI through `main([...])` (`run`);
-- `models`: generated models and their constants (`NO_EOS`, `quantize`, `tokens_of`);
+- `models`: generated models and their constants (`NO_EOS`, `quantize`, `tokens_of`),
+  and importing one (`add_model`);
 - `config`: the Config fields for outbound requests (`outbound_config`);
 - `browser`: headless Chromium through Selenium (`require_chromium`, `start_chromium`).
 

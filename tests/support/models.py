@@ -1,5 +1,6 @@
 """Generated models (tests/emulators/ggufgen.py) as the tests use them: constants for their
-vocabulary, quantized copies, the chat-template families, and their tokenizer."""
+vocabulary, quantized copies, the chat-template families, their tokenizer, and importing
+one into an app or a server (`add_model`)."""
 
 from __future__ import annotations
 
