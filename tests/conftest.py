@@ -4,6 +4,11 @@ tests/support/; these are built from them.
 
 No test touches the real home directory or a fixed port. Every fixture that builds an
 app closes it (its download tasks, probes and models end with the test).
+
+The markers (setup.cfg): a module or test says `live`, `browser` or `slow` itself, a
+test that uses one of LIVE_FIXTURES is `live`, and every other test is `unit`, the fast subset
+(`python -m pytest -m unit`). A `unit` test that listens on a socket or loads a model
+fails, so the subset stays what its name says.
 """
 
 from __future__ import annotations
@@ -11,23 +16,77 @@ from __future__ import annotations
 import io
 import os
 import signal
+import socket
 import threading
 from types import SimpleNamespace
 from wsgiref.simple_server import make_server
 
 import pytest
-from ggufgen import write_gguf
+from emulators.ggufgen import write_gguf
+from emulators.hubemu import HubEmulator
 from support import REPO, WHEELS
 from support.apps import bind
-from support.models import quantize, write_family_models
+from support.models import add_model, quantize, write_family_models
 from support.servers import (QuietHandler, ThreadingWSGIServer, free_port,
                              run_foreground_server)
 
 from localrt import settings as settings_mod
 from localrt.app import create_app
 
+# The fixtures here that run real parts (a server, an emulator, a model made and used):
+# a test that uses one, directly or through a fixture of its module, is `live`.
+LIVE_FIXTURES = {"live_server", "thread_server", "cli_home", "hub", "module_hub", "hub_app",
+                 "quantized", "slow_gguf", "tiny", "index_dir", "family_models", "models"}
+_UNIT_GUARD = pytest.StashKey()
+
 PROXY_ENV = ("http_proxy", "https_proxy", "no_proxy", "all_proxy",
              "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark each test `live` or `unit` (the module docstring says how)."""
+    for item in items:
+        if any(item.get_closest_marker(m) for m in ("live", "browser", "slow")):
+            continue
+        if LIVE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.live)
+        else:
+            item.add_marker(pytest.mark.unit)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    """Under a `unit` test and its fixtures, listening and loading a model fail, and
+    are noted in case the code under test turns the failure into a reply."""
+    if item.get_closest_marker("unit"):
+        from llama_cpp import _internals
+
+        refused = []
+
+        def refuse(what):
+            def refused_call(*args, **kwargs):
+                refused.append(what)
+                raise AssertionError(f"a unit test {what}: mark it live (setup.cfg)")
+            return refused_call
+
+        guard = pytest.MonkeyPatch()
+        item.stash[_UNIT_GUARD] = guard, refused
+        guard.setattr(socket.socket, "listen", refuse("listens on a socket"))
+        guard.setattr(_internals.LlamaModel, "__init__", refuse("loads a model"))
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Lift pytest_runtest_setup's guard once the test's fixtures are torn down; an
+    error if the test tried what a unit test must not."""
+    result = yield
+    guard, refused = item.stash.get(_UNIT_GUARD, (None, []))
+    if guard is not None:
+        guard.undo()
+    if refused:
+        raise AssertionError(f"a unit test {refused[0]}: mark it live (setup.cfg)")
+    return result
 
 
 @pytest.fixture(autouse=True)
@@ -79,8 +138,31 @@ def cli_home(home):
 
 
 @pytest.fixture
+def hub_repos():
+    """What `hub` serves: a function that adds repos to a HubEmulator. Nothing here; a
+    module overrides this fixture with its own repos."""
+    return lambda hub: None
+
+
+@pytest.fixture
+def hub(hub_repos):
+    """The hub emulator (tests/emulators/hubemu.py) for this test, serving the module's
+    `hub_repos`; stopped after the test."""
+    with HubEmulator() as emu:
+        hub_repos(emu)
+        yield emu
+
+
+@pytest.fixture(scope="module")
+def module_hub():
+    """A hub emulator for a module's long-lived server, which adds its repos to it."""
+    with HubEmulator() as emu:
+        yield emu
+
+
+@pytest.fixture
 def hub_app(settings, hub):
-    """An app pulling from the module's `hub` fixture (a HubEmulator)."""
+    """An app pulling from `hub`."""
     settings.update({"modelHubUrl": hub.url})
     app = create_app(settings)
     yield app
@@ -89,8 +171,30 @@ def hub_app(settings, hub):
 
 @pytest.fixture
 def api(app):
-    """support.apps.call bound to this test's app (a module's own `app` fixture too)."""
+    """support.apps.call bound to this test's app (a module's own `app` fixture too).
+    A module whose models live on a real server overrides it with the server's URL,
+    which support.models.add_model, and so `tiny`, take too."""
     return bind(app)
+
+
+@pytest.fixture
+def tiny_gguf(quantized):
+    """The file `tiny` imports: the Q8_0 model; a module may override it."""
+    return quantized["Q8_0"]
+
+
+@pytest.fixture
+def tiny_start():
+    """The start options of `tiny`: None leaves it imported, not started. A module that
+    wants it running overrides this fixture (one CPU thread is added)."""
+    return None
+
+
+@pytest.fixture
+def tiny(api, tiny_gguf, tiny_start):
+    """`tiny_gguf` imported as "tiny" (linked) where `api` points, started with
+    `tiny_start` when that is not None; the id, "tiny"."""
+    return add_model(api, tiny_gguf, "tiny", start=tiny_start, option="symlink")
 
 
 @pytest.fixture
@@ -153,7 +257,7 @@ def index_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("index")
     for wheel in WHEELS.glob("*.whl"):
         (root / wheel.name).symlink_to(wheel)
-    from enginepkg import build_echo_engine_wheel
+    from emulators.enginepkg import build_echo_engine_wheel
 
     build_echo_engine_wheel(root)
     return root

@@ -9,7 +9,7 @@ event streams (localrt.events.EventBus).
 
 A test takes every slot but the ones it needs by entering the real admission itself,
 as that many requests in progress would, and gives them back after, so no test has to
-hold sixteen requests open. The model is a tiny random llama (tests/ggufgen.py); the
+hold sixteen requests open. The model is a tiny random llama (tests/emulators/ggufgen.py); the
 remote model's upstream is an address nothing listens on, so only the admission can
 answer its 503 with these words.
 
@@ -32,11 +32,12 @@ from wsgiref.util import setup_testing_defaults
 from wsgiref.validate import validator
 
 import pytest
-from ggufgen import write_gguf
-from hubemu import HubEmulator
+from emulators.ggufgen import write_gguf
+from emulators.hubemu import HubEmulator
 from support.apps import bind, events
 from support.models import NO_EOS
-from support.servers import free_port, send, wait_for
+from support.servers import free_port, send
+from support.waiting import wait_for
 
 from localrt import connections, server
 from localrt.admission import LIMITS, SPARE_THREADS, ClientGone, never, threads_for
@@ -71,13 +72,6 @@ DIALECTS = {
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     return write_gguf(tmp_path_factory.mktemp("admission") / "tiny.gguf", context_length=512)
-
-
-@pytest.fixture
-def tiny(api, tiny_gguf):
-    r = api("POST", "/v1/models/import", {"path": str(tiny_gguf), "id": "tiny"})
-    assert r.status == 200, r.body
-    return "tiny"
 
 
 @pytest.fixture
@@ -359,6 +353,7 @@ def crowded(settings, slow_hub, tiny_gguf):
         app.close()
 
 
+@pytest.mark.live
 def test_models_answer_while_every_kind_is_at_its_limit(crowded):
     app, url, port, _ = crowded
     started = time.monotonic()
@@ -383,9 +378,12 @@ def test_models_answer_while_every_kind_is_at_its_limit(crowded):
     assert reply["message"] == "Too many open event streams (at most 1); close one"
 
 
-def test_a_client_that_leaves_frees_its_place_within_a_second(crowded):
+@pytest.mark.live
+def test_a_client_that_leaves_frees_its_place(crowded):
     """Waiting for a turn (chat, completion, embedding) or streaming (events, a pull):
-    the client closes its socket, and its kind has a place free again."""
+    the client closes its socket, and its kind has a place free again. Nothing else
+    could free it while the test runs: the test's leases hold every turn, the pull
+    lasts a thousand seconds at the hub's 2 KB/s, and the connection timeouts are LONG."""
     app, url, port, clients = crowded
     times = {}
     for kind, sock in list(clients.items()):
@@ -396,9 +394,9 @@ def test_a_client_that_leaves_frees_its_place_within_a_second(crowded):
                                f"the {kind} request's place is free")
     print("place freed after the client left: " +
           ", ".join(f"{kind} {t * 1000:.0f} ms" for kind, t in times.items()))
-    # The requests that left wait no more: only this test's leases are on the models.
+    # The requests that left wait no more, and the turns they waited for were never
+    # given: only this test's leases are on the models.
     assert all(r["requests"] == r["slots"] for r in app.services.scheduler.status())
-    assert max(times.values()) < 5  # DISCONNECT_POLL is 0.2 s; 5 s leaves a busy machine room
 
 
 # --- giving up: the waits and a generation, in process ----------------------------------
@@ -463,6 +461,7 @@ def test_a_reply_whose_client_leaves_stops_generating_and_frees_its_place(app, a
     assert api("POST", "/v1/chat/completions", {**body, "max_tokens": 4}).status == 200
 
 
+@pytest.mark.live
 def test_a_closed_pull_reply_frees_its_place_read_or_not(settings, slow_hub):
     """An Ollama pull following a download that lasts: each reply closed, unread or
     after its first line, gives its place and its follower back; the download goes on."""

@@ -560,7 +560,7 @@ def test_a_stream_cut_by_a_stopped_model_ends_with_an_error_event(live_server, s
 def test_a_remote_model_speaks_anthropic_too(live_server, family_models, tmp_path):
     """The same translation over a real OpenAI-compatible upstream (llama-cpp-python's
     server), which knows nothing of Anthropic."""
-    from upstreams import start_replica
+    from emulators.upstreams import start_replica
 
     replica = start_replica(family_models["qwen25"], tmp_path / "replica.log")
     try:

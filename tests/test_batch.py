@@ -1,6 +1,6 @@
 """Continuous batching and the prompt cache, on real llama.cpp (localrt.engines.llama.batch).
 
-The models are tests/ggufgen.py's tiny random llama (conftest's `quantized`, and an F16
+The models are tests/emulators/ggufgen.py's tiny random llama (conftest's `quantized`, and an F16
 one here). Their vocabulary is fixed, so a logit bias of +100 on one ordinary token
 makes a reply that token over and over: token 262 is "e", 263 "t", 264 "a", 265 "o".
 Greedy replies are checked against the same request served alone: llama.cpp computes a
@@ -21,8 +21,9 @@ from wsgiref.util import setup_testing_defaults
 from wsgiref.validate import validator
 
 import pytest
-from ggufgen import write_gguf
-from support.models import NO_EOS
+from emulators.ggufgen import write_gguf
+from support.models import NO_EOS, add_model
+from support.waiting import wait_for
 
 from localrt.engines.llama.batch import Batcher, Entry, Sequence
 from localrt.engines.llama.media import whole_images
@@ -46,17 +47,10 @@ def body(model="tiny", **extra) -> dict:
             "logit_bias": NO_EOS, **extra}
 
 
-def add_model(api, path, model_id="tiny", **start):
-    r = api("POST", "/v1/models/import", {"path": str(path), "id": model_id})
-    assert r.status == 200, r.body
-    r = api("POST", f"/v1/models/{model_id}/start", {"cpu_threads": 1, **start})
-    assert r.status == 200, r.body
-    return model_id
-
-
 @pytest.fixture
-def tiny(api, quantized):
-    return add_model(api, quantized["Q8_0"])
+def tiny_start():
+    """conftest's `tiny`, running on one thread with the default slots."""
+    return {}
 
 
 @pytest.fixture(scope="session")
@@ -155,13 +149,6 @@ def restart(api, model_id="tiny", **start):
     assert api("POST", f"/v1/models/{model_id}/start", {"cpu_threads": 1, **start}).status == 200
 
 
-def wait_for(condition, timeout=10.0, what="the condition"):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: still not the case after {timeout} s"
-        time.sleep(0.01)
-
-
 # --- sharing steps ------------------------------------------------------------------------
 
 
@@ -254,7 +241,7 @@ def test_stop_strings_usage_and_seeds_hold_sequence_by_sequence(api, app, tiny):
 @pytest.mark.parametrize("kind", ["Q4_0", "Q8_0", "F16"])
 def test_quantized_and_f16_models_batch(api, app, quantized, tiny_f16, kind):
     path = tiny_f16 if kind == "F16" else quantized[kind]
-    add_model(api, path, "m")
+    add_model(api, path, "m", start={})
     requests = [body(model="m", messages=user(p), max_tokens=12) for p in PROMPTS[:2]]
     solo = [alone(api, r) for r in requests]
     restart(api, "m")
@@ -275,7 +262,15 @@ def requests_of(api, model_id="tiny") -> int:
         model_id]
 
 
+def turn_of(app, model_id="tiny"):
+    """The model's turns (its FairLock, one slot a request), from a lease given back."""
+    lease = app.services.scheduler.lease(model_id)
+    lease.release()
+    return lease.running.turn
+
+
 def test_a_fifth_request_waits_for_a_slot_then_runs(api, app, tiny):
+    turn = turn_of(app)
     streams = [Events(app, body(max_tokens=64, logit_bias=forced(i))) for i in range(4)]
     for s in streams:
         s.content()
@@ -287,11 +282,14 @@ def test_a_fifth_request_waits_for_a_slot_then_runs(api, app, tiny):
 
     thread = threading.Thread(target=client, daemon=True)
     thread.start()
-    wait_for(lambda: requests_of(api) == 5, what="the fifth request queued")
-    for s in streams[1:]:  # the others go on meanwhile
-        s.content()
-    time.sleep(0.2)
-    assert "stream" not in fifth  # still waiting for a slot
+    # In the queue, it found no free slot: only a reply that ends lets it out.
+    wait_for(lambda: turn.waiting == 1, what="the fifth request queued for a slot")
+    assert requests_of(api) == 5
+    before = counters(app)["decodes"]
+    while counters(app)["decodes"] < before + 2:  # the others go on: steps without it
+        for s in streams[1:]:
+            s.content()
+    assert turn.waiting == 1 and "stream" not in fifth  # still waiting for a slot
     streams[0].finish_reading()  # its reply ends: the slot is free
     thread.join(30)
     assert fifth["stream"].text == "e" * 8 and fifth["stream"].finish == "length"

@@ -1,6 +1,6 @@
 """Running models and chat completions, through the WSGI app, on real llama.cpp.
 
-The models are tests/ggufgen.py's tiny random llama, quantized by llama.cpp to Q8_0
+The models are tests/emulators/ggufgen.py's tiny random llama, quantized by llama.cpp to Q8_0
 and Q4_0 (the `quantized` fixture in conftest), registered with POST /v1/models/import.
 Its end-of-sequence token is id 2, so `"logit_bias": {"2": -100}` makes a reply run
 to max_tokens and `{"2": 100}` ends it at once.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from support.apps import bind, events
-from support.models import NO_EOS
+from support.models import NO_EOS, add_model
 
 from localrt import settings as settings_mod
 from localrt.api import ROUTES
@@ -24,18 +24,6 @@ from localrt.inference.chat import render_template
 from localrt.inference.lanes import FairLock
 
 USER = [{"role": "user", "content": "hello"}]
-
-
-def add_model(api, path, model_id="tiny", option="symlink"):
-    r = api("POST", "/v1/models/import", {"path": str(path), "id": model_id, "option": option})
-    assert r.status == 200, r.body
-    return r.json["model"]
-
-
-@pytest.fixture
-def tiny(api, quantized):
-    add_model(api, quantized["Q8_0"])
-    return "tiny"
 
 
 def chat(api, **body):
@@ -47,6 +35,7 @@ def chat(api, **body):
 
 
 def test_start_reports_the_effective_options_and_status_lists_the_model(api, tiny):
+    before = time.time()
     r = api("POST", "/v1/models/tiny/start", {"ctx_len": 128, "cpu_threads": 1})
     assert r.status == 200, r.body
     assert r.json["message"] == "Model tiny started successfully"
@@ -62,9 +51,13 @@ def test_start_reports_the_effective_options_and_status_lists_the_model(api, tin
     r = api("POST", "/v1/models/tiny/start", {"ctx_len": 100000})  # still checked
     assert r.status == 400 and r.json["error"]["param"] == "ctx_len"
     status = api("GET", "/v1/models/status").json
+    since_start = time.time() - before
     row, = status["data"]
     assert (row["id"], row["engine"], row["vram"]) == ("tiny", "gguf-cpp", 0)
-    assert row["ram"] > 0 and row["uptime"] >= 0 and row["options"]["ctx_len"] == 128
+    assert row["ram"] > 0 and row["options"]["ctx_len"] == 128
+    # Started by this test's first request: not before it, and up since then at most.
+    assert int(before) <= row["startedAt"] <= before + since_start
+    assert row["uptime"] <= round(since_start, 1) + 0.1
     assert status["hardware"]["cores"] >= 1 and status["hardware"]["ramTotal"] > 0
     assert api("GET", "/v1/models/tiny").json["status"] == "running"
 
@@ -108,10 +101,10 @@ def test_start_errors_for_missing_models_and_engines(api, tiny, tmp_path):
 
 
 def test_a_model_whose_engine_is_not_installed_gets_a_409_naming_it(api, tmp_path):
-    from onnxgen import write_onnx_model
+    from emulators.onnxgen import write_onnx_model
 
     folder = write_onnx_model(tmp_path / "onnx-model")
-    add_model(api, folder, "tiny-onnx")
+    add_model(api, folder, "tiny-onnx", option="symlink")
     r = api("POST", "/v1/models/tiny-onnx/start")
     assert r.status == 409 and r.json["error"]["code"] == "engine_not_installed"
     assert "localrt engines install onnx-runtime" in r.json["message"]
@@ -316,7 +309,7 @@ def test_completion_tokens_never_exceed_the_room_left_in_the_context(api, tiny):
 
 
 def test_q4_0_models_chat_too(api, quantized):
-    add_model(api, quantized["Q4_0"], "tiny-q4")
+    add_model(api, quantized["Q4_0"], "tiny-q4", option="symlink")
     out = chat(api, model="tiny-q4", logit_bias=NO_EOS).json
     assert out["usage"]["completion_tokens"] == 8
 
@@ -335,7 +328,7 @@ def test_past_max_running_models_the_least_recently_used_is_unloaded(home, quant
     try:
         api = bind(app)
         for name in ("a", "b", "c"):
-            add_model(api, quantized["Q8_0"], name)
+            add_model(api, quantized["Q8_0"], name, option="symlink")
         api("POST", "/v1/models/a/start")
         api("POST", "/v1/models/b/start")
         chat(api, model="a")  # a is now used more recently than b
@@ -352,7 +345,7 @@ def test_keep_alive_unloads_idle_models(home, quantized):
     app = make_app(home, keepAlive="1s")
     try:
         api = bind(app)
-        add_model(api, quantized["Q8_0"])
+        add_model(api, quantized["Q8_0"], option="symlink")
         assert chat(api).status == 200
         assert api("GET", "/v1/models/status").json["data"]
         deadline = time.monotonic() + 5

@@ -21,8 +21,11 @@ from urllib.parse import urlsplit
 
 import openai
 import pytest
-from support.models import NO_DRAFTS, NO_EOS
-from support.servers import RawStream, run_foreground_server, send, wait_for
+from support.models import NO_DRAFTS, NO_EOS, add_model
+from support.servers import RawStream, run_foreground_server, send
+from support.waiting import wait_for
+
+pytestmark = pytest.mark.live
 
 HELLO = [{"role": "user", "content": "Hello there"}]
 LONG = 3000  # tokens of a reply that would take seconds
@@ -34,36 +37,33 @@ def server(live_server):
     return live_server
 
 
-def api(url, method, path, body=None, timeout=30):
+@pytest.fixture
+def api(server):
+    """Where conftest's `tiny` goes: the real server."""
+    return server.url
+
+
+@pytest.fixture
+def tiny_start():
+    """conftest's `tiny`, running with a 256-token context."""
+    return {"ctx_len": 256}
+
+
+def ask(url, method, path, body=None, timeout=30):
     """support.servers.send, with time for a reply from the slower model."""
     return send(url, method, path, body, timeout)
 
 
-def add_model(url, path, model_id, **start):
-    """Import a GGUF file and start it with one CPU thread (the machine is shared)."""
-    status, body = api(url, "POST", "/v1/models/import", {"path": str(path), "id": model_id})
-    assert status == 200, body
-    status, body = api(url, "POST", f"/v1/models/{model_id}/start",
-                       {"cpu_threads": 1, **start})
-    assert status == 200, body
-    return model_id
-
-
-@pytest.fixture
-def tiny(server, quantized):
-    return add_model(server.url, quantized["Q8_0"], "tiny", ctx_len=256)
-
-
 @pytest.fixture
 def slow(server, slow_gguf):
-    return add_model(server.url, slow_gguf, "slow", ctx_len=4096, **NO_DRAFTS)
+    return add_model(server.url, slow_gguf, "slow", start={"ctx_len": 4096, **NO_DRAFTS})
 
 
 @pytest.fixture
 def slow_one_slot(server, slow_gguf):
     """The slow model serving one request at a time (n_parallel 1): the others queue."""
-    return add_model(server.url, slow_gguf, "slow-1", ctx_len=4096, n_parallel=1,
-                     **NO_DRAFTS)
+    return add_model(server.url, slow_gguf, "slow-1",
+                     start={"ctx_len": 4096, "n_parallel": 1, **NO_DRAFTS})
 
 
 def chat_body(model, max_tokens, stream=True, **extra):
@@ -74,7 +74,7 @@ def chat_body(model, max_tokens, stream=True, **extra):
 
 def requests_of(url, model_id):
     """The model's requests in progress, as GET /v1/models/status counts them."""
-    status, body = api(url, "GET", "/v1/models/status")
+    status, body = ask(url, "GET", "/v1/models/status")
     assert status == 200, body
     return {row["id"]: row["requests"] for row in body["data"]}[model_id]
 
@@ -176,7 +176,7 @@ def test_a_stream_read_line_by_line(server, tiny):
         ["length"]
     assert chunks[-1]["choices"][0]["delta"] == {}
     assert all("usage" not in c for c in chunks)
-    status, whole = api(server.url, "POST", "/v1/chat/completions",
+    status, whole = ask(server.url, "POST", "/v1/chat/completions",
                         chat_body(tiny, 24, stream=False))
     assert status == 200 and whole["choices"][0]["message"]["content"] == "".join(pieces)
 
@@ -197,7 +197,7 @@ def test_a_client_hanging_up_mid_stream_frees_the_model(server, slow):
 
     freed = wait_for(lambda: requests_of(server.url, slow) == 0, 2, "the model is busy")
     started = time.monotonic()
-    status, reply = api(server.url, "POST", "/v1/chat/completions",
+    status, reply = ask(server.url, "POST", "/v1/chat/completions",
                         chat_body(slow, 8, stream=False))
     answered = time.monotonic() - started
     assert status == 200 and reply["usage"]["completion_tokens"] == 8
@@ -216,7 +216,7 @@ def test_other_requests_are_answered_while_a_reply_generates(server, slow):
             next(events)
         for path in ("/healthz", "/v1/models", "/v1/models/status", "/v1/models/slow",
                      "/v1/configs"):
-            status, _ = api(server.url, "GET", path)
+            status, _ = ask(server.url, "GET", path)
             assert status == 200, path
         # Answered while the reply generates, not after it: the model still holds it (an
         # event, where a time limit would fail on a busy machine).
@@ -269,8 +269,8 @@ def test_concurrent_streams_queue_in_arrival_order_and_all_finish(server, slow_o
 
 
 def test_a_second_model_answers_while_the_first_generates(server, quantized, slow):
-    other = add_model(server.url, quantized["Q4_0"], "tiny-q4", ctx_len=256)
-    status, body = api(server.url, "GET", "/v1/models/status")
+    other = add_model(server.url, quantized["Q4_0"], "tiny-q4", start={"ctx_len": 256})
+    status, body = ask(server.url, "GET", "/v1/models/status")
     assert sorted(row["id"] for row in body["data"]) == [slow, other]  # maxRunningModels 2
     stream = RawStream(server.url, chat_body(slow, LONG))
     try:
@@ -278,7 +278,7 @@ def test_a_second_model_answers_while_the_first_generates(server, quantized, slo
         for _ in range(5):
             next(events)
         # Its tokens take turns with the long reply's in the compute lane: no waiting for it.
-        status, reply = api(server.url, "POST", "/v1/chat/completions",
+        status, reply = ask(server.url, "POST", "/v1/chat/completions",
                             chat_body(other, 16, stream=False))
         assert status == 200 and reply["model"] == other, reply
         assert reply["usage"]["completion_tokens"] == 16
@@ -297,35 +297,35 @@ def test_a_busy_model_is_not_cut_short_to_make_room(home, slow_gguf, quantized):
     srv = run_foreground_server(home)
     try:
         for model_id, path in (("slow", slow_gguf), ("tiny", quantized["Q8_0"])):
-            status, reply = api(srv.url, "POST", "/v1/models/import",
+            status, reply = ask(srv.url, "POST", "/v1/models/import",
                                 {"path": str(path), "id": model_id})
             assert status == 200, reply
-        api(srv.url, "POST", "/v1/models/slow/start", {"cpu_threads": 1})
+        ask(srv.url, "POST", "/v1/models/slow/start", {"cpu_threads": 1})
         result = {}
-        long_chat = threading.Thread(target=lambda: result.update(reply=api(
+        long_chat = threading.Thread(target=lambda: result.update(reply=ask(
             srv.url, "POST", "/v1/chat/completions",
             {"model": "slow", "messages": HELLO, "max_tokens": 600, "logit_bias": NO_EOS,
              "temperature": 0})))
         long_chat.start()
         deadline = time.monotonic() + 10
-        while not any(m["requests"] for m in api(srv.url, "GET", "/v1/models/status")[1]["data"]):
+        while not any(m["requests"] for m in ask(srv.url, "GET", "/v1/models/status")[1]["data"]):
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        status, reply = api(srv.url, "POST", "/v1/models/tiny/start", {"cpu_threads": 1})
+        status, reply = ask(srv.url, "POST", "/v1/models/tiny/start", {"cpu_threads": 1})
         assert status == 200, reply
         long_chat.join(30)
         status, out = result["reply"]
         assert status == 200 and out["choices"][0]["finish_reason"] == "length"
         assert out["usage"]["completion_tokens"] == 600
-        running = [m["id"] for m in api(srv.url, "GET", "/v1/models/status")[1]["data"]]
+        running = [m["id"] for m in ask(srv.url, "GET", "/v1/models/status")[1]["data"]]
         assert running == ["tiny"]
     finally:
         srv.stop()
 
 
 def test_stopping_a_model_mid_reply_says_so(server, slow_gguf):
-    api(server.url, "POST", "/v1/models/import", {"path": str(slow_gguf), "id": "slow"})
-    api(server.url, "POST", "/v1/models/slow/start", {"cpu_threads": 1})
+    ask(server.url, "POST", "/v1/models/import", {"path": str(slow_gguf), "id": "slow"})
+    ask(server.url, "POST", "/v1/models/slow/start", {"cpu_threads": 1})
     conn = http.client.HTTPConnection("127.0.0.1", urlsplit(server.url).port, timeout=30)
     conn.request("POST", "/v1/chat/completions", json.dumps(
         {"model": "slow", "messages": HELLO, "max_tokens": LONG, "logit_bias": NO_EOS,
@@ -333,7 +333,7 @@ def test_stopping_a_model_mid_reply_says_so(server, slow_gguf):
     resp = conn.getresponse()
     assert resp.status == 200
     resp.readline()  # the role chunk
-    assert api(server.url, "POST", "/v1/models/slow/stop")[0] == 200
+    assert ask(server.url, "POST", "/v1/models/slow/stop")[0] == 200
     events = [line[6:] for line in resp.read().decode().splitlines()
               if line.startswith("data: ")]
     assert events[-1] == "[DONE]"

@@ -17,7 +17,7 @@ from support.servers import run_foreground_server, subprocess_env
 from localrt import server
 from localrt.cli import ExitCode, build_parser, main
 
-
+pytestmark = pytest.mark.live
 
 
 def assert_port_free(port):

@@ -6,18 +6,24 @@ from __future__ import annotations
 import json
 
 import pytest
-from ggufgen import write_gguf
+from emulators.ggufgen import write_gguf
 from support.cli import run
 
 from localrt.cli import ExitCode
 
+pytestmark = pytest.mark.live
+
 
 @pytest.fixture
-def tiny(thread_server, tmp_path):
-    path = write_gguf(tmp_path / "tiny.gguf")
-    code, _, err = run("models", "import", "--path", str(path), "--id", "tiny")
-    assert code == ExitCode.OK, err
-    return "tiny"
+def api(thread_server):
+    """Where conftest's `tiny` goes: the app on the port the CLI talks to."""
+    return thread_server.url
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path):
+    """A tiny llama in F32, whose vectors have its 64 dimensions."""
+    return write_gguf(tmp_path / "tiny.gguf")
 
 
 def test_embed_prints_one_json_array_per_text(tiny, thread_server):

@@ -4,12 +4,14 @@ package index emulator (serving the real onnxruntime-genai wheels) behind it."""
 from __future__ import annotations
 
 import pytest
-from enginepkg import build_echo_engine_wheel
-from pkgindex import PackageIndex
+from emulators.enginepkg import build_echo_engine_wheel
+from emulators.pkgindex import PackageIndex
 from support import WHEELS
 from support.cli import run
 
 from localrt.cli import ExitCode
+
+pytestmark = pytest.mark.live
 
 
 def rows(out):

@@ -3,6 +3,7 @@ port (thread_server) with the hub emulator behind it."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import subprocess
@@ -11,15 +12,16 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from ggufgen import write_gguf
-from hubemu import HubEmulator
+from emulators.ggufgen import write_gguf
 from support.cli import run
 from support.servers import subprocess_env
 
-from localrt import cli
+from localrt import cli, schemas
 from localrt.cli import ExitCode, follow, output
 from localrt.fsutil import human_size
 from localrt.client import Client
+
+pytestmark = pytest.mark.live
 
 MODEL_YML = b"name: Tiny Q8\nengine: llama-cpp\nctx_len: 128\n"
 
@@ -40,13 +42,16 @@ def weights(tmp_path_factory):
 
 
 @pytest.fixture
-def hub(weights):
-    with HubEmulator() as emu:
-        emu.add_repo("cortexso/tiny", {"README.md": b"# tiny\n"},
+def hub_repos(weights):
+    """The repos conftest's `hub` serves in this module."""
+
+    def add(hub):
+        hub.add_repo("cortexso/tiny", {"README.md": b"# tiny\n"},
                      branches={"q8": {"model.yml": MODEL_YML, "model.gguf": weights.small}})
-        emu.add_repo("org/multi", {"a.Q4_0.gguf": weights.small, "b.Q8_0.gguf": weights.other})
-        emu.add_repo("org/single", {"only.gguf": weights.small})
-        yield emu
+        hub.add_repo("org/multi", {"a.Q4_0.gguf": weights.small, "b.Q8_0.gguf": weights.other})
+        hub.add_repo("org/single", {"only.gguf": weights.small})
+
+    return add
 
 
 @pytest.fixture
@@ -291,15 +296,36 @@ def test_empty_list_and_bad_import(thread_server, tmp_path):
     assert code == ExitCode.ERROR and "is not a GGUF file" in err
 
 
-def test_update_flags_are_the_schema(tmp_path):
-    # Every property of schemas/model-update.json but `id`, in the schema's order.
-    assert [flag for flag, _ in cli.model_update_options()] == [
-        "--name", "--ctx_len", "--ngl", "--n_batch", "--cpu_threads", "--n_parallel",
-        "--caching_enabled", "--grp_attn_n", "--grp_attn_w", "--mlock", "--flash_attn", "--cache_type",
-        "--use_mmap", "--speculative", "--draft_max", "--rpc_servers", "--prompt_template", "--stop", "--temperature",
-        "--top_p", "--top_k",
-        "--min_p", "--max_tokens", "--seed", "--frequency_penalty", "--presence_penalty",
-        "--repeat_penalty"]
+def subcommand(parser, *names):
+    """The argparse parser of a subcommand: subcommand(build_parser(), "models", "update")."""
+    for name in names:
+        [choices] = [a.choices for a in parser._actions
+                     if isinstance(a, argparse._SubParsersAction)]
+        parser = choices[name]
+    return parser
+
+
+def test_update_flags_are_the_schema():
+    """`models update` has a flag for every property of schemas/model-update.json but the
+    id and a remote model's upstreams, in the schema's order, typed as the schema says."""
+    properties = schemas.load("model-update.json")["properties"]
+    wanted = [name for name in properties if name not in ("id", "upstreams")]
+    update = subcommand(cli.build_parser(), "models", "update")
+    flags = {a.dest.removeprefix("param_"): a for a in update._actions
+             if a.dest.startswith("param_")}
+    assert list(flags) == wanted
+    for name, action in flags.items():
+        assert action.option_strings == [f"--{name}"], name
+        spec = properties[name]
+        if "$ref" in spec:
+            target, _, pointer = spec["$ref"].partition("#/properties/")
+            spec = schemas.load(target)["properties"][pointer]
+        if "enum" in spec:
+            assert list(action.choices) == spec["enum"], name
+        elif spec.get("type") in ("integer", "number"):
+            assert action.type is {"integer": int, "number": float}[spec["type"]], name
+        elif spec.get("type") == "array":
+            assert action.nargs is None and isinstance(action, argparse._AppendAction), name
 
 
 def test_help_stays_light(home):

@@ -8,12 +8,13 @@ from support.cli import run
 
 from localrt.cli import ExitCode
 
+pytestmark = pytest.mark.live
+
 
 @pytest.fixture
-def tiny(thread_server, quantized):
-    code, out, err = run("models", "import", "--path", str(quantized["Q8_0"]), "--id", "tiny")
-    assert code == ExitCode.OK, err
-    return "tiny"
+def api(thread_server):
+    """Where conftest's `tiny` goes: the app on the port the CLI talks to."""
+    return thread_server.url
 
 
 def test_start_ps_and_stop(tiny):

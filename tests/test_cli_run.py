@@ -20,13 +20,16 @@ import sys
 import time
 
 import pytest
-from hubemu import HubEmulator
+from emulators.hubemu import HubEmulator
 from support.cli import run
-from support.models import NO_DRAFTS, NO_EOS
+from support.models import NO_DRAFTS, NO_EOS, add_model
 from support.servers import run_foreground_server, subprocess_env
+from support.waiting import wait_for
 
 from localrt.cli import ExitCode
 from localrt.client import ApiError, Client
+
+pytestmark = pytest.mark.live
 
 PROMPT = ">>> "
 
@@ -142,10 +145,8 @@ def user(text):
     return {"role": "user", "content": text}
 
 
-def add_model(client, path, model_id, **stored):
-    """Import a GGUF file; greedy replies, and one CPU thread (the machine is shared)."""
-    client.import_model(str(path), model_id)
-    client.update_model(model_id, {"temperature": 0, "cpu_threads": 1, **stored})
+# Stored on each model here: greedy replies, and one CPU thread (the machine is shared).
+GREEDY = {"temperature": 0, "cpu_threads": 1}
 
 
 def requests_of(client, model_id):
@@ -158,19 +159,11 @@ def running_options(client, model_id):
     return {row["id"]: row["options"] for row in client.models_status()["data"]}[model_id]
 
 
-def wait_for(condition, timeout, what):
-    """Poll `condition` until it is true."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: still not the case after {timeout} s"
-        time.sleep(0.01)
-
-
 # --- on a terminal ---------------------------------------------------------------
 
 
 def test_a_conversation_on_a_terminal(home, server, quantized, terminals):
-    add_model(server.client, quantized["Q8_0"], "tiny", max_tokens=16)
+    add_model(server.url, quantized["Q8_0"], "tiny", stored={**GREEDY, "max_tokens": 16})
     term = terminals(home, "run", "tiny", "--ctx_len", "128")
     assert "Model tiny started successfully" in term.expect("Type a message")
     term.expect(PROMPT)
@@ -190,7 +183,8 @@ def test_a_conversation_on_a_terminal(home, server, quantized, terminals):
 
 def test_ctrl_c_stops_a_reply_and_at_the_prompt_does_not_leave(home, server, slow_gguf,
                                                              terminals):
-    add_model(server.client, slow_gguf, "slow", max_tokens=2000, **NO_DRAFTS)  # seconds
+    add_model(server.url, slow_gguf, "slow",  # a reply of seconds
+              stored={**GREEDY, "max_tokens": 2000, **NO_DRAFTS})
     term = terminals(home, "run", "slow", "--ctx_len", "4096")
     term.expect(PROMPT)
     term.send("Tell me a long story\r")
@@ -210,7 +204,8 @@ def test_ctrl_c_stops_a_reply_and_at_the_prompt_does_not_leave(home, server, slo
 
 
 def test_ctrl_c_while_the_reply_waits_for_the_model(home, server, slow_gguf, terminals):
-    add_model(server.client, slow_gguf, "slow", max_tokens=2000, **NO_DRAFTS)
+    add_model(server.url, slow_gguf, "slow",
+              stored={**GREEDY, "max_tokens": 2000, **NO_DRAFTS})
     term = terminals(home, "run", "slow", "--ctx_len", "4096")
     term.expect(PROMPT)
     # Another client's long reply holds the model, so the next one waits its turn.
@@ -230,7 +225,7 @@ def test_ctrl_c_while_the_reply_waits_for_the_model(home, server, slow_gguf, ter
 
 
 def test_ctrl_d_leaves(home, server, quantized, terminals):
-    add_model(server.client, quantized["Q8_0"], "tiny", max_tokens=4)
+    add_model(server.url, quantized["Q8_0"], "tiny", stored={**GREEDY, "max_tokens": 4})
     term = terminals(home, "run", "tiny")
     term.expect(PROMPT)
     term.send("\x04")
@@ -242,7 +237,7 @@ def test_ctrl_d_leaves(home, server, quantized, terminals):
 
 def test_run_keeps_the_conversation(thread_server, quantized):
     client = Client(thread_server.url)
-    add_model(client, quantized["Q8_0"], "tiny", max_tokens=12)
+    add_model(thread_server.url, quantized["Q8_0"], "tiny", stored={**GREEDY, "max_tokens": 12})
     code, out, err = run("run", "tiny", stdin="Hello there\n\nWhat next?\n/exit\n")
     assert code == ExitCode.OK, err
     assert err.count(PROMPT) == 4 and "Model tiny started successfully" in err
@@ -263,7 +258,8 @@ def test_run_keeps_the_conversation(thread_server, quantized):
 def test_a_conversation_that_outgrows_the_context_says_so_and_goes_on(thread_server,
                                                                       quantized):
     client = Client(thread_server.url)
-    add_model(client, quantized["Q8_0"], "tiny", max_tokens=30, temperature=0)
+    add_model(thread_server.url, quantized["Q8_0"], "tiny",
+              stored={**GREEDY, "max_tokens": 30})
     code, out, err = run("run", "tiny", "--ctx_len", "128",
                          stdin="Hello there\n" * 8 + "/exit\n")
     assert code == ExitCode.OK, err
@@ -355,7 +351,7 @@ def test_a_line_with_images_is_a_message_with_image_url_parts(pictures):
 def test_an_image_path_on_a_terminal_is_attached_and_sent(home, server, quantized, terminals,
                                                          pictures):
     spaced, _, _ = pictures
-    add_model(server.client, quantized["Q8_0"], "tiny", max_tokens=4)
+    add_model(server.url, quantized["Q8_0"], "tiny", stored={**GREEDY, "max_tokens": 4})
     term = terminals(home, "run", "tiny", "--ctx_len", "128")
     term.expect(PROMPT)
     escaped = str(spaced).replace(" ", "\\ ").replace("(", "\\(").replace(")", "\\)")

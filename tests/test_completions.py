@@ -1,6 +1,6 @@
 """POST /v1/completions through the WSGI app, on real llama.cpp.
 
-The models are tests/ggufgen.py's tiny random llama (quantized by llama.cpp, the
+The models are tests/emulators/ggufgen.py's tiny random llama (quantized by llama.cpp, the
 `quantized` fixture) and the same llama with Qwen 2.5 Coder's fill-in-the-middle tokens
 in its vocabulary. Their end-of-sequence token is id 2, so `"logit_bias": {"2": -100}`
 makes a reply run to max_tokens. Random weights make gibberish: the tests check shapes,
@@ -11,9 +11,9 @@ time, so one request's text can be compared with another's.
 from __future__ import annotations
 
 import pytest
-from ggufgen import FIM_TOKENS, write_gguf
+from emulators.ggufgen import FIM_TOKENS, write_gguf
 from support.apps import events
-from support.models import NO_EOS, tokens_of
+from support.models import NO_EOS, add_model, tokens_of
 
 PROMPT = "Once upon a time"
 
@@ -23,22 +23,18 @@ def fim_gguf(tmp_path_factory):
     return write_gguf(tmp_path_factory.mktemp("fim") / "fim.gguf", added_tokens=FIM_TOKENS)
 
 
-def add(api, path, model_id):
-    r = api("POST", "/v1/models/import", {"path": str(path), "id": model_id})
-    assert r.status == 200, r.body
-    r = api("POST", f"/v1/models/{model_id}/start", {"cpu_threads": 1, "ctx_len": 256})
-    assert r.status == 200, r.body
-    return model_id
+START = {"ctx_len": 256}
 
 
 @pytest.fixture
-def tiny(api, quantized):
-    return add(api, quantized["Q8_0"], "tiny")
+def tiny_start():
+    """conftest's `tiny`, running with a 256-token context."""
+    return START
 
 
 @pytest.fixture
 def fim(api, fim_gguf):
-    return add(api, fim_gguf, "fim")
+    return add_model(api, fim_gguf, "fim", start=START)
 
 
 def complete(api, **body):
@@ -155,6 +151,7 @@ def test_several_prompts_are_a_choice_each(api, tiny):
             complete(api, prompt=prompts[i], max_tokens=2)["choices"][0]["text"]
 
 
+@pytest.mark.live
 def test_suffix_makes_a_fill_in_the_middle_prompt(api, fim, fim_gguf):
     reply = complete(api, model="fim", prompt="def add(a, b):", suffix="return c")
     pre, suf, mid = 261, 262, 263  # the added tokens follow the ChatML ones

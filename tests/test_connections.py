@@ -24,6 +24,8 @@ from support.servers import run_foreground_server
 from localrt import connections, server, settings as settings_mod
 from localrt.app import create_app
 
+pytestmark = pytest.mark.live
+
 FLOOD = 1000
 PATIENCE = 30.0  # seconds any one event may take on a busy machine; none should take long
 LONG = 3600      # seconds: a timeout no test outlives

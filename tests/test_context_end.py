@@ -7,7 +7,7 @@ Anthropic's stop_reason "max_tokens", Ollama's done_reason "length", a Response
 "incomplete" for max_output_tokens), streamed or not, and never with an error or a
 hang; a prompt that fills the context is a 400 naming ctx_len before anything streams.
 
-The model is generated (tests/ggufgen.py) and scripted to write " eta" over and over,
+The model is generated (tests/emulators/ggufgen.py) and scripted to write " eta" over and over,
 whatever the prompt and the sampling: it never ends a reply by itself, so only the
 context ends it. Its vocabulary makes each "e " of a prompt one token, so a prompt of
 n of them is as long as the tests want.
@@ -19,7 +19,9 @@ import json
 import threading
 
 import pytest
-from ggufgen import write_gguf
+from emulators.ggufgen import write_gguf
+
+pytestmark = pytest.mark.live
 
 # The model's ctx_len: each slot holds that many tokens. llama.cpp pads a context to
 # 256 tokens, so with 256 a slot's KV cache is exactly full when its reply ends.

@@ -17,6 +17,8 @@ import pytest
 from support.browser import require_chromium, start_chromium
 from support.servers import send
 
+pytestmark = [pytest.mark.browser, pytest.mark.live]
+
 require_chromium()
 
 PAGE = b"<!doctype html><title>elsewhere</title><p>a page on another origin</p>"

@@ -9,14 +9,15 @@ import json
 import os
 
 import pytest
-from ggufgen import write_gguf
-from hubemu import HubEmulator
+from emulators.ggufgen import write_gguf
 from support.servers import run_foreground_server, send
 from support.tasks import wait_pull
 
 from localrt.api import ROUTES
 from localrt.routing import Router
 from localrt.schemas import Validators
+
+pytestmark = pytest.mark.live
 
 MODEL_YML = (b"name: Cortex Tiny\nmodel: tiny:1b\nversion: 1\nengine: llama-cpp\nctx_len: 128\n"
              b"n_parallel: 2\nstream: true\nmirostat: false\ntfs_z: 0.9\ngrammar: ''\n"
@@ -49,12 +50,15 @@ def gguf(tmp_path_factory):
 
 
 @pytest.fixture
-def hub(gguf):
-    with HubEmulator() as emu:
-        emu.add_repo("org/tiny", {"tiny.gguf": gguf})
-        emu.add_cortexso("tiny", {"1b": {"model.gguf": gguf, "model.yml": MODEL_YML}},
+def hub_repos(gguf):
+    """The repos conftest's `hub` serves in this module."""
+
+    def add(hub):
+        hub.add_repo("org/tiny", {"tiny.gguf": gguf})
+        hub.add_cortexso("tiny", {"1b": {"model.gguf": gguf, "model.yml": MODEL_YML}},
                          default="1b")
-        yield emu
+
+    return add
 
 
 @pytest.fixture

@@ -15,15 +15,16 @@ import subprocess
 import sys
 
 import pytest
-from enginepkg import build_wheel
-from ggufgen import write_gguf
-from hubemu import HubEmulator
-from pkgindex import PackageIndex
+from emulators.enginepkg import build_wheel
+from emulators.ggufgen import write_gguf
+from emulators.pkgindex import PackageIndex
 from support.cli import run
 from support.servers import subprocess_env
 
 from localrt.cli import ExitCode
 from localrt.client import Client
+
+pytestmark = pytest.mark.live
 
 
 class Terminal(io.StringIO):
@@ -45,12 +46,15 @@ def gguf(tmp_path_factory):
 
 
 @pytest.fixture
-def hub(gguf):
-    with HubEmulator() as emu:
-        emu.add_repo("cortexso/tiny", {"README.md": b"# tiny\n"},
+def hub_repos(gguf):
+    """The repos conftest's `hub` serves in this module."""
+
+    def add(hub):
+        hub.add_repo("cortexso/tiny", {"README.md": b"# tiny\n"},
                      branches={"q8": {"model.yml": b"engine: llama-cpp\nversion: '2'\n",
                                       "model.gguf": gguf}})
-        yield emu
+
+    return add
 
 
 @pytest.fixture

@@ -16,12 +16,14 @@ import urllib.request
 from importlib import metadata
 
 import pytest
-from enginepkg import build_echo_engine_wheel, build_wheel
-from pkgindex import PackageIndex
+from emulators.enginepkg import build_echo_engine_wheel, build_wheel
+from emulators.pkgindex import PackageIndex
 from support import WHEELS
 from support.servers import run_foreground_server, send
 
 from localrt import settings as settings_mod
+
+pytestmark = pytest.mark.live
 
 CORTEX_EVENTS = ("DownloadStarted", "DownloadUpdated", "DownloadSuccess", "DownloadStopped",
                  "DownloadError")

@@ -23,11 +23,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from ggufgen import write_gguf
-from hubemu import HubEmulator
-from pkgindex import PackageIndex
+from emulators.ggufgen import write_gguf
+from emulators.hubemu import HubEmulator
+from emulators.pkgindex import PackageIndex
 from support.servers import run_foreground_server, send
 from support.tasks import wait_pull
+
+pytestmark = [pytest.mark.live, pytest.mark.slow]
 
 SEED = 20261121
 

@@ -7,7 +7,10 @@ import io
 import re
 import sys
 
+import pytest
 from support import REPO
+
+pytestmark = [pytest.mark.live, pytest.mark.slow]
 
 POINTS = 12
 SEED = 20261127

@@ -39,11 +39,25 @@ def test_readme_points_at_every_man_page():
         assert f"``{page.stem}({page.suffix[1:]})``" in text, page.name
 
 
-def test_readme_status_is_current():
-    status = re.search(r"^Status:(.*?)\n\n", README.read_text(), re.M | re.S).group(1)
-    status = " ".join(status.split())
-    assert "under way" not in status
+def test_readme_opens_with_what_localrt_is_the_set_up_and_a_first_chat():
+    """No status paragraph or install notes before the chat: those are localrt(1)'s."""
+    text = README.read_text()
+    assert not re.search(r"^Status\b", text, re.M)
+    headings = re.findall(r"^(\S.*)\n=+$", text, re.M)
+    assert headings[1:3] == ["Set up", "A first chat"], headings
+    first_screen = text[:text.index("\nA first chat\n")]
+    assert len(first_screen.splitlines()) < 40
+    assert "localrt run " in text[:text.index("\nA chat page in the browser\n")]
+
+
+def test_localrt_1_says_what_is_in_place_and_how_to_install():
+    man = (REPO / "man" / "localrt.1").read_text().replace("\\-", "-")
+    described = " ".join(man[man.index(".SH DESCRIPTION"):man.index(".SH GLOBAL")].split())
+    assert "under way" not in described
     for part in ("chat completions", "embeddings", "tool calls", "logprobs", "Responses",
                  "Anthropic", "Ollama", "remote models", "RPC", "metrics", "engines",
                  "models"):
-        assert part in status, part
+        assert part in described, part
+    install = man[man.index(".SH INSTALLATION"):man.index(".SH GGUF")]
+    for note in ("-mno-amx-tile", "--no-cache-dir", "PIP_NO_INDEX=1", "PIP_INDEX_URL"):
+        assert note in install, note

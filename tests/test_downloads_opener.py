@@ -6,13 +6,16 @@ import urllib.error
 
 import pytest
 import trustme
-from ggufgen import write_gguf
-from hubemu import HubEmulator
-from proxyfix import need_tinyproxy, start_proxy, start_tinyproxy
+from emulators.ggufgen import write_gguf
+from emulators.hubemu import HubEmulator
+from emulators.proxyfix import need_tinyproxy, start_proxy, start_tinyproxy
 from support.config import outbound_config as config
 
 from localrt.outbound import ProxyAuthFailed, no_proxy_matches, open_url, proxy_refused
 from localrt.errors import UpstreamError
+
+pytestmark = pytest.mark.live
+
 
 @pytest.fixture
 def model(tmp_path):

@@ -19,9 +19,11 @@ import urllib.request
 import numpy as np
 import openai
 import pytest
-from ggufgen import write_bert_gguf, write_gguf
+from emulators.ggufgen import write_bert_gguf, write_gguf
 from support.models import NO_EOS
 from support.servers import send
+
+pytestmark = pytest.mark.live
 
 TEXTS = ["the quick brown fox", "jumps over the lazy dog", "a"]
 

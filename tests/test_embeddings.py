@@ -1,6 +1,6 @@
 """POST /v1/embeddings through the WSGI app, on real llama.cpp.
 
-The models are generated (tests/ggufgen.py): a tiny random llama (a decoder, pooled by
+The models are generated (tests/emulators/ggufgen.py): a tiny random llama (a decoder, pooled by
 the mean of its tokens, which chats too), the same llama declaring a pooling type in
 its GGUF (an embedding model made of a decoder, as Qwen3-Embedding is), and a tiny
 random BERT (an encoder with its own pooling, as BERT and nomic GGUFs have). Random
@@ -17,7 +17,7 @@ import threading
 import gguf
 import numpy as np
 import pytest
-from ggufgen import write_bert_gguf, write_gguf
+from emulators.ggufgen import write_bert_gguf, write_gguf
 from support.models import NO_EOS, tokens_of
 
 from localrt.engines.llama.embedding import embedding_params
@@ -66,6 +66,7 @@ def running(api, model_id):
     return rows.get(model_id)
 
 
+@pytest.mark.live
 def test_a_decoder_embeds_with_mean_pooling_started_on_first_use(api, add):
     add("decoder")
     reply = embed(api, "decoder", "the quick brown fox")
@@ -79,6 +80,7 @@ def test_a_decoder_embeds_with_mean_pooling_started_on_first_use(api, add):
     assert row["slots"] > 1
 
 
+@pytest.mark.live
 def test_usage_counts_the_tokens_read(api, add, ggufs):
     add("decoder")
     reply = embed(api, "decoder", TEXTS)
@@ -86,6 +88,7 @@ def test_usage_counts_the_tokens_read(api, add, ggufs):
     assert reply["usage"] == {"prompt_tokens": expected, "total_tokens": expected}
 
 
+@pytest.mark.live
 def test_deterministic_and_in_order(api, add):
     add("decoder")
     batch = vectors(embed(api, "decoder", TEXTS))
@@ -99,6 +102,7 @@ def test_deterministic_and_in_order(api, add):
     assert min(np.linalg.norm(batch[i] - batch[j]) for i in range(4) for j in range(i)) > 1e-3
 
 
+@pytest.mark.live
 def test_base64_is_the_float32_bytes_of_the_floats(api, add):
     add("decoder")
     floats = embed(api, "decoder", TEXTS, encoding_format="float")
@@ -109,6 +113,7 @@ def test_base64_is_the_float32_bytes_of_the_floats(api, add):
         assert decoded.tolist() == np.array(f["embedding"], dtype=np.float32).tolist()
 
 
+@pytest.mark.live
 def test_token_arrays_embed_as_their_text(api, add, ggufs):
     add("decoder")
     tokens = [tokens_of(ggufs["decoder"], t) for t in TEXTS[:2]]
@@ -125,6 +130,7 @@ def test_token_arrays_embed_as_their_text(api, add, ggufs):
 
 
 @pytest.mark.parametrize("mode", [{"embedding": True}, {}], ids=["embedding", "chat"])
+@pytest.mark.live
 def test_an_input_longer_than_the_context_is_a_400_naming_input(api, add, mode):
     add("decoder")
     r = api("POST", "/v1/models/decoder/start", {**mode, "ctx_len": 32, "cpu_threads": 1})
@@ -161,6 +167,7 @@ def test_an_unknown_model_is_a_404(api):
     assert r.status == 404
 
 
+@pytest.mark.live
 def test_dimensions_cut_and_scale_again(api, add):
     add("decoder")
     full = vectors(embed(api, "decoder", TEXTS))
@@ -195,6 +202,7 @@ def reference(api, add, ggufs):
     assert api("POST", "/v1/models/only-embed/stop").status == 200
 
 
+@pytest.mark.live
 def test_a_model_running_for_chat_embeds_as_its_embedding_mode(api, reference):
     r = api("POST", "/v1/models/decoder/start", {})
     assert r.status == 200
@@ -210,6 +218,7 @@ def test_a_model_running_for_chat_embeds_as_its_embedding_mode(api, reference):
     assert running(api, "decoder")["requests"] == 0  # every turn was given back
 
 
+@pytest.mark.live
 def test_chats_and_embeddings_at_once_on_one_model(api, reference):
     """Two streams and two embedders share the model: each gets what it gets alone."""
     alone = chat(api, "decoder")
@@ -236,6 +245,7 @@ def test_chats_and_embeddings_at_once_on_one_model(api, reference):
     assert np.array_equal(out["embed0"][0], reference)
 
 
+@pytest.mark.live
 def test_embedding_mode_makes_no_text(api, add):
     add("decoder")
     r = api("POST", "/v1/models/decoder/start", {"embedding": True, "cpu_threads": 1})
@@ -255,6 +265,7 @@ def test_embedding_mode_makes_no_text(api, add):
     {"ctx_len": 64, "cpu_threads": 1},
     {"ctx_len": 64, "cpu_threads": 2, "flash_attn": True, "cache_type": "f32"},
     {}])
+@pytest.mark.live
 def test_a_chat_models_embedding_context_is_made_as_the_embedding_mode_makes_it(
         ggufs, options):
     """embedding_params gives, field by field, the context parameters llama_cpp.Llama
@@ -279,6 +290,7 @@ def test_a_chat_models_embedding_context_is_made_as_the_embedding_mode_makes_it(
         llm.close()
 
 
+@pytest.mark.live
 def test_a_bert_model_embeds_with_its_own_pooling(api, add, ggufs):
     add("bert")
     add("bert-cls")
@@ -293,6 +305,7 @@ def test_a_bert_model_embeds_with_its_own_pooling(api, add, ggufs):
     assert reply["usage"]["prompt_tokens"] == len(tokens_of(ggufs["bert"], "ab")) >= 3
 
 
+@pytest.mark.live
 def test_an_embedding_model_runs_in_embedding_mode_however_it_starts(api, add):
     add("bert")
     add("last")

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-from enginepkg import build_wheel, write_echo_model
-from onnxgen import write_onnx_model
-from pkgindex import PackageIndex
+from emulators.enginepkg import build_wheel, write_echo_model
+from emulators.onnxgen import write_onnx_model
+from emulators.pkgindex import PackageIndex
 from support.apps import bind, call
 from support.tasks import wait_bytes, wait_task
 
@@ -233,6 +233,7 @@ def test_get_engine_lists_installed_variants(api):
     assert r.status == 404 and r.json["error"]["code"] == "engine_not_found"
 
 
+@pytest.mark.live  # the probe loads tiny models in a child process
 def test_the_probe_runs_in_a_child_and_is_cached(settings, probe_result):
     hw, result = probe_result
     assert "reason" not in result, result

@@ -23,10 +23,10 @@ import signal
 
 import pytest
 import schemathesis  # a test dependency (setup.cfg's test extra)
-from ggufgen import FIM_TOKENS, write_bert_gguf, write_gguf
-from hubemu import HubEmulator
+from emulators.ggufgen import FIM_TOKENS, write_bert_gguf, write_gguf
+from emulators.hubemu import HubEmulator
 from hypothesis import HealthCheck, given, settings
-from pkgindex import PackageIndex
+from emulators.pkgindex import PackageIndex
 from schemathesis import checks
 from support.servers import run_foreground_server
 
@@ -34,6 +34,8 @@ from localrt.api import DIALECTS, ROUTES
 from localrt.openapi import NDJSON, document_path
 from localrt.routing import dialect_of
 from localrt.schemas import Validators
+
+pytestmark = [pytest.mark.live, pytest.mark.slow]
 
 FUZZ_EXAMPLES = int(os.environ.get("LOCALRT_FUZZ_EXAMPLES", "25"))
 

@@ -6,7 +6,7 @@ import struct
 
 import gguf
 import pytest
-from ggufgen import CHATML_TEMPLATE, read_gguf_metadata, write_gguf
+from emulators.ggufgen import CHATML_TEMPLATE, read_gguf_metadata, write_gguf
 
 from localrt.engines.ggufinfo import (
     QUANTIZATION_NAMES,

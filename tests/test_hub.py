@@ -4,29 +4,36 @@ import hashlib
 import time
 
 import pytest
-from ggufgen import write_gguf
-from hubemu import HubEmulator
+from emulators.ggufgen import write_gguf
 from support.config import outbound_config as config
 
 from localrt.models.hub import (RATE_LIMIT_TRIES, Hub, HubTokenRejected, HubTokenRequired, NotOnHub,
                          RateLimited)
 
+pytestmark = pytest.mark.live
+
 
 @pytest.fixture
-def hub(tmp_path):
-    model = write_gguf(tmp_path / "tiny.gguf")
-    with HubEmulator() as emu:
-        emu.add_repo("cortexso/tiny", {"README.md": b"# tiny\n"},
+def model(tmp_path):
+    return write_gguf(tmp_path / "tiny.gguf")
+
+
+@pytest.fixture
+def hub_repos(model):
+    """The repos conftest's `hub` serves in this module."""
+
+    def add(hub):
+        hub.add_repo("cortexso/tiny", {"README.md": b"# tiny\n"},
                      branches={"q8": {"model.yml": b"name: tiny\n", "model.gguf": model}})
-        emu.add_repo("org/gated", {"a.gguf": model}, gated_token="hf_ok")
-        emu.model = model
-        yield emu
+        hub.add_repo("org/gated", {"a.gguf": model}, gated_token="hf_ok")
+
+    return add
 
 
-def test_files_have_sizes_and_sha256(hub):
+def test_files_have_sizes_and_sha256(hub, model):
     files = {f.path: f for f in Hub(hub.url, config()).files("cortexso/tiny", "q8")}
     assert set(files) == {"model.yml", "model.gguf"}
-    data = hub.model.read_bytes()
+    data = model.read_bytes()
     assert files["model.gguf"].size == len(data)
     assert files["model.gguf"].sha256 == hashlib.sha256(data).hexdigest()
 

@@ -18,8 +18,10 @@ import urllib.request
 import pytest
 import yaml
 
-from ggufgen import read_gguf_metadata, write_fake_blob, write_gguf
-from hubemu import HubEmulator
+from emulators.ggufgen import read_gguf_metadata, write_fake_blob, write_gguf
+from emulators.hubemu import HubEmulator
+
+pytestmark = pytest.mark.live
 
 REPO = "acme/tiny-llama"
 
@@ -55,11 +57,14 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture
-def hub(model):
-    with HubEmulator() as hub:
+def hub_repos(model):
+    """The repos conftest's `hub` serves in this module."""
+
+    def add(hub):
         hub.add_repo(REPO, {"model.yml": b"name: tiny\n", "model.gguf": model},
                      branches={"q8": {"model.yml": b"name: tiny-q8\n", "model.gguf": model}})
-        yield hub
+
+    return add
 
 
 def test_write_gguf(tmp_path, model):

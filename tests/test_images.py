@@ -167,6 +167,7 @@ def test_an_image_past_20_mib_is_a_413_naming_the_part():
 # --- fetches -----------------------------------------------------------------------------
 
 
+@pytest.mark.live
 def test_a_loopback_url_is_fetched_only_when_image_url_hosts_allows_it(pictures):
     where = "messages[0].content[0]"
     url = pictures + "/a.png"
@@ -183,6 +184,7 @@ def test_a_loopback_url_is_fetched_only_when_image_url_hosts_allows_it(pictures)
     assert reader("localhost").read(localhost, where).data == PNG
 
 
+@pytest.mark.live
 def test_each_redirect_is_checked_again(pictures):
     where = "messages[0].content[0]"
     assert reader("127.0.0.1").read(pictures + "/to-a", where).data == PNG
@@ -194,6 +196,7 @@ def test_each_redirect_is_checked_again(pictures):
     assert "redirects" in err.value.message
 
 
+@pytest.mark.live
 def test_the_connected_address_is_checked_not_only_the_first_resolution(pictures):
     """A name that resolves to a public address for the check and to loopback for the
     connection (DNS rebinding) is refused at the connection."""
@@ -208,6 +211,7 @@ def test_the_connected_address_is_checked_not_only_the_first_resolution(pictures
     assert "127.0.0.1" in err.value.message or "::1" in err.value.message
 
 
+@pytest.mark.live
 def test_fetch_failures_are_400s_naming_the_part_and_the_url(pictures, monkeypatch):
     where = "messages[1].content[2]"
     allowed = reader("127.0.0.1")
@@ -226,6 +230,7 @@ def test_fetch_failures_are_400s_naming_the_part_and_the_url(pictures, monkeypat
     assert time.monotonic() - began < 2.5 and "1 s" in err.value.message
 
 
+@pytest.mark.live
 def test_a_fetched_image_past_20_mib_is_a_413(pictures):
     for path in ("/big-said", "/big-unsaid"):
         with pytest.raises(ImageTooLarge) as err:
@@ -233,6 +238,7 @@ def test_a_fetched_image_past_20_mib_is_a_413(pictures):
         assert err.value.status == 413
 
 
+@pytest.mark.live
 def test_image_url_fetch_false_refuses_every_http_url(pictures):
     with pytest.raises(ImageURLRefused) as err:
         reader("127.0.0.1", fetch=False).read(pictures + "/a.png", "messages[0].content[0]")
@@ -325,6 +331,7 @@ def image_part(url: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
+@pytest.mark.live
 def test_a_vision_model_answers_an_image_from_a_data_url_and_from_its_url(seer, pictures):
     assert seer("GET", "/v1/models/seer").json["capabilities"] == ["chat", "vision"]
     given = chat(seer, image_part(data_url(PNG)))
@@ -336,6 +343,7 @@ def test_a_vision_model_answers_an_image_from_a_data_url_and_from_its_url(seer, 
     assert show.json["capabilities"][:2] == ["completion", "vision"]
 
 
+@pytest.mark.live
 def test_every_check_is_a_clear_error_before_the_model_starts(seer, settings, pictures):
     big = PNG + b"\0" * (MAX_BYTES + 1 - len(PNG))
     cases = [
@@ -398,6 +406,7 @@ def test_each_dialect_names_the_part_as_its_client_sent_it(seer):
     assert seer("GET", "/v1/models/status").json["data"] == []
 
 
+@pytest.mark.live
 def test_every_dialect_gives_a_vision_model_its_images(seer):
     """The same image and prompt, greedy, is the same reply whichever API sends it."""
     want = chat(seer, image_part(data_url(PNG)))
@@ -504,6 +513,7 @@ class _Upstream(http.server.BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
+@pytest.mark.live
 def test_a_remote_models_upstream_gets_the_image_parts_as_they_came(api):
     upstream = ImageServer(("127.0.0.1", 0), _Upstream)
     upstream.bodies = []

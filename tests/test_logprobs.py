@@ -19,13 +19,13 @@ import sys
 import gguf
 import openai
 import pytest
-from chattemplates import TEMPLATES, TOKENS
-from enginepkg import write_echo_model
-from ggufgen import write_gguf
-from onnxgen import write_onnx_model
-from pkgindex import PackageIndex
+from emulators.chattemplates import TEMPLATES, TOKENS
+from emulators.enginepkg import write_echo_model
+from emulators.ggufgen import write_gguf
+from emulators.onnxgen import write_onnx_model
+from emulators.pkgindex import PackageIndex
 from support.apps import bind
-from support.models import NO_EOS, tokens_of
+from support.models import NO_EOS, add_model, tokens_of
 from support.servers import send
 from support.tasks import wait_task
 from test_batch import Events
@@ -36,18 +36,13 @@ USER = [{"role": "user", "content": "hello"}]
 PROMPT = "Once upon a time"
 
 
-def add(api, path, model_id, **start):
-    r = api("POST", "/v1/models/import", {"path": str(path), "id": model_id})
-    assert r.status == 200, r.body
-    r = api("POST", f"/v1/models/{model_id}/start",
-            {"cpu_threads": 1, "ctx_len": 256, "caching_enabled": False, **start})
-    assert r.status == 200, r.body
-    return model_id
+START = {"ctx_len": 256, "caching_enabled": False}
 
 
 @pytest.fixture
-def tiny(api, quantized):
-    return add(api, quantized["Q8_0"], "tiny")
+def tiny_start():
+    """conftest's `tiny`, running with a 256-token context and no prompt cache."""
+    return START
 
 
 def chat(api, **body) -> dict:
@@ -261,8 +256,9 @@ def qwen_gguf(tmp_path_factory):
                       added_tokens=[(t, kinds[k]) for t, k in TOKENS["qwen25"]])
 
 
+@pytest.mark.live
 def test_a_tool_calls_logprobs_cover_every_generated_token(app, api, qwen_gguf):
-    add(api, qwen_gguf, "qwen", ctx_len=4096)
+    add_model(api, qwen_gguf, "qwen", start={**START, "ctx_len": 4096})
     tool = {"type": "function", "function": {
         "name": "get_time", "parameters": {"type": "object", "required": ["zone"],
                                            "properties": {"zone": {"enum": ["CET", "UTC"]}}}}}

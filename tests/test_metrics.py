@@ -13,12 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-from ggufgen import write_gguf
-from hubemu import HubEmulator
+from emulators.ggufgen import write_gguf
 from prometheus_client.parser import text_string_to_metric_families  # a test dependency
-from support.apps import call
+from support.apps import bind, call
 from support.config import outbound_config
-from support.models import NO_EOS
+from support.models import NO_EOS, add_model
 from support.servers import subprocess_env
 from support.tasks import wait_task
 
@@ -174,11 +173,6 @@ def test_a_scrape_imports_no_engine(home):
 # --- chat, on real llama.cpp -------------------------------------------------------------
 
 
-def add_model(app, path, model_id="tiny"):
-    r = call(app, "POST", "/v1/models/import", {"path": str(path), "id": model_id})
-    assert r.status == 200, r.body
-
-
 def chat(app, **body):
     body = {"model": "tiny", "messages": USER, "max_tokens": 8, "temperature": 0,
             "logit_bias": NO_EOS, **body}
@@ -186,7 +180,7 @@ def chat(app, **body):
 
 
 def test_chat_moves_the_token_counters_and_the_time_to_first_token(app, quantized):
-    add_model(app, quantized["Q8_0"])
+    add_model(bind(app), quantized["Q8_0"])
     r = chat(app)
     assert r.status == 200, r.body
     usage = r.json["usage"]
@@ -214,7 +208,7 @@ def test_chat_moves_the_token_counters_and_the_time_to_first_token(app, quantize
 
 
 def test_text_completions_move_the_token_counters_too(app, quantized):
-    add_model(app, quantized["Q8_0"])
+    add_model(bind(app), quantized["Q8_0"])
     body = {"model": "tiny", "prompt": ["one", "two"], "max_tokens": 3, "temperature": 0,
             "logit_bias": {"2": -100}}
     r = call(app, "POST", "/v1/completions", json_body=body)
@@ -252,7 +246,7 @@ class OpenStream:
 
 
 def test_sequences_active_and_queued_follow_the_requests(app, quantized):
-    add_model(app, quantized["Q8_0"])
+    add_model(bind(app), quantized["Q8_0"])
     assert call(app, "POST", "/v1/models/tiny/start").status == 200
     row, = call(app, "GET", "/v1/models/status").json["data"]
     slots = row.get("slots", 1)  # requests a model serves at once
@@ -302,7 +296,7 @@ def test_a_scrape_touches_no_running_model_and_probes_no_engine(home, quantized)
 
     app = create_app(settings_mod.load(), run_probe=probe)
     try:
-        add_model(app, quantized["Q8_0"])
+        add_model(bind(app), quantized["Q8_0"])
         assert call(app, "POST", "/v1/models/tiny/start").status == 200
         running = app.services.scheduler._running["tiny"]
         model, running.model = running.model, Untouchable()
@@ -320,12 +314,15 @@ def test_a_scrape_touches_no_running_model_and_probes_no_engine(home, quantized)
 
 
 @pytest.fixture
-def hub(tmp_path):
+def hub_repos(tmp_path):
+    """The repos conftest's `hub` serves in this module."""
     weights = write_gguf(tmp_path / "tiny.gguf", name="tiny")
-    with HubEmulator() as emu:
-        emu.add_repo("org/tiny", {"tiny.gguf": weights})
-        emu.add_repo("org/blob", {"blob.gguf": bytes(range(256)) * (12 * 1024)})  # 3 MiB
-        yield emu
+
+    def add(hub):
+        hub.add_repo("org/tiny", {"tiny.gguf": weights})
+        hub.add_repo("org/blob", {"blob.gguf": bytes(range(256)) * (12 * 1024)})  # 3 MiB
+
+    return add
 
 
 def test_a_pull_moves_the_download_bytes(settings, hub):

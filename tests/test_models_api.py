@@ -6,7 +6,7 @@ import json
 import os
 
 import pytest
-from ggufgen import write_gguf
+from emulators.ggufgen import write_gguf
 from support.servers import send
 
 
@@ -118,6 +118,7 @@ def test_remove_deletes_the_link_but_never_the_imported_file(api, gguf, imported
     assert api("DELETE", "/v1/models/me/tiny:chat").status == 404
 
 
+@pytest.mark.live
 def test_running_models_cannot_be_removed(app, api, imported):
     assert api("POST", "/v1/models/start", {"model": "me/tiny:chat"}).status == 200
     assert api("GET", "/v1/models/me/tiny:chat").json["status"] == "running"

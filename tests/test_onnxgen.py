@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx.reference import ReferenceEvaluator
-from onnxgen import EOS_TOKEN, HEAD_SIZE, HEADS, SPECIAL_TOKENS, write_onnx_model
+from emulators.onnxgen import EOS_TOKEN, HEAD_SIZE, HEADS, SPECIAL_TOKENS, write_onnx_model
 from tokenizers import Tokenizer
 
 

@@ -6,7 +6,10 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
 from support import REPO
+
+pytestmark = pytest.mark.slow
 
 
 def subpackages() -> list[str]:

@@ -15,17 +15,20 @@ import time
 from pathlib import Path
 
 import pytest
-from ggufgen import write_fake_blob, write_gguf
-from hubemu import HubEmulator
-from loopback import LoopbackHandler, LoopbackServer
+from emulators.ggufgen import write_fake_blob, write_gguf
+from emulators.hubemu import HubEmulator
+from emulators.loopback import LoopbackHandler, LoopbackServer
 from support.apps import call
 from support.config import outbound_config
 from support.tasks import wait_task
+from support.waiting import wait_for
 
 from localrt.app import create_app
 from localrt.downloads.tasks import Downloads, Item, Task, map_path, part_path
 from localrt.events import EventBus
 from localrt.outbound import retry_after_seconds
+
+pytestmark = pytest.mark.live
 
 MiB = 1024 * 1024
 READ_TIMEOUT = 30.0  # seconds: localrt.downloads.fetch's read timeout, which a cancel must not wait out
@@ -38,12 +41,15 @@ def blob(tmp_path_factory):
 
 
 @pytest.fixture
-def hub(blob):
-    with HubEmulator() as emu:
-        emu.add_repo("org/big", {"big.gguf": blob})
-        emu.add_repo("org/gated", {"big.gguf": blob}, gated_token="hf_secret")
-        emu.add_repo("org/small", {"small.gguf": b"x" * (3 * MiB)})
-        yield emu
+def hub_repos(blob):
+    """The repos conftest's `hub` serves in this module."""
+
+    def add(hub):
+        hub.add_repo("org/big", {"big.gguf": blob})
+        hub.add_repo("org/gated", {"big.gguf": blob}, gated_token="hf_secret")
+        hub.add_repo("org/small", {"small.gguf": b"x" * (3 * MiB)})
+
+    return add
 
 
 class Recorder(EventBus):
@@ -92,14 +98,6 @@ def threads_of(task: Task) -> list:
     """The task's threads still alive: its own and its workers' (localrt.downloads.pieces)."""
     return [t for t in threading.enumerate() if t.name == f"download {task.id}"
             or t.name.startswith(f"download {task.id} #")]
-
-
-def wait_for(condition, timeout=20.0, what="the condition"):
-    """Return once `condition()` is true."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 @pytest.fixture

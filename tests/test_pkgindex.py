@@ -27,8 +27,11 @@ from pathlib import Path
 
 import pytest
 
-from enginepkg import ENTRY_POINT_GROUP, build_echo_engine_wheel, wheel_filename, write_echo_model
-from pkgindex import CHUNK, JSON_TYPE, PackageIndex
+from emulators.enginepkg import (ENTRY_POINT_GROUP, build_echo_engine_wheel, wheel_filename,
+                                 write_echo_model)
+from emulators.pkgindex import CHUNK, JSON_TYPE, PackageIndex
+
+pytestmark = pytest.mark.live
 
 PROJECT = "localrt-echo-engine"
 WHEEL = wheel_filename()

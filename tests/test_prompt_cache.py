@@ -5,10 +5,12 @@ saved when a slot goes to another prompt, restored when their conversation comes
 from __future__ import annotations
 
 import pytest
-from ggufgen import _vocab, write_gguf
+from emulators.ggufgen import _vocab, write_gguf
 from support.models import quantize
 
 from localrt.engines.llama.model import LlamaModel
+
+pytestmark = pytest.mark.live
 
 SCRIPT = [t for t in _vocab(400)[0][300:340]][:24]
 SYSTEM = "You are a careful assistant. " * 6

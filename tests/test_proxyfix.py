@@ -27,7 +27,9 @@ import urllib.request
 
 import pytest
 
-from proxyfix import start_proxy, start_target, tls_contexts
+from emulators.proxyfix import start_proxy, start_target, tls_contexts
+
+pytestmark = pytest.mark.live
 
 USER = "alice"
 PASSWORD = "s3cret:with@odd/chars"  # exercises percent-encoding in the userinfo form

@@ -7,12 +7,13 @@ from collections import namedtuple
 from pathlib import Path
 
 import pytest
-from ggufgen import write_gguf
-from hubemu import HubEmulator
+from emulators.ggufgen import write_gguf
 from support.apps import bind, call
 from support.tasks import wait_bytes, wait_task
 
 from localrt.app import create_app
+
+pytestmark = pytest.mark.live
 
 READ_TIMEOUT = 30.0  # seconds: localrt.downloads.fetch's read timeout, which a cancel must not wait out
 MODEL_YML = (b"name: Tiny Q8\nengine: llama-cpp\nctx_len: 128\ntemperature: 0.5\n"
@@ -30,16 +31,19 @@ def weights(tmp_path_factory):
 
 
 @pytest.fixture
-def hub(weights):
-    with HubEmulator() as emu:
-        emu.add_repo("cortexso/tiny", {"README.md": b"# tiny\n"},
+def hub_repos(weights):
+    """The repos conftest's `hub` serves in this module."""
+
+    def add(hub):
+        hub.add_repo("cortexso/tiny", {"README.md": b"# tiny\n"},
                      branches={"q8": {"model.yml": MODEL_YML, "model.gguf": weights.small}})
-        emu.add_repo("org/multi", {"a.Q4_0.gguf": weights.small, "b.Q8_0.gguf": weights.other,
+        hub.add_repo("org/multi", {"a.Q4_0.gguf": weights.small, "b.Q8_0.gguf": weights.other,
                                    "README.md": b"two files\n"})
-        emu.add_repo("org/single", {"only.gguf": weights.small})
-        emu.add_repo("org/big", {"big.gguf": weights.big})
-        emu.add_repo("org/gated", {"g.gguf": weights.small}, gated_token="hf_secret")
-        yield emu
+        hub.add_repo("org/single", {"only.gguf": weights.small})
+        hub.add_repo("org/big", {"big.gguf": weights.big})
+        hub.add_repo("org/gated", {"g.gguf": weights.small}, gated_token="hf_secret")
+
+    return add
 
 
 @pytest.fixture
@@ -291,7 +295,7 @@ def test_a_hub_file_path_cannot_escape_the_models_folder(api, hub, weights, sett
 
 
 def test_proxy_credentials_never_reach_a_cdn_that_is_not_proxied(api, hub, settings, tmp_path):
-    from proxyfix import start_proxy
+    from emulators.proxyfix import start_proxy
 
     with start_proxy(tmp_path, username="u", password="s3cret") as proxy:
         settings.update({"modelHubUrl": f"http://localhost:{hub.port}"})

@@ -8,13 +8,13 @@ import hashlib
 from collections import namedtuple
 
 import pytest
-from ggufgen import write_gguf
-from hubemu import HubEmulator
+from emulators.ggufgen import write_gguf
 from support.apps import bind
 from support.projectors import write_projector
 from support.servers import send
 from support.tasks import wait_task
 
+pytestmark = pytest.mark.live
 
 MODEL_YML = (b"name: TinyLlama Chat\nmodel: tinyllama:1b\nversion: 2\nengine: llama.cpp\n"
              b"ctx_len: 128\ntemperature: 0.7\nn_parallel: 1\nngl: 33\n"
@@ -41,34 +41,37 @@ def _write(path, data):
 
 
 @pytest.fixture
-def hub(weights):
-    with HubEmulator() as emu:
-        emu.add_cortexso("tinyllama", {"1b": {"model.gguf": weights.a, "model.yml": MODEL_YML},
+def hub_repos(weights):
+    """The repos conftest's `hub` serves in this module."""
+
+    def add(hub):
+        hub.add_cortexso("tinyllama", {"1b": {"model.gguf": weights.a, "model.yml": MODEL_YML},
                                        "3b": {"model.gguf": weights.b}},
                          default="1b", source_model="tinyllama-1.1b-chat-v1.0")
-        emu.add_cortexso("nodefault", {"1b": {"model.gguf": weights.a},
+        hub.add_cortexso("nodefault", {"1b": {"model.gguf": weights.a},
                                        "8b": {"model.gguf": weights.b}}, default=None)
-        emu.add_cortexso("onlyone", {"2b": {"model.gguf": weights.a}}, metadata=False)
-        emu.add_cortexso("vision", {"4b": {"model.gguf": weights.a,
+        hub.add_cortexso("onlyone", {"2b": {"model.gguf": weights.a}}, metadata=False)
+        hub.add_cortexso("vision", {"4b": {"model.gguf": weights.a,
                                            "mmproj.gguf": weights.projector}}, default="4b")
-        emu.add_repo("org/quants", {"Model.Q2_K.gguf": weights.a, "model-q4_k_m.gguf": weights.b,
+        hub.add_repo("org/quants", {"Model.Q2_K.gguf": weights.a, "model-q4_k_m.gguf": weights.b,
                                     "Model.Q8_0.gguf": weights.c,
                                     "mmproj-model-f16.gguf": weights.projector,
                                     "README.md": b"many\n"})
         for quants in (("F16", "BF16", "Q8_0"), ("BF16", "Q8_0", "Q4_K_M"), ("Q8_0", "Q4_0"),
                        ("Q4_K_M", "Q6_K"), ("Q6_K",)):  # several projectors, or one
-            emu.add_repo(f"org/proj-{'-'.join(quants).lower()}",
+            hub.add_repo(f"org/proj-{'-'.join(quants).lower()}",
                          {"m.Q4_K_M.gguf": weights.a,
                           **{f"mmproj-m-{q}.gguf": weights.large if q == "Q4_K_M" else
                              weights.small for q in quants}})
-        emu.add_repo("org/nochoice", {"x.Q2_K.gguf": weights.a, "x.Q8_0.gguf": weights.b})
+        hub.add_repo("org/nochoice", {"x.Q2_K.gguf": weights.a, "x.Q8_0.gguf": weights.b})
         parts = sorted(weights.split.parent.glob("m-*.gguf"))
-        emu.add_repo("org/split", {f"Q4_K_M/{p.name.replace('m-', 'big-Q4_K_M-')}": p
+        hub.add_repo("org/split", {f"Q4_K_M/{p.name.replace('m-', 'big-Q4_K_M-')}": p
                                    for p in parts} | {"big-Q8_0.gguf": weights.c})
-        emu.add_repo("org/text", {"README.md": b"no weights\n", "config.json": b"{}"})
-        emu.add_repo("org/gated", {"g.Q4_K_M.gguf": weights.a}, gated_token="hf_right")
-        emu.parts = parts
-        yield emu
+        hub.add_repo("org/text", {"README.md": b"no weights\n", "config.json": b"{}"})
+        hub.add_repo("org/gated", {"g.Q4_K_M.gguf": weights.a}, gated_token="hf_right")
+        hub.parts = parts
+
+    return add
 
 
 @pytest.fixture
@@ -304,7 +307,7 @@ def test_a_percent_encoded_newline_reaches_the_route_over_http(live_server):
 
 
 def test_a_wrong_proxy_password_is_never_a_token_error(api, hub, tmp_path):
-    from proxyfix import start_proxy
+    from emulators.proxyfix import start_proxy
 
     with start_proxy(tmp_path, username="alice", password="s3cret") as proxy:
         api("PATCH", "/v1/configs", {"proxy_url": proxy.url, "proxy_username": "alice",

@@ -10,11 +10,12 @@ import urllib.error
 import urllib.request
 
 import pytest
-from ggufgen import write_gguf
-from hubemu import HubEmulator
-from proxyfix import need_tinyproxy, start_proxy, start_tinyproxy
+from emulators.ggufgen import write_gguf
+from emulators.proxyfix import need_tinyproxy, start_proxy, start_tinyproxy
 from support.servers import run_foreground_server, send
 from support.tasks import wait_pull
+
+pytestmark = pytest.mark.live
 
 
 @pytest.fixture(scope="module")
@@ -24,10 +25,13 @@ def big(tmp_path_factory):
 
 
 @pytest.fixture
-def hub(big):
-    with HubEmulator() as emu:
-        emu.add_repo("org/big", {"big.gguf": big})
-        yield emu
+def hub_repos(big):
+    """The repos conftest's `hub` serves in this module."""
+
+    def add(hub):
+        hub.add_repo("org/big", {"big.gguf": big})
+
+    return add
 
 
 @pytest.fixture

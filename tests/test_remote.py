@@ -144,6 +144,7 @@ def test_no_healthy_upstream_is_a_503_and_the_key_stays_out(api):
         assert r.headers["retry-after"] and KEY not in r.body.decode()
 
 
+@pytest.mark.live
 def test_an_upstream_that_never_answers_is_a_504(api, settings):
     settings.update({"upstreamTimeout": 0.5})
     silent = socket.socket()
@@ -276,11 +277,12 @@ def test_parse_upstreams_keeps_what_was_given():
         {"url": "https://Host:8443/openai/v1", "api_key": "k"}, {"url": "http://[::1]:8000/v1"}]
 
 
+@pytest.mark.live
 def test_a_remote_upstreams_probe_names_tinyproxys_refusal_not_the_key(tmp_path):
     # The same rule holds for remote models' upstreams, which localrt probes through
     # the proxy: tinyproxy's 401 is not the upstream refusing localrt's key.
     from support.config import outbound_config as config
-    from proxyfix import need_tinyproxy, start_target, start_tinyproxy
+    from emulators.proxyfix import need_tinyproxy, start_target, start_tinyproxy
 
     from localrt.remote.upstreams import Upstream, probe
 

@@ -1,4 +1,4 @@
-"""Remote models against real upstreams: llama-cpp-python's server (tests/upstreams.py),
+"""Remote models against real upstreams: llama-cpp-python's server (tests/emulators/upstreams.py),
 two replicas on loopback, behind a real `localrt start --foreground`.
 
 Covered: streamed and whole chats through localrt with localrt's id; a client that hangs
@@ -25,13 +25,16 @@ import time
 
 import openai
 import pytest
-from ggufgen import MIN_VOCAB_SIZE, write_bert_gguf
+from emulators.ggufgen import MIN_VOCAB_SIZE, write_bert_gguf
 from prometheus_client.parser import text_string_to_metric_families
-from support.servers import RawStream, send, subprocess_env, wait_for
-from upstreams import start_replica
+from support.servers import RawStream, send, subprocess_env
+from support.waiting import wait_for
+from emulators.upstreams import start_replica
 
 from localrt import server as server_mod
 from localrt import settings as settings_mod
+
+pytestmark = pytest.mark.live
 
 KEY = "upstream-key-7c41d9e2"        # what the replicas require
 WRONG_KEY = "wrong-key-0b8f3a55"
@@ -362,7 +365,7 @@ def test_no_healthy_upstream_is_a_503(localrt, replicas):
 
 
 def test_the_configs_proxy_carries_upstream_requests(localrt, pair, replicas, tmp_path):
-    from proxyfix import proxy_available, start_proxy
+    from emulators.proxyfix import proxy_available, start_proxy
 
     if not proxy_available():
         pytest.skip("proxy.py is not installed")

@@ -20,6 +20,8 @@ import ollama
 import openai
 import pytest
 
+pytestmark = pytest.mark.live  # an upstream server and localrt on real sockets
+
 THINKING = ["The user greets me. ", "I should greet back."]
 ANSWER = ["Hello", " there!"]
 

@@ -3,7 +3,7 @@
 stream, function calls, previous_response_id chains, the store, and bad bodies; then the
 real `openai` SDK's client.responses against a live server.
 
-The models are tiny random llamas (tests/ggufgen.py): "tiny" with a ChatML template, and
+The models are tiny random llamas (tests/emulators/ggufgen.py): "tiny" with a ChatML template, and
 "qwen25" carrying Qwen 2.5's real chat template and <tool_call> token (as in
 tests/test_tools.py), whose calls are forced (tool_choice "required") because random
 weights write gibberish. Replies are greedy (temperature 0), so the same prompt gives
@@ -17,8 +17,8 @@ import threading
 
 import jsonschema
 import pytest
-from chattemplates import TEMPLATES, TOKENS
-from ggufgen import write_gguf
+from emulators.chattemplates import TEMPLATES, TOKENS
+from emulators.ggufgen import write_gguf
 from support.apps import bind, call
 from support.models import KINDS, NO_DRAFTS
 from support.servers import run_foreground_server, send
@@ -95,6 +95,7 @@ def events(app, r) -> list:
 # --- the translation onto chat -----------------------------------------------------------
 
 
+@pytest.mark.live
 def test_a_response_is_the_chat_completion_of_its_conversation(api):
     r = respond(api, input="Hello there", instructions="Be brief.", metadata={"k": "v"})
     assert r.status == 200, r.body
@@ -119,6 +120,7 @@ def test_a_response_is_the_chat_completion_of_its_conversation(api):
     assert out["status"] == ("incomplete" if finish == "length" else "completed")
 
 
+@pytest.mark.live
 def test_max_output_tokens_makes_it_incomplete(api):
     out = respond(api, input="Hello there", max_output_tokens=3).json
     assert out["status"] == "incomplete" and out["usage"]["output_tokens"] == 3
@@ -127,6 +129,7 @@ def test_max_output_tokens_makes_it_incomplete(api):
     assert out["max_output_tokens"] == 3
 
 
+@pytest.mark.live
 def test_input_items_are_the_conversation_chat_gets(api):
     """Every kind of input item, against the chat messages it stands for: the same prompt
     (Qwen 2.5's template renders calls and tool results), so the same reply."""
@@ -158,6 +161,7 @@ def test_input_items_are_the_conversation_chat_gets(api):
     assert without_tools["usage"]["prompt_tokens"] < out["usage"]["input_tokens"]
 
 
+@pytest.mark.live
 def test_a_stream_is_typed_events_in_openais_order(app, api):
     plain = respond(api, input="Hello there", max_output_tokens=10).json
     got = events(app, respond(api, input="Hello there", max_output_tokens=10, stream=True))
@@ -190,6 +194,7 @@ def test_a_stream_is_typed_events_in_openais_order(app, api):
 # --- function calls --------------------------------------------------------------------
 
 
+@pytest.mark.live
 def test_a_forced_call_comes_back_as_a_function_call_item(app, api):
     body = {"model": "qwen25", "input": "What is the weather in Paris?", "tools": TOOLS,
             "tool_choice": "required", "parallel_tool_calls": False,
@@ -230,6 +235,7 @@ def test_a_forced_call_comes_back_as_a_function_call_item(app, api):
 # --- storage and previous_response_id ----------------------------------------------------
 
 
+@pytest.mark.live
 def test_previous_response_id_continues_the_stored_conversation(app, api):
     first = respond(api, input="Hello there", instructions="Be brief.", store=True).json
     assert first["store"] is True
@@ -312,7 +318,8 @@ def test_the_store_keeps_the_most_recently_used_within_its_bounds():
     ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}},
      "tool_choice.name"),
     ({"input": "x", "tool_choice": "sometimes"}, "tool_choice"),
-    ({"input": "x", "tools": TOOLS, "tool_choice": "required"}, "tools"),  # ChatML: no calls
+    pytest.param({"input": "x", "tools": TOOLS, "tool_choice": "required"}, "tools",
+                 marks=pytest.mark.live),  # ChatML: no calls
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "temperature": 3}, "temperature"),
     ({"input": "x", "top_p": "high"}, "top_p"),
@@ -324,7 +331,8 @@ def test_the_store_keeps_the_most_recently_used_within_its_bounds():
     ({"input": "x", "conversation": "conv_1"}, "conversation"),
     ({"input": "x", "top_logprobs": 5}, "top_logprobs"),
     ({"input": "x", "store": "yes"}, "store"),
-    ({"input": "x" * 3000}, "input"),  # longer than the context of 512 tokens
+    pytest.param({"input": "x" * 3000}, "input",
+                 marks=pytest.mark.live),  # longer than the context of 512 tokens
 ])
 def test_bad_bodies_are_a_400_naming_the_field(api, body, param):
     r = api("POST", "/v1/responses", {"model": "tiny", **body})
@@ -336,6 +344,7 @@ def test_bad_bodies_are_a_400_naming_the_field(api, body, param):
     assert param in error["message"] or body[param] in error["message"]
 
 
+@pytest.mark.live
 def test_an_unknown_model_is_a_404_and_api_keys_apply(api, settings):
     r = respond(api, model="nope", input="x")
     assert r.status == 404 and r.json["error"]["code"] == "model_not_found"
@@ -376,9 +385,9 @@ def test_a_model_stopped_mid_stream_ends_it_failed(app, slow_gguf):
 
 
 def test_a_remote_models_reply_is_translated_the_same_way(app, api, weights, tmp_path):
-    """A remote model (llama-cpp-python's server upstream, tests/upstreams.py): its chat
-    comes back through localrt.remote.remotes, streamed or not, and becomes the same response."""
-    from upstreams import start_replica
+    """A remote model (llama-cpp-python's server upstream, tests/emulators/upstreams.py): its
+    chat comes back through localrt.remote, streamed or not, and becomes the same response."""
+    from emulators.upstreams import start_replica
 
     replica = start_replica(weights["tiny"], tmp_path / "replica.log", n_ctx=512)
     try:

@@ -11,7 +11,7 @@ import ast
 from pathlib import Path
 
 import pytest
-from ggufgen import write_gguf
+from emulators.ggufgen import write_gguf
 from support.projectors import write_projector
 
 from localrt import schemas

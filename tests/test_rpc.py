@@ -14,14 +14,6 @@ from localrt.engines.catalog import RPC_SUFFIX
 from localrt.errors import HTTPError
 
 
-@pytest.fixture
-def tiny(api, quantized):
-    r = api("POST", "/v1/models/import", {"path": str(quantized["Q8_0"]), "id": "tiny",
-                                          "option": "symlink"})
-    assert r.status == 200, r.body
-    return "tiny"
-
-
 def test_parse_servers_takes_llama_cpps_rpc_list():
     assert rpc.parse_servers("127.0.0.1:50052,gpu1:1") == [("127.0.0.1", 50052), ("gpu1", 1)]
     for bad, why in (("gpu1", "not host:port"), (":1", "not host:port"),
@@ -201,13 +193,14 @@ def write_sdist(folder, version="9.9.9"):
     return path
 
 
+@pytest.mark.live
 def test_a_build_that_fails_fails_its_task_with_the_end_of_its_output(settings, tmp_path):
     import shutil
 
     from support.tasks import wait_task
     from localrt.app import create_app
     from localrt.engines.hardware import detect_hardware
-    from pkgindex import PackageIndex
+    from emulators.pkgindex import PackageIndex
 
     if shutil.which("cc") is None or shutil.which("c++") is None:
         pytest.skip("no C/C++ compiler: the install refuses to build (a 400)")
@@ -243,10 +236,11 @@ def test_a_build_that_fails_fails_its_task_with_the_end_of_its_output(settings, 
     assert not (engines / "gguf-cpp" / variant).exists()
 
 
+@pytest.mark.live
 def test_an_index_with_neither_wheel_nor_sdist_is_a_400(settings, tmp_path):
     from localrt.app import create_app
     from localrt.engines.hardware import detect_hardware
-    from pkgindex import PackageIndex
+    from emulators.pkgindex import PackageIndex
 
     hw = detect_hardware()
     if hw.cpu_level() is None:

@@ -29,8 +29,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from ggufgen import write_gguf
-from pkgindex import PackageIndex
+from emulators.ggufgen import write_gguf
+from emulators.pkgindex import PackageIndex
 from support import REPO
 from support.apps import call
 from support.servers import free_port, run_foreground_server, send
@@ -40,6 +40,8 @@ from localrt import settings as settings_mod
 from localrt.app import create_app
 from localrt.bootstrap import AMX_OFF
 from localrt.engines.hardware import detect_hardware
+
+pytestmark = [pytest.mark.live, pytest.mark.slow]
 
 RPC_DIR = REPO / "tests" / ".rpc-build"
 SOURCES, BUILT = RPC_DIR / "sources", RPC_DIR / "built"

@@ -211,10 +211,11 @@ def test_log_lines_never_carry_secrets(home):
         assert secret not in text
 
 
+@pytest.mark.live
 def test_a_failed_pull_shows_no_secret_in_tasks_events_or_the_log(home, settings, tmp_path):
     """A real server, a hub that refuses the token, a proxy that refuses the password."""
-    from hubemu import HubEmulator
-    from proxyfix import start_proxy
+    from emulators.hubemu import HubEmulator
+    from emulators.proxyfix import start_proxy
 
     from localrt import server
 
@@ -260,7 +261,7 @@ def test_the_rc_file_definitions_and_data_folders_are_private(home, monkeypatch,
     import os
     import stat
 
-    from ggufgen import write_gguf
+    from emulators.ggufgen import write_gguf
 
     old = os.umask(0o002)
     try:

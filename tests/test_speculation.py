@@ -9,13 +9,15 @@ edit is), and a random one whose replies do not repeat the prompt.
 from __future__ import annotations
 
 import pytest
-from ggufgen import _vocab, write_gguf
+from emulators.ggufgen import _vocab, write_gguf
 from support.apps import call
 from support.models import NO_EOS, quantize
 from support.servers import send
 
 from localrt.engines.llama.drafting import prediction_counts
 from localrt.engines.llama.model import LlamaModel
+
+pytestmark = pytest.mark.live
 
 SCRIPT = [t for t in _vocab(400)[0][300:340]][:30]
 COPY_PROMPT = "Repeat this: " + "".join(SCRIPT).replace("\u2581", " ")

@@ -13,8 +13,8 @@ import json
 import re
 
 import pytest
-from chattemplates import LLAMA31, MISTRAL_NEMO, QWEN25
-from ggufgen import CHATML_TEMPLATE
+from emulators.chattemplates import LLAMA31, MISTRAL_NEMO, QWEN25
+from emulators.ggufgen import CHATML_TEMPLATE
 
 from localrt.dialects.openai import read_chat
 from localrt.engines import toolcalls

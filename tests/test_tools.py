@@ -1,7 +1,7 @@
 """Tool calls on real llama.cpp: prompts from real chat templates, grammar-forced calls
 read back, streamed and not, and the openai SDK's round trip against a live server.
 
-The models are tiny random llamas (tests/ggufgen.py) that carry a real model's Jinja
+The models are tiny random llamas (tests/emulators/ggufgen.py) that carry a real model's Jinja
 chat template as tokenizer.chat_template and that family's added tokens (Qwen 2.5's
 <tool_call> as a printed token, Llama 3.1's header tokens and Mistral's [TOOL_CALLS]
 as special ones), with a 4096-token context: tools make long prompts. Their random
@@ -17,8 +17,8 @@ import re
 
 import jsonschema
 import pytest
-from chattemplates import TOKENS
-from ggufgen import EOS_ID
+from emulators.chattemplates import TOKENS
+from emulators.ggufgen import EOS_ID
 from support.models import FAMILIES
 
 WEATHER = {"type": "function", "function": {
@@ -288,7 +288,7 @@ def test_a_call_id_the_template_refuses_is_a_400(api, models):
 
 
 def test_onnx_models_refuse_tools_before_anything_waits(api, tmp_path):
-    from onnxgen import write_onnx_model
+    from emulators.onnxgen import write_onnx_model
 
     folder = write_onnx_model(tmp_path / "onnx-model")
     api("POST", "/v1/models/import", {"path": str(folder), "id": "tiny-onnx"})

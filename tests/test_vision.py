@@ -17,6 +17,8 @@ from localrt.engines.llama.model import LlamaModel
 from localrt.engines.llama.media import image_format, texts_and_images
 from localrt.errors import ImagesNotSupported, InvalidImage
 
+pytestmark = pytest.mark.live
+
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):

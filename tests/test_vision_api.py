@@ -17,7 +17,6 @@ import anthropic
 import ollama
 import openai
 import pytest
-from hubemu import HubEmulator
 from support.models import quantize
 from support.vision import MARKER, png, raw_mtmd_reply, write_projector, write_vision_pair
 
@@ -234,15 +233,22 @@ def test_a_pulled_vision_model_with_a_prompt_template_takes_images_where_the_par
 
 
 @pytest.fixture(scope="module")
-def hub(tmp_path_factory, pair):
-    root = tmp_path_factory.mktemp("hub")
-    other = write_projector(root / "mmproj-q8.gguf", n_embd=64, seed=9)
-    with HubEmulator() as emu:
-        emu.add_cortexso("eye", {"2b": {"model.gguf": pair[0], "mmproj.gguf": pair[1]}},
+def other_projector(tmp_path_factory):
+    """A second projector for the pair's text model, which pulls must not take."""
+    return write_projector(tmp_path_factory.mktemp("hub") / "mmproj-q8.gguf", n_embd=64, seed=9)
+
+
+@pytest.fixture
+def hub_repos(pair, other_projector):
+    """The repos conftest's `hub` serves in this module."""
+
+    def add(hub):
+        hub.add_cortexso("eye", {"2b": {"model.gguf": pair[0], "mmproj.gguf": pair[1]}},
                          default="2b")
-        emu.add_cortexso("seer", {"2b": {"model.gguf": pair[0], "mmproj.gguf": pair[1],
+        hub.add_cortexso("seer", {"2b": {"model.gguf": pair[0], "mmproj.gguf": pair[1],
                                          "model.yml": MODEL_YML.encode()}}, default="2b")
-        emu.add_repo("org/eye-GGUF", {"eye-Q8_0.gguf": pair[0],
-                                      "mmproj-eye-Q8_0.gguf": other,
+        hub.add_repo("org/eye-GGUF", {"eye-Q8_0.gguf": pair[0],
+                                      "mmproj-eye-Q8_0.gguf": other_projector,
                                       "mmproj-eye-f16.gguf": pair[1]})
-        yield emu
+
+    return add

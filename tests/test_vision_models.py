@@ -11,7 +11,7 @@ import os
 
 import gguf
 import pytest
-from ggufgen import write_bert_gguf, write_gguf
+from emulators.ggufgen import write_bert_gguf, write_gguf
 from support.cli import run
 from support.projectors import OUTPUT_TENSORS, write_projector
 
@@ -210,6 +210,7 @@ def test_a_bad_patch_projector_changes_nothing(api, files, which, words):
     assert api("GET", "/v1/models/chat").json == before
 
 
+@pytest.mark.live
 def test_a_running_model_keeps_its_projector_until_it_starts_again(app, api, files):
     import_(api, path=files.model, id="chat")
     assert api("POST", "/v1/models/start", {"model": "chat", "ctx_len": 64}).status == 200

@@ -10,11 +10,13 @@ import jinja2
 import llama_cpp
 import pytest
 
-from ggufgen import read_gguf_metadata
+from emulators.ggufgen import read_gguf_metadata
 from support.models import quantize
 from support.vision import (IMAGE_TOKENS, MARKER, bitmap_loads, bmp, gif, gif_rgb,
                             image_tokens, jpeg, jpeg_gray, pixels, png, prompt_tokens,
                             raw_mtmd_reply, write_vision_pair)
+
+pytestmark = pytest.mark.live
 
 BEFORE = "<|im_start|>user\n"
 AFTER = "What is in this picture?<|im_end|>\n<|im_start|>assistant\n"

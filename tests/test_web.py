@@ -16,14 +16,16 @@ import urllib.request
 
 import gguf
 import pytest
-from ggufgen import write_gguf
-from hubemu import HubEmulator
+from emulators.ggufgen import write_gguf
 from support.browser import require_chromium, start_chromium
 from support.models import NO_DRAFTS
-from support.servers import run_foreground_server, send, wait_for
+from support.servers import run_foreground_server, send
+from support.waiting import wait_for
 
 from localrt import settings as settings_mod
 from localrt import web
+
+pytestmark = [pytest.mark.browser, pytest.mark.live]
 
 require_chromium()
 
@@ -89,16 +91,10 @@ def request(url, method, path, body=None, headers=None):
 
 
 @pytest.fixture(scope="module")
-def hub(ggufs):
-    """The hub emulator, with a model to pull: org/pulled."""
-    with HubEmulator() as emu:
-        emu.add_repo("org/pulled", {"pulled.gguf": ggufs["guide"]})
-        yield emu
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, ggufs, hub):
-    srv = start_server(tmp_path_factory.mktemp("web-home"), ggufs, modelHubUrl=hub.url)
+def server(tmp_path_factory, ggufs, module_hub):
+    """The server the page comes from, pulling from the hub emulator: org/pulled."""
+    module_hub.add_repo("org/pulled", {"pulled.gguf": ggufs["guide"]})
+    srv = start_server(tmp_path_factory.mktemp("web-home"), ggufs, modelHubUrl=module_hub.url)
     yield srv
     srv.stop()
 
@@ -422,7 +418,13 @@ def test_a_reply_with_markup_and_script_links_runs_nothing(browser, server):
     pick(browser, "xss")
     say(browser, "<script>document.title='pwned'</script> **hi**")
     body = last_reply(browser).find_element(By.CSS_SELECTOR, ".body")
-    time.sleep(0.5)  # an onerror would have fired by now
+    # The same broken image, loaded after the reply: once its error has fired, an
+    # onerror in the reply would have fired too.
+    browser.execute_script("const probe = new Image();"
+                           "probe.onerror = () => { window.probeFailed = true; };"
+                           "probe.src = 'x';")
+    wait(browser, lambda d: d.execute_script("return window.probeFailed === true"), 30,
+         "a broken image's error")
     assert browser.title == TITLE
     text = body.text
     for part in (IMG, "[click me](javascript:document.title='pwned')",
@@ -479,10 +481,9 @@ def test_a_model_id_with_markup_is_shown_as_text(browser, server, ggufs):
     assert status == 200, body
     try:
         open_page(browser, server.url)
-        time.sleep(0.3)
-        values = browser.execute_script(
-            "return [...document.querySelectorAll('#model option')].map(o => o.textContent)")
-        assert HOSTILE_ID in values
+        options = "return [...document.querySelectorAll('#model option')].map(o => o.textContent)"
+        wait(browser, lambda d: HOSTILE_ID in d.execute_script(options), 30,
+             "the hostile id among the models")
         assert browser.execute_script(  # none but the page's own paperclip icon
             "return [...document.querySelectorAll('svg')].filter(s => !s.closest('#attach'))"
             ".length") == 0
@@ -520,7 +521,8 @@ def test_a_keyed_server_asks_for_the_key_once(tmp_path_factory, chromium, ggufs)
         keyed.stop()
 
 
-def test_pull_a_model_with_its_progress_and_its_errors(browser, server, hub, ggufs):
+def test_pull_a_model_with_its_progress_and_its_errors(browser, server, module_hub, ggufs):
+    hub = module_hub
     hub.max_bytes_per_second = ggufs["guide"].stat().st_size  # about a second
     browser.execute_script("""
         window.progress = [];

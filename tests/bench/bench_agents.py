@@ -80,7 +80,7 @@ def make_models(root: Path) -> dict:
     "fresh" is random (nothing to copy); "draft" and "story draft" are small models
     that write what "copy" and "story" write (draft models that are always right:
     the most any draft model could give)."""
-    from ggufgen import write_gguf
+    from emulators.ggufgen import write_gguf
 
     dims = dict(vocab_size=32000, n_embd=768, n_layer=8, n_head=12, n_ff=2048,
                 context_length=CTX, file_type="F16")
@@ -111,7 +111,7 @@ def copyable(root: Path, dims: dict) -> tuple[list, list, list]:
     The edit: the same with one word in CHANGE_EVERY changed, as the issue's real
     model copied 98 % of it. The story: as many other pieces, none of the others'."""
     import llama_cpp
-    from ggufgen import _vocab, write_gguf
+    from emulators.ggufgen import _vocab, write_gguf
 
     vocab_path = write_gguf(root / "vocab.gguf", vocab_size=dims["vocab_size"], n_embd=64,
                             context_length=CTX)

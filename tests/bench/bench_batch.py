@@ -9,7 +9,7 @@ target is FAIL. Progress, and how much CPU other processes took while it measure
 go to stderr: llama.cpp's threads wait for each other at every step, so a busy
 machine slows both sides far beyond its own share.
 
-The model has TinyLlama's shape (tests/ggufgen.py: n_embd 2048, 22 layers, 32 heads,
+The model has TinyLlama's shape (tests/emulators/ggufgen.py: n_embd 2048, 22 layers, 32 heads,
 4 KV heads, n_ff 5632, a 32000-token vocabulary, random weights: 1.1 B parameters),
 written in F16 and quantized to Q4_0 by llama.cpp (about 0.6 GB; writing and
 quantizing take a minute or two); `--model PATH` uses a GGUF of your own, and
@@ -78,7 +78,7 @@ FILLER = [a + b for a in "etaoinshrdlucmfwypvbgkqjxz" for b in "etaoinshrdlu"]
 
 def make_model(folder: Path, shape: str) -> Path:
     """Write the random llama in F16 and quantize it to Q4_0 (the F16 file is deleted)."""
-    from ggufgen import write_gguf
+    from emulators.ggufgen import write_gguf
 
     dims = {"tinyllama": dict(n_embd=2048, n_layer=22, n_head=32, n_head_kv=4, n_ff=5632),
             "small": dict(n_embd=512, n_layer=4, n_head=8, n_head_kv=2, n_ff=1408)}[shape]

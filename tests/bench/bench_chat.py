@@ -12,7 +12,7 @@ other processes took while it measured go to stderr: llama.cpp's threads wait fo
 other at every step, so a busy machine slows both sides far beyond its own share and
 makes the ratios noise.
 
-The model is a synthetic llama (tests/ggufgen.py: n_embd 768, 8 layers, 12 heads, n_ff
+The model is a synthetic llama (tests/emulators/ggufgen.py: n_embd 768, 8 layers, 12 heads, n_ff
 2048, a 32000-token vocabulary, context 2048, random weights: 105.8 M parameters),
 written in F16 and quantized to Q8_0 by llama.cpp itself (about 113 MB; writing and
 quantizing take a few seconds); `--model PATH` uses a GGUF of your own instead. Both
@@ -84,7 +84,7 @@ POLL_INTERVAL = 0.02  # seconds between GET /v1/models during the concurrent str
 
 def make_model(folder: Path) -> Path:
     """Write the ~106 M-parameter random llama in F16 and quantize it to Q8_0."""
-    from ggufgen import write_gguf
+    from emulators.ggufgen import write_gguf
 
     source = write_gguf(folder / "bench-f16.gguf", name="bench", n_embd=768, n_layer=8,
                         n_head=12, n_ff=2048, vocab_size=32000, context_length=CTX_LEN,

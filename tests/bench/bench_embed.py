@@ -10,7 +10,7 @@ on 2 cores; progress and how much CPU other processes took while it measured go 
 stderr (llama.cpp's threads wait for each other at every step, so a busy machine
 makes the ratio noise).
 
-The model is a synthetic BERT the size of all-MiniLM-L6-v2 (tests/ggufgen.py's
+The model is a synthetic BERT the size of all-MiniLM-L6-v2 (tests/emulators/ggufgen.py's
 write_bert_gguf: n_embd 384, 6 layers, 12 heads, n_ff 1536, a 30522-token vocabulary,
 context 512, mean pooling, random weights), quantized to Q8_0 by llama.cpp; `--model
 PATH` uses a GGUF embedding model of your own. The inputs are 64 short texts (5 to 14
@@ -66,7 +66,7 @@ def texts(n: int = N_TEXTS) -> list[str]:
 
 def make_model(folder: Path) -> Path:
     """A BERT the size of all-MiniLM-L6-v2, quantized to Q8_0."""
-    from ggufgen import write_bert_gguf
+    from emulators.ggufgen import write_bert_gguf
 
     source = write_bert_gguf(folder / "bench-embed-f32.gguf", name="bench-embed",
                              context_length=CTX_LEN, vocab_size=30522, n_embd=384,

@@ -12,7 +12,7 @@ Python imports. F16 is used because both builds run it: the default build crashe
 quantized models on CPUs with AMX (see README.rst), which the probe rows show.
 
 Each build runs in its own child process (so a crash is reported, not fatal):
-the model (tests/ggufgen.py: llama, n_embd 1024, 4 layers, about 100 MB in F16) gets
+the model (tests/emulators/ggufgen.py: llama, n_embd 1024, 4 layers, about 100 MB in F16) gets
 a 256-token prompt, then 64 greedy decode steps; the figures are llama.cpp's own
 timings (llama_perf_context), best of 3. Ratio = shipped / reference.
 """
@@ -61,7 +61,7 @@ def measure(engine_dir: str, model: Path, threads: int) -> dict:
 
 
 def main() -> int:
-    from ggufgen import write_gguf
+    from emulators.ggufgen import write_gguf
 
     from localrt.engines.hardware import detect_hardware
     from localrt.engines.probe import run_probe

@@ -7,7 +7,7 @@ Run it from the repository root (not collected by pytest; it has no test_ functi
 
 It prints one table with columns metric, localrt, reference, ratio, target, result.
 Every pull is of one file of --size-mib MiB (default 512) from the hub emulator
-(tests/hubemu.py, in its own process, redirecting to its CDN port like the real hub),
+(tests/emulators/hubemu.py, in its own process, redirecting to its CDN port like the real hub),
 through `POST /v1/models/pull`, timed from the POST until the DownloadSuccess event;
 localrt checks the sha256 and fsyncs the file before it says so. Best of 3 runs each,
 alternating with the reference.
@@ -190,7 +190,7 @@ def main() -> int:
         print("aria2c is missing: apt-get install aria2", file=sys.stderr)
         return 2
 
-    from ggufgen import write_gguf
+    from emulators.ggufgen import write_gguf
 
     size = args.size_mib * 1024 * 1024
     mib_s = lambda seconds: size / seconds / 2**20  # noqa: E731

@@ -10,7 +10,7 @@ minutes on 2 cores. It needs two cores for the scale rows (taskset -c 0 and -c 1
 llama-cpp-python's server (`pip install 'llama-cpp-python[server]'`, the test extra).
 
 The upstreams are llama-cpp-python's own server (`python -m llama_cpp.server
---interrupt_requests False`, tests/upstreams.py), each replica pinned with taskset to
+--interrupt_requests False`, tests/emulators/upstreams.py), each replica pinned with taskset to
 one core and running the model on one thread. The model is bench_chat.py's synthetic
 llama (106 M parameters, Q8_0, random weights, a 32000-token vocabulary). Requests are
 greedy and ban the end-of-generation tokens through logit_bias, so each reply is exactly
@@ -56,7 +56,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests"), str(Path(__file__).resolve().par
 
 import benchlib  # noqa: E402  (this folder is on sys.path)
 from bench_chat import PROMPT, eog_bias, first_last_content, make_model, row  # noqa: E402
-from upstreams import start_replica  # noqa: E402
+from emulators.upstreams import start_replica  # noqa: E402
 
 TTFT_TOKENS = 8
 BIAS: dict = {}  # the model's end-of-generation tokens, banned (main sets it)

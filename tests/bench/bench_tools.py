@@ -73,8 +73,8 @@ TOOLS = [
 def make_model(folder: Path) -> Path:
     """bench_chat's random llama with Qwen 2.5's template and tool-call tokens, Q8_0."""
     import gguf
-    from chattemplates import QWEN25, TOKENS
-    from ggufgen import write_gguf
+    from emulators.chattemplates import QWEN25, TOKENS
+    from emulators.ggufgen import write_gguf
 
     added = [(text, gguf.TokenType.USER_DEFINED) for text, _ in TOKENS["qwen25"]]
     source = write_gguf(folder / "bench-tools-f16.gguf", name="bench-tools", n_embd=768,

@@ -75,7 +75,7 @@ def make_weights(path: Path, size: int, name: str) -> Path:
     it reads real metadata."""
     import shutil
 
-    from ggufgen import write_fake_blob, write_gguf
+    from emulators.ggufgen import write_fake_blob, write_gguf
 
     header = write_gguf(path.with_suffix(".head"), name=name)
     pad = write_fake_blob(path.with_suffix(".pad"), size - header.stat().st_size)
@@ -102,7 +102,7 @@ def quantize(source: Path, target: Path, ftype_name: str) -> Path:
 
 
 def start_hub(repo: str, filename: str, weights: Path):
-    """The hub emulator (tests/hubemu.py) in its own process, serving `weights` as
+    """The hub emulator (tests/emulators/hubemu.py) in its own process, serving `weights` as
     `repo`/`filename`; (process, hub URL). Close the process's stdin to stop it."""
     hub = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), repo, filename,
                             str(weights)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -121,7 +121,7 @@ def cap_hub(hub: subprocess.Popen, bytes_per_second: float | None) -> None:
 def _serve_hub(repo: str, filename: str, weights: str) -> None:
     """start_hub's child: print the hub URL, then serve until stdin closes, taking
     `cap BYTES_PER_SECOND` and `cap none` lines from it (cap_hub)."""
-    from hubemu import HubEmulator
+    from emulators.hubemu import HubEmulator
 
     with HubEmulator() as hub:
         hub.add_repo(repo, {filename: Path(weights)})

@@ -30,8 +30,8 @@ same home and checks every invariant:
 - a killed pull, resume or cancel resumes and verifies: the pull started again ends
   in Success and the file's sha256 is the hub's, with no part file left.
 
-Everything is on loopback: the hub emulator (tests/hubemu.py) and the package index
-(tests/pkgindex.py) run in this process, the remote model's upstream is a port that
+Everything is on loopback: the hub emulator (tests/emulators/hubemu.py) and the package index
+(tests/emulators/pkgindex.py) run in this process, the remote model's upstream is a port that
 nothing listens on (an add only registers). It prints one line a point and, at the
 end, the points per operation (and how many the kill hit before the operation had
 ended), the corrupt states (target 0), each with what was wrong, and the time.
@@ -144,9 +144,9 @@ class Campaign:
     """The servers, emulators and files of one campaign, and its kill points."""
 
     def __init__(self, root: Path, seed: int, out, wheels: Path | None = None):
-        from ggufgen import write_gguf
-        from hubemu import HubEmulator
-        from pkgindex import PackageIndex
+        from emulators.ggufgen import write_gguf
+        from emulators.hubemu import HubEmulator
+        from emulators.pkgindex import PackageIndex
         from support import WHEELS
 
         from localrt import settings as settings_mod

@@ -5,7 +5,7 @@ Run it from the repository root (not collected by pytest; it has no test_ functi
     .venv/bin/python tests/bench/soak.py --minutes 60 [--seed 1]
 
 The server is `localrt start --foreground` in a child process, with a temporary HOME;
-the hub emulator (tests/hubemu.py) runs in another. The load, all at once:
+the hub emulator (tests/emulators/hubemu.py) runs in another. The load, all at once:
 
 - streamed chats on two models (tiny generated GGUFs, `chat-a` and `chat-b`), two
   clients each; one stream in four is hung up after its first few events;
@@ -357,7 +357,7 @@ class Load:
 
 def make_models(folder: Path) -> dict:
     """Two tiny chat models and a tiny BERT: {id: path}."""
-    from ggufgen import write_bert_gguf, write_gguf
+    from emulators.ggufgen import write_bert_gguf, write_gguf
 
     paths = {model: write_gguf(folder / f"{model}.gguf", name=model, n_embd=128,
                                context_length=512, seed=i)

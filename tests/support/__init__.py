@@ -3,15 +3,16 @@
 - `apps`: the app in process, through WSGI (`call`, `bind`, `events`);
 - `servers`: real servers and sockets (`send`, `run_foreground_server`, `RawStream`);
 - `tasks`: waiting for download tasks (`wait_task`, `wait_pull`, `wait_bytes`);
+- `waiting`: waiting for a condition, never for a fixed time (`wait_for`);
 - `cli`: the CLI through `main([...])` (`run`);
-- `models`: generated models and their constants (`NO_EOS`, `quantize`, `tokens_of`);
+- `models`: generated models and their constants (`NO_EOS`, `quantize`, `tokens_of`),
+  and importing one (`add_model`);
 - `config`: the Config fields for outbound requests (`outbound_config`);
 - `browser`: headless Chromium through Selenium (`require_chromium`, `start_chromium`).
 
 Tests import them (`from support.apps import call`). tests/conftest.py holds the
 fixtures and builds them from these modules. The generators and emulators
-(ggufgen, hubemu, pkgindex, ...) stay in tests/: the benchmarks in tests/bench and the
-emulators' child processes import them by those names.
+(ggufgen, hubemu, pkgindex, ...) are tests/emulators/.
 """
 
 from pathlib import Path

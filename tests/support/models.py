@@ -1,13 +1,14 @@
-"""Generated models (tests/ggufgen.py) as the tests use them: constants for their
-vocabulary, quantized copies, the chat-template families, and their tokenizer."""
+"""Generated models (tests/emulators/ggufgen.py) as the tests use them: constants for their
+vocabulary, quantized copies, the chat-template families, their tokenizer, and importing
+one into an app or a server (`add_model`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import gguf
-from chattemplates import TEMPLATES, TOKENS
-from ggufgen import EOS_ID, write_gguf
+from emulators.chattemplates import TEMPLATES, TOKENS
+from emulators.ggufgen import EOS_ID, write_gguf
 
 # A logit bias under which the generated models never end a reply: exactly max_tokens come.
 NO_EOS = {str(EOS_ID): -100}
@@ -38,6 +39,36 @@ def write_family_models(root: Path) -> dict:
                                context_length=4096, chat_template=TEMPLATES[family],
                                added_tokens=[(t, KINDS[k]) for t, k in TOKENS[family]])
             for family in FAMILIES}
+
+
+def add_model(api, path, model_id: str = "tiny", *, start: dict | None = None,
+              stored: dict | None = None, **fields) -> str:
+    """Import the model file at `path` as `model_id` (`fields`: more of the import's
+    body, such as option); then PATCH `stored` parameters onto it, and with `start`
+    start it with those options on one CPU thread (the machine is shared). `api` is
+    support.apps.bind's (the app in process) or a real server's URL. The id."""
+    request = _requester(api)
+    request("POST", "/v1/models/import", {"path": str(path), "id": model_id, **fields})
+    if stored:
+        request("PATCH", f"/v1/models/{model_id}", stored)
+    if start is not None:
+        request("POST", f"/v1/models/{model_id}/start", {"cpu_threads": 1, **start})
+    return model_id
+
+
+def _requester(api):
+    """A function that sends one request through `api` and asserts a 200."""
+    if isinstance(api, str):
+        from support.servers import send
+
+        def request(method, path, body):
+            status, reply = send(api, method, path, body, timeout=60)
+            assert status == 200, reply
+    else:
+        def request(method, path, body):
+            r = api(method, path, body)
+            assert r.status == 200, r.body
+    return request
 
 
 def tokens_of(path, text: str, bos: bool = True) -> list[int]:

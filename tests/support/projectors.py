@@ -10,7 +10,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from ggufgen import write_out
+from emulators.ggufgen import write_out
 
 # projector type -> (tensor name, numpy shape given the output size n): numpy's shape
 # is ggml's ne reversed, so a weight's ne[1] is its numpy shape's first number.
@@ -24,7 +24,7 @@ OUTPUT_TENSORS = {
 
 def write_projector(path, n_embd: int = 64, kind: str = "mlp", vision: bool = True) -> Path:
     """A projector GGUF at `path` whose output size is `n_embd` (the text model's
-    embedding size, 64 for tests/ggufgen.py's write_gguf); returns the Path."""
+    embedding size, 64 for tests/emulators/ggufgen.py's write_gguf); returns the Path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(path, "clip")

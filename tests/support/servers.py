@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -126,12 +125,3 @@ class RawStream:
         self.resp.close()
         self.conn.close()
 
-
-def wait_for(condition, timeout, what):
-    """Poll `condition` until it is true; the seconds it took."""
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > timeout:
-            raise AssertionError(f"{what}: still not the case after {timeout} s")
-        time.sleep(0.01)
-    return time.monotonic() - started

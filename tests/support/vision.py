@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 import gguf
-from ggufgen import write_gguf, write_out
+from emulators.ggufgen import write_gguf, write_out
 
 __all__ = ["IMAGE_SIZE", "PATCH_SIZE", "IMAGE_TOKENS", "MARKER", "write_vision_pair",
            "write_projector", "pixels", "png", "bmp", "gif", "gif_rgb", "jpeg",

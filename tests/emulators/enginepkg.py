@@ -1,7 +1,8 @@
 """Test support: a real, installable localrt custom-engine wheel, built at test time.
 
-Not a test module. Tests import it as ``from enginepkg import build_echo_engine_wheel``
-(tests/ is on sys.path under pytest)::
+Not a test module. Tests import it as
+``from emulators.enginepkg import build_echo_engine_wheel`` (tests/ is on sys.path
+under pytest)::
 
     wheel = build_echo_engine_wheel(tmp_path)  # .../localrt_echo_engine-1.0.0-py3-none-any.whl
     model = write_echo_model(tmp_path / "echo.model")

@@ -1,7 +1,7 @@
 """Test support: a Hugging Face-compatible model hub emulator.
 
-Not a test module. Tests import it as ``from hubemu import HubEmulator`` (tests/ is on
-sys.path under pytest)::
+Not a test module. Tests import it as ``from emulators.hubemu import HubEmulator``
+(tests/ is on sys.path under pytest)::
 
     with HubEmulator() as hub:
         hub.add_repo("org/model", {"model.yml": b"...", "model.gguf": Path(...)})
@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Union
 from urllib.parse import parse_qs, parse_qsl, quote, unquote, urlencode, urlsplit
 
-from loopback import DISCONNECTS, LoopbackHandler, LoopbackServer
+from emulators.loopback import DISCONNECTS, LoopbackHandler, LoopbackServer
 
 __all__ = ["HubEmulator", "RequestRecord", "HubFile"]
 

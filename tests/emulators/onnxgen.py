@@ -1,7 +1,7 @@
 """Test support: a tiny decoder-only model folder that onnxruntime-genai can load.
 
-Not a test module. Tests import it as ``from onnxgen import write_onnx_model`` (tests/ is
-on sys.path under pytest).
+Not a test module. Tests import it as
+``from emulators.onnxgen import write_onnx_model`` (tests/ is on sys.path under pytest).
 
 ``write_onnx_model(folder)`` writes the four files of an onnxruntime-genai model folder:
 

@@ -1,8 +1,8 @@
 """Test support: tiny, structurally complete llama-architecture GGUF files (and a BERT
 embedding model's, `write_bert_gguf`).
 
-Not a test module. Tests import it as ``from ggufgen import write_gguf`` (tests/ is on
-sys.path under pytest).
+Not a test module. Tests import it as ``from emulators.ggufgen import write_gguf``
+(tests/ is on sys.path under pytest).
 
 The files are written with the ``gguf`` package (gguf-py from llama.cpp) in the same
 order its converters use: header, key/values, tensor infos, tensor data.  The model has

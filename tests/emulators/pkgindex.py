@@ -1,7 +1,7 @@
 """Test support: a Python package index emulator (PEP 503 / PEP 691 "simple" API).
 
-Not a test module. Tests import it as ``from pkgindex import PackageIndex`` (tests/ is
-on sys.path under pytest)::
+Not a test module. Tests import it as ``from emulators.pkgindex import PackageIndex``
+(tests/ is on sys.path under pytest)::
 
     with PackageIndex(dist_dir) as index:
         ...  # pip install --index-url index.url ..., or any simple-API client
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Dict, List, NamedTuple, Optional, Set
 from urllib.parse import quote, unquote, urlsplit
 
-from loopback import DISCONNECTS, LoopbackHandler, LoopbackServer
+from emulators.loopback import DISCONNECTS, LoopbackHandler, LoopbackServer
 
 __all__ = ["PackageIndex", "Distribution", "Request", "normalize", "JSON_TYPE", "CHUNK"]
 
