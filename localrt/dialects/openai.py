@@ -28,13 +28,19 @@ fields localrt does not know (vLLM's) reach the client.
   stream_options.include_usage                  include_usage
 
 A reply's choice that a stop sequence ended names it as `stop_reason` (vLLM's field).
-Log-probabilities are written by localrt.engines.logprobs: chat's logprobs.content
-({"content": [...], "refusal": null}; a stream's chunk carries those of the tokens
-whose text it sends) and the legacy completions object.
+Log-probabilities (the entries of localrt.engines.logprobs) are written here in
+OpenAI's two shapes: chat's logprobs.content ({"content": [...], "refusal": null},
+each {token, logprob, bytes, top_logprobs}; a stream's chunk carries those of the
+tokens whose text it sends), and the legacy completions object (tokens,
+token_logprobs, top_logprobs, text_offset). A token whose bytes are not UTF-8 by
+themselves (a piece of a character split over several tokens) is written
+`bytes:\\xe2\\x80` in `token`; its `bytes` are exact. Special tokens are written as
+their text (`<|im_end|>`).
 """
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Iterator
@@ -42,12 +48,11 @@ from typing import Iterator
 from localrt import native
 from localrt.admission import Disconnected, never
 from localrt.dialects.common import write
-from localrt.engines import logprobs as logprobs_mod
 from localrt.errors import InvalidField
 from localrt.inference.completions import read_prompt
 from localrt.routing import EventStream, stream_error
 
-PART_TYPES = ("text", "image_url")  # the content parts localrt reads
+UNLIKELY = -9999.0  # OpenAI's stand-in for a log-probability too small to write
 
 
 # --- chat -----------------------------------------------------------------------------
@@ -205,7 +210,7 @@ def _chat_logprobs(entries: list | None) -> dict | None:
     """A choice's logprobs in OpenAI's shape; None when there are none to give."""
     if entries is None:
         return None
-    return {"content": logprobs_mod.chat_content(entries), "refusal": None}
+    return {"content": chat_content(entries), "refusal": None}
 
 
 def _stop_reason(matched: str | None) -> dict:
@@ -338,7 +343,7 @@ def _text_usage(u: native.Usage) -> dict:
 
 def _legacy(before: dict | None, event: native.Logprobs) -> dict:
     """The legacy logprobs object `before` with the event's tokens after its own."""
-    out = logprobs_mod.legacy(event.entries, event.base)
+    out = legacy(event.entries, event.base)
     return out if before is None else {key: before[key] + out[key] for key in out}
 
 
@@ -394,3 +399,52 @@ class TextChunks(EventStream):
         if self._request.include_usage:
             chunk["usage"] = usage
         return chunk
+
+
+# --- log-probabilities ----------------------------------------------------------------
+
+
+def text_of(piece: bytes) -> str:
+    """A token's text: its bytes as UTF-8, or `bytes:\\xNN...` when they are not."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
+
+
+def _number(logprob: float) -> float:
+    """A log-probability JSON can carry (never -inf or nan)."""
+    return logprob if math.isfinite(logprob) else UNLIKELY
+
+
+def chat_content(entries: list) -> list[dict]:
+    """Chat's logprobs.content: {token, logprob, bytes, top_logprobs} per token
+    (localrt.engines.logprobs.Entry)."""
+    return [{"token": text_of(e.piece), "logprob": _number(e.logprob),
+             "bytes": list(e.piece),
+             "top_logprobs": [{"token": text_of(p), "logprob": _number(lp),
+                               "bytes": list(p)} for p, lp in e.top or ()]}
+            for e in entries]
+
+
+def legacy(entries: list, base: int = 0) -> dict:
+    """The legacy completions' logprobs object; `base` is added to every offset (the
+    choice's text before these tokens that they do not count: the prompt's, when it
+    is not echoed). Each top_logprobs dict holds the alternatives and the chosen token,
+    so up to logprobs + 1 of them, as OpenAI's; a prompt's first token has nulls."""
+    tokens, logprobs, tops, offsets = [], [], [], []
+    for e in entries:
+        tokens.append(text_of(e.piece))
+        offsets.append(base + e.offset)
+        if e.logprob is None:
+            logprobs.append(None)
+            tops.append(None)
+            continue
+        logprobs.append(_number(e.logprob))
+        ranked = sorted([*e.top, (e.piece, e.logprob)], key=lambda pair: -pair[1])
+        top: dict = {}
+        for piece, lp in ranked:  # two tokens with the same text: the likelier one
+            top.setdefault(text_of(piece), _number(lp))
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops,
+            "text_offset": offsets}

@@ -1,4 +1,4 @@
-"""Log-probabilities: what an engine scores for each token, and OpenAI's two shapes of them.
+"""Log-probabilities: what an engine scores for each token.
 
 A request asks for them with chat's `logprobs: true` (and `top_logprobs`, 0 to 20
 alternatives) or a completion's `logprobs` (0 to 20). The engine then scores every
@@ -16,12 +16,8 @@ therefore its top-1 alternatives, and a logit bias does not change what is repor
   Entry         a released token as text: its bytes, its log-probability, the
                 alternatives' bytes, and where its text starts in the reply
 
-`chat_content` and `legacy` write entries in OpenAI's shapes: chat's
-`logprobs.content` list ({token, logprob, bytes, top_logprobs}) and the legacy
-completions object (tokens, token_logprobs, top_logprobs, text_offset). A token
-whose bytes are not UTF-8 by themselves (a piece of a character split over several
-tokens) is written `bytes:\\xe2\\x80` in `token`; its `bytes` are exact. Special
-tokens are written as their text (`<|im_end|>`).
+Replies carry the entries as native Logprobs events (localrt.native); each dialect
+writes them in its shapes (OpenAI's two: localrt.dialects.openai).
 
 numpy, which llama-cpp-python brings, is imported by `score` only.
 """
@@ -35,7 +31,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 MOST = 20  # the most alternatives a token carries (OpenAI's limit)
-UNLIKELY = -9999.0  # OpenAI's stand-in for a log-probability too small to write
 GROUP = 64  # logits per group when the top ones are sought (`_candidates`)
 
 
@@ -178,48 +173,3 @@ class Log:
         top = None if token.logprob is None else \
             tuple((piece(t, True), lp) for t, lp in token.top)
         return Entry(piece(token.token, True), token.logprob, top, offset)
-
-
-def text_of(piece: bytes) -> str:
-    """A token's text: its bytes as UTF-8, or `bytes:\\xNN...` when they are not."""
-    try:
-        return piece.decode("utf-8")
-    except UnicodeDecodeError:
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
-
-
-def _number(logprob: float) -> float:
-    """A log-probability JSON can carry (never -inf or nan)."""
-    return logprob if math.isfinite(logprob) else UNLIKELY
-
-
-def chat_content(entries: list[Entry]) -> list[dict]:
-    """Chat's logprobs.content: {token, logprob, bytes, top_logprobs} per token."""
-    return [{"token": text_of(e.piece), "logprob": _number(e.logprob),
-             "bytes": list(e.piece),
-             "top_logprobs": [{"token": text_of(p), "logprob": _number(lp),
-                               "bytes": list(p)} for p, lp in e.top or ()]}
-            for e in entries]
-
-
-def legacy(entries: list[Entry], base: int = 0) -> dict:
-    """The legacy completions' logprobs object; `base` is added to every offset (the
-    choice's text before these tokens that they do not count: the prompt's, when it
-    is not echoed). Each top_logprobs dict holds the alternatives and the chosen token,
-    so up to logprobs + 1 of them, as OpenAI's; a prompt's first token has nulls."""
-    tokens, logprobs, tops, offsets = [], [], [], []
-    for e in entries:
-        tokens.append(text_of(e.piece))
-        offsets.append(base + e.offset)
-        if e.logprob is None:
-            logprobs.append(None)
-            tops.append(None)
-            continue
-        logprobs.append(_number(e.logprob))
-        ranked = sorted([*e.top, (e.piece, e.logprob)], key=lambda pair: -pair[1])
-        top: dict = {}
-        for piece, lp in ranked:  # two tokens with the same text: the likelier one
-            top.setdefault(text_of(piece), _number(lp))
-        tops.append(top)
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops,
-            "text_offset": offsets}
