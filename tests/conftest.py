@@ -23,10 +23,13 @@ from wsgiref.simple_server import make_server
 
 import pytest
 from emulators.ggufgen import write_gguf
-from emulators.hubemu import HubEmulator
 from support import REPO, WHEELS
 from support.apps import bind
-from support.models import add_model, quantize, write_family_models
+# The one hub and tiny model every module shares (tests/support/fixtures.py); a module
+# overrides hub_repos, tiny_gguf or tiny_start to change what they are.
+from support.fixtures import (hub, hub_repos, module_hub, tiny, tiny_gguf,  # noqa: F401
+                              tiny_start)
+from support.models import quantize, write_family_models
 from support.servers import (QuietHandler, ThreadingWSGIServer, free_port,
                              run_foreground_server)
 
@@ -138,29 +141,6 @@ def cli_home(home):
 
 
 @pytest.fixture
-def hub_repos():
-    """What `hub` serves: a function that adds repos to a HubEmulator. Nothing here; a
-    module overrides this fixture with its own repos."""
-    return lambda hub: None
-
-
-@pytest.fixture
-def hub(hub_repos):
-    """The hub emulator (tests/emulators/hubemu.py) for this test, serving the module's
-    `hub_repos`; stopped after the test."""
-    with HubEmulator() as emu:
-        hub_repos(emu)
-        yield emu
-
-
-@pytest.fixture(scope="module")
-def module_hub():
-    """A hub emulator for a module's long-lived server, which adds its repos to it."""
-    with HubEmulator() as emu:
-        yield emu
-
-
-@pytest.fixture
 def hub_app(settings, hub):
     """An app pulling from `hub`."""
     settings.update({"modelHubUrl": hub.url})
@@ -175,26 +155,6 @@ def api(app):
     A module whose models live on a real server overrides it with the server's URL,
     which support.models.add_model, and so `tiny`, take too."""
     return bind(app)
-
-
-@pytest.fixture
-def tiny_gguf(quantized):
-    """The file `tiny` imports: the Q8_0 model; a module may override it."""
-    return quantized["Q8_0"]
-
-
-@pytest.fixture
-def tiny_start():
-    """The start options of `tiny`: None leaves it imported, not started. A module that
-    wants it running overrides this fixture (one CPU thread is added)."""
-    return None
-
-
-@pytest.fixture
-def tiny(api, tiny_gguf, tiny_start):
-    """`tiny_gguf` imported as "tiny" (linked) where `api` points, started with
-    `tiny_start` when that is not None; the id, "tiny"."""
-    return add_model(api, tiny_gguf, "tiny", start=tiny_start, option="symlink")
 
 
 @pytest.fixture
