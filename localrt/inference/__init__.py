@@ -3,6 +3,8 @@
 `scheduler` loads and unloads models, and `lanes` paces who computes when; `running`
 is a loaded model's record and a request's lease on it; `requests` is the path every
 chat, completion and embedding takes (local or remote, decided once; a remote model's
-goes to localrt.remote); `chat`, `completions` and `embeddings` are OpenAI's native
-APIs on it, and `images` reads and checks a chat's images (data: URLs, fetched URLs).
+goes to localrt.remote); `chat` and `completions` take native requests and give
+native events (localrt.native), `embeddings` gives vectors, and `media` reads and
+checks a chat's media parts (bytes, data: URLs, fetched URLs) for the kinds the model
+takes. No wire format is known here: the dialects (localrt.dialects) read and write.
 """
