@@ -122,6 +122,7 @@ def score_cost(n_vocab: int = 32000, times: int = 2000) -> float:
     logprobs take in localrt: scoring a row of n_vocab logits, the entry, its JSON."""
     import numpy as np
 
+    from localrt.dialects.openai import chat_content
     from localrt.engines import logprobs
 
     row = np.random.default_rng(0).standard_normal(n_vocab).astype(np.float32)
@@ -131,7 +132,7 @@ def score_cost(n_vocab: int = 32000, times: int = 2000) -> float:
         lse, top = logprobs.score(row, TOP)
         log.add(logprobs.TokenLogprob(7, float(row[7]) - lse, top), 0, 6)
         log.sent(6)
-        json.dumps(logprobs.chat_content(log.take()))
+        json.dumps(chat_content(log.take()))
     return (time.thread_time() - started) / times
 
 

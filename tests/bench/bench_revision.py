@@ -135,7 +135,15 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="the model's cpu_threads (default 1: see the module)")
     parser.add_argument("--target", type=float, default=0.99)
+    parser.add_argument("--no-speculative", action="store_true",
+                        help="send \"speculative\": false: the drafts from the context, "
+                             "which a random model's loops make long, move a stream's "
+                             "speed with what the sequences before it left")
     args = parser.parse_args()
+    if args.no_speculative:
+        body = bench_chat.chat_body
+        bench_chat.chat_body = lambda k, bias, stream: {**body(k, bias, stream),
+                                                        "speculative": False}
     with tempfile.TemporaryDirectory(prefix="bench-revision-") as tmp:
         root = Path(tmp)
         print(f"unpacking {args.reference} and writing the model...", file=sys.stderr)
