@@ -160,7 +160,7 @@ def test_chat_replies_become_messages():
     completion = {"choices": [{"index": 0, "finish_reason": "stop", "stop_reason": "END",
                                "message": {"role": "assistant", "content": "Hi"}}],
                   "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}}
-    message = dialect.message(native.collect(wire.reply(completion, "m").events()), body)
+    message = dialect.message(native.collect(wire.reply(completion).events()), body)
     assert message["id"].startswith("msg_")
     assert {k: v for k, v in message.items() if k != "id"} == {
         "type": "message", "role": "assistant", "model": "m",

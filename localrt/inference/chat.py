@@ -80,8 +80,7 @@ class Chats:
         return self._path.serve(
             self.kind, request.model,
             lambda local: self._create(local, request, messages),
-            remote=lambda forward: wire.reply(forward(wire.chat_body(request)),
-                                              request.model),
+            remote=lambda forward: wire.reply(forward(wire.chat_body(request))),
             disconnected=disconnected)
 
     def passthrough(self, body: dict, disconnected: Disconnected = never):

@@ -67,7 +67,7 @@ class Completions:
         return self._path.serve(
             self.kind, request.model, lambda local: self._create(local, request),
             remote=lambda forward: wire.text_reply(
-                forward(wire.completion_body(request)), request.model),
+                forward(wire.completion_body(request))),
             disconnected=disconnected)
 
     def passthrough(self, body: dict, disconnected: Disconnected = never):

@@ -138,7 +138,7 @@ def completion_body(request: native.TextRequest) -> dict:
 # --- the reply ------------------------------------------------------------------------
 
 
-def reply(result, model_id: str) -> native.Reply:
+def reply(result) -> native.Reply:
     """An upstream's reply as a native Reply: a whole chat.completion dict, or a stream
     (its `chunks()` dicts; close() hangs up)."""
     if isinstance(result, dict):
@@ -146,7 +146,7 @@ def reply(result, model_id: str) -> native.Reply:
     return native.Reply(_streamed(result.chunks()), result.close)
 
 
-def text_reply(result, model_id: str) -> native.Reply:
+def text_reply(result) -> native.Reply:
     """An upstream's text completion as a native Reply: a whole text_completion dict,
     or a stream of its chunks."""
     if isinstance(result, dict):
