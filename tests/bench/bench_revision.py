@@ -17,7 +17,9 @@ two levels from one stream to the next, the same tree's too); requests are greed
 the end-of-generation tokens banned, so every stream gives exactly K tokens.
 
 The sides take turns, --rounds times, the order flipping each round, so drift on a
-shared machine hits both alike; each figure is the median of its rounds:
+shared machine hits both alike; each turn starts the model anew (`fresh`), so its
+streams never depend on what the turn before left in the slots and the prompt cache;
+each figure is the median of its rounds:
 
 1. one stream: decode tok/s, (K - 1) / (last content chunk - first), of one streamed
    chat alone;
@@ -81,13 +83,22 @@ def start(tree: Path, home: Path) -> tuple[subprocess.Popen, int]:
     return proc, server.wait_started(s, proc, timeout=60).port
 
 
-def load(port: int, model: Path, threads: int) -> None:
-    """Import the bench model and start it."""
+def load(port: int, model: Path) -> None:
+    """Import the bench model."""
     status, body = bench_chat.api(port, "POST", "/v1/models/import",
                                   {"path": str(model), "id": bench_chat.MODEL_ID})
     if status != 200:
         raise RuntimeError(f"import answered {status}: {body}")
+
+
+def fresh(port: int, threads: int, bias: dict) -> None:
+    """The model started anew (stopped first if it runs) and warmed up: every round's
+    first stream finds the same state, its prompt cached in one slot and the other
+    slots empty, whatever the round before left (which slot the last of four streams
+    freed, what the prompt cache kept, which drafts were long)."""
+    bench_chat.api(port, "POST", f"/v1/models/{bench_chat.MODEL_ID}/stop")
     bench_chat.start_model(port, threads)
+    one(port, 8, bias)  # warm-up: the prompt is cached after it
 
 
 def cpu_seconds(pid: int) -> float:
@@ -129,6 +140,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reference", default=DEFAULT_REFERENCE,
                         help="the git revision to compare with (default: %(default)s)")
+    parser.add_argument("--tree", help="a git revision to measure instead of this checkout "
+                                       "(to find which commit moved a figure)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=128, help="K, tokens per stream")
     parser.add_argument("--clients", type=int, default=4)
@@ -147,21 +160,22 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-revision-") as tmp:
         root = Path(tmp)
         print(f"unpacking {args.reference} and writing the model...", file=sys.stderr)
-        trees = {"this tree": REPO, "reference": unpack(args.reference, root / "ref")}
+        trees = {"this tree": unpack(args.tree, root / "tree") if args.tree else REPO,
+                 "reference": unpack(args.reference, root / "ref")}
         model = bench_chat.make_model(root)
         bias, _ = bench_chat.eog_bias(model)
         servers = {}
         try:
             for side, tree in trees.items():
                 servers[side] = start(tree, root / f"home-{len(servers)}")
-                load(servers[side][1], model, args.threads)
-                one(servers[side][1], 8, bias)  # warm-up: the prompt is cached after it
+                load(servers[side][1], model)
             figures = {(side, row): [] for side in trees for row in ("one", "cpu", "four")}
             cpu = time.process_time()
             for r in range(args.rounds):
                 order = list(trees) if r % 2 == 0 else list(reversed(trees))
                 for side in order:
                     proc, port = servers[side]
+                    fresh(port, args.threads, bias)
                     rate, per_cpu = one(port, args.tokens, bias, proc.pid)
                     figures[(side, "one")].append(rate)
                     figures[(side, "cpu")].append(per_cpu)
