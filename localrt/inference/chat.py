@@ -85,14 +85,8 @@ class Chats:
 
     def passthrough(self, body: dict, disconnected: Disconnected = never):
         """For a remote model, its upstream's own reply to OpenAI's chat body as the
-        client sent it (a dict, or a stream of its chunks): the one deliberate branch
-        of OpenAI's route, so fields localrt does not know (vLLM's) reach its clients.
-        None for a model loaded here; a 404 for no such model."""
-        if not self._path.is_remote(self._path.registry.get(body["model"])):
-            return None
-        return self._path.serve(self.kind, body["model"], _never_local,
-                                remote=lambda forward: forward(body),
-                                disconnected=disconnected)
+        client sent it; None for a model loaded here (RequestPath.passthrough)."""
+        return self._path.passthrough(self.kind, body, disconnected)
 
     def read_media(self, request: native.Request) -> list | None:
         """The request's messages with their media read and checked, for a route that
@@ -163,11 +157,6 @@ class Chats:
             return lease.model.count_tokens(messages, params)
         finally:
             lease.release()
-
-
-def _never_local(local: Local):
-    """The local branch of a request path that only a remote model takes."""
-    raise AssertionError(f"model {local.model_id} is not remote")
 
 
 def _tools(request: native.Request):

@@ -71,14 +71,9 @@ class Completions:
             disconnected=disconnected)
 
     def passthrough(self, body: dict, disconnected: Disconnected = never):
-        """For a remote model, its upstream's own reply to OpenAI's completion body as
-        the client sent it (OpenAI's route's one deliberate branch); None for a model
-        loaded here; a 404 for no such model."""
-        if not self._path.is_remote(self._path.registry.get(body["model"])):
-            return None
-        return self._path.serve(self.kind, body["model"], _never_local,
-                                remote=lambda forward: forward(body),
-                                disconnected=disconnected)
+        """For a remote model, its upstream's own reply to OpenAI's completion body as the
+        client sent it; None for a model loaded here (RequestPath.passthrough)."""
+        return self._path.passthrough(self.kind, body, disconnected)
 
     def _create(self, local: Local, request: native.TextRequest):
         prompts = request.prompts
@@ -105,11 +100,6 @@ class Completions:
         completion = TextCompletion(model_id, choices, lease, local.clock)
         return native.Reply(completion.events(request.stream), completion.close,
                             completion.prompt_tokens)
-
-
-def _never_local(local: Local):
-    """The local branch of a request path that only a remote model takes."""
-    raise AssertionError(f"model {local.model_id} is not remote")
 
 
 def read_prompt(value) -> list:

@@ -107,6 +107,14 @@ class RequestPath:
             return remote(forward)
         return local(Local(model_id, record, clock, kind, self, disconnected))
 
+    def passthrough(self, kind: Kind, body: dict, disconnected: Disconnected = never):
+        """For a remote model, its upstream's own reply to `body` as the client sent it
+        (a dict, or a stream of its chunks): OpenAI's routes' one deliberate branch, so
+        fields localrt does not know (vLLM's) reach its clients. None for a model
+        loaded here; a 404 for no such model."""
+        return self.serve(kind, body["model"], lambda local: None,
+                          remote=lambda forward: forward(body), disconnected=disconnected)
+
     def is_remote(self, record: dict) -> bool:
         """Whether a model is served by upstreams: nothing loads here."""
         return self.engines.forwards(record["engine"])
