@@ -222,17 +222,43 @@ def _id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-class ChatChunks(EventStream):
+class _Chunks(EventStream):
+    """A streamed OpenAI reply: chunks whose `object` is the class's, each with the
+    reply's id (`prefix`-...), created and model, and with include_usage a usage
+    (null but in the last); close() frees the model."""
+
+    object = ""
+    prefix = ""
+
+    def __init__(self, reply: native.Reply, request):
+        self._reply = reply
+        self._request = request
+        self.id = _id(self.prefix)
+        self.created = int(time.time())
+
+    def close(self) -> None:
+        """Called by the server when the reply ends or the client goes away."""
+        self._reply.close()
+
+    def _chunk(self, choices: list, usage: dict | None = None) -> dict:
+        chunk = {"id": self.id, "object": self.object, "created": self.created,
+                 "model": self._request.model, "choices": choices}
+        if self._request.include_usage:
+            chunk["usage"] = usage
+        return chunk
+
+
+class ChatChunks(_Chunks):
     """A streamed chat: Server-Sent Events of chat.completion.chunk, then [DONE]; the
     first chunk gives the role, the last the finish_reason (and with include_usage a
     chunk of no choices the usage); one {"error"} chunk ends a reply that broke part
     way. close() frees the model."""
 
+    object = "chat.completion.chunk"
+    prefix = "chatcmpl"
+
     def __init__(self, reply: native.Reply, request: native.Request):
-        self._reply = reply
-        self._request = request
-        self.id = _id("chatcmpl")
-        self.created = int(time.time())
+        super().__init__(reply, request)
         self._pending: list = []  # log-probability entries the next chunk carries
 
     def chunks(self) -> Iterator[dict]:
@@ -263,22 +289,12 @@ class ChatChunks(EventStream):
                 yield stream_error(event.error, self._request.model)
                 return
 
-    def close(self) -> None:
-        """Called by the server when the reply ends or the client goes away."""
-        self._reply.close()
-
     def _event(self, delta: dict, finish_reason: str | None = None) -> dict:
         entries, self._pending = self._pending, []
         choice = {"index": 0, "delta": delta, "logprobs": _chat_logprobs(entries or None),
                   "finish_reason": finish_reason}
         return self._chunk([choice])
 
-    def _chunk(self, choices: list, usage: dict | None = None) -> dict:
-        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                 "model": self._request.model, "choices": choices}
-        if self._request.include_usage:
-            chunk["usage"] = usage
-        return chunk
 
 
 # --- text completions -----------------------------------------------------------------
@@ -347,18 +363,15 @@ def _legacy(before: dict | None, event: native.Logprobs) -> dict:
     return out if before is None else {key: before[key] + out[key] for key in out}
 
 
-class TextChunks(EventStream):
+class TextChunks(_Chunks):
     """A streamed text completion: Server-Sent Events of text_completion chunks, then
     [DONE]. Each choice sends its echo (when asked), its pieces, then an empty text
     with its finish_reason; with include_usage a last chunk with no choices carries the
     usage. With logprobs each chunk carries those of the tokens whose text it sends.
     close() frees the model."""
 
-    def __init__(self, reply: native.Reply, request: native.TextRequest):
-        self._reply = reply
-        self._request = request
-        self.id = _id("cmpl")
-        self.created = int(time.time())
+    object = "text_completion"
+    prefix = "cmpl"
 
     def chunks(self) -> Iterator[dict]:
         """The reply's chunk dicts; one {"error": ...} dict ends a reply that broke."""
@@ -381,10 +394,6 @@ class TextChunks(EventStream):
                 yield stream_error(event.error, self._request.model)
                 return
 
-    def close(self) -> None:
-        """Called by the server when the reply ends or the client goes away."""
-        self._reply.close()
-
     def _event(self, index: int, text: str, logprobs: dict | None = None,
                finish_reason: str | None = None) -> dict:
         if logprobs is not None and not logprobs["tokens"]:
@@ -393,12 +402,6 @@ class TextChunks(EventStream):
                   "finish_reason": finish_reason}
         return self._chunk([choice])
 
-    def _chunk(self, choices: list, usage: dict | None = None) -> dict:
-        chunk = {"id": self.id, "object": "text_completion", "created": self.created,
-                 "model": self._request.model, "choices": choices}
-        if self._request.include_usage:
-            chunk["usage"] = usage
-        return chunk
 
 
 # --- log-probabilities ----------------------------------------------------------------
