@@ -37,7 +37,7 @@ from emulators.hubemu import HubEmulator
 from support.apps import bind, events
 from support.models import NO_EOS
 from support.servers import free_port, send
-from support.waiting import wait_for
+from support.waiting import Leaving, wait_for
 
 from localrt import connections, server
 from localrt.admission import LIMITS, SPARE_THREADS, ClientGone, never, threads_for
@@ -400,19 +400,6 @@ def test_a_client_that_leaves_frees_its_place(crowded):
 
 
 # --- giving up: the waits and a generation, in process ----------------------------------
-
-
-class Leaving:
-    """A `disconnected()` that turns true once `leave()` is called."""
-
-    def __init__(self):
-        self.gone = threading.Event()
-
-    def __call__(self) -> bool:
-        return self.gone.is_set()
-
-    def leave(self):
-        self.gone.set()
 
 
 def test_a_waiter_whose_client_leaves_gives_up_its_place_in_line():

@@ -14,7 +14,7 @@ import threading
 import pytest
 from support.apps import bind
 from support.models import add_model
-from support.waiting import wait_for
+from support.waiting import Leaving, wait_for
 
 from localrt import settings as settings_mod
 from localrt.app import create_app
@@ -36,19 +36,6 @@ def running_ids(scheduler) -> set:
 
 def row_of(scheduler, model_id) -> dict:
     return {row["id"]: row for row in scheduler.status()}[model_id]
-
-
-class Leaving:
-    """A `disconnected()` that turns true once `leave()` is called."""
-
-    def __init__(self):
-        self.gone = threading.Event()
-
-    def __call__(self) -> bool:
-        return self.gone.is_set()
-
-    def leave(self):
-        self.gone.set()
 
 
 @pytest.fixture
