@@ -59,6 +59,20 @@ class InvalidJSON(BadRequest):
     code = "invalid_json"
 
 
+class InvalidModelFile(BadRequest):
+    """A model file llama.cpp must not load: its header breaks a rule (the message names
+    it), or a child process that loaded it first failed or crashed (issue 38)."""
+
+    code = "invalid_model_file"
+
+
+class InvalidChatTemplate(BadRequest):
+    """A model's chat template that failed to render, took too long, rendered too much
+    or reached for Python's internals; the message names the model."""
+
+    code = "invalid_chat_template"
+
+
 class Unauthorized(HTTPError):
     """No API key, or a wrong one, where the server requires one."""
 
@@ -95,6 +109,13 @@ class Conflict(HTTPError):
     code = "conflict"
 
 
+class ModelFileMissing(Conflict):
+    """A registered model whose file was deleted or truncated behind localrt's back; the
+    message names the path and says to pull or import it again."""
+
+    code = "model_file_missing"
+
+
 class PayloadTooLarge(HTTPError):
     status = 413
     type = "invalid_request_error"
@@ -127,6 +148,13 @@ class InsufficientStorage(HTTPError):
     status = 507
     type = "server_error"
     code = "storage_error"
+
+
+class DiskFull(InsufficientStorage):
+    """No space left on the device for a file localrt writes; the message names the
+    folder and how much more is needed."""
+
+    code = "insufficient_storage"
 
 
 class ServiceUnavailable(HTTPError):
