@@ -20,10 +20,10 @@ import threading
 import time
 from pathlib import Path
 
-from localrt.downloads.fetch import (CHUNK, UPDATE_INTERVAL, Backoff, Cancelled, DownloadFailed, Hasher,
-                           Item, Link, Request, Retry, Task, content_range, install, map_path,
-                           shut, start_writeback)
-from localrt.fsutil import atomic_write, human_size
+from localrt.downloads.fetch import (CHUNK, UPDATE_INTERVAL, Backoff, Cancelled, CannotWrite,
+                           DownloadFailed, Hasher, Item, Link, Request, Retry, Task,
+                           content_range, install, map_path, shut, start_writeback)
+from localrt.fsutil import atomic_write
 from localrt.outbound import origin
 
 log = logging.getLogger(__name__)
@@ -183,8 +183,7 @@ def _receive_piece(link: Link, pieces: _Pieces, i: int, resp, offset: int, end: 
             while written < received:
                 written += os.pwrite(pieces.fd, buf[written:received], offset + written)
         except OSError as exc:  # our disk, not the network: no retry
-            raise DownloadFailed(f"{item.id}: cannot write {item.local_path.parent}: "
-                                 f"{exc.strerror or exc}") from None
+            raise CannotWrite(item, exc) from None
         offset += received
         pieces.advance(i, received)
         link.received(received)
@@ -380,12 +379,8 @@ def _preallocate(fd: int, item: Item) -> None:
             os.posix_fallocate(fd, 0, item.size)
             return
         except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                raise DownloadFailed(f"{item.id}: not enough disk space in "
-                                     f"{item.local_path.parent} for "
-                                     f"{human_size(item.size)}") from None
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                raise
+                raise CannotWrite(item, exc) from None  # ENOSPC: the task says how much
     os.ftruncate(fd, item.size)  # a sparse file, then
 
 
