@@ -19,6 +19,9 @@ from support.tasks import wait_bytes, wait_task
 
 from localrt import settings as settings_mod
 from localrt.app import create_app
+from localrt.downloads import pieces
+from localrt.downloads.fetch import Item
+from localrt.downloads.pieces import PIECES_FROM
 from localrt.fsutil import disk_margin, human_size
 
 SYSTEM = "You are a careful assistant."
@@ -33,10 +36,19 @@ def pulled(tmp_path_factory):
                       context_length=256)
 
 
+@pytest.fixture(scope="module")
+def pulled_big(tmp_path_factory):
+    """A 70 MB GGUF: past PIECES_FROM, so it is fetched in pieces over connections."""
+    root = tmp_path_factory.mktemp("pulled-big")
+    return write_gguf(root / "big.gguf", name="big", n_embd=1024, n_ff=4096,
+                      context_length=256)
+
+
 @pytest.fixture
-def hub_repos(pulled):
+def hub_repos(pulled, pulled_big):
     def add(hub):
         hub.add_repo("org/fill", {"fill.gguf": pulled})
+        hub.add_repo("org/big", {"big.gguf": pulled_big})
         # Bigger than the whole disk: it can never fit.
         hub.add_repo("org/huge", {"huge.gguf": b"GGUF" + bytes(9 << 20)})
 
@@ -116,6 +128,42 @@ def test_a_pull_that_fills_the_disk_ends_disk_full_keeps_its_part_and_resumes(
     assert (folder / "fill.gguf").read_bytes() == pulled.read_bytes()
     assert [m["id"] for m in api("GET", "/v1/models").json["data"]] == \
         ["org:fill:fill.gguf"]
+
+
+def test_a_pull_in_pieces_has_its_space_so_a_disk_that_fills_meanwhile_does_not_stop_it(
+        api, hub, small_disk, home, pulled_big):
+    """A file fetched in pieces is preallocated, and its part map, padded to its longest,
+    is overwritten in place when no block is left for a new one: another program
+    filling the disk meanwhile takes nothing from it."""
+    disk = small_disk(home / "localrt" / "models", "100m")
+    assert pulled_big.stat().st_size >= PIECES_FROM
+    hub.delay_per_chunk = 0.05  # some 7 s for each connection's piece: the map is saved
+    r = api("POST", "/v1/models/pull", {"model": "org/big"})
+    assert r.status == 200, r.body
+    task_id = r.json["task"]["id"]
+    wait_bytes(api, task_id, 1)
+    assert disk.fill() > 0
+    assert wait_task(api, task_id, timeout=60.0)["status"] == "Success"
+    folder = disk.path / f"127.0.0.1_{hub.port}" / "org" / "big" / "big.gguf"
+    assert (folder / "big.gguf").read_bytes() == pulled_big.read_bytes()
+    assert [m["id"] for m in api("GET", "/v1/models").json["data"]] == ["org:big:big.gguf"]
+
+
+def test_a_part_map_overwritten_in_place_and_torn_is_not_trusted(tmp_path):
+    """The map a full disk makes pieces.py overwrite in place carries a check of its
+    fields: one torn by a kill mid-write is refused, and the resume starts over."""
+    item = Item("f.gguf", "", tmp_path / "f.gguf", 100 << 20, sha256="ab" * 32)
+    part, saved = tmp_path / "f.gguf.part", tmp_path / "f.gguf.part.map"
+    with open(part, "wb") as f:
+        f.truncate(item.size)
+        pieces._save_map(saved, item, 32 << 20, [32 << 20, 5, 0, 0], f.fileno())
+    assert pieces._read_map(saved, item, item.size) == (32 << 20, [32 << 20, 5, 0, 0])
+    text = saved.read_text()
+    assert text.endswith(" ")  # padded: a later save never needs a new block
+    torn = text.replace(", 5, 0, 0]", ", 9, 0, 0]")
+    assert torn != text and len(torn) == len(text)
+    saved.write_text(torn)
+    assert pieces._read_map(saved, item, item.size) is None
 
 
 def test_a_pull_that_cannot_fit_is_refused_up_front_with_507(api, hub, disk, settings):

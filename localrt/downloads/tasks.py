@@ -276,10 +276,9 @@ def _storage_failure(task: Task, exc: Exception) -> tuple[str, str | None]:
                         f"{human_size(free)} free now): free that much there, then {again}")
         else:
             message += f"; free some space there, then {again}"
-        written = sum(item.size for item in task.items if item.files is None) - missing
+        written = sum(item.downloaded for item in task.items if item.files is None)
         if written > 0:
-            message += (f"; the download goes on from the {human_size(written)} already "
-                        f"there")
+            message += f": it resumes from the {human_size(written)} already downloaded"
         return message, "disk_full"
     if error.errno in NOT_WRITABLE:
         return (f"{folder} is not writable ({error.strerror or error}), so {task.id} "
