@@ -57,12 +57,6 @@ class NoSpace(DownloadFailed):
     code = "disk_full"
 
 
-class NotWritable(DownloadFailed):
-    """A folder a task writes to is read-only or not localrt's to write."""
-
-    code = "storage_error"
-
-
 class CannotWrite(DownloadFailed):
     """Writing a file of `item` failed: our disk, not the network, so never retried;
     localrt.downloads.tasks says what it means for the whole task."""

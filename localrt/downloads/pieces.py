@@ -4,8 +4,9 @@ A file of PIECES_FROM bytes or more is fetched as pieces, byte ranges that
 downloadConnections workers ask for at once and write in place in the part file;
 `<name>.part.map` records how much of each piece is on disk, so a resume fetches
 only what is missing; it is padded to the longest it can grow, so that on a disk that
-filled up meanwhile it is still saved, overwritten in place. The task's thread coordinates: it hashes the file's complete
-prefix as it grows, publishes progress and saves the map. The parts a one-stream
+filled up meanwhile it is still saved, overwritten in place. The task's thread
+coordinates: it hashes the file's complete prefix as it grows, publishes progress
+and saves the map. The parts a one-stream
 fetch also uses (Item, Task, Link, Request, the checksum and the final rename) are
 in localrt.downloads.fetch; localrt.downloads.tasks decides which way a file is fetched.
 """

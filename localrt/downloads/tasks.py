@@ -17,7 +17,8 @@ insufficient_storage); one whose disk fills up meanwhile, or whose folder turns 
 not to be writable, ends with an error that names the folder and what to do, and an
 `errorCode` (disk_full, storage_error); its part files stay for the resume.
 
-Callers take Item, Task, DownloadFailed, part_path and map_path (localrt.downloads.fetch's)
+Callers take Item, Task, DownloadFailed, NoSpace, part_path and map_path
+(localrt.downloads.fetch's)
 from here, with Downloads and check_disk_space.
 """
 
@@ -32,14 +33,15 @@ from typing import Callable, Mapping
 from localrt import security
 from localrt.errors import Conflict, DiskFull, InsufficientStorage, NotFound, UpstreamError
 from localrt.events import EventBus
-from localrt.downloads.fetch import (Cancelled, CannotWrite, DownloadFailed, Item, Link, Task,
-                                     check_in_place, complete, fetch_stream, map_path, part_path)
-from localrt.fsutil import (NO_SPACE, NOT_WRITABLE, existing_folder, fsync_dir, human_size,
-                            no_inodes, private_dir, space_short)
+from localrt.downloads.fetch import (Cancelled, CannotWrite, DownloadFailed, Item, Link, NoSpace,
+                                     Task, check_in_place, complete, fetch_stream, map_path,
+                                     part_path)
+from localrt.fsutil import (MOVE_DATA, NO_SPACE, NOT_WRITABLE, existing_folder, fsync_dir,
+                            human_size, no_inodes, private_dir, space_short)
 from localrt.downloads.pieces import PIECES_FROM, NoRanges, fetch_pieces, forget_pieces
 
-__all__ = ["Downloads", "DownloadFailed", "Item", "Task", "check_disk_space", "map_path",
-           "part_path", "fsync_dir"]  # fsync_dir: localrt.models takes it from here
+__all__ = ["Downloads", "DownloadFailed", "Item", "NoSpace", "Task", "check_disk_space",
+           "map_path", "part_path", "fsync_dir"]  # fsync_dir: localrt.models takes it from here
 
 log = logging.getLogger(__name__)
 
@@ -228,8 +230,7 @@ def check_disk_space(what: str, items: list[Item]) -> None:
         raise DiskFull(f"Not enough disk space in {where} for {what}: it needs "
                        f"{human_size(needed)}, and {human_size(margin)} is kept free, but "
                        f"that disk has {human_size(free)} free; free {human_size(short)} "
-                       f"more there (or set dataFolderPath to a folder on a larger disk), "
-                       f"then try again")
+                       f"more there{MOVE_DATA}, then try again")
 
 
 def missing_bytes(items: list[Item]) -> int:

@@ -9,9 +9,10 @@ then listed in engines.json, written atomically: a folder not in the file does n
 count, so a cancelled or killed install leaves nothing half installed. An install
 whose wheels would not fit unpacked fails before it unpacks (errorCode disk_full),
 and one whose disk fills up while it unpacks takes its staging folder away: either
-way the engine stays as it was. Nothing is ever pip-installed. A variant with CMake options (gguf-cpp's +rpc ones) that the index
-has no wheel of is compiled from the index's sdist inside the same task
-(localrt.engines.builds), or taken from the wheel built here before.
+way the engine stays as it was. Nothing is ever pip-installed. A variant with CMake
+options (gguf-cpp's +rpc ones) that the index has no wheel of is compiled from the
+index's sdist inside the same task (localrt.engines.builds), or taken from the wheel
+built here before.
 
 Installing a variant that is installed already fetches nothing: its task checks
 each installed file against the RECORD of its wheel, with the events of any install,
@@ -40,8 +41,7 @@ from typing import Callable, Iterator, Mapping
 from urllib.parse import unquote, urlsplit
 
 from localrt.engines import builds, plugins, wheels
-from localrt.downloads.fetch import NoSpace
-from localrt.downloads.tasks import DownloadFailed, Downloads, Item, Task
+from localrt.downloads.tasks import DownloadFailed, Downloads, Item, NoSpace, Task
 from localrt.engines.catalog import (CATALOG, EngineNotInstalled, EngineSpec, Engines, Variant,
                              display_version, key)
 from localrt.errors import BadRequest, Conflict, HTTPError
