@@ -143,6 +143,8 @@ def test_a_pull_in_pieces_has_its_space_so_a_disk_that_fills_meanwhile_does_not_
     task_id = r.json["task"]["id"]
     wait_bytes(api, task_id, 1)
     assert disk.fill() > 0
+    [task] = api("GET", "/v1/models/pull").json["data"]
+    assert task["status"] == "Downloading"  # the disk filled while it downloads
     assert wait_task(api, task_id, timeout=60.0)["status"] == "Success"
     folder = disk.path / f"127.0.0.1_{hub.port}" / "org" / "big" / "big.gguf"
     assert (folder / "big.gguf").read_bytes() == pulled_big.read_bytes()
