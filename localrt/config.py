@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from localrt.errors import Conflict, InsufficientStorage, InvalidField
+from localrt.errors import Conflict, InvalidField
+from localrt.fsutil import storage_error
 from localrt.settings import KEYS, Settings, SettingsError
 
 # API field name -> rc key, sorted by field name: the order replies list them in.
@@ -40,9 +41,10 @@ class Config:
             values = self._settings.update({FIELDS[k]: v for k, v in changes.items()})
         except SettingsError as exc:  # hand-edited meanwhile; left as it is
             raise Conflict(f"{exc}. Nothing was changed.") from None
-        except OSError as exc:
-            raise InsufficientStorage(f"Cannot write the settings file {self._settings.path}: "
-                                      f"{exc.strerror or exc}. Nothing was changed.") from None
+        except OSError as exc:  # the file stays as it was (atomic_write)
+            path = self._settings.path
+            raise storage_error(exc, path.parent, f"write the settings file {path}",
+                                after="Nothing was changed.") from None
         return self._view(values)
 
     def cors_enabled(self) -> bool:

@@ -29,6 +29,8 @@ from support.apps import bind
 # overrides hub_repos, tiny_gguf or tiny_start to change what they are.
 from support.fixtures import (hub, hub_repos, module_hub, tiny, tiny_gguf,  # noqa: F401
                               tiny_start)
+# A small tmpfs a test fills up or makes read-only (tests/support/disks.py).
+from support.disks import small_disk  # noqa: F401
 from support.models import quantize, write_family_models
 from support.servers import (QuietHandler, ThreadingWSGIServer, free_port,
                              run_foreground_server)

@@ -259,13 +259,14 @@ def test_cancel_unknown_task_is_404(api):
 def test_too_little_disk_space_is_refused(api, monkeypatch):
     import shutil
 
-    from localrt.downloads import tasks as downloads
+    from localrt import fsutil
 
     usage = shutil.disk_usage("/")
-    monkeypatch.setattr(downloads.shutil, "disk_usage",
+    monkeypatch.setattr(fsutil.shutil, "disk_usage",
                         lambda path: usage._replace(free=1024))
     r = api("POST", "/v1/models/org/single/pull")
     assert r.status == 507 and "Not enough disk space" in r.json["message"]
+    assert r.json["error"]["code"] == "insufficient_storage"
     assert api("GET", "/v1/models/pull").json["data"] == []
 
 
@@ -326,7 +327,8 @@ def test_a_failed_write_fails_the_task_and_never_renames(api, hub, monkeypatch):
     monkeypatch.setattr(fetch.os, "write", flaky_write)
     api("POST", "/v1/models/org/big/pull")
     task = wait_task(api, "org:big:big.gguf")
-    assert task["status"] == "Error" and "No space left on device" in task["error"]
+    assert (task["status"], task["errorCode"]) == ("Error", "disk_full")
+    assert "no space left in" in task["error"] and "pull it again" in task["error"]
     assert api("GET", "/v1/models").json["data"] == []
     monkeypatch.setattr(fetch.os, "write", real_write)
     api("POST", "/v1/models/org/big/pull")

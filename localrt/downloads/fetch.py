@@ -47,6 +47,25 @@ UPDATE_INTERVAL = 0.5        # seconds between DownloadUpdated events of one tas
 class DownloadFailed(Exception):
     """A file could not be downloaded; the message says why, for the task's error."""
 
+    code: str | None = None  # the task's errorCode, for the failures that have one
+
+
+class NoSpace(DownloadFailed):
+    """No space left on the disk a task writes to; the message names the folder and
+    how much more the task needs."""
+
+    code = "disk_full"
+
+
+class CannotWrite(DownloadFailed):
+    """Writing a file of `item` failed: our disk, not the network, so never retried;
+    localrt.downloads.tasks says what it means for the whole task."""
+
+    def __init__(self, item: "Item", error: OSError):
+        self.error = error
+        self.folder = item.local_path.parent
+        super().__init__(f"{item.id}: cannot write {self.folder}: {error.strerror or error}")
+
 
 class Retry(Exception):
     """A transient failure: try the file (or the piece) again after a pause."""
@@ -135,6 +154,7 @@ class Task:
     hub_url: str | None = None  # the host the token may be sent to
     status: str = "Pending"  # Pending, Downloading, Success, Error, Stopped
     error: str | None = None
+    error_code: str | None = None  # disk_full, storage_error: what a client can act on
     on_success: Callable[["Task"], None] | None = field(default=None, repr=False)
     # Called after each item is complete; it may append items (an engine wheel's
     # requirements are known only once the wheel is there).
@@ -184,6 +204,8 @@ class Task:
             out["build"] = dict(self.build)
         if self.error:
             out["error"] = self.error
+        if self.error_code:
+            out["errorCode"] = self.error_code
         return out
 
 
@@ -363,8 +385,7 @@ def _receive(link: Link, task: Task, item: Item, resp, fd: int, filled: queue.Qu
             while view:
                 view = view[os.write(fd, view):]
         except OSError as exc:  # our disk, not the network: no retry
-            raise DownloadFailed(f"{item.id}: cannot write {item.local_path.parent}: "
-                                 f"{exc.strerror or exc}") from None
+            raise CannotWrite(item, exc) from None
         filled.put(chunk)
         item.downloaded += len(chunk)
         link.received(len(chunk))

@@ -3,8 +3,10 @@
 A file of PIECES_FROM bytes or more is fetched as pieces, byte ranges that
 downloadConnections workers ask for at once and write in place in the part file;
 `<name>.part.map` records how much of each piece is on disk, so a resume fetches
-only what is missing. The task's thread coordinates: it hashes the file's complete
-prefix as it grows, publishes progress and saves the map. The parts a one-stream
+only what is missing; it is padded to the longest it can grow, so that on a disk that
+filled up meanwhile it is still saved, overwritten in place. The task's thread
+coordinates: it hashes the file's complete prefix as it grows, publishes progress
+and saves the map. The parts a one-stream
 fetch also uses (Item, Task, Link, Request, the checksum and the final rename) are
 in localrt.downloads.fetch; localrt.downloads.tasks decides which way a file is fetched.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import glob
+import hashlib
 import json
 import logging
 import os
@@ -20,10 +23,10 @@ import threading
 import time
 from pathlib import Path
 
-from localrt.downloads.fetch import (CHUNK, UPDATE_INTERVAL, Backoff, Cancelled, DownloadFailed, Hasher,
-                           Item, Link, Request, Retry, Task, content_range, install, map_path,
-                           shut, start_writeback)
-from localrt.fsutil import atomic_write, human_size
+from localrt.downloads.fetch import (CHUNK, UPDATE_INTERVAL, Backoff, Cancelled, CannotWrite,
+                           DownloadFailed, Hasher, Item, Link, Request, Retry, Task,
+                           content_range, install, map_path, shut, start_writeback)
+from localrt.fsutil import NO_SPACE, atomic_write
 from localrt.outbound import origin
 
 log = logging.getLogger(__name__)
@@ -183,8 +186,7 @@ def _receive_piece(link: Link, pieces: _Pieces, i: int, resp, offset: int, end: 
             while written < received:
                 written += os.pwrite(pieces.fd, buf[written:received], offset + written)
         except OSError as exc:  # our disk, not the network: no retry
-            raise DownloadFailed(f"{item.id}: cannot write {item.local_path.parent}: "
-                                 f"{exc.strerror or exc}") from None
+            raise CannotWrite(item, exc) from None
         offset += received
         pieces.advance(i, received)
         link.received(received)
@@ -341,6 +343,9 @@ def _read_map(path: Path, item: Item, length: int) -> tuple[int, list[int]] | No
     part file's `length`; None for anything else, which is never trusted."""
     try:
         data = json.loads(path.read_bytes())
+        check = data.pop("check", None)
+        if check is not None and check != _check(data):
+            return None  # torn while it was overwritten in place
         size, done = data["piece"], data["done"]
         if not (data["version"] == MAP_VERSION and data["size"] == item.size
                 and data["sha256"] == item.sha256 and data["gitOid"] == item.git_oid
@@ -366,9 +371,39 @@ def _save_map(path: Path, item: Item, size: int, done: list[int], fd: int) -> No
     # Before the map counts the bytes, they are made durable; `done` was taken before
     # this sync, so it counts no byte written after it.
     getattr(os, "fdatasync", os.fsync)(fd)
-    atomic_write(path, json.dumps({"version": MAP_VERSION, "size": item.size,
-                                   "sha256": item.sha256, "gitOid": item.git_oid,
-                                   "piece": size, "done": done}).encode())
+    fields = {"version": MAP_VERSION, "size": item.size, "sha256": item.sha256,
+              "gitOid": item.git_oid, "piece": size, "done": done}
+    data = json.dumps({**fields, "check": _check(fields)}).encode()
+    # Padded (JSON ends in spaces) to the length of a map whose pieces are all done:
+    # the file never has to grow, so a disk with no block left can still take it.
+    longest = json.dumps({**fields, "done": [size] * len(done), "check": _check(fields)})
+    data = data.ljust(len(longest) + 1, b" ")
+    try:
+        atomic_write(path, data)
+    except OSError as exc:
+        # No block for atomic_write's temp file: overwrite the map's own blocks instead.
+        # A kill mid-way tears it, which its check tells, and the resume starts over.
+        if exc.errno not in NO_SPACE or not _overwrite(path, data):
+            raise
+
+
+def _check(fields: dict) -> str:
+    """The sha256 a part map carries of its other fields."""
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def _overwrite(path: Path, data: bytes) -> bool:
+    """Write `data` over the file at `path` in place, if it is as long; whether it was."""
+    try:
+        with open(path, "r+b", buffering=0) as f:
+            length = os.fstat(f.fileno()).st_size
+            if length < len(data):
+                return False
+            f.write(data.ljust(length, b" "))
+            os.fsync(f.fileno())
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _preallocate(fd: int, item: Item) -> None:
@@ -380,12 +415,8 @@ def _preallocate(fd: int, item: Item) -> None:
             os.posix_fallocate(fd, 0, item.size)
             return
         except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                raise DownloadFailed(f"{item.id}: not enough disk space in "
-                                     f"{item.local_path.parent} for "
-                                     f"{human_size(item.size)}") from None
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                raise
+                raise CannotWrite(item, exc) from None  # ENOSPC: the task says how much
     os.ftruncate(fd, item.size)  # a sparse file, then
 
 

@@ -12,32 +12,39 @@ Progress is published on the EventBus, as cortex's events: `{"type":
 the proxy and TLS fields of Config, is localrt.outbound. `stats()` gives GET /metrics
 the bytes received and the running tasks.
 
-Callers take Item, Task, DownloadFailed, part_path and map_path (localrt.downloads.fetch's)
+A task that cannot fit is refused before it starts (`check_disk_space`: 507
+insufficient_storage); one whose disk fills up meanwhile, or whose folder turns out
+not to be writable, ends with an error that names the folder and what to do, and an
+`errorCode` (disk_full, storage_error); its part files stay for the resume.
+
+Callers take Item, Task, DownloadFailed, NoSpace, part_path and map_path
+(localrt.downloads.fetch's)
 from here, with Downloads and check_disk_space.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Mapping
 
 from localrt import security
-from localrt.errors import Conflict, InsufficientStorage, NotFound, UpstreamError
+from localrt.errors import Conflict, DiskFull, InsufficientStorage, NotFound, UpstreamError
 from localrt.events import EventBus
-from localrt.downloads.fetch import (Cancelled, DownloadFailed, Item, Link, Task, check_in_place,
-                           complete, fetch_stream, map_path, part_path)
-from localrt.fsutil import fsync_dir, human_size, private_dir
+from localrt.downloads.fetch import (Cancelled, CannotWrite, DownloadFailed, Item, Link, NoSpace,
+                                     Task, check_in_place, complete, fetch_stream, map_path,
+                                     part_path)
+from localrt.fsutil import (MOVE_DATA, NO_SPACE, NOT_WRITABLE, existing_folder, fsync_dir,
+                            human_size, no_inodes, private_dir, space_short)
 from localrt.downloads.pieces import PIECES_FROM, NoRanges, fetch_pieces, forget_pieces
 
-__all__ = ["Downloads", "DownloadFailed", "Item", "Task", "check_disk_space", "map_path",
-           "part_path", "fsync_dir"]  # fsync_dir: localrt.models takes it from here
+__all__ = ["Downloads", "DownloadFailed", "Item", "NoSpace", "Task", "check_disk_space",
+           "map_path", "part_path", "fsync_dir"]  # fsync_dir: localrt.models takes it from here
 
 log = logging.getLogger(__name__)
 
-DISK_MARGIN = 64 * 1024 * 1024  # free space kept beyond what a pull needs
 FINISHED_KEPT = 100          # finished tasks still listed by GET /v1/models/pull
 
 
@@ -154,11 +161,10 @@ class Downloads:
                 # (a read cut mid-redirect is an IncompleteRead, say), not a failure.
                 self._finish(task, "Stopped", "DownloadStopped")
                 log.info("download %s stopped", task.id)
+            elif isinstance(exc, (CannotWrite, OSError, InsufficientStorage)):
+                self._fail(task, *_storage_failure(task, exc))
             elif isinstance(exc, (DownloadFailed, UpstreamError)):
-                self._fail(task, str(exc))
-            elif isinstance(exc, OSError):
-                self._fail(task, f"Cannot write {exc.filename or 'a model file'}: "
-                                 f"{exc.strerror or exc}")
+                self._fail(task, str(exc), getattr(exc, "code", None))
             else:
                 log.exception("download %s failed", task.id)
                 self._fail(task, "Internal error; the server log has the details")
@@ -169,8 +175,9 @@ class Downloads:
             log.info("download %s finished: %s in %.2fs (%s/s)", task.id, human_size(total),
                      elapsed, human_size(total / max(elapsed, 1e-6)))
 
-    def _fail(self, task: Task, message: str) -> None:
+    def _fail(self, task: Task, message: str, code: str | None = None) -> None:
         task.error = security.redact(message, security.secrets_of(self._config()))
+        task.error_code = code
         self._finish(task, "Error", "DownloadError")
         log.warning("download %s failed: %s", task.id, task.error)
 
@@ -212,9 +219,23 @@ class Downloads:
 
 
 def check_disk_space(what: str, items: list[Item]) -> None:
-    """Raise InsufficientStorage unless the items' missing bytes fit on the disk."""
+    """Raise DiskFull (507 insufficient_storage) unless the items' missing bytes fit on
+    the disk, with the margin kept free (fsutil.disk_margin)."""
     if not items:
         return
+    needed = missing_bytes(items)
+    where = items[0].local_path.parent  # made by the task; its disk is an ancestor's
+    short, free, margin = space_short(where, needed)
+    if short:
+        raise DiskFull(f"Not enough disk space in {where} for {what}: it needs "
+                       f"{human_size(needed)}, and {human_size(margin)} is kept free, but "
+                       f"that disk has {human_size(free)} free; free {human_size(short)} "
+                       f"more there{MOVE_DATA}, then try again")
+
+
+def missing_bytes(items: list[Item]) -> int:
+    """The bytes the items still have to write: their sizes less what their files (or
+    part files) hold already."""
     needed = 0
     for item in items:
         if item.files is not None:  # in place already: nothing is written
@@ -229,11 +250,39 @@ def check_disk_space(what: str, items: list[Item]) -> None:
             # the start, and only its written (or preallocated) blocks are space taken.
             have = max(have, min(st.st_size, st.st_blocks * 512))
         needed += max(0, item.size - have)
-    where = items[0].local_path.parent
-    while not where.exists():
-        where = where.parent
-    free = shutil.disk_usage(where).free
-    if needed + DISK_MARGIN > free:
-        raise InsufficientStorage(
-            f"Not enough disk space for {what}: it needs {human_size(needed)} and "
-            f"{where} has {human_size(free)} free")
+    return needed
+
+
+def _storage_failure(task: Task, exc: Exception) -> tuple[str, str | None]:
+    """What a failed write means for `task`: (its error, its errorCode)."""
+    if isinstance(exc, InsufficientStorage):  # a write of the task's end (model.json)
+        return exc.message, "disk_full" if isinstance(exc, DiskFull) else "storage_error"
+    if isinstance(exc, CannotWrite):
+        error, folder = exc.error, exc.folder
+    else:
+        error = exc
+        folder = Path(exc.filename) if exc.filename else \
+            (task.items[0].local_path.parent if task.items else Path("."))
+    folder = existing_folder(folder)
+    again = "pull it again" if task.type == "Model" else "install it again"
+    if error.errno in NO_SPACE:
+        missing = missing_bytes(task.items)
+        short, free, margin = space_short(folder, missing)
+        message = f"The disk is full: no space left in {folder} for {task.id}"
+        if no_inodes(folder):
+            message += " (it has no free inodes: too many files)"
+        if missing and short:
+            message += (f"; it needs {human_size(short)} more ({human_size(missing)} still "
+                        f"to download, and {human_size(margin)} kept free, with "
+                        f"{human_size(free)} free now): free that much there, then {again}")
+        else:
+            message += f"; free some space there, then {again}"
+        written = sum(item.downloaded for item in task.items if item.files is None)
+        if written > 0:
+            message += f": it resumes from the {human_size(written)} already downloaded"
+        return message, "disk_full"
+    if error.errno in NOT_WRITABLE:
+        return (f"{folder} is not writable ({error.strerror or error}), so {task.id} "
+                f"cannot be saved there; make it writable (or set dataFolderPath to a "
+                f"writable folder), then {again}", "storage_error")
+    return f"Cannot write {error.filename or folder}: {error.strerror or error}", None

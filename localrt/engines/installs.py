@@ -6,10 +6,13 @@ the package index (localrt.engines.wheels; what the index has is localrt.engines
 every wheel is checked they are unpacked beside
 `<dataFolderPath>/engines/<engine>/<variant>/<version>/`, renamed into it, and only
 then listed in engines.json, written atomically: a folder not in the file does not
-count, so a cancelled or killed install leaves nothing half installed. Nothing is
-ever pip-installed. A variant with CMake options (gguf-cpp's +rpc ones) that the index
-has no wheel of is compiled from the index's sdist inside the same task
-(localrt.engines.builds), or taken from the wheel built here before.
+count, so a cancelled or killed install leaves nothing half installed. An install
+whose wheels would not fit unpacked fails before it unpacks (errorCode disk_full),
+and one whose disk fills up while it unpacks takes its staging folder away: either
+way the engine stays as it was. Nothing is ever pip-installed. A variant with CMake
+options (gguf-cpp's +rpc ones) that the index has no wheel of is compiled from the
+index's sdist inside the same task (localrt.engines.builds), or taken from the wheel
+built here before.
 
 Installing a variant that is installed already fetches nothing: its task checks
 each installed file against the RECORD of its wheel, with the events of any install,
@@ -38,11 +41,12 @@ from typing import Callable, Iterator, Mapping
 from urllib.parse import unquote, urlsplit
 
 from localrt.engines import builds, plugins, wheels
-from localrt.downloads.tasks import DownloadFailed, Downloads, Item, Task
+from localrt.downloads.tasks import DownloadFailed, Downloads, Item, NoSpace, Task
 from localrt.engines.catalog import (CATALOG, EngineNotInstalled, EngineSpec, Engines, Variant,
                              display_version, key)
 from localrt.errors import BadRequest, Conflict, HTTPError
-from localrt.fsutil import (fsync_dir, private_dir, read_json, remove_stale_temps,
+from localrt.fsutil import (MOVE_DATA, NO_SPACE, fsync_dir, human_size, no_inodes, private_dir,
+                            read_json, remove_stale_temps, space_short, storage_error,
                             write_json)
 from localrt.engines.hardware import Hardware, recommended, runnable
 from localrt.engines.releases import LATEST, Releases, bare_version, wanted_version
@@ -85,7 +89,11 @@ class EngineState:
         with self._lock:
             data = copy.deepcopy(self._data)
             yield data
-            write_json(self._file, data)
+            try:
+                write_json(self._file, data)
+            except OSError as exc:  # the old file stays, whole
+                raise storage_error(exc, self._file.parent, f"write {self._file.name}",
+                                    MOVE_DATA) from None
             self._data = data
 
 
@@ -376,9 +384,28 @@ class Installs:
         target = self.root / name / variant / version
         staging = target.with_name(f".{version}.partial")
         shutil.rmtree(staging, ignore_errors=True)
+        needed = sum(wheels.unpacked_size(wheel) for wheel in paths)
+        short, free, margin = space_short(self.root, needed)
+        if short:
+            raise NoSpace(f"The disk is full: {name} {version} takes {human_size(needed)} "
+                          f"unpacked, and {self.root} has {human_size(free)} free, with "
+                          f"{human_size(margin)} kept free; free {human_size(short)} more "
+                          f"there{MOVE_DATA}, then install it again")
         private_dir(staging)
-        for wheel in paths:
-            wheels.unpack(wheel, staging)
+        try:
+            for wheel in paths:
+                wheels.unpack(wheel, staging)
+        except OSError as exc:  # the disk filled meanwhile, say: its space goes back
+            why = " (it has no free inodes: too many files)" if no_inodes(staging) else ""
+            shutil.rmtree(staging, ignore_errors=True)
+            if exc.errno not in NO_SPACE:
+                raise
+            raise NoSpace(f"The disk is full: {name} {version} did not fit in {self.root} "
+                          f"while it unpacked{why}; free some space there{MOVE_DATA}, "
+                          f"then install it again") from None
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         shutil.rmtree(target, ignore_errors=True)  # an earlier install that never registered
         os.replace(staging, target)
         fsync_dir(target.parent)

@@ -324,6 +324,13 @@ def unpack(wheel: Path, target: Path) -> list[str]:
     return written
 
 
+def unpacked_size(wheel: Path, block: int = 4096) -> int:
+    """The disk space `unpack` takes for a wheel: each file it writes, in whole blocks."""
+    with zipfile.ZipFile(wheel) as zf:
+        return sum(-(-info.file_size // block) * block for info in zf.infolist()
+                   if not info.is_dir() and site_name(info.filename))
+
+
 def site_name(name: str) -> str | None:
     """Where a wheel's file lands in its site-packages folder (None: it is not unpacked).
 

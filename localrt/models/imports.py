@@ -5,7 +5,10 @@ given with the import or later.
 An imported model's folder is `<dataFolderPath>/models/imported/<quoted id>`. A link
 points at the file or folder as it is; a copy goes through a part file, is fsynced
 and renamed, and records its sha256. The definition is written last, so a crash
-part-way leaves no registered model with missing files. A file beside the weights is
+part-way leaves no registered model with missing files. A copy that cannot fit is
+refused before it starts (507 insufficient_storage); a write that fails part-way (the
+disk filled meanwhile, a read-only models folder) is a 507 that names the folder,
+and the import's folder goes with whatever it held. A file beside the weights is
 brought in the same way, under a name its role knows (Role.file_name), once its role's
 check passes (a projector's: a vision projector GGUF whose output fits the model's
 embeddings).
@@ -17,11 +20,12 @@ import hashlib
 import os
 import shutil
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 from localrt.downloads.tasks import Item, check_disk_space, fsync_dir
 from localrt.errors import Conflict, InvalidField
-from localrt.fsutil import private_dir
+from localrt.fsutil import MOVE_DATA, private_dir, storage_error
 from localrt.models.ids import check_new_id, folder_name
 from localrt.models.registry import ONNX_CONFIG, Registry, new_definition, weights_path
 from localrt.models.roles import BadSource, Role, check_file
@@ -85,7 +89,8 @@ class Imports:
                 beside: dict[Role, Path]) -> dict:
         folder = self.registry.root / "imported" / folder_name(model_id)
         shutil.rmtree(folder, ignore_errors=True)  # what a crashed import left
-        private_dir(folder)
+        with _writing(folder, model_id):
+            private_dir(folder)
         target = folder / src.name
         try:
             bring = _import_folder if src.is_dir() else _import_file
@@ -161,28 +166,30 @@ def _check_source(src: Path, path: str) -> None:
 
 def _import_file(src: Path, target: Path, model_id: str, option: str) -> tuple[list, list]:
     """A GGUF file, linked or copied; (files, paths)."""
-    if option == "copy":
-        check_disk_space(model_id, [Item(src.name, "", target, src.stat().st_size)])
-        sha256 = _copy(src, target)
-    else:
-        _link(src, target)
-        sha256 = None
+    with _writing(target.parent, model_id):
+        if option == "copy":
+            check_disk_space(model_id, [Item(src.name, "", target, src.stat().st_size)])
+            sha256 = _copy(src, target)
+        else:
+            _link(src, target)
+            sha256 = None
     return [{"path": src.name, "size": target.stat().st_size, "sha256": sha256}], [target]
 
 
 def _import_folder(src: Path, target: Path, model_id: str, option: str) -> tuple[list, list]:
     """An ONNX model folder, linked or copied file by file; (files, paths)."""
     names = sorted(p.relative_to(src) for p in src.rglob("*") if p.is_file())
-    if option == "copy":
-        check_disk_space(model_id, [Item(str(n), "", target / n, (src / n).stat().st_size)
-                                    for n in names])
-        sums = {}
-        for n in names:
-            private_dir((target / n).parent)
-            sums[n] = _copy(src / n, target / n)
-    else:
-        _link(src, target)
-        sums = dict.fromkeys(names)
+    with _writing(target.parent, model_id):
+        if option == "copy":
+            check_disk_space(model_id, [Item(str(n), "", target / n,
+                                             (src / n).stat().st_size) for n in names])
+            sums = {}
+            for n in names:
+                private_dir((target / n).parent)
+                sums[n] = _copy(src / n, target / n)
+        else:
+            _link(src, target)
+            sums = dict.fromkeys(names)
     files = [{"path": f"{target.name}/{n}", "size": (target / n).stat().st_size,
               "sha256": sums[n]} for n in names]
     return files, [target / n for n in names]
@@ -197,12 +204,33 @@ def _link(src: Path, target: Path) -> None:
 
 
 
+@contextmanager
+def _writing(folder: Path, model_id: str):
+    """An OSError of a write in the models folder as the 507 that names the folder and
+    says what to do (fsutil.storage_error); the caller removes what was written."""
+    try:
+        yield
+    except OSError as exc:
+        raise storage_error(exc, folder, f"import model {model_id}", MOVE_DATA) from None
+
+
 def _copy(src: Path, target: Path) -> str:
-    """Copy through a part file, fsync and rename; return the sha256."""
+    """Copy through a part file, fsync and rename; return the sha256. A failed read is
+    the source's fault (BadSource), a failed write the models folder's (an OSError)."""
     part = target.with_name(".import.part")
     h = hashlib.sha256()
-    with open(src, "rb") as fin, open(part, "wb") as fout:
-        while chunk := fin.read(1024 * 1024):
+    try:
+        fin = open(src, "rb")
+    except OSError as exc:
+        raise BadSource(f"cannot read {src}: {exc.strerror or exc}") from None
+    with fin, open(part, "wb") as fout:
+        while True:
+            try:
+                chunk = fin.read(1024 * 1024)
+            except OSError as exc:
+                raise BadSource(f"cannot read {src}: {exc.strerror or exc}") from None
+            if not chunk:
+                break
             h.update(chunk)
             fout.write(chunk)
         fout.flush()

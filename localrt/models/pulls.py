@@ -18,7 +18,8 @@ from urllib.parse import urlsplit
 
 from localrt.downloads.tasks import DownloadFailed, Downloads, Item, Task
 from localrt.engines.catalog import engine_for_files
-from localrt.errors import BadRequest, Conflict, HTTPError, InvalidField, NotFound, UpstreamError
+from localrt.errors import (BadRequest, Conflict, HTTPError, InsufficientStorage, InvalidField,
+                            NotFound, UpstreamError)
 from localrt.models import roles
 from localrt.models.hub import Hub, HubFile, NotOnHub, RevisionNotOnHub
 from localrt.models.ids import (SPLIT_GGUF, ModelRef, check_id, check_new_id, parse_id,
@@ -288,6 +289,8 @@ class Pulls:
             self.registry.add(plan.folder, definition)
         except ValueError as exc:
             raise DownloadFailed(str(exc)) from None
+        except InsufficientStorage:  # model.json could not be written: the task says why
+            raise
         except HTTPError as exc:  # another model took the id or folder meanwhile
             raise DownloadFailed(f"Model {plan.local_id} was downloaded but not registered: "
                                  f"{exc.message}") from None

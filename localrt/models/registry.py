@@ -26,7 +26,7 @@ from localrt import schemas
 from localrt.downloads.tasks import fsync_dir
 from localrt.engines.catalog import engine_alias, engine_for_files, weights_file
 from localrt.errors import Conflict, HTTPError, InvalidField, NotFound
-from localrt.fsutil import atomic_write, remove_stale_temps
+from localrt.fsutil import MOVE_DATA, atomic_write, remove_stale_temps, storage_error
 from localrt.engines import ggufinfo
 from localrt.models import roles
 
@@ -164,9 +164,12 @@ class Registry:
             folder, _ = self._find(model_id)
             # The definition goes first: a crash part-way leaves stray files, never a
             # registered model with missing ones.
-            (folder / DEFINITION).unlink(missing_ok=True)  # or deleted by hand
-            if folder.is_dir():
-                fsync_dir(folder)
+            try:
+                (folder / DEFINITION).unlink(missing_ok=True)  # or deleted by hand
+                if folder.is_dir():
+                    fsync_dir(folder)
+            except OSError as exc:  # a read-only models folder: the model stays
+                raise storage_error(exc, folder, f"delete model {model_id}") from None
             del self._models[model_id]
             if _inside(folder, self.root):
                 shutil.rmtree(folder, ignore_errors=True)
@@ -205,7 +208,11 @@ class Registry:
 
     def _write(self, folder: Path, definition: dict) -> None:
         data = json.dumps(definition, indent=2, ensure_ascii=False).encode("utf-8") + b"\n"
-        atomic_write(folder / DEFINITION, data)
+        try:
+            atomic_write(folder / DEFINITION, data)
+        except OSError as exc:  # the old definition stays, whole
+            raise storage_error(exc, folder, f"write the definition of model "
+                                f"{definition['id']}", MOVE_DATA) from None
         self._index()[definition["id"]] = (folder, definition)
 
     def _index(self) -> dict[str, tuple[Path, dict]]:

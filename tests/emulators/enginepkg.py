@@ -155,11 +155,13 @@ def build_wheel(out_dir: Path, name: str, version: str, files: dict,
 
 
 def build_echo_engine_wheel(out_dir: Path, *, name: str = "localrt-echo-engine",
-                            version: str = "1.0.0") -> Path:
-    """Write the echo engine wheel into out_dir and return its path."""
+                            version: str = "1.0.0", data: dict | None = None) -> Path:
+    """Write the echo engine wheel into out_dir and return its path; `data` (path in the
+    package -> text) adds files beside its code (a big one, or many, for the disk tests)."""
     package = _escape(name)
-    return build_wheel(out_dir, name, version,
-                       {f"{package}/__init__.py": ENGINE_SOURCE.substitute(version=repr(version))},
+    files = {f"{package}/__init__.py": ENGINE_SOURCE.substitute(version=repr(version))}
+    files.update({f"{package}/{path}": text for path, text in (data or {}).items()})
+    return build_wheel(out_dir, name, version, files,
                        f"[{ENTRY_POINT_GROUP}]\necho = {package}:ENGINE\n")
 
 

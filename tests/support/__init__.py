@@ -9,6 +9,7 @@
   and importing one (`add_model`);
 - `config`: the Config fields for outbound requests (`outbound_config`);
 - `browser`: headless Chromium through Selenium (`require_chromium`, `start_chromium`).
+- `disks`: a small tmpfs to fill up or make read-only (the `small_disk` fixture).
 
 Tests import them (`from support.apps import call`). tests/conftest.py holds the
 fixtures and builds them from these modules. The generators and emulators
