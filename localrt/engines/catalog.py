@@ -93,6 +93,8 @@ class EngineSpec:
                                                  # localrt, it loads nothing (remote)
     settings: tuple[str, ...] = ()               # the engine settings its adapter is made
                                                  # with (keyword arguments; Engines' own)
+    vetted: bool = False                         # the first load of each file with a build
+                                                 # runs in a child (localrt.engines.vetting)
 
     def adapter(self, settings: Mapping[str, object] | None = None) -> contract.Engine:
         """A new adapter object, made with those of `settings` it takes (its defaults for
@@ -140,7 +142,8 @@ CATALOG = {spec.name: spec for spec in (
                "localrt.engines.llama.model:GgufEngine", ("*.gguf",), "llama_cpp",
                _gguf_variants,
                aliases=("llama-cpp", "llamacpp", "llama.cpp"),
-               builtin="llama-cpp-python", probed=True, settings=("prompt_cache_bytes",)),
+               builtin="llama-cpp-python", probed=True, settings=("prompt_cache_bytes",),
+               vetted=True),
     EngineSpec("onnx-runtime", "ONNX", "onnxruntime-genai; runs ONNX models",
                "localrt.engines.onnx:OnnxEngine", ("*.onnx", "genai_config.json"),
                "onnxruntime_genai", _onnx_variants, aliases=("onnxruntime", "onnx"),
@@ -435,6 +438,23 @@ class Engines:
 
         The model is always a contract.Model (contract.generating)."""
         return contract.generating(self.adapter(engine).load(model_path, dict(options)))
+
+    def build(self, name: str) -> tuple[str, str | None] | None:
+        """The build a model of engine `name` loads with, for the first load of its files
+        in a child (localrt.engines.vetting): ("<engine>/<variant>/<version>", the folder
+        it is imported from, None for the shipped one); None for an engine whose loads
+        are not vetted. The 409s of a load when it cannot run here."""
+        spec = CATALOG.get(name)
+        if spec is None or not spec.vetted:
+            return None
+        self.adapter(name)  # installed and runnable, its folder on sys.path
+        installed = self.installed(name)
+        with self._lock:
+            imported = self._imported.get(name)
+        # The server loads with the build it imported, even once another is active.
+        build = next((v for v in installed if str(v.get("path")) == imported), None) \
+            or self.active(name, installed)
+        return f"{name}/{build['variant']}/{build['version']}", build.get("path")
 
     def check_options(self, name: str, options: dict) -> list[tuple[str, str]]:
         """(option, why) for each start option the engine cannot take."""

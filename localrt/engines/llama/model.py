@@ -21,6 +21,7 @@ from __future__ import annotations
 import codecs
 import ctypes
 import logging
+import os
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -43,6 +44,7 @@ from localrt.engines import toolcalls
 from localrt.engines.logprobs import Log, TokenLogprob
 
 GGUF_ENGINE = "gguf-cpp"
+_CHILD_LOG = None  # GgufEngine.in_child's log callback, kept alive for llama.cpp
 
 class GgufEngine:
     """gguf-cpp: llama.cpp through llama-cpp-python, imported at the first load.
@@ -73,6 +75,32 @@ class GgufEngine:
             return LlamaEmbedder.open(model_path, llama_arguments(options),
                                       options.get("ctx_len"), pooling)
         return LlamaModel(model_path, options, self._rpc, self.prompt_cache_bytes)
+
+    @staticmethod
+    def in_child(log_fd: int) -> None:
+        """For a file's first load in a child (localrt.engines.vetting): llama.cpp's
+        warnings and errors go to `log_fd`, even while llama-cpp-python points fd 2 at
+        /dev/null around a load, so a failed assert's message (which ggml writes to fd
+        2 itself) and the loader's reason reach the parent."""
+        import llama_cpp
+        from llama_cpp import _utils
+
+        global _CHILD_LOG
+        shown = {3, 4}  # ggml.h's GGML_LOG_LEVEL_WARN and _ERROR; 5 continues a line
+        last = [0]
+
+        @llama_cpp.llama_log_callback
+        def write(level, text, user_data):
+            if level != 5:
+                last[0] = level
+            if last[0] in shown:
+                os.write(log_fd, text)
+
+        _CHILD_LOG = write  # ctypes calls it for as long as the process lives
+        llama_cpp.llama_log_set(write, ctypes.c_void_p(0))
+        devnull = getattr(_utils, "errnull_file", None)
+        if devnull is not None:  # its "null" for fd 2 is our log instead
+            os.dup2(log_fd, devnull.fileno())
 
     @staticmethod
     def check_options(options: dict) -> Iterator[tuple[str, str]]:
@@ -374,6 +402,23 @@ class LlamaModel(GeneratingModel):
                 size = -n
             piece = pieces[token] = buf.raw[:n]
         return piece
+
+    def exercise(self) -> None:
+        """For a file's first load in a child (localrt.engines.vetting): tokenize the text
+        of every special token (control, user-defined, unknown), and read the piece of
+        every token, printed plain and special, as replies and logprobs read them."""
+        llama_cpp, vocab = self._llama_cpp, self._model.vocab
+        special = (llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
+                   | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN)
+        texts = []
+        for token in range(self._model.n_vocab()):
+            if llama_cpp.llama_vocab_get_attr(vocab, token) & special:
+                texts.append(llama_cpp.llama_vocab_get_text(vocab, token) or b"")
+            self._piece(token, False)
+            self._piece(token, True)
+        self._pieces.clear()
+        self._special_pieces.clear()
+        self._model.tokenize(b" ".join(texts), add_bos=True, special=True)
 
     def _preserved(self, texts) -> frozenset:
         """The ids of the special tokens spelled `texts`, to print as text."""
