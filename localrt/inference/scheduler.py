@@ -349,7 +349,7 @@ class Scheduler:
                                  for f in record["files"]], name)
         outcome = self._vetting.known(key)
         if outcome is None:
-            loading = {**options, **roles.beside(record)}
+            loading = self._loading(record, options)
             outcome = self._vetting.vet(key, engine, engine_dir, weights, loading,
                                         sum(f["size"] for f in record["files"]))
         if not outcome.about_file:
@@ -389,10 +389,7 @@ class Scheduler:
         path = self._model_path(record)
         self._vet(record, options)  # before any native code reads the file here
         before = _rss()
-        # The files the engine loads beside the weights, each under its role's key
-        # (a vision model's projector: localrt.engines.llama.media); never in the
-        # options a status row shows.
-        loading = {**options, **roles.beside(record)}
+        loading = self._loading(record, options)
         try:
             model = self._engines.open(engine, str(path), loading)
         except HTTPError:
@@ -418,6 +415,14 @@ class Scheduler:
                        kv=measured["kv"], slots=slots, stepper=stepper, turn=FairLock(slots),
                        capabilities=can,
                        report=model.report if contract.Reporting in can else dict)
+
+    @staticmethod
+    def _loading(record: dict, options: dict) -> dict:
+        """What the engine loads a model with: its start options, the files it loads
+        beside the weights, each under its role's key (a vision model's projector:
+        localrt.engines.llama.media), and its id as `model`, for its messages; never
+        the options a status row shows."""
+        return {**options, **roles.beside(record), "model": record["id"]}
 
     def _model_path(self, record: dict) -> Path:
         path = weights_path(record)

@@ -39,7 +39,7 @@ from localrt.engines.llama.media import (Projector, Prompt, has_images, refuse_i
 from localrt.engines.llama.params import (CACHE_TYPE_BYTES, QUANTIZED_CACHE, context_params,
                                           engine_dir, llama_arguments, model_params,
                                           rpc_targets)
-from localrt.errors import InvalidField
+from localrt.errors import InvalidChatTemplate, InvalidField
 from localrt.engines import toolcalls
 from localrt.engines.logprobs import Log, TokenLogprob
 
@@ -149,6 +149,8 @@ class LlamaModel(GeneratingModel):
         except BaseException:
             self._release_rpc()
             raise
+        # The model's id as messages name it (the scheduler gives it as `model`).
+        self.name = options.get("model") or Path(model_path).name
         self._mmproj = options.get("mmproj")  # the projector's key (localrt.models.roles)
         projector = None
         try:
@@ -183,7 +185,9 @@ class LlamaModel(GeneratingModel):
             llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model))
         self.draft_max = options.get("draft_max") or DRAFT_MAX
         self._metadata = self._model.metadata()
-        self._formatter = None  # the GGUF's chat template, compiled at the first chat
+        # The GGUF's chat template, compiled at the first chat (a ChatTemplate, llama-2's
+        # format when it has none, or the TemplateRefused its compiling raised).
+        self._formatter = None
         self._pieces: dict[int, bytes] = {}  # token -> its bytes; the vocabulary is fixed
         self._special_pieces: dict[int, bytes] = {}  # the same, special tokens printed
 
@@ -466,26 +470,45 @@ class LlamaModel(GeneratingModel):
                    * CACHE_TYPE_BYTES[self._cache_type])
 
     def _format(self, messages: list, tools: list | None = None) -> tuple[str, bool]:
-        """The prompt from the GGUF's chat template (llama-2's format if it has none),
-        given `tools` as Hugging Face's apply_chat_template gives them."""
+        """The prompt from the GGUF's chat template, rendered within bounds
+        (localrt.engines.chattemplate; llama-2's format if it has none), given `tools`
+        as Hugging Face's apply_chat_template gives them, and whether llama.cpp adds
+        the BOS. A template past its bounds, or that fails, is InvalidChatTemplate; its
+        own raise_exception() is InvalidField on 'messages'."""
         from llama_cpp import llama_chat_format
+
+        from localrt.engines import chattemplate
 
         if self._formatter is None:
             template = self._metadata.get("tokenizer.chat_template")
             if template:
-                model = self._model
+                vocab, get = self._model.vocab, self._llama_cpp.llama_vocab_get_text
 
                 def text(token: int) -> str:
-                    return model.token_get_text(token) if token >= 0 else ""
+                    return (get(vocab, token) or b"").decode("utf-8", "replace") \
+                        if token >= 0 else ""
 
-                self._formatter = llama_chat_format.Jinja2ChatFormatter(
-                    template=template, eos_token=text(model.token_eos()),
-                    bos_token=text(model.token_bos()))
+                try:
+                    self._formatter = chattemplate.ChatTemplate(
+                        template, eos_token=text(self._model.token_eos()),
+                        bos_token=text(self._model.token_bos()), context=self.context)
+                except chattemplate.TemplateRefused as exc:
+                    self._formatter = exc  # refused at every chat, never compiled again
             else:
                 self._formatter = llama_chat_format.format_llama2
+        formatter = self._formatter
         try:
-            out = self._formatter(messages=messages, tools=tools)
-        except Exception as exc:  # jinja2 errors, and the template's raise_exception()
+            if isinstance(formatter, chattemplate.TemplateRefused):
+                raise formatter
+            if isinstance(formatter, chattemplate.ChatTemplate):
+                return formatter.render(messages, tools), False  # it writes the BOS
+            out = formatter(messages=messages, tools=tools)
+        except chattemplate.TemplateRefused as exc:
+            raise InvalidChatTemplate(f"Model {self.name}'s chat template is refused: {exc}; "
+                                      f"give it a prompt_template of its own (localrt "
+                                      f"models update {self.name} --prompt_template ...) "
+                                      f"or use /v1/completions", param="model") from None
+        except Exception as exc:  # the template's raise_exception(), llama-2's errors
             raise InvalidField(f"Invalid field 'messages': the model's chat template "
                                f"refused them: {exc}", param="messages") from None
         return out.prompt, not out.added_special
