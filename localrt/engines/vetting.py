@@ -66,6 +66,7 @@ CHAT = [{"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "Hello! Say a word, a | pipe and a number: 42."},
         {"role": "assistant", "content": "Word | 42"},
         {"role": "user", "content": "Again, please."}]
+SHORT_PROMPT = "Hello | world 42"  # what the child decodes from when CHAT is refused
 HASH_CHUNK = 8 << 20
 
 
@@ -126,7 +127,6 @@ def main(argv: list[str]) -> int:
         _emit(stage="error", where="load", message=str(exc) or type(exc).__name__)
         return 1
     can = contract.capabilities(model)
-    note = None
     try:
         _emit(stage="exercise")
         if contract.Tokenizing in can:
@@ -135,17 +135,7 @@ def main(argv: list[str]) -> int:
         if exercise is not None:
             exercise()
         _emit(stage="chat")
-        try:
-            _decode(model.generate(CHAT, {"max_tokens": DECODE_TOKENS, "temperature": 0.0,
-                                          "seed": 0}))
-        except HTTPError as exc:  # the template refused the chat, or an embedding model
-            note = exc.message
-            if contract.Embedding in can and "embedding" in exc.message:
-                model.embed([every_byte_text()], None)
-            else:
-                _decode(model.generate([], {"prompt": every_byte_text(),
-                                            "max_tokens": DECODE_TOKENS,
-                                            "temperature": 0.0, "seed": 0}))
+        note = _chat(model, contract.Embedding in can, HTTPError)
     except Exception as exc:
         _emit(stage="error", where="use", message=str(exc) or type(exc).__name__)
         return 1
@@ -156,6 +146,27 @@ def main(argv: list[str]) -> int:
             pass
     _emit(stage="done", template=note)
     return 0
+
+
+def _chat(model, embeds: bool, refusal: type) -> str | None:
+    """Decode a few tokens from CHAT through the model's template, or from a short
+    prompt when the template or the context refuses it (an embedding model embeds a
+    text instead); what refused, if anything. A refusal (`refusal`, an HTTPError) is
+    the request's, never the file's."""
+    params = {"max_tokens": DECODE_TOKENS, "temperature": 0.0, "seed": 0}
+    try:
+        _decode(model.generate(CHAT, params))
+        return None
+    except refusal as exc:
+        if embeds and exc.code == "embedding_model":  # llama.cpp's embedding mode
+            model.embed([SHORT_PROMPT], None)
+            return None
+        note = exc.message
+    try:
+        _decode(model.generate([], {**params, "prompt": SHORT_PROMPT}))
+    except refusal as exc:
+        note += f"; and a plain prompt: {exc.message}"
+    return note
 
 
 def _decode(generation) -> None:
@@ -320,6 +331,7 @@ class Vetting:
         self._data = {"outcomes": dict(data.get("outcomes") or {}),
                       "hashes": dict(data.get("hashes") or {})}
         self._running: dict[str, threading.Event] = {}
+        self.children = 0  # the children this object ran, for the log and the tests
 
     def key(self, files: list[tuple[Path, str | None]], build: str) -> str:
         """The key of these files (path, sha256 or None) with build `build`
@@ -349,6 +361,7 @@ class Vetting:
             running.wait()  # then it is kept, or it said nothing about the file: again
         try:
             with self._child_lock:
+                self.children += 1
                 outcome = self._run(engine, engine_dir, str(weights), options,
                                     timeout_for(size))
             if outcome.about_file:

@@ -87,7 +87,7 @@ class Scheduler:
                  keep_alive: float = 0.0, lanes: int = 1, vetting=None):
         self._registry = registry
         self._engines = engines
-        self._vetting = vetting  # localrt.engines.vetting.Vetting: first loads in a child
+        self.vetting = vetting  # localrt.engines.vetting.Vetting: first loads in a child
         self._options = options  # what a model starts with (localrt.models.options)
         self.max_models = max_models
         self.keep_alive = keep_alive  # seconds; 0 is off
@@ -331,10 +331,11 @@ class Scheduler:
     def vetted(self, record: dict, options: dict | None = None) -> dict | None:
         """How a child's load of the model's files with the build its engine loads went
         (localrt.engines.vetting), asked of a child only the first time: the record's
-        `vetting` state, {"ok", "build", "reason" when not ok}; None for an engine whose
+        `vetting` state, {"ok", "build", "reason" when not ok, "template" when its chat
+        template refused the child's chat}; None for an engine whose
         loads are not vetted. `options`: the start options (None: the stored ones). A
         ModelLoadFailed when the child failed for a reason that is not the file's."""
-        if self._vetting is None:
+        if self.vetting is None:
             return None
         if options is None:
             options = self._options.resolve(record, {})
@@ -345,12 +346,12 @@ class Scheduler:
         name, engine_dir = build
         weights = self._model_path(record)
         folder = Path(record["path"])
-        key = self._vetting.key([(folder / f["path"], f.get("sha256"))
+        key = self.vetting.key([(folder / f["path"], f.get("sha256"))
                                  for f in record["files"]], name)
-        outcome = self._vetting.known(key)
+        outcome = self.vetting.known(key)
         if outcome is None:
             loading = self._loading(record, options)
-            outcome = self._vetting.vet(key, engine, engine_dir, weights, loading,
+            outcome = self.vetting.vet(key, engine, engine_dir, weights, loading,
                                         sum(f["size"] for f in record["files"]))
         if not outcome.about_file:
             raise ModelLoadFailed(f"Model {record['id']} failed to load with {engine} (in a "
@@ -359,6 +360,8 @@ class Scheduler:
         state = {"ok": outcome.ok, "build": name}
         if not outcome.ok:
             state["reason"] = outcome.reason
+        if outcome.template:  # the file loads; its chat template refused the child's chat
+            state["template"] = outcome.template
         return state
 
     def vet_new(self, record: dict) -> dict | None:
