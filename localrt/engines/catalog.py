@@ -207,9 +207,10 @@ class Engines:
     per engine, made at its first use with the engine `settings` it takes (a built-in's
     row names them: gguf-cpp's `prompt_cache_bytes`, promptCacheMiB in bytes).
 
-    `_lock` guards `_objects` (adapter objects made in this process) and `_imported`
-    (engine -> the folder its module was imported from, once a model may load with it),
-    and is never held while a build is probed or a model loads. engines.json is
+    `_lock` guards `_objects` (adapter objects made in this process), `_imported`
+    (engine -> the folder its module was imported from, once a model may load with it)
+    and `_builds` (engine -> the build that folder is, as `build` says it), and is
+    never held while a build is probed or a model loads. engines.json is
     `state`'s, probe results are `probes`'. An uninstall is refused while the engine
     runs a model by the scheduler (Scheduler.engine_unused).
     """
@@ -230,6 +231,7 @@ class Engines:
         self._lock = threading.Lock()
         self._objects: dict[str, object] = {}
         self._imported: dict[str, str] = {}
+        self._builds: dict[str, tuple[str, str | None]] = {}  # engine -> build(): its key
 
     # --- listing ---------------------------------------------------------------
 
@@ -447,6 +449,9 @@ class Engines:
         spec = CATALOG.get(name)
         if spec is None or not spec.vetted:
             return None
+        with self._lock:
+            if name in self._builds:
+                return self._builds[name]
         self.adapter(name)  # installed and runnable, its folder on sys.path
         installed = self.installed(name)
         with self._lock:
@@ -454,7 +459,10 @@ class Engines:
         # The server loads with the build it imported, even once another is active.
         build = next((v for v in installed if str(v.get("path")) == imported), None) \
             or self.active(name, installed)
-        return f"{name}/{build['variant']}/{build['version']}", build.get("path")
+        found = f"{name}/{build['variant']}/{build['version']}", build.get("path")
+        with self._lock:  # what this process imported does not change while it runs
+            self._builds[name] = found
+        return found
 
     def check_options(self, name: str, options: dict) -> list[tuple[str, str]]:
         """(option, why) for each start option the engine cannot take."""
