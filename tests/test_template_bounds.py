@@ -95,7 +95,8 @@ def test_the_bound_is_the_contexts_worth_plus_the_request():
 
 
 def test_raise_exception_stays_the_templates_refusal_of_the_messages():
-    template = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system') }}{% endif %}"
+    template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system') }}"
+                "{% endif %}")
     with pytest.raises(MessagesRefused, match="no system"):
         ChatTemplate(template, "</s>", "<s>", 4096).render(CHAT)
 

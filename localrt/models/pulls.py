@@ -5,8 +5,8 @@ quantizations, a split model's parts, the files that come along), then starts on
 download task (localrt.downloads.tasks), which registers the model once every file is
 checked, once a child process loaded it (`vet`: the scheduler's vet_new,
 localrt.engines.vetting; a file it could not load is registered with that state and the
-task ends in an error that says so). A split GGUF (-00001-of-00003.gguf) is one model: every part is pulled, the
-first loaded. A file of another role than the weights (a projector, mmproj*.gguf:
+task ends in an error that says so). A split GGUF (-00001-of-00003.gguf) is one model:
+every part is pulled, the first loaded. A file of another role than the weights (a projector, mmproj*.gguf:
 localrt.models.roles) is never the model; the one its role picks comes along, recorded
 under its role's key.
 """
