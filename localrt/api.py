@@ -99,11 +99,14 @@ def list_models(services: Services, request: Request):
 
 
 def _with_status(services: Services, record: dict) -> dict:
-    """A model's record with its status: "running" or "downloaded"; a remote model's
-    with its upstreams' health (localrt.inference.remote)."""
+    """A model's record with its status: "running", "downloaded", or "invalid" for a
+    file a child could not load (its `vetting` says why); a remote model's with its
+    upstreams' health (localrt.inference.remote)."""
     running = services.scheduler.is_running(record["id"])
-    return services.remotes.annotate({**record, "status": "running" if running else
-                                      "downloaded"})
+    status = "running" if running else "downloaded"
+    if (record.get("vetting") or {}).get("ok") is False:
+        status = "invalid"
+    return services.remotes.annotate({**record, "status": status})
 
 
 def _path_model(request: Request) -> str:

@@ -11,11 +11,13 @@ nothing is assigned to it afterwards:
                 probe results are engines.probes)
     installs    engine installs, uninstalls and defaults, which download with `downloads`
     registry    the downloaded models' definitions (localrt.models.registry.Registry)
-    pulls       pulls from the hub, which download with `downloads` and add to the registry
-    imports     imports of local files and folders, which add to the registry
     scheduler   what runs: loads through `engines` with the options `StartOptions`
-                resolves, reads the `registry`, and refuses to delete a running model
-                or uninstall an engine in use
+                resolves, each file first in a child (its `Vetting`, which keeps
+                <engines>/vetted.json), reads the `registry`, and refuses to delete a
+                running model or uninstall an engine in use
+    pulls       pulls from the hub, which download with `downloads` and add to the
+                registry once the scheduler's child loaded the files
+    imports     imports of local files and folders, which add to the registry the same way
     metrics     what GET /metrics says: reads the scheduler's status and the downloads'
                 totals at scrape time; the app counts requests in it
     remotes     remote models: their upstreams' health, and forwarding their chats
@@ -50,6 +52,7 @@ from localrt.inference.media import Images, Policy
 from localrt.engines.catalog import Engines
 from localrt.events import EventBus
 from localrt.engines.installs import EngineState, Installs
+from localrt.engines.vetting import Vetting
 from localrt.metrics import Metrics
 from localrt.models.imports import Imports
 from localrt.models.options import StartOptions
@@ -129,13 +132,15 @@ def build_services(settings: Settings, *, shutdown: Callable[[], None] | None = 
     installs = Installs(engines, state, downloads, config.get,
                         lambda: settings["engineIndexUrl"])
     registry = Registry(settings.data_dir / "models", validators)
-    pulls = Pulls(settings, config, downloads, registry)
-    imports = Imports(registry)
     options = StartOptions(engines, lanes=settings["computeLanes"])
     scheduler = Scheduler(registry, engines, options,
                           max_models=settings["maxRunningModels"],
                           keep_alive=settings["keepAlive"] * 60,
-                          lanes=settings["computeLanes"])
+                          lanes=settings["computeLanes"],
+                          vetting=Vetting(settings.data_dir / "engines"))
+    # Both have a child load a model's files before they register it.
+    pulls = Pulls(settings, config, downloads, registry, vet=scheduler.vet_new)
+    imports = Imports(registry, vet=scheduler.vet_new)
     metrics = Metrics(running=scheduler.status, downloads=downloads.stats)
     remotes = Remotes(registry, engines, config.get, lambda: settings["upstreamTimeout"],
                       lambda: security.secrets_of(settings.snapshot()))

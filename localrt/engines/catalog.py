@@ -93,6 +93,8 @@ class EngineSpec:
                                                  # localrt, it loads nothing (remote)
     settings: tuple[str, ...] = ()               # the engine settings its adapter is made
                                                  # with (keyword arguments; Engines' own)
+    vetted: bool = False                         # the first load of each file with a build
+                                                 # runs in a child (localrt.engines.vetting)
 
     def adapter(self, settings: Mapping[str, object] | None = None) -> contract.Engine:
         """A new adapter object, made with those of `settings` it takes (its defaults for
@@ -140,7 +142,8 @@ CATALOG = {spec.name: spec for spec in (
                "localrt.engines.llama.model:GgufEngine", ("*.gguf",), "llama_cpp",
                _gguf_variants,
                aliases=("llama-cpp", "llamacpp", "llama.cpp"),
-               builtin="llama-cpp-python", probed=True, settings=("prompt_cache_bytes",)),
+               builtin="llama-cpp-python", probed=True, settings=("prompt_cache_bytes",),
+               vetted=True),
     EngineSpec("onnx-runtime", "ONNX", "onnxruntime-genai; runs ONNX models",
                "localrt.engines.onnx:OnnxEngine", ("*.onnx", "genai_config.json"),
                "onnxruntime_genai", _onnx_variants, aliases=("onnxruntime", "onnx"),
@@ -204,9 +207,10 @@ class Engines:
     per engine, made at its first use with the engine `settings` it takes (a built-in's
     row names them: gguf-cpp's `prompt_cache_bytes`, promptCacheMiB in bytes).
 
-    `_lock` guards `_objects` (adapter objects made in this process) and `_imported`
-    (engine -> the folder its module was imported from, once a model may load with it),
-    and is never held while a build is probed or a model loads. engines.json is
+    `_lock` guards `_objects` (adapter objects made in this process), `_imported`
+    (engine -> the folder its module was imported from, once a model may load with it)
+    and `_builds` (engine -> the build that folder is, as `build` says it), and is
+    never held while a build is probed or a model loads. engines.json is
     `state`'s, probe results are `probes`'. An uninstall is refused while the engine
     runs a model by the scheduler (Scheduler.engine_unused).
     """
@@ -227,6 +231,7 @@ class Engines:
         self._lock = threading.Lock()
         self._objects: dict[str, object] = {}
         self._imported: dict[str, str] = {}
+        self._builds: dict[str, tuple[str, str | None]] = {}  # engine -> build(): its key
 
     # --- listing ---------------------------------------------------------------
 
@@ -435,6 +440,29 @@ class Engines:
 
         The model is always a contract.Model (contract.generating)."""
         return contract.generating(self.adapter(engine).load(model_path, dict(options)))
+
+    def build(self, name: str) -> tuple[str, str | None] | None:
+        """The build a model of engine `name` loads with, for the first load of its files
+        in a child (localrt.engines.vetting): ("<engine>/<variant>/<version>", the folder
+        it is imported from, None for the shipped one); None for an engine whose loads
+        are not vetted. The 409s of a load when it cannot run here."""
+        spec = CATALOG.get(name)
+        if spec is None or not spec.vetted:
+            return None
+        with self._lock:
+            if name in self._builds:
+                return self._builds[name]
+        self.adapter(name)  # installed and runnable, its folder on sys.path
+        installed = self.installed(name)
+        with self._lock:
+            imported = self._imported.get(name)
+        # The server loads with the build it imported, even once another is active.
+        build = next((v for v in installed if str(v.get("path")) == imported), None) \
+            or self.active(name, installed)
+        found = f"{name}/{build['variant']}/{build['version']}", build.get("path")
+        with self._lock:  # what this process imported does not change while it runs
+            self._builds[name] = found
+        return found
 
     def check_options(self, name: str, options: dict) -> list[tuple[str, str]]:
         """(option, why) for each start option the engine cannot take."""

@@ -30,6 +30,11 @@ fight over the CPU:
 
 A request's `disconnected()` (localrt.admission) ends its wait for a turn or for room
 under maxRunningModels, and its generation at the next token, once its client has gone.
+
+Before a model's files are loaded here for the first time with an engine build, a child
+process loads them (`vetted`, localrt.engines.vetting): a file the child could not load
+is refused with 400 invalid_model_file and never loaded here, and its record says so
+(`vetting`). Imports and pulls ask the same before they register a model (`vet_new`).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from pathlib import Path
 
 from localrt.admission import Disconnected, never, wait
 from localrt.engines import contract
+from localrt.engines.vetting import invalid_file
 from localrt.errors import BadRequest, Conflict, HTTPError, ServiceUnavailable
 from localrt.inference.lanes import ComputeLanes, FairLock, Stepper
 from localrt.inference.running import Lease, Running
@@ -78,9 +84,10 @@ class Scheduler:
     while a model computes."""
 
     def __init__(self, registry, engines, options: StartOptions, max_models: int = 2,
-                 keep_alive: float = 0.0, lanes: int = 1):
+                 keep_alive: float = 0.0, lanes: int = 1, vetting=None):
         self._registry = registry
         self._engines = engines
+        self.vetting = vetting  # localrt.engines.vetting.Vetting: first loads in a child
         self._options = options  # what a model starts with (localrt.models.options)
         self.max_models = max_models
         self.keep_alive = keep_alive  # seconds; 0 is off
@@ -319,14 +326,73 @@ class Scheduler:
                 del self._running[victim.model_id]
             self._unload(victim, f"to stay within maxRunningModels ({self.max_models})")
 
+    # --- the first load of a file, in a child ----------------------------------
+
+    def vetted(self, record: dict, options: dict | None = None) -> dict | None:
+        """How a child's load of the model's files with the build its engine loads went
+        (localrt.engines.vetting), asked of a child only the first time: the record's
+        `vetting` state, {"ok", "build", "reason" when not ok, "template" when its chat
+        template refused the child's chat}; None for an engine whose
+        loads are not vetted. `options`: the start options (None: the stored ones). A
+        ModelLoadFailed when the child failed for a reason that is not the file's."""
+        if self.vetting is None:
+            return None
+        if options is None:
+            options = self._options.resolve(record, {})
+        engine = options["engine"]
+        build = self._engines.build(engine)
+        if build is None:
+            return None
+        name, engine_dir = build
+        weights = self._model_path(record)
+        folder = Path(record["path"])
+        key = self.vetting.key([(folder / f["path"], f.get("sha256"))
+                                 for f in record["files"]], name)
+        outcome = self.vetting.known(key)
+        if outcome is None:
+            loading = self._loading(record, options)
+            outcome = self.vetting.vet(key, engine, engine_dir, weights, loading,
+                                        sum(f["size"] for f in record["files"]))
+        if not outcome.about_file:
+            raise ModelLoadFailed(f"Model {record['id']} failed to load with {engine} (in a "
+                                  f"child, before this server loads it): {outcome.reason}",
+                                  param="model")
+        state = {"ok": outcome.ok, "build": name}
+        if not outcome.ok:
+            state["reason"] = outcome.reason
+        if outcome.template:  # the file loads; its chat template refused the child's chat
+            state["template"] = outcome.template
+        return state
+
+    def vet_new(self, record: dict) -> dict | None:
+        """For an import or a pull's end, before the model is registered: `vetted` with
+        its stored start options; None when that cannot be said now (its engine is not
+        installed, a stored parameter it cannot start with, a failure that is not the
+        file's), which its start will say."""
+        try:
+            return self.vetted(record)
+        except HTTPError as exc:
+            log.info("model %s: its first load waits for its start: %s", record["id"],
+                     exc.message)
+            return None
+
+    def _vet(self, record: dict, options: dict) -> None:
+        """Raise InvalidModelFile unless a child loaded the model's files (`vetted`);
+        the record keeps the state."""
+        state = self.vetted(record, options)
+        if state is None:
+            return
+        if state != record.get("vetting") and self._registry.has(record["id"]):
+            self._registry.set_vetting(record["id"], state)
+        if not state["ok"]:
+            raise invalid_file(record["id"], self._model_path(record).name, state["reason"])
+
     def _load(self, record: dict, options: dict) -> Running:
         engine = options["engine"]
         path = self._model_path(record)
+        self._vet(record, options)  # before any native code reads the file here
         before = _rss()
-        # The files the engine loads beside the weights, each under its role's key
-        # (a vision model's projector: localrt.engines.llama.media); never in the
-        # options a status row shows.
-        loading = {**options, **roles.beside(record)}
+        loading = self._loading(record, options)
         try:
             model = self._engines.open(engine, str(path), loading)
         except HTTPError:
@@ -352,6 +418,14 @@ class Scheduler:
                        kv=measured["kv"], slots=slots, stepper=stepper, turn=FairLock(slots),
                        capabilities=can,
                        report=model.report if contract.Reporting in can else dict)
+
+    @staticmethod
+    def _loading(record: dict, options: dict) -> dict:
+        """What the engine loads a model with: its start options, the files it loads
+        beside the weights, each under its role's key (a vision model's projector:
+        localrt.engines.llama.media), and its id as `model`, for its messages; never
+        the options a status row shows."""
+        return {**options, **roles.beside(record), "model": record["id"]}
 
     def _model_path(self, record: dict) -> Path:
         path = weights_path(record)

@@ -12,6 +12,11 @@ and the import's folder goes with whatever it held. A file beside the weights is
 brought in the same way, under a name its role knows (Role.file_name), once its role's
 check passes (a projector's: a vision projector GGUF whose output fits the model's
 embeddings).
+
+Before a model is registered, a child process loads its files (`vet`: the scheduler's
+vet_new, localrt.engines.vetting): a file the child could not load is refused with 400
+invalid_model_file and nothing is registered; one it loaded is registered with that
+state (`vetting`), so its first start costs no second child.
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
+from typing import Callable
+
 from localrt.downloads.tasks import Item, check_disk_space, fsync_dir
+from localrt.engines.vetting import invalid_file
 from localrt.errors import Conflict, InvalidField
 from localrt.fsutil import MOVE_DATA, private_dir, storage_error
 from localrt.models.ids import check_new_id, folder_name
@@ -32,10 +40,13 @@ from localrt.models.roles import BadSource, Role, check_file
 
 
 class Imports:
-    """Imports local files into the registry."""
+    """Imports local files into the registry; `vet(record)` is the vetting state of a
+    model not yet registered (Scheduler.vet_new), None when nothing says yet."""
 
-    def __init__(self, registry: Registry):
+    def __init__(self, registry: Registry,
+                 vet: Callable[[dict], dict | None] = lambda record: None):
         self.registry = registry
+        self._vet = vet
         self._lock = threading.Lock()  # guards _importing
         self._importing: set[str] = set()  # ids of imports under way
 
@@ -111,6 +122,12 @@ class Imports:
                 definition["source"][role.key] = str(path)
             if name:
                 definition["name"] = name
+            self.registry.check(definition)  # a bad definition never reaches a child
+            state = self._vet({**definition, "path": str(folder)})
+            if state is not None:
+                if not state["ok"]:
+                    raise invalid_file(model_id, src.name, state["reason"])
+                definition["vetting"] = state
             return self.registry.add(folder, definition)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)

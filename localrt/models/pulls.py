@@ -3,8 +3,10 @@
 A pull plans first (which repo, revision and files: a repo's GGUF candidates, its
 quantizations, a split model's parts, the files that come along), then starts one
 download task (localrt.downloads.tasks), which registers the model once every file is
-checked. A split GGUF (-00001-of-00003.gguf) is one model: every part is pulled, the
-first loaded. A file of another role than the weights (a projector, mmproj*.gguf:
+checked, once a child process loaded it (`vet`: the scheduler's vet_new,
+localrt.engines.vetting; a file it could not load is registered with that state and the
+task ends in an error that says so). A split GGUF (-00001-of-00003.gguf) is one model:
+every part is pulled, the first loaded. A file of another role than the weights (a projector, mmproj*.gguf:
 localrt.models.roles) is never the model; the one its role picks comes along, recorded
 under its role's key.
 """
@@ -14,17 +16,19 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 from urllib.parse import urlsplit
 
 from localrt.downloads.tasks import DownloadFailed, Downloads, Item, Task
 from localrt.engines.catalog import engine_for_files
+from localrt.engines.vetting import invalid_file
 from localrt.errors import (BadRequest, Conflict, HTTPError, InsufficientStorage, InvalidField,
                             NotFound, UpstreamError)
 from localrt.models import roles
 from localrt.models.hub import Hub, HubFile, NotOnHub, RevisionNotOnHub
 from localrt.models.ids import (SPLIT_GGUF, ModelRef, check_id, check_new_id, parse_id,
                                 quantization, safe_relative)
-from localrt.models.registry import Registry, new_definition, yml_mapping
+from localrt.models.registry import Registry, new_definition, weights_path, yml_mapping
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +74,13 @@ class _Candidate:
 class Pulls:
     """Pulls models from the hub into the registry."""
 
-    def __init__(self, settings, config, downloads: Downloads, registry: Registry):
+    def __init__(self, settings, config, downloads: Downloads, registry: Registry,
+                 vet: Callable[[dict], dict | None] = lambda record: None):
         self._settings = settings
         self._config = config
         self.downloads = downloads
         self.registry = registry
+        self._vet = vet  # the vetting state of a model not yet registered (Scheduler.vet_new)
 
     def pull(self, model_id: str, file: str | None = None, as_id: str | None = None,
              name: str | None = None) -> dict:
@@ -286,7 +292,20 @@ class Pulls:
             other = self.registry.at(plan.folder)
             if other not in (None, plan.local_id):
                 raise Conflict(f"its folder already holds the model {other}")
+            self.registry.check(definition)  # a bad definition never reaches a child
+            state = self._vet({**definition, "path": str(plan.folder)})
+            if state is not None:
+                definition["vetting"] = state
             self.registry.add(plan.folder, definition)
+            if state is not None and not state["ok"]:
+                # Registered all the same, so `models list` shows which file is bad and
+                # `models delete` frees its space; no start loads it.
+                weights = weights_path({**definition, "path": str(plan.folder)})
+                refused = invalid_file(plan.local_id, weights.name if weights else "",
+                                       state["reason"])
+                raise DownloadFailed(f"{refused.message} ({refused.code}); it is listed "
+                                     f"with status invalid: `localrt models delete "
+                                     f"{plan.local_id}` removes it")
         except ValueError as exc:
             raise DownloadFailed(str(exc)) from None
         except InsufficientStorage:  # model.json could not be written: the task says why

@@ -41,7 +41,8 @@ DEFAULT_VERSION = "1"  # a record's version when model.yml gave none, as cortex'
 # any other is a 409 saying what changes it.
 FIXED_FIELDS = {"files": "a pull or an import", "engine": "a pull, an import or an engine install",
                 "created": "a pull or an import", "owned_by": "a pull or an import",
-                "size": "a pull or an import"}
+                "size": "a pull or an import",
+                "vetting": "a start (the first load of its files in a child)"}
 
 
 class ModelNotFound(NotFound):
@@ -130,7 +131,8 @@ class Registry:
             for key, by in FIXED_FIELDS.items():
                 if key in changes and not _same(key, changes[key], record):
                     raise Conflict(f"Model {model_id}'s {key} changes only through {by}, "
-                                   f"never an update; it is {_shown(record[key])}",
+                                   f"never an update; it is "
+                                   f"{_shown(record[key]) if key in record else 'not set'}",
                                    param=key)
             # A file beside the weights (roles.KEYS), a path to check and link in, is
             # Imports.set_files' to set.
@@ -154,6 +156,15 @@ class Registry:
             if old and old != name and not Path(old).is_absolute() \
                     and ".." not in Path(old).parts:
                 (folder / old).unlink(missing_ok=True)
+        return self._record(folder, updated)
+
+    def set_vetting(self, model_id: str, state: dict) -> dict:
+        """Record how the first load of the model's files in a child went
+        (localrt.inference.scheduler): `vetting`, {"ok", "build", "reason"?}."""
+        with self._lock:
+            folder, d = self._find(model_id)
+            updated = {**d, "vetting": state}
+            self._write(folder, updated)
         return self._record(folder, updated)
 
     def remove(self, model_id: str) -> None:
@@ -303,7 +314,7 @@ def _same(key: str, given, record: dict) -> bool:
                          [str(Path(record["path"]) / p) for p in paths])
     if key == "engine" and isinstance(given, str):
         given = engine_alias(given) or given
-    return given == record[key]
+    return given == record.get(key)
 
 
 def _shown(value) -> str:
@@ -352,7 +363,7 @@ def _weights_name(definition: dict) -> str | None:
 # Record fields that model.yml cannot set: localrt's own, and those it derives
 # (`model` is the id, as cortex calls it).
 RECORD_FIELDS = ("id", "object", "created", "owned_by", "files", "source", "metadata",
-                 "path", "size", "status", "engine", "model", *roles.KEYS)
+                 "path", "size", "status", "engine", "model", "vetting", *roles.KEYS)
 
 
 def new_definition(model_id: str, owner: str, paths: list[Path], files: list[dict],

@@ -21,6 +21,7 @@ from __future__ import annotations
 import codecs
 import ctypes
 import logging
+import os
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -38,11 +39,12 @@ from localrt.engines.llama.media import (Projector, Prompt, has_images, refuse_i
 from localrt.engines.llama.params import (CACHE_TYPE_BYTES, QUANTIZED_CACHE, context_params,
                                           engine_dir, llama_arguments, model_params,
                                           rpc_targets)
-from localrt.errors import InvalidField
+from localrt.errors import InvalidChatTemplate, InvalidField
 from localrt.engines import toolcalls
 from localrt.engines.logprobs import Log, TokenLogprob
 
 GGUF_ENGINE = "gguf-cpp"
+_CHILD_LOG = None  # GgufEngine.in_child's log callback, kept alive for llama.cpp
 
 class GgufEngine:
     """gguf-cpp: llama.cpp through llama-cpp-python, imported at the first load.
@@ -73,6 +75,32 @@ class GgufEngine:
             return LlamaEmbedder.open(model_path, llama_arguments(options),
                                       options.get("ctx_len"), pooling)
         return LlamaModel(model_path, options, self._rpc, self.prompt_cache_bytes)
+
+    @staticmethod
+    def in_child(log_fd: int) -> None:
+        """For a file's first load in a child (localrt.engines.vetting): llama.cpp's
+        warnings and errors go to `log_fd`, even while llama-cpp-python points fd 2 at
+        /dev/null around a load, so a failed assert's message (which ggml writes to fd
+        2 itself) and the loader's reason reach the parent."""
+        import llama_cpp
+        from llama_cpp import _utils
+
+        global _CHILD_LOG
+        shown = {3, 4}  # ggml.h's GGML_LOG_LEVEL_WARN and _ERROR; 5 continues a line
+        last = [0]
+
+        @llama_cpp.llama_log_callback
+        def write(level, text, user_data):
+            if level != 5:
+                last[0] = level
+            if last[0] in shown:
+                os.write(log_fd, text)
+
+        _CHILD_LOG = write  # ctypes calls it for as long as the process lives
+        llama_cpp.llama_log_set(write, ctypes.c_void_p(0))
+        devnull = getattr(_utils, "errnull_file", None)
+        if devnull is not None:  # its "null" for fd 2 is our log instead
+            os.dup2(log_fd, devnull.fileno())
 
     @staticmethod
     def check_options(options: dict) -> Iterator[tuple[str, str]]:
@@ -121,6 +149,8 @@ class LlamaModel(GeneratingModel):
         except BaseException:
             self._release_rpc()
             raise
+        # The model's id as messages name it (the scheduler gives it as `model`).
+        self.name = options.get("model") or Path(model_path).name
         self._mmproj = options.get("mmproj")  # the projector's key (localrt.models.roles)
         projector = None
         try:
@@ -155,7 +185,9 @@ class LlamaModel(GeneratingModel):
             llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model))
         self.draft_max = options.get("draft_max") or DRAFT_MAX
         self._metadata = self._model.metadata()
-        self._formatter = None  # the GGUF's chat template, compiled at the first chat
+        # The GGUF's chat template, compiled at the first chat (a ChatTemplate, llama-2's
+        # format when it has none, or the TemplateRefused its compiling raised).
+        self._formatter = None
         self._pieces: dict[int, bytes] = {}  # token -> its bytes; the vocabulary is fixed
         self._special_pieces: dict[int, bytes] = {}  # the same, special tokens printed
 
@@ -375,6 +407,23 @@ class LlamaModel(GeneratingModel):
             piece = pieces[token] = buf.raw[:n]
         return piece
 
+    def exercise(self) -> None:
+        """For a file's first load in a child (localrt.engines.vetting): tokenize the text
+        of every special token (control, user-defined, unknown), and read the piece of
+        every token, printed plain and special, as replies and logprobs read them."""
+        llama_cpp, vocab = self._llama_cpp, self._model.vocab
+        special = (llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
+                   | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN)
+        texts = []
+        for token in range(self._model.n_vocab()):
+            if llama_cpp.llama_vocab_get_attr(vocab, token) & special:
+                texts.append(llama_cpp.llama_vocab_get_text(vocab, token) or b"")
+            self._piece(token, False)
+            self._piece(token, True)
+        self._pieces.clear()
+        self._special_pieces.clear()
+        self._model.tokenize(b" ".join(texts), add_bos=True, special=True)
+
     def _preserved(self, texts) -> frozenset:
         """The ids of the special tokens spelled `texts`, to print as text."""
         ids = set()
@@ -421,26 +470,45 @@ class LlamaModel(GeneratingModel):
                    * CACHE_TYPE_BYTES[self._cache_type])
 
     def _format(self, messages: list, tools: list | None = None) -> tuple[str, bool]:
-        """The prompt from the GGUF's chat template (llama-2's format if it has none),
-        given `tools` as Hugging Face's apply_chat_template gives them."""
+        """The prompt from the GGUF's chat template, rendered within bounds
+        (localrt.engines.chattemplate; llama-2's format if it has none), given `tools`
+        as Hugging Face's apply_chat_template gives them, and whether llama.cpp adds
+        the BOS. A template past its bounds, or that fails, is InvalidChatTemplate; its
+        own raise_exception() is InvalidField on 'messages'."""
         from llama_cpp import llama_chat_format
+
+        from localrt.engines import chattemplate
 
         if self._formatter is None:
             template = self._metadata.get("tokenizer.chat_template")
             if template:
-                model = self._model
+                vocab, get = self._model.vocab, self._llama_cpp.llama_vocab_get_text
 
                 def text(token: int) -> str:
-                    return model.token_get_text(token) if token >= 0 else ""
+                    return (get(vocab, token) or b"").decode("utf-8", "replace") \
+                        if token >= 0 else ""
 
-                self._formatter = llama_chat_format.Jinja2ChatFormatter(
-                    template=template, eos_token=text(model.token_eos()),
-                    bos_token=text(model.token_bos()))
+                try:
+                    self._formatter = chattemplate.ChatTemplate(
+                        template, eos_token=text(self._model.token_eos()),
+                        bos_token=text(self._model.token_bos()), context=self.context)
+                except chattemplate.TemplateRefused as exc:
+                    self._formatter = exc  # refused at every chat, never compiled again
             else:
                 self._formatter = llama_chat_format.format_llama2
+        formatter = self._formatter
         try:
-            out = self._formatter(messages=messages, tools=tools)
-        except Exception as exc:  # jinja2 errors, and the template's raise_exception()
+            if isinstance(formatter, chattemplate.TemplateRefused):
+                raise formatter
+            if isinstance(formatter, chattemplate.ChatTemplate):
+                return formatter.render(messages, tools), False  # it writes the BOS
+            out = formatter(messages=messages, tools=tools)
+        except chattemplate.TemplateRefused as exc:
+            raise InvalidChatTemplate(f"Model {self.name}'s chat template is refused: {exc}; "
+                                      f"give it a prompt_template of its own (localrt "
+                                      f"models update {self.name} --prompt_template ...) "
+                                      f"or use /v1/completions", param="model") from None
+        except Exception as exc:  # the template's raise_exception(), llama-2's errors
             raise InvalidField(f"Invalid field 'messages': the model's chat template "
                                f"refused them: {exc}", param="messages") from None
         return out.prompt, not out.added_special
