@@ -242,8 +242,7 @@ class ServerDied(Exception):
 def by_child(message: str) -> bool:
     """Whether an invalid_model_file message is the child load's (it says the engine
     failed or crashed loading the file), not the header check's (it names a rule)."""
-    words = ("crashed", "while loading", "could not load", "failed to load", "signal")
-    return any(w in message for w in words)
+    return "cannot be loaded" in message  # localrt.engines.vetting.invalid_file
 
 
 def write_bases(folder: Path) -> dict:
