@@ -35,7 +35,7 @@ from typing import Iterator
 from localrt import native
 from localrt.admission import Disconnected, never
 from localrt.dialects.common import Fields, NamedEvents, failure, write
-from localrt.errors import InvalidField, NotFound
+from localrt.errors import InvalidField, NotFound, shown
 
 # The store's bounds: responses, and the bytes of their conversations as JSON (each
 # counted whole, so a long chain counts its shared start again in each response).
@@ -66,7 +66,7 @@ def create(chats, store: "Store", body: dict, disconnected: Disconnected = never
     if previous is not None:
         stored = store.get(previous)
         if stored is None:
-            raise PreviousNotFound(f"Previous response with id '{previous}' not found.",
+            raise PreviousNotFound(f"Previous response with id {shown(previous)} not found.",
                                    param="previous_response_id")
         history = list(stored[1])
     given = body["input"]
@@ -91,14 +91,14 @@ def get(store: "Store", response_id: str) -> dict:
     """A stored response; a 404 for one never stored or forgotten."""
     stored = store.get(response_id)
     if stored is None:
-        raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
+        raise NotFound(f"Response with id {shown(response_id)} not found.", param="response_id")
     return stored[0]
 
 
 def delete(store: "Store", response_id: str) -> dict:
     """Forget a stored response (OpenAI's deletion reply); a 404 for an unknown one."""
     if not store.delete(response_id):
-        raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
+        raise NotFound(f"Response with id {shown(response_id)} not found.", param="response_id")
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 

@@ -25,7 +25,7 @@ import time
 from typing import Callable, Mapping
 
 from localrt import security
-from localrt.errors import Conflict, InsufficientStorage, NotFound, UpstreamError
+from localrt.errors import Conflict, InsufficientStorage, NotFound, UpstreamError, shown
 from localrt.events import EventBus
 from localrt.downloads.fetch import (Cancelled, DownloadFailed, Item, Link, Task, check_in_place,
                            complete, fetch_stream, map_path, part_path)
@@ -111,7 +111,7 @@ class Downloads:
         with self._lock:
             task = self._tasks.get(task_id)
         if task is None:
-            raise NotFound(f"No download task {task_id!r}", param="taskId")
+            raise NotFound(f"No download task {shown(task_id)}", param="taskId")
         if not task.running:
             raise Conflict(f"Task {task_id} is not running (it is {task.status})",
                            param="taskId")
