@@ -68,8 +68,10 @@ _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0
           "h": 3600.0}
 # The native names of the fields of errors, and Ollama's (/api/generate's prompt is the
 # chat's messages).
-FIELDS = Fields((r"response_format.*", "format"), (r"max_tokens", "options.num_predict"))
-GENERATE_FIELDS = Fields((r"response_format.*", "format"),
+FIELDS = Fields((r"response_format\.json_schema\.schema", "format"),
+                (r"response_format.*", "format"), (r"max_tokens", "options.num_predict"))
+GENERATE_FIELDS = Fields((r"response_format\.json_schema\.schema", "format"),
+                         (r"response_format.*", "format"),
                          (r"max_tokens", "options.num_predict"), (r"messages.*", "prompt"))
 
 

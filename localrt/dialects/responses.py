@@ -42,12 +42,13 @@ from localrt.errors import InvalidField, NotFound, shown
 MAX_STORED = 1000
 MAX_STORED_BYTES = 64 * 1024 * 1024
 
-# The native names of the fields of errors, and this API's (each the whole param).
+# The native names of the fields of errors, and this API's: a rule matches the start of
+# the param, and what follows the match stays (the path inside a tool's schema).
 FIELDS = Fields((r"messages(\[.*)?$", "input"),
-                (r"tools\[(\d+)\]\.function\.(\w+)$", r"tools[\1].\2"),
+                (r"tools\[(\d+)\]\.function\.(\w+)", r"tools[\1].\2"),
                 (r"tool_choice\.function\.name$", "tool_choice.name"),
                 (r"(max_tokens|max_completion_tokens)$", "max_output_tokens"),
-                (r"response_format\.json_schema\.schema$", "text.format.schema"),
+                (r"response_format\.json_schema\.schema", "text.format.schema"),
                 (r"response_format(\..*)?$", "text.format"))
 
 

@@ -32,7 +32,7 @@ from localrt.engines.llama.embedding import EmbeddingContext, LlamaEmbedder, emb
 from localrt.engines.generation import (GeneratingModel, Generation, check_room,
                                         render_template, seed_of, sampling_value,
                                         token_loop)
-from localrt.engines.llama.grammar import json_grammar
+from localrt.engines.llama.grammar import check_gbnf, json_grammar
 from localrt.engines.llama.media import (Projector, Prompt, has_images, refuse_images,
                                          texts_and_images)
 from localrt.engines.llama.params import (CACHE_TYPE_BYTES, QUANTIZED_CACHE, context_params,
@@ -312,6 +312,8 @@ class LlamaModel(GeneratingModel):
         grammar, source = params.get("grammar"), "grammar"
         if not grammar:
             grammar, source = json_grammar(params.get("response_format")), "response_format"
+        if grammar:
+            check_gbnf(grammar, source)  # llama.cpp's parser recurses once a group
         def value(name: str) -> float:
             return sampling_value(params, name)
 
