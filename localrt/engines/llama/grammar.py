@@ -248,11 +248,10 @@ def _repetitions(pattern: str):
             if close < 0:
                 return
             parts = [p.strip() for p in pattern[i + 1:close].split(",")]
-            numbers = [int(p) for p in parts if p.isdigit() and len(p) < 12]
-            if numbers:
-                yield max(max(numbers), 1)
-            elif any(p.isdigit() for p in parts):  # a count too long to read
+            if any(p.isdigit() and len(p) > 9 for p in parts):  # too long to read
                 yield MAX_REPEAT + 1
+            elif any(p.isdigit() for p in parts):
+                yield max(max(int(p) for p in parts if p.isdigit()), 1)
             i = close + 1
         else:
             i += 1
