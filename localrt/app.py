@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
+from array import array
 from http import HTTPStatus
+from itertools import accumulate
 from typing import Iterable
 from urllib.parse import parse_qsl
 
 from localrt import security
 from localrt.admission import ClientGone, never
 from localrt.errors import (BadRequest, Forbidden, HTTPError, InternalError, InvalidJSON,
-                            PayloadTooLarge, Unauthorized, UnsupportedMediaType)
+                            PayloadTooLarge, Unauthorized, UnsupportedMediaType, shown)
 from localrt.openapi import document_path
 from localrt.routing import Reply, Request, Router, dialect_of
 from localrt.services import build_services
@@ -27,6 +30,9 @@ from localrt.settings import Settings
 log = logging.getLogger(__name__)
 
 MAX_BODY = 1024 * 1024  # bytes; larger request bodies get a 413
+# Arrays and objects nested deeper than this are a 400 before the body is parsed: json
+# and jsonschema recurse once a level, and Python's recursion stops near 1,000.
+MAX_DEPTH = 64
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 PREFLIGHT_MAX_AGE = "600"
 # Anthropic's clients send their key as x-api-key, with anthropic-version (and -beta).
@@ -97,11 +103,13 @@ class App:
         method = environ["REQUEST_METHOD"].upper()
         path = _path(environ)
         host = environ.get("HTTP_HOST")
-        if host and security.is_loopback(self.services.settings["apiServerHost"]) and \
-                not security.is_loopback(security.host_name(host)):
+        if security.is_loopback(self.services.settings["apiServerHost"]) and \
+                not security.loopback_host(host):
             # DNS rebinding: a page on evil.example whose name now points at 127.0.0.1
-            # sends Host: evil.example. A server only on loopback is never that host.
-            raise Forbidden(f"Host {host!r} is not this server: it listens on loopback, so "
+            # sends Host: evil.example. A server only on loopback is never that host, and
+            # a request that names no host, or two, is not one for it either.
+            named = f"Host {shown(host)}" if host else "A request with no Host header"
+            raise Forbidden(f"{named} is not this server: it listens on loopback, so "
                             f"use localhost or 127.0.0.1")
         preflight = method == "OPTIONS" and "HTTP_ORIGIN" in environ and \
             "HTTP_ACCESS_CONTROL_REQUEST_METHOD" in environ
@@ -124,8 +132,8 @@ class App:
                 origin != f"{environ.get('wsgi.url_scheme', 'http')}://{environ.get('HTTP_HOST')}":
             # A page elsewhere can send a "simple" POST with no preflight (a pull, say);
             # the browser would hide the answer, but the request would still act.
-            raise Forbidden(f"Cross-origin {method} from {origin} refused; add the origin to "
-                            f"allowed_origins and turn cors on")
+            raise Forbidden(f"Cross-origin {method} from {shown(origin)} refused; add the "
+                            f"origin to allowed_origins and turn cors on")
         body = _read_body(environ, method, route.max_body or MAX_BODY)
         if route.schema is not None:
             body = {} if body is _NO_BODY else body
@@ -153,7 +161,8 @@ class App:
         preflight = origin and "HTTP_ACCESS_CONTROL_REQUEST_METHOD" in environ
         if cors_on and preflight:
             if not allowed_origin:
-                raise Forbidden(f"Origin {origin} is not allowed; add it to allowed_origins")
+                raise Forbidden(f"Origin {shown(origin)} is not allowed; add it to "
+                                f"allowed_origins")
             requested = environ.get("HTTP_ACCESS_CONTROL_REQUEST_HEADERS")
             headers += [("Access-Control-Allow-Methods", ", ".join(allowed)),
                         ("Access-Control-Allow-Headers", requested or ALLOWED_REQUEST_HEADERS),
@@ -234,22 +243,24 @@ _NO_BODY = object()  # no request body at all, as opposed to a JSON null
 
 
 def _read_body(environ, method: str, limit: int = MAX_BODY):
-    """The parsed JSON body, or _NO_BODY; a 413 past `limit` bytes."""
+    """The parsed JSON body, or _NO_BODY; a 413 past `limit` bytes, a 400 for arrays and
+    objects nested deeper than MAX_DEPTH."""
     ctype = environ.get("CONTENT_TYPE", "")
     media = ctype.split(";", 1)[0].strip().lower()
     raw_length = environ.get("CONTENT_LENGTH", "")
     try:
         length = int(raw_length) if raw_length else 0
     except ValueError:
-        raise BadRequest(f"Invalid Content-Length: {raw_length!r}") from None
+        raise BadRequest(f"Invalid Content-Length: {shown(raw_length)}") from None
     chunked = "chunked" in environ.get("HTTP_TRANSFER_ENCODING", "").lower()
     has_body = length > 0 or chunked
     # A body, or any Content-Type on an unsafe method, must be JSON: this also
     # stops cross-site "simple" form and text/plain POSTs.
     if (has_body or (ctype and method not in SAFE_METHODS)) and media != "application/json":
-        shown = media or "none"
+        shown_media = shown(media) if media else "none"
         raise UnsupportedMediaType(
-            f"Request bodies must be sent with Content-Type: application/json (got {shown})")
+            f"Request bodies must be sent with Content-Type: application/json (got "
+            f"{shown_media})")
     if not has_body:
         return _NO_BODY
     if length > limit:
@@ -261,12 +272,41 @@ def _read_body(environ, method: str, limit: int = MAX_BODY):
     if not data:
         return _NO_BODY
     try:
-        return json.loads(data, parse_constant=_reject_constant)
+        # As json.loads(bytes) reads it: UTF-8, or UTF-16/32 by the bytes it starts with.
+        text = data.decode(json.detect_encoding(data), "surrogatepass")
+        body = json.loads(text, parse_constant=_reject_constant)
     except UnicodeDecodeError:
         raise InvalidJSON("Request body is not valid UTF-8") from None
     except json.JSONDecodeError as exc:
         raise InvalidJSON(f"Malformed JSON in request body: {exc.msg} "
                           f"at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:  # json's own guard, near 1,000 levels: never a 500
+        raise _too_deep() from None
+    check_depth(text)
+    return body
+
+
+# A JSON string (the body has parsed, so each one ends) and what is not a bracket: both
+# linear, neither can backtrack. Then each bracket is a step in or out, as signed bytes.
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
+_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+
+
+def check_depth(text: str, limit: int = MAX_DEPTH) -> None:
+    """A 400 when a JSON text that parsed nests arrays and objects more than `limit`
+    deep. No recursion and no Python loop over its characters: its strings and all but
+    its brackets are taken out, and the deepest running sum of the steps is the depth."""
+    if text.count("[") + text.count("{") <= limit:
+        return
+    brackets = _NOT_BRACKETS.sub("", _STRING.sub("", text)).encode("ascii")
+    if max(accumulate(array("b", brackets.translate(_STEPS))), default=0) > limit:
+        raise _too_deep(limit)
+
+
+def _too_deep(limit: int = MAX_DEPTH) -> BadRequest:
+    return BadRequest(f"Request body nests arrays and objects deeper than the limit of "
+                      f"{limit} levels")
 
 
 def _reject_constant(name: str):

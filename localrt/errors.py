@@ -169,3 +169,15 @@ class InternalError(HTTPError):
     status = 500
     type = "server_error"
     code = "internal_error"
+
+
+SHOWN = 64  # characters of a bad value an error message quotes
+
+
+def shown(value, limit: int = SHOWN) -> str:
+    """A value as an error message quotes it: its repr, cut to `limit` characters and
+    marked "…" when longer, so a message never carries a hostile value whole."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= limit else repr(value[:limit]) + "…"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from localrt.admission import Disconnected, never
-from localrt.errors import HTTPError, MethodNotAllowed, NotFound
+from localrt.errors import HTTPError, MethodNotAllowed, NotFound, shown
 
 _PART = re.compile(r"\{(\w+)(?::(path))?\}")
 
@@ -130,9 +130,9 @@ class Router:
                     return route, m.groupdict()
         allowed = self.allowed_methods(path)
         if allowed:
-            raise MethodNotAllowed(f"Method {method} is not allowed on {path}; "
+            raise MethodNotAllowed(f"Method {shown(method)} is not allowed on {shown(path)}; "
                                    f"allowed: {', '.join(allowed)}", allowed)
-        raise NotFound(f"No such endpoint: {path}")
+        raise NotFound(f"No such endpoint: {shown(path)}")
 
     def pattern(self, method: str, path: str) -> str | None:
         """The pattern of the route `match` takes, else of the first route on `path` (a

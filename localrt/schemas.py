@@ -8,11 +8,13 @@ the CLI never pays for it.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import threading
 from pathlib import Path
 
-from localrt.errors import InvalidField
+from localrt.errors import SHOWN, InvalidField, shown
 
 _CHECKOUT_DIR = Path(__file__).resolve().parent.parent / "schemas"
 
@@ -76,8 +78,27 @@ class Validators:
                 # A file, or a reference into one ("replies.json#/$defs/model-list")
                 schema = load(name) if "#" not in name else {"$ref": name}
                 Draft202012Validator.check_schema(schema)
-                self._compiled[name] = Draft202012Validator(schema, registry=_registry())
+                self._compiled[name] = _validator_class()(schema, registry=_registry())
             return self._compiled[name]
+
+
+@functools.lru_cache(maxsize=None)
+def _validator_class():
+    """Draft 2020-12, but a string longer than its schema's maxLength is not matched
+    against its pattern: jsonschema checks every keyword, and maxLength already
+    refuses it, so no pattern ever runs over more than the length its field allows."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import ValidationError
+    from jsonschema.validators import extend
+
+    def pattern(validator, patrn, instance, schema):
+        if not validator.is_type(instance, "string") or \
+                len(instance) > schema.get("maxLength", len(instance)):
+            return
+        if not re.search(patrn, instance):
+            yield ValidationError(f"{shown(instance)} does not match {patrn!r}")
+
+    return extend(Draft202012Validator, {"pattern": pattern})
 
 
 def _registry():
@@ -94,8 +115,11 @@ _ARTICLES = {"object": "an object", "array": "an array", "integer": "an integer"
 
 
 def _field(path) -> str:
+    """A field's name from its path (messages[0].content); a long key cut short."""
     out = ""
     for part in path:
+        if isinstance(part, str) and len(part) > SHOWN:
+            part = part[:SHOWN] + "…"
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
 
@@ -107,6 +131,18 @@ def _properties(schema: dict) -> set:
         ref = part.get("$ref", "")
         names |= _properties(load(ref) if ref.endswith(".json") else part)
     return names
+
+
+MESSAGE = 300  # characters of a jsonschema message kept
+
+
+def _message(error) -> str:
+    """jsonschema's message with the bad value cut to a short prefix: it quotes the
+    value whole ("'xxx…' is too long"), whatever its size."""
+    message, whole = error.message, repr(error.instance)
+    if len(whole) > SHOWN:
+        message = message.replace(whole, shown(error.instance))
+    return message if len(message) <= MESSAGE else message[:MESSAGE] + "…"
 
 
 def _describe(error) -> InvalidField:
@@ -126,12 +162,12 @@ def _describe(error) -> InvalidField:
     field = _field(path)
     if error.validator == "type":
         wanted = error.validator_value
-        wanted = " or ".join(wanted) if isinstance(wanted, list) else wanted
-        wanted = _ARTICLES.get(wanted, f"a {wanted}")
+        wanted = " or ".join(_ARTICLES.get(kind, kind if kind == "null" else f"a {kind}")
+                             for kind in (wanted if isinstance(wanted, list) else [wanted]))
         got = _JSON_TYPES.get(type(error.instance), type(error.instance).__name__)
         detail = f"expected {wanted}, got {got}"
     else:
-        detail = schema.get("x-message") or error.message
+        detail = schema.get("x-message") or _message(error)
     if not field:
         return InvalidField(f"Invalid request body: {detail}")
     return InvalidField(f"Invalid field '{field}': {detail}", param=field)

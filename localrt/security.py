@@ -50,6 +50,19 @@ def host_name(host: str) -> str:
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
+_HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_:[]%")
+
+
+def loopback_host(host: str | None) -> bool:
+    """Whether a Host header names this machine's loopback: one host[:port] that is.
+    No header, an empty one, or two values joined ("127.0.0.1:1, evil.example", as a
+    server joins two Host headers) are not: a server on loopback answers them as it
+    answers a foreign host."""
+    if not host or len(host) > 300 or not _HOST_CHARS.issuperset(host):
+        return False
+    return is_loopback(host_name(host))
+
+
 def exposure_problem(host: str, keys: Iterable[str]) -> str | None:
     """Why the server must not bind `host` with these keys, or None if it may."""
     if is_loopback(host) or any(keys):
@@ -101,7 +114,7 @@ def redact(text: str, secrets: Iterable[str]) -> str:
     """`text` with every secret, and any user:password@ in a URL, replaced by ***."""
     for secret in sorted(secrets, key=len, reverse=True):
         text = text.replace(secret, REDACTED)
-    return _URL_CREDENTIALS.sub(rf"\1{REDACTED}@", text)
+    return _without_userinfo(text)
 
 
 def redact_data(data, secrets: Iterable[str]):
@@ -143,5 +156,33 @@ def url_without_credentials(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{REDACTED}@{parts.netloc.rsplit('@', 1)[1]}"))
 
 
-# scheme://anything-without-slashes-or-spaces@ : the userinfo part of a URL
-_URL_CREDENTIALS = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s@]+@")
+_LETTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+_SCHEME = _LETTERS | frozenset("0123456789+.-")
+_USERINFO = re.compile(r"[^/@\s]*")  # one class, starred: it cannot backtrack
+
+
+def _without_userinfo(text: str) -> str:
+    """`text` with the userinfo of each URL (scheme://user:pw@) replaced by ***.
+
+    A scan from each "://", in time linear in the text: every message an error or log
+    line carries passes here, and a regex for it backtracked on a long run of letters
+    (quadratic: a 60,000-character model id held a request 24 s). It takes what
+    ([a-zA-Z][a-zA-Z0-9+.-]*://)[^/\\s@]+@ would: a scheme that starts with a letter,
+    then characters that are neither "/", "@" nor space, then "@".
+    """
+    out, done, at = [], 0, text.find("://")
+    while at >= 0:
+        start = at
+        while start > done and text[start - 1] in _SCHEME:
+            start -= 1
+        while start < at and text[start] not in _LETTERS:  # a scheme starts with a letter
+            start += 1
+        end = _USERINFO.match(text, at + 3).end()
+        if start < at and end > at + 3 and end < len(text) and text[end] == "@":
+            out += [text[done:at + 3], REDACTED, "@"]
+            done = end + 1
+            at = text.find("://", done)
+        else:  # the next "://" may begin inside what was scanned ("a://b://c@")
+            at = text.find("://", at + 1)
+    out.append(text[done:])
+    return "".join(out)

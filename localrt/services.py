@@ -143,7 +143,8 @@ def build_services(settings: Settings, *, shutdown: Callable[[], None] | None = 
     imports = Imports(registry, vet=scheduler.vet_new)
     metrics = Metrics(running=scheduler.status, downloads=downloads.stats)
     remotes = Remotes(registry, engines, config.get, lambda: settings["upstreamTimeout"],
-                      lambda: security.secrets_of(settings.snapshot()))
+                      lambda: security.secrets_of(settings.snapshot()),
+                      lambda: (settings["apiServerHost"], settings["apiServerPort"]))
     requests = RequestPath(registry, engines, scheduler, remotes, metrics)
     chats = Chats(requests, limits["chat"],
                   Images(config.get, lambda: Policy.of(settings)))

@@ -119,9 +119,23 @@ def test_config_flags_are_the_schema():
 
 
 def test_server_error_is_one_line_on_stderr(thread_server):
-    code, out, err = run("config", "--allowed_origins", "not-an-origin")
+    # The schema's pattern lets the port through; only the server reads it as a number.
+    code, out, err = run("config", "--proxy_url", "http://proxy:99999")
     assert code == ExitCode.ERROR
-    assert err.count("\n") == 1 and "allowed_origins[0]" in err and out == ""
+    assert err.count("\n") == 1 and "proxy_url" in err and out == ""
+
+
+@pytest.mark.parametrize("flag, value", [("--allowed_origins", "http://a b"),
+                                         ("--allowed_origins", "http://a:1,not-an-origin"),
+                                         ("--proxy_url", "ftp://proxy"),
+                                         ("--modelhub_token", "has space")])
+def test_a_value_the_schema_refuses_is_a_usage_error_and_nothing_is_sent(thread_server, flag,
+                                                                         value):
+    """localrt(1): an invalid value is a usage error (exit 2) and nothing is sent."""
+    code, out, err = run("config", flag, value)
+    assert code == ExitCode.USAGE and flag in err and out == ""
+    assert thread_server.calls == []
+    assert "has space" not in err  # a secret is never echoed
 
 
 def test_start_status_stop_lifecycle(cli_home):

@@ -12,6 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from localrt.errors import shown
+from localrt.security import SECRET_FIELDS
+
 
 def on_off(value: str) -> bool:
     """An on|off (or true|false) flag value."""
@@ -99,9 +102,32 @@ def config_options(schema: str = "config-update.json"):
         if spec.get("type") == "boolean":
             options.update(type=on_off, metavar="on|off")
         elif spec.get("type") == "array":  # of strings
-            options.update(type=comma_list)
+            options.update(type=_checked(spec.get("items") or {}, comma_list))
             text = "comma-separated " + text
+        else:
+            options.update(type=_checked(spec, str, quoted=name not in SECRET_FIELDS))
         yield f"--{name}", {**options, "help": text.replace("%", "%%")}
+
+
+def _checked(spec: dict, read, quoted: bool = True):
+    """A flag type that reads a value with `read` (a string, or a list of them) and checks
+    each string as the schema's maxLength and pattern would, so a bad value is a usage
+    error (exit 2) and nothing is sent. The schemas' patterns are linear, and no longer
+    string is matched against one. The error quotes the value unless it is a secret."""
+    import re
+
+    def check(value: str):
+        out = read(value)
+        for text in out if isinstance(out, list) else [out]:
+            if len(text) > spec.get("maxLength", len(text)) or \
+                    "pattern" in spec and not re.search(spec["pattern"], text):
+                why = spec.get("x-message") or "is not a valid value"
+                raise argparse.ArgumentTypeError(f"{shown(text)} {why}" if quoted else
+                                                 f"the value {why}")
+        return out
+
+    check.__name__ = read.__name__  # argparse names the type in its errors
+    return check
 
 
 def flag_values(args: argparse.Namespace, names) -> dict:

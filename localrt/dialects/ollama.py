@@ -50,7 +50,7 @@ from localrt import __version__, native
 from localrt.admission import Disconnected, never
 from localrt.dialects.common import Fields, failure
 from localrt.dialects.ollama_models import FOREVER, SAMPLING, Lines, Names, now
-from localrt.errors import HTTPError, InternalError, InvalidField
+from localrt.errors import HTTPError, InternalError, InvalidField, shown
 from localrt.inference.media import data_url
 from localrt.inference.running import ModelStopped
 
@@ -58,13 +58,20 @@ log = logging.getLogger(__name__)
 
 VERSION = "0.33.0"  # the Ollama release whose API (docs/api.md) this module follows
 UNLIMITED = 16777216  # max_tokens for "no limit but the context" (completions default to 16)
-_DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|µs|μs|ms|s|m|h)")
+# A Go duration's parts: a number ("1", "1.5", ".5": one way to read each, so neither
+# regex can backtrack) and its unit; _DURATIONS is a whole text made of them.
+_NUMBER = r"(?:[0-9]+(?:\.[0-9]+)?|\.[0-9]+)"
+_UNIT = r"(?:ns|us|µs|μs|ms|s|m|h)"
+_DURATION = re.compile(rf"({_NUMBER})({_UNIT})")
+_DURATIONS = re.compile(rf"(?:{_NUMBER}{_UNIT})+")
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
           "h": 3600.0}
 # The native names of the fields of errors, and Ollama's (/api/generate's prompt is the
 # chat's messages).
-FIELDS = Fields((r"response_format.*", "format"), (r"max_tokens", "options.num_predict"))
-GENERATE_FIELDS = Fields((r"response_format.*", "format"),
+FIELDS = Fields((r"response_format\.json_schema\.schema", "format"),
+                (r"response_format.*", "format"), (r"max_tokens", "options.num_predict"))
+GENERATE_FIELDS = Fields((r"response_format\.json_schema\.schema", "format"),
+                         (r"response_format.*", "format"),
                          (r"max_tokens", "options.num_predict"), (r"messages.*", "prompt"))
 
 
@@ -89,12 +96,11 @@ def keep_alive(value) -> float | None:
         body = text.lstrip("+-")
         if body == "0":
             return 0.0
-        parts = _DURATION.findall(body)
-        if not body or "".join(a + u for a, u in parts) != body:
-            raise InvalidField(f"Invalid field 'keep_alive': {value!r} is not a duration; use "
-                               f"seconds, or a duration such as \"5m\" or \"1h30m\"",
+        if not _DURATIONS.fullmatch(body):
+            raise InvalidField(f"Invalid field 'keep_alive': {shown(value)} is not a duration; "
+                               f"use seconds, or a duration such as \"5m\" or \"1h30m\"",
                                param="keep_alive")
-        value = sign * sum(float(a) * _UNITS[u] for a, u in parts)
+        value = sign * sum(float(a) * _UNITS[u] for a, u in _DURATION.findall(body))
     return math.inf if value < 0 or value >= FOREVER.total_seconds() else float(value)
 
 

@@ -35,19 +35,20 @@ from typing import Iterator
 from localrt import native
 from localrt.admission import Disconnected, never
 from localrt.dialects.common import Fields, NamedEvents, failure, write
-from localrt.errors import InvalidField, NotFound
+from localrt.errors import InvalidField, NotFound, shown
 
 # The store's bounds: responses, and the bytes of their conversations as JSON (each
 # counted whole, so a long chain counts its shared start again in each response).
 MAX_STORED = 1000
 MAX_STORED_BYTES = 64 * 1024 * 1024
 
-# The native names of the fields of errors, and this API's (each the whole param).
+# The native names of the fields of errors, and this API's: a rule matches the start of
+# the param, and what follows the match stays (the path inside a tool's schema).
 FIELDS = Fields((r"messages(\[.*)?$", "input"),
-                (r"tools\[(\d+)\]\.function\.(\w+)$", r"tools[\1].\2"),
+                (r"tools\[(\d+)\]\.function\.(\w+)", r"tools[\1].\2"),
                 (r"tool_choice\.function\.name$", "tool_choice.name"),
                 (r"(max_tokens|max_completion_tokens)$", "max_output_tokens"),
-                (r"response_format\.json_schema\.schema$", "text.format.schema"),
+                (r"response_format\.json_schema\.schema", "text.format.schema"),
                 (r"response_format(\..*)?$", "text.format"))
 
 
@@ -66,7 +67,7 @@ def create(chats, store: "Store", body: dict, disconnected: Disconnected = never
     if previous is not None:
         stored = store.get(previous)
         if stored is None:
-            raise PreviousNotFound(f"Previous response with id '{previous}' not found.",
+            raise PreviousNotFound(f"Previous response with id {shown(previous)} not found.",
                                    param="previous_response_id")
         history = list(stored[1])
     given = body["input"]
@@ -91,14 +92,14 @@ def get(store: "Store", response_id: str) -> dict:
     """A stored response; a 404 for one never stored or forgotten."""
     stored = store.get(response_id)
     if stored is None:
-        raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
+        raise NotFound(f"Response with id {shown(response_id)} not found.", param="response_id")
     return stored[0]
 
 
 def delete(store: "Store", response_id: str) -> dict:
     """Forget a stored response (OpenAI's deletion reply); a 404 for an unknown one."""
     if not store.delete(response_id):
-        raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
+        raise NotFound(f"Response with id {shown(response_id)} not found.", param="response_id")
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 

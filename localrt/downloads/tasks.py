@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from localrt import security
-from localrt.errors import Conflict, DiskFull, InsufficientStorage, NotFound, UpstreamError
+from localrt.errors import (Conflict, DiskFull, InsufficientStorage, NotFound, UpstreamError,
+                            shown)
 from localrt.events import EventBus
 from localrt.downloads.fetch import (Cancelled, CannotWrite, DownloadFailed, Item, Link, NoSpace,
                                      Task, check_in_place, complete, fetch_stream, map_path,
@@ -118,7 +119,7 @@ class Downloads:
         with self._lock:
             task = self._tasks.get(task_id)
         if task is None:
-            raise NotFound(f"No download task {task_id!r}", param="taskId")
+            raise NotFound(f"No download task {shown(task_id)}", param="taskId")
         if not task.running:
             raise Conflict(f"Task {task_id} is not running (it is {task.status})",
                            param="taskId")

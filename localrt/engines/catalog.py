@@ -39,7 +39,7 @@ from typing import Callable, Iterable, Mapping
 
 from localrt import __version__
 from localrt.engines import contract, plugins
-from localrt.errors import Conflict, HTTPError, NotFound
+from localrt.errors import Conflict, HTTPError, NotFound, shown
 from localrt.engines.hardware import CPU_LEVELS, Hardware, detect_hardware, recommended
 from localrt.engines.probe import Probes
 
@@ -308,7 +308,7 @@ class Engines:
     def require_known(self, name: str) -> None:
         """Raise a 404 naming the known engines unless `name` is one."""
         if name not in self.names():
-            raise EngineNotFound(f"Unknown engine {name!r}; known engines: "
+            raise EngineNotFound(f"Unknown engine {shown(name)}; known engines: "
                                  f"{', '.join(self.names())}", param="engine")
 
     def platform_reason(self, spec: EngineSpec) -> str | None:

@@ -14,9 +14,10 @@ print as text. Add a family by adding a row.
 
 The flow, as localrt.inference.chat drives it: `ToolRequest.read(...)` checks the request's
 tools, tool_choice and parallel_tool_calls; the engine's check_request calls
-`check_schemas` (a tool schema that cannot become a grammar is a 400 naming it) before
-anything waits; once the model is leased, `ToolRequest.plan(template)` picks the family
-and gives the generation parameters: `tools` for the template, `grammar` (GBNF) when
+`check_schemas` (a tool schema that cannot become a grammar, or whose grammar would
+pass localrt.engines.llama.grammar's bounds, is a 400 naming it) before anything
+waits; once the model is leased, `ToolRequest.plan(template)` picks the family and
+gives the generation parameters: `tools` for the template, `grammar` (GBNF) when
 tool_choice is "required" or names a function, and `preserved_tokens`. The plan's
 `parser()` reads the reply, streamed; `read_reply` reads a whole one.
 
@@ -39,6 +40,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from localrt.engines.llama.grammar import Budget, converter, reason
 from localrt.errors import InvalidField
 
 # The JSON Schema of a function that gives none: an object of any arguments.
@@ -164,27 +166,27 @@ def check_schemas(tools: list | None, choice: str = "auto",
     """A 400 naming the tool whose parameters cannot become a grammar, for the tools a
     grammar will force (tool_choice "required" or a function). Before anything waits."""
     request = ToolRequest.read(tools, choice, function)
-    for index, tool in request.forced() if request else ():
+    forced = request.forced() if request else []
+    budget = Budget()  # one grammar offers every forced tool: their schemas share it
+    for index, tool in forced:
+        budget.spend(_parameters(tool), f"tools[{index}].function.parameters")
+    for index, tool in forced:
         try:
             _check_parameters(json.dumps(_parameters(tool), sort_keys=True))
         except Exception as exc:  # the converter raises bare Exceptions and asserts
             raise InvalidField(
                 f"Invalid field 'tools[{index}].function.parameters': the JSON Schema of "
-                f"tool {tool['function']['name']!r} cannot be turned into a grammar: {exc}",
-                param=f"tools[{index}].function.parameters") from None
+                f"tool {tool['function']['name']!r} cannot be turned into a grammar: "
+                f"{reason(exc)}", param=f"tools[{index}].function.parameters") from None
 
 
 @functools.lru_cache(maxsize=64)
 def _check_parameters(schema_json: str) -> None:
     """Convert once: clients send the same tools with every request."""
-    converter = _converter()
-    converter.visit(converter.resolve_refs(json.loads(schema_json), "tool"), "tool")
+    convert = converter()
+    convert.visit(convert.resolve_refs(json.loads(schema_json), "tool"), "tool")
 
 
-def _converter():
-    from llama_cpp.llama_grammar import SchemaConverter
-
-    return SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
 
 
 def _parameters(tool: dict) -> dict:
@@ -227,24 +229,26 @@ class ToolPlan:
 def grammar(family: Family, forced: list, parallel: bool) -> str:
     """The GBNF grammar of a reply that is only calls of the `forced` (index, tool) pairs,
     in the family's syntax."""
-    converter = _converter()
+    convert, budget = converter(), Budget()
     calls = []
     for index, tool in forced:
         name = tool["function"]["name"]
+        budget.spend(_parameters(tool), f"tools[{index}].function.parameters")
         try:
-            parameters = converter.resolve_refs(_parameters(tool), f"tools-{index}")
+            parameters = convert.resolve_refs(_parameters(tool), f"tools-{index}")
         except Exception as exc:
-            raise InvalidField(f"Invalid field 'tools[{index}].function.parameters': {exc}",
+            raise InvalidField(f"Invalid field 'tools[{index}].function.parameters': "
+                               f"{reason(exc)}",
                                param=f"tools[{index}].function.parameters") from None
         calls.append({"type": "object", "required": ["name", family.args_key],
                       "properties": {"name": {"const": name}, family.args_key: parameters}})
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     try:
-        call = converter.visit(schema, "call")
+        call = convert.visit(schema, "call")
     except Exception as exc:
         raise InvalidField(f"Invalid field 'tools': their JSON Schemas cannot be turned into "
-                           f"a grammar: {exc}", param="tools") from None
-    rules = converter.format_grammar()
+                           f"a grammar: {reason(exc)}", param="tools") from None
+    rules = convert.format_grammar()
     if re.search(r"^root ::=", rules, re.M):
         raise InvalidField("Invalid field 'tools': a schema defines a rule called root",
                            param="tools")

@@ -92,9 +92,14 @@ class Chats:
         """The request's messages with their media read and checked, for a route that
         starts the model before it creates the chat (Ollama's), so that no media error
         waits for a start; create() takes them as they are. None when there is nothing
-        to read: no media, or a remote model, whose upstreams get them as they came."""
+        to read: no media, or a remote model, whose upstreams get them as they came.
+        What the engine cannot serve (a schema past its grammar's bounds) is a 400 here
+        too, before a start."""
         record = self._path.registry.get(request.model)
-        if self._path.is_remote(record) or not any(request.media()):
+        if self._path.is_remote(record):
+            return None
+        self._path.engines.check_request(record["engine"], _checked(request))
+        if not any(request.media()):
             return None
         return self.messages(SimpleNamespace(model_id=request.model, record=record), request)
 
@@ -113,10 +118,7 @@ class Chats:
         response_format = request.response_format
         tools = _tools(request)
         # What the engine cannot serve (a schema it cannot follow): a 400 before waiting.
-        local.check_request({"response_format": response_format,
-                             "tools": tools and tools.tools,
-                             "tool_choice": request.tool_choice,
-                             "tool_function": request.tool_function, "logprobs": top})
+        local.check_request(_checked(request))
         lease = local.lease()
         try:
             params, plan = _prompt_params(request, local.record, lease, messages, tools)
@@ -226,6 +228,14 @@ def _call_of(call: native.ToolCall) -> dict:
     return {"id": call.id or "", "type": "function",
             "function": {"name": call.name,
                          "arguments": parsed if isinstance(parsed, dict) else arguments}}
+
+
+def _checked(request: native.Request) -> dict:
+    """What an engine's check_request reads of a request (its schemas and tool fields)."""
+    tools = _tools(request)
+    return {"response_format": request.response_format, "tools": tools and tools.tools,
+            "tool_choice": request.tool_choice, "tool_function": request.tool_function,
+            "logprobs": request.logprobs}
 
 
 def _params(request: native.Request, record: dict, options: dict) -> dict:

@@ -53,7 +53,9 @@ class RateLimited(UpstreamError):
 
 MAX_PAGES = 1000        # tree pages read for one listing (1000 entries each on huggingface.co)
 RATE_LIMIT_TRIES = 5    # 429s waited out for one request before giving up
-_NEXT = re.compile(r'<([^>]*)>\s*;\s*rel="?next"?', re.IGNORECASE)
+# A Link header's next page; no "<" inside the brackets, so a run of them cannot make it
+# backtrack.
+_NEXT = re.compile(r'<([^<>]*)>\s*;\s*rel="?next"?', re.IGNORECASE)
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 from localrt import security
 from localrt.engines.catalog import REMOTE_ENGINE
 from localrt.errors import (BadRequest, Conflict, HTTPError, InvalidField,
-                            ServiceUnavailable, UpstreamError)
+                            ServiceUnavailable, UpstreamError, shown)
 from localrt.models.ids import check_new_id, folder_name
 from localrt.metrics import Clock
 from localrt.outbound import (CertificateFailed, ProxyAuthFailed, build_opener, origin,
@@ -55,8 +55,9 @@ from localrt.routing import EventStream, stream_error
 from localrt.admission import Admission, Disconnected, never
 from localrt.remote.upstreams import (FIRST_PROBE_WAIT, PROBE_TICK, UNHEALTHY, Pool, Probe,
                                       Upstream, UpstreamKeyRefused, UpstreamRejected,
-                                      UpstreamTimeout, parse_upstreams, probe, reason_of,
-                                      answer_of, request_to, text_of, timed_out)
+                                      UpstreamTimeout, is_this_server, parse_upstreams,
+                                      probe, reason_of, answer_of, request_to, text_of,
+                                      timed_out)
 
 log = logging.getLogger(__name__)
 
@@ -325,8 +326,10 @@ class Remotes:
     """
 
     def __init__(self, registry, engines, config: Callable[[], Mapping],
-                 timeout: Callable[[], float], secrets: Callable[[], Iterable[str]] = list):
+                 timeout: Callable[[], float], secrets: Callable[[], Iterable[str]] = list,
+                 address: Callable[[], tuple[str, int]] | None = None):
         self._registry = registry
+        self._address = address  # (host, port) this server listens on, to refuse itself
         self._engines = engines
         self._config = config        # the Config fields of outbound requests
         self._timeout = timeout      # upstreamTimeout, in seconds
@@ -348,7 +351,7 @@ class Remotes:
         probes are done (or FIRST_PROBE_WAIT has passed)."""
         model_id = check_new_id(text_of(body["id"], "id"), "id")
         text_of(body.get("name"), "name")
-        upstreams = parse_upstreams(body["upstreams"])
+        upstreams = self._not_itself(parse_upstreams(body["upstreams"]))
         if self._registry.has(model_id):
             raise Conflict(f"A model with id {model_id} already exists", param="id")
         definition = {"id": model_id, "name": body.get("name") or model_id,
@@ -368,11 +371,23 @@ class Remotes:
             raise InvalidField(f"Invalid field 'upstreams': model {model_id} is not a remote "
                                f"model; only remote models (POST /v1/models/remote) have "
                                f"upstreams", param="upstreams")
-        upstreams = parse_upstreams(changes["upstreams"])
+        upstreams = self._not_itself(parse_upstreams(changes["upstreams"]))
         self._remember(upstreams)
         record = self._registry.update(model_id, {**changes, "upstreams": upstreams})
         self._probe_now(self._pool(model_id))
         return record
+
+    def _not_itself(self, upstreams: list[dict]) -> list[dict]:
+        """`upstreams`; a 400 naming the first that is this server itself."""
+        if self._address is not None:
+            host, port = self._address()
+            for i, entry in enumerate(upstreams):
+                if is_this_server(entry["url"], host, port):
+                    raise InvalidField(
+                        f"Invalid field 'upstreams[{i}].url': {shown(entry['url'])} is this "
+                        f"server itself, so each request to the remote model would come back "
+                        f"to it; give another server's URL", param=f"upstreams[{i}].url")
+        return upstreams
 
     def annotate(self, record: dict) -> dict:
         """A record with `upstreams_healthy` and `upstreams_total` when it is remote; its

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 from urllib.parse import urlsplit
 
+from localrt import security
 from localrt.admission import Disconnected, never, wait
 from localrt.outbound import build_opener, origin, proxy_refused
 from localrt.engines.catalog import REMOTE_ENGINE
@@ -86,6 +87,64 @@ def upstream_url(url: str, param: str) -> str:
                            f"http(s)://host[:port]/v1, with no credentials (give a key as "
                            f"api_key), query or fragment", param=param)
     return f"{parts.scheme.lower()}://{parts.netloc}{parts.path.rstrip('/') or '/v1'}"
+
+
+def is_this_server(url: str, host: str, port: int) -> bool:
+    """Whether an upstream's URL names the server that would forward to it (listening on
+    `host`:`port`): its port, and a host that is this server's (its address; loopback
+    when it listens there or everywhere; when everywhere, any of this machine's
+    addresses). A remote model served by itself would send each request round forever."""
+    parts = urlsplit(url)
+    try:
+        their_port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return False
+    if their_port != port or not parts.hostname:
+        return False
+    own = host.strip("[]").lower()
+    everywhere = own in ("", "0.0.0.0", "::")
+    own_addresses = _addresses(own, port)
+    for address in _addresses(parts.hostname.lower(), port):
+        if address in own_addresses or \
+                address.is_loopback and (everywhere or security.is_loopback(own)) or \
+                everywhere and (address.is_unspecified or _local(address)):
+            return True
+    return False
+
+
+def _addresses(host: str, port: int) -> set:
+    """A host's IP addresses: its own, a legacy form (2130706433, 127.1), loopback for
+    localhost and *.localhost, else as the resolver gives them (none when it cannot)."""
+    import ipaddress
+
+    if host in ("", "0.0.0.0", "::"):
+        return {ipaddress.ip_address(host or "0.0.0.0")}
+    try:
+        return {ipaddress.ip_address(host)}
+    except ValueError:
+        pass
+    try:
+        return {ipaddress.ip_address(socket.inet_ntoa(socket.inet_aton(host)))}
+    except OSError:
+        pass
+    if security.is_loopback(host):
+        return {ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")}
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return set()
+    return {ipaddress.ip_address(info[4][0].split("%")[0]) for info in found}
+
+
+def _local(address) -> bool:
+    """Whether an address is one of this machine's: a socket can be bound to it."""
+    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((str(address), 0))
+        return True
+    except OSError:
+        return False
 
 
 def text_of(value, param: str):

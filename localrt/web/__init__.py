@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from importlib import resources
 
-from localrt.errors import NotFound
+from localrt.errors import NotFound, shown
 
 INDEX = "index.html"
 # What a file of the folder is served as, by its suffix; no other file is served.
@@ -37,7 +37,7 @@ def read(name: str) -> tuple[bytes, str]:
     """A file of the page and its media type; a 404 for any name the folder lacks (a
     path, "..", this module)."""
     if name not in names():
-        raise NotFound(f"No such file of the chat page: {name}")
+        raise NotFound(f"No such file of the chat page: {shown(name)}")
     return resources.files(__name__).joinpath(name).read_bytes(), MEDIA_TYPES[_suffix(name)]
 
 

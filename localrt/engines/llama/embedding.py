@@ -18,6 +18,7 @@ import threading
 from typing import Callable
 
 from localrt.engines.generation import GeneratingModel, Generation
+from localrt.engines.llama.measure import Measure
 from localrt.errors import Conflict, InvalidField
 
 
@@ -76,6 +77,7 @@ class Embedder:
         self.model, self.ctx, self.batch = model, ctx, batch  # llama_cpp._internals'
         self.context = context
         self.budget = min(budget, context)
+        self._measure = Measure(llama_cpp, model.vocab)  # inputs before tokenizing
         self._lock = threading.Lock()  # one decode at a time uses ctx and batch
 
     def embed(self, inputs: list, compute: Callable | None = None) -> tuple:
@@ -126,7 +128,11 @@ class Embedder:
         model's BOS, or BERT's CLS and SEP), a token list as it is."""
         model, field = self.model, f"input[{index}]"
         if isinstance(item, str):
-            tokens = model.tokenize(item.encode("utf-8"), add_bos=True, special=False)
+            data = item.encode("utf-8")
+            self._measure.check(len(data), self.context, "input", field,
+                                "shorten it or start the model with a larger ctx_len",
+                                whole=True)
+            tokens = model.tokenize(data, add_bos=True, special=False)
         else:
             tokens = list(item)
             n_vocab = model.n_vocab()

@@ -33,7 +33,8 @@ from localrt.engines.llama.embedding import EmbeddingContext, LlamaEmbedder, emb
 from localrt.engines.generation import (GeneratingModel, Generation, check_room,
                                         render_template, seed_of, sampling_value,
                                         token_loop)
-from localrt.engines.llama.grammar import json_grammar
+from localrt.engines.llama.grammar import check_gbnf, json_grammar
+from localrt.engines.llama.measure import Measure
 from localrt.engines.llama.media import (Projector, Prompt, has_images, refuse_images,
                                          texts_and_images)
 from localrt.engines.llama.params import (CACHE_TYPE_BYTES, QUANTIZED_CACHE, context_params,
@@ -185,6 +186,7 @@ class LlamaModel(GeneratingModel):
             llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model))
         self.draft_max = options.get("draft_max") or DRAFT_MAX
         self._metadata = self._model.metadata()
+        self._measure = Measure(llama_cpp, self._model.vocab)  # texts before tokenizing
         # The GGUF's chat template, compiled at the first chat (a ChatTemplate, llama-2's
         # format when it has none, or the TemplateRefused its compiling raised).
         self._formatter = None
@@ -297,11 +299,20 @@ class LlamaModel(GeneratingModel):
             # llama-cpp-python's own mtmd handlers read a prompt with images.
             bos = model.token_bos()
             bos_text = self._piece(bos, True).decode("utf-8", "replace") if bos >= 0 else ""
+            self._fits(text.encode("utf-8"), "messages")
             return projector.tokenize(text, images, not (bos_text and text.startswith(bos_text)))
         else:
             text, bos = self._format(messages, params.get("tools"))
-        tokens = model.tokenize(text.encode("utf-8"), add_bos=bos, special=True)
+        data = text.encode("utf-8")
+        self._fits(data, "messages")
+        tokens = model.tokenize(data, add_bos=bos, special=True)
         return Prompt(tokens, n_tokens=len(tokens))
+
+    def _fits(self, data: bytes, field: str) -> None:
+        """A 400 for a prompt text that cannot fit the context, before it is tokenized."""
+        advice = ("shorten the conversation" if field == "messages" else "shorten it") + \
+            " or start the model with a larger ctx_len"
+        self._measure.check(len(data), self.context, field, "the prompt", advice)
 
     def step(self) -> None:
         """One decode for every sequence (localrt.engines.llama.batch.Batcher.step)."""
@@ -344,6 +355,8 @@ class LlamaModel(GeneratingModel):
         grammar, source = params.get("grammar"), "grammar"
         if not grammar:
             grammar, source = json_grammar(params.get("response_format")), "response_format"
+        if grammar:
+            check_gbnf(grammar, source)  # llama.cpp's parser recurses once a group
         def value(name: str) -> float:
             return sampling_value(params, name)
 
@@ -367,9 +380,9 @@ class LlamaModel(GeneratingModel):
 
     def tokenize(self, text: str) -> list[int]:
         """A prompt text's tokens, as generate() reads params["prompt"]."""
-        model = self._model
-        return model.tokenize(text.encode("utf-8"), add_bos=model.add_bos_token(),
-                              special=True)
+        model, data = self._model, text.encode("utf-8")
+        self._fits(data, "prompt")
+        return model.tokenize(data, add_bos=model.add_bos_token(), special=True)
 
     def detokenize(self, tokens) -> str:
         """The text of tokens (special ones render as nothing)."""
@@ -383,13 +396,15 @@ class LlamaModel(GeneratingModel):
         pre, suf, mid = model.token_prefix(), model.token_suffix(), model.token_middle()
         if min(pre, suf, mid) < 0:
             return None
+        self._fits(prefix.encode("utf-8") + suffix.encode("utf-8"), "prompt")
         bos = [model.token_bos()] if model.add_bos_token() and model.token_bos() >= 0 else []
         return (bos + [pre] + self._text_tokens(prefix) + [suf] + self._text_tokens(suffix)
                 + [mid])
 
     def _text_tokens(self, text: str) -> list[int]:
         """A text's tokens as plain text: no BOS, and no special token read from it."""
-        return self._model.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+        return self._model.tokenize(self._measure.cut(text.encode("utf-8"), self.context),
+                                    add_bos=False, special=False)
 
     def _piece(self, token: int, special: bool = False) -> bytes:
         """A token's bytes (special tokens render as nothing, as in llama-cpp-python,
