@@ -99,11 +99,12 @@ def list_models(services: Services, request: Request):
 
 
 def _with_status(services: Services, record: dict) -> dict:
-    """A model's record with its status: "running" or "downloaded"; a remote model's
-    with its upstreams' health (localrt.inference.remote)."""
+    """A model's record with its status: "running", else the registry's ("downloaded", or
+    "missing", "damaged" or "invalid" for files not as registered: Registry._record); a
+    remote model's with its upstreams' health (localrt.inference.remote)."""
     running = services.scheduler.is_running(record["id"])
     return services.remotes.annotate({**record, "status": "running" if running else
-                                      "downloaded"})
+                                      record.get("status", "downloaded")})
 
 
 def _path_model(request: Request) -> str:

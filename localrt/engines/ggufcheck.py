@@ -24,12 +24,17 @@ The rules (each refused file names the one it breaks):
     that; expert_count at most LLAMA_MAX_EXPERTS, expert_used_count only with experts,
     at least one and at most expert_count; expert groups as llama.cpp asserts them;
   * vocabulary: tokenizer.ggml.tokens an array of strings, each valid UTF-8, at most
-    MAX_TOKEN_BYTES and unique (empty ones apart, which llama.cpp renames); scores, token types, merges and the precompiled
-    charsmap of the types and lengths llama.cpp reads them as; a tokenizer model that
-    matches the vocabulary: a SentencePiece one ("llama") has the 256 byte tokens its
-    fallback needs (<0x00>..<0xFF>, or the character itself for ASCII), a WordPiece
-    one ("bert") has no byte tokens (a SentencePiece vocabulary), an RWKV one has its
+    MAX_TOKEN_BYTES and unique (empty ones apart, which llama.cpp renames); scores,
+    token types, merges and the precompiled charsmap of the types and lengths
+    llama.cpp reads them as; a tokenizer model that matches the vocabulary: a
+    SentencePiece one ("llama") has the 256 byte tokens its fallback needs
+    (<0x00>..<0xFF>, or the character itself for ASCII), a WordPiece one ("bert") has
+    no byte tokens (which make a SentencePiece vocabulary), an RWKV one has its
     newline token, and a model without a vocabulary ("none") cannot be chatted with.
+
+Each rule is one that a mutant of a tiny generated model broke to crash llama.cpp
+(SIGABRT or SIGSEGV) in a child process, or one llama.cpp refuses cleanly only in
+some versions; tests/test_ggufcheck.py has a mutant for each.
 
 The limits are those of the llama.cpp localrt ships (llama-cpp-python's vendor tree):
 if its llama.cpp raises one (LLAMA_MAX_LAYERS, LLAMA_MAX_EXPERTS) or adds a ggml
