@@ -67,8 +67,11 @@ class Imports:
         except BadSource as exc:
             raise bad_path(str(exc)) from None
         except InvalidModelFile as exc:
-            raise InvalidModelFile(f"{exc.message}; nothing was imported",
-                                   param=path_field) from None
+            message = f"{exc.message}; nothing was imported"
+            if cortex:
+                message = (f"Error importing model path '{path}' with model_id "
+                           f"'{model_id}': {message}")
+            raise InvalidModelFile(message, param=path_field) from None
         except OSError as exc:
             raise bad_path(f"{path} cannot be read: {exc.strerror or exc}") from None
         checked = {}
