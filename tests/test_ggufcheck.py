@@ -133,9 +133,13 @@ def test_header_fields(llama, tmp_path):
             ("v1", data[:4] + struct.pack("<I", 1) + data[8:], "GGUF version 1"),
             ("v4", data[:4] + struct.pack("<I", 4) + data[8:], "GGUF version 4"),
             ("tensors", data[:8] + struct.pack("<Q", 1 << 40) + data[16:],
-             f"{1 << 40} tensor infos cannot fit"),
+             f"{1 << 40} tensors; a model has far fewer"),
             ("kvs", data[:16] + struct.pack("<Q", 1 << 40) + data[24:],
-             f"{1 << 40} key/values cannot fit"),
+             f"{1 << 40} key/values; a model has far fewer"),
+            ("tensors_fit", data[:8] + struct.pack("<Q", 1 << 17) + data[16:],
+             f"{1 << 17} tensor infos cannot fit"),
+            ("kvs_fit", data[:16] + struct.pack("<Q", 1 << 15) + data[24:],
+             f"{1 << 15} key/values cannot fit"),
             ("key", data[:24] + struct.pack("<Q", 1 << 50) + data[32:],
              "a key of 1125899906842624 bytes at offset 24 runs past the end")]:
         path = tmp_path / f"{name}.gguf"
@@ -156,6 +160,17 @@ def test_values(llama, tmp_path):
     at = data.index(b"x.list") + len("x.list") + 4 + 4  # the array's count
     path.write_bytes(data[:at] + struct.pack("<Q", 1 << 29) + data[at + 8:])
     refused(path, "the array 'x.list' of 536870912 elements runs past the end")
+
+    def many_strings(doc):
+        doc.kv["x.names"] = ge.KV(ge.ARRAY, ["a"], ge.STRING)
+
+    path = mutant(llama, tmp_path, many_strings)
+    data = path.read_bytes()
+    at = data.index(b"x.names") + len("x.names") + 4 + 4
+    count = ggufcheck.MAX_STRINGS + 1  # each string takes 8 bytes at least: room for them
+    path.write_bytes(data[:at] + struct.pack("<Q", count) + data[at + 8:])
+    os.truncate(path, len(data) + 8 * count)  # sparse: 128 MiB of zeros, never written
+    refused(path, f"the array 'x.names' holds {count} strings")
     data = llama.read_bytes()
     at = data.index(b"general.name") + len("general.name")
     path.write_bytes(data[:at] + struct.pack("<I", 13) + data[at + 4:])

@@ -10,9 +10,11 @@ milliseconds, whatever the file's size. `Checked` keeps each file's outcome by p
 size and modification time, so a second start of a model costs a stat.
 
 The rules (each refused file names the one it breaks):
-  * layout: every count, length, offset and size lies inside the file; GGUF version 2
-    or 3; keys and tensor names unique; no arrays of arrays; tensor names shorter
-    than GGML_MAX_NAME; at most GGML_MAX_DIMS dimensions;
+  * layout: every count, length, offset and size lies inside the file, and counts of
+    keys, tensors and strings in an array are below limits far beyond any real
+    model's (MAX_KEYS, MAX_TENSORS, MAX_STRINGS); GGUF version 2 or 3; keys and tensor
+    names unique; no arrays of arrays; tensor names shorter than GGML_MAX_NAME; at most
+    GGML_MAX_DIMS dimensions;
   * alignment: general.alignment a uint32 power of two of at least 32 (ggml maps
     tensor data from the file and needs it on 32 bytes: 1 or 16 abort the process);
   * tensors: a ggml type this llama.cpp knows, rows a whole number of its blocks, the
@@ -62,6 +64,11 @@ MAX_DIMS = 4               # GGML_MAX_DIMS
 MAX_STRING = 1 << 30       # GGUF_MAX_STRING_LENGTH
 MAX_ARRAY = 1 << 30        # GGUF_MAX_ARRAY_ELEMENTS
 MAX_TOKEN_BYTES = 16384    # a token text longer than this is corruption, not a token
+# Counts far beyond any real model's (tens of keys, a few thousand tensors, a vocabulary
+# or merges of a million or two), which bound the walk's time on a hostile file.
+MAX_KEYS = 1 << 16
+MAX_TENSORS = 1 << 18
+MAX_STRINGS = 1 << 24      # elements of one string array
 MAX_VALUE_READ = 4096      # longer string values (a chat template) are skipped, not read
 CACHE_SIZE = 1024          # outcomes Checked remembers
 
@@ -177,6 +184,11 @@ def _check(r: Reader) -> None:
     (n_tensors,) = r.unpack(_U64)
     (n_kv,) = r.unpack(_U64)
     left = r.size - r.offset
+    if n_kv > MAX_KEYS:
+        raise r.fail(f"{n_kv} key/values; a model has far fewer (at most {MAX_KEYS} are read)")
+    if n_tensors > MAX_TENSORS:
+        raise r.fail(f"{n_tensors} tensors; a model has far fewer (at most {MAX_TENSORS} "
+                     f"are read)")
     if n_kv * 13 > left:  # a key/value takes at least 13 bytes: key length, type, a byte
         raise r.fail(f"{n_kv} key/values cannot fit in the {left} bytes after the header")
     if n_tensors * 24 > left:  # a tensor info at least 24: name length, dims, type, offset
@@ -249,6 +261,9 @@ def _array(r: Reader, key: str) -> _Array:
     if count > MAX_ARRAY or least > r.size - r.offset:
         raise r.fail(f"the array {key!r} of {count} elements runs past the end of the "
                      f"file ({r.size} bytes)")
+    if etype == _STRING and count > MAX_STRINGS:
+        raise r.fail(f"the array {key!r} holds {count} strings; a model's hold far fewer "
+                     f"(at most {MAX_STRINGS} are read)")
     return _Array(etype, count, r.offset)
 
 
