@@ -5,8 +5,8 @@ process, where a file that breaks one of its assumptions can end the process (an
 assert, a segfault) instead of failing cleanly. `check(path)` walks the same header
 first and refuses such a file with a 400 `invalid_model_file` naming the file and the
 rule it breaks. It reads the header, the tensor table and the vocabulary's arrays,
-never tensor data, streaming the arrays: a 150k-token vocabulary takes tens of
-milliseconds, whatever the file's size. `Checked` keeps each file's outcome by path,
+never tensor data, streaming the arrays: a 150k-token vocabulary with its 150k merges
+takes about a tenth of a second, whatever the file's size. `Checked` keeps each file's outcome by path,
 size and modification time, so a second start of a model costs a stat.
 
 The rules (each refused file names the one it breaks):
