@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from emulators.ggufgen import write_gguf
 from support import ggufedit as ge
-from support.apps import bind, call
+from support.apps import bind
 from support.cli import run
 from support.models import add_model
 from support.tasks import wait_task
