@@ -99,12 +99,13 @@ def list_models(services: Services, request: Request):
 
 
 def _with_status(services: Services, record: dict) -> dict:
-    """A model's record with its status: "running", "downloaded", or "invalid" for a
-    file a child could not load (its `vetting` says why); a remote model's with its
-    upstreams' health (localrt.inference.remote)."""
+    """A model's record with its status: "running", else the registry's ("downloaded", or
+    "missing", "damaged" or "invalid" for files not as registered: Registry._record), or
+    "invalid" for a file a child could not load (its `vetting` says why); a remote
+    model's with its upstreams' health (localrt.inference.remote)."""
     running = services.scheduler.is_running(record["id"])
-    status = "running" if running else "downloaded"
-    if (record.get("vetting") or {}).get("ok") is False:
+    status = "running" if running else record.get("status", "downloaded")
+    if status == "downloaded" and (record.get("vetting") or {}).get("ok") is False:
         status = "invalid"
     return services.remotes.annotate({**record, "status": status})
 

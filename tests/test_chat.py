@@ -115,9 +115,14 @@ def test_a_model_whose_engine_is_not_installed_gets_a_409_naming_it(api, tmp_pat
 def test_a_damaged_file_fails_to_load_cleanly(api, quantized):
     add_model(api, quantized["Q8_0"], "broken", option="copy")
     weights = next(Path(api("GET", "/v1/models/broken").json["path"]).glob("*.gguf"))
-    data = bytearray(weights.read_bytes())
-    data[8:16] = b"\xff" * 8  # the tensor count: same size, unreadable
-    weights.write_bytes(bytes(data))
+    good = weights.read_bytes()
+    # the tensor count: same size, refused by the header check before llama.cpp reads it
+    weights.write_bytes(good[:8] + b"\xff" * 8 + good[16:])
+    r = api("POST", "/v1/models/broken/start")
+    assert r.status == 400 and r.json["error"]["code"] == "invalid_model_file"
+    assert r.json["message"].endswith("model broken cannot start")
+    # a tensor the header check cannot know is missing: llama.cpp refuses the file itself
+    weights.write_bytes(good.replace(b"output_norm.weight", b"output_norm.weighx"))
     for _ in range(2):  # and again: nothing half-loaded stays behind
         r = api("POST", "/v1/models/broken/start")
         assert r.status == 422 and r.json["error"]["code"] == "model_load_failed"

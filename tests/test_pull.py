@@ -270,7 +270,7 @@ def test_too_little_disk_space_is_refused(api, monkeypatch):
     assert api("GET", "/v1/models/pull").json["data"] == []
 
 
-def test_registry_survives_a_restart_and_skips_incomplete_models(api, settings):
+def test_registry_survives_a_restart_and_shows_damaged_models(api, settings):
     api("POST", "/v1/models/org/single/pull")
     wait_task(api, "org:single:only.gguf")
     api("POST", "/v1/models/tiny:q8/pull")
@@ -284,8 +284,8 @@ def test_registry_survives_a_restart_and_skips_incomplete_models(api, settings):
     with open(folder / "model.gguf", "r+b") as f:
         f.truncate(100)
     fresh = create_app(settings)
-    ids = [m["id"] for m in call(fresh, "GET", "/v1/models").json["data"]]
-    assert ids == ["org:single:only.gguf"]
+    listed = {m["id"]: m["status"] for m in call(fresh, "GET", "/v1/models").json["data"]}
+    assert listed == {"org:single:only.gguf": "downloaded", "tiny:q8": "damaged"}
 
 
 def test_a_hub_file_path_cannot_escape_the_models_folder(api, hub, weights, settings):

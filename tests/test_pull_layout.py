@@ -30,14 +30,10 @@ def weights(tmp_path_factory):
              write_gguf(root / "c.gguf", name="c", seed=2),
              write_gguf(root / "split" / "m.gguf", name="split", n_layer=2,
                         split_max_tensors=6),
-             # GGUF's magic and nothing a model loader could use: loading it would fail
-             _write(root / "mmproj.gguf", b"GGUF" + bytes(range(256)) * 64),
+             # a projector's header, which passes the header check (ggufcheck), with
+             # nothing mtmd could run: loading it fails
+             write_projector(root / "mmproj.gguf", 64),
              write_projector(root / "small.gguf", 64), write_projector(root / "large.gguf", 128))
-
-
-def _write(path, data):
-    path.write_bytes(data)
-    return path
 
 
 @pytest.fixture
@@ -175,7 +171,7 @@ def test_a_repo_takes_its_q4_k_m_file_whatever_the_case_and_its_projector(api, h
     model = api("GET", f"/v1/models/{reply['model']}").json
     assert model["mmproj"] == "mmproj-model-f16.gguf"
     # the projector is never what loads as the model; it loads beside it, through
-    # mtmd, and this one (bytes of no projector) fails the start clearly, not a 500
+    # mtmd, and this one (a header of no real projector) fails the start clearly, not a 500
     r = api("POST", f"/v1/models/{reply['model']}/start", {"ctx_len": 64})
     assert r.status == 422 and r.json["error"]["code"] == "model_load_failed", r.body
     assert "projector" in r.json["message"]

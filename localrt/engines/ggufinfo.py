@@ -18,8 +18,9 @@ import os
 import struct
 from dataclasses import dataclass
 
-__all__ = ["ArrayInfo", "GGUFError", "Projector", "is_embedding", "is_gguf", "model_defaults",
-           "model_input_size", "projector", "read_metadata", "read_tensor_shapes", "token_at"]
+__all__ = ["ArrayInfo", "GGUFError", "Projector", "Reader", "is_embedding", "is_gguf",
+           "model_defaults", "model_input_size", "projector", "read_metadata",
+           "read_tensor_shapes", "token_at"]
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)  # version 1 used 32-bit counts and lengths
@@ -71,11 +72,12 @@ class ArrayInfo:
 
 # --------------------------------------------------------------------------- reader
 
-class _Reader:
+class Reader:
     """Buffered little-endian reads from an open file, tracking the file offset.
 
     One buffer of `_CHUNK` bytes serves many small reads, so walking a string array
-    costs a struct unpack per string, not a system call.
+    costs a struct unpack per string, not a system call. localrt.engines.ggufcheck
+    walks whole headers with it too.
     """
 
     def __init__(self, f, path, offset: int = 0):
@@ -91,6 +93,11 @@ class _Reader:
     def offset(self) -> int:
         """File offset of the next byte to be read."""
         return self._base + self._pos
+
+    @property
+    def size(self) -> int:
+        """The file's size in bytes, when it was opened."""
+        return self._size
 
     def fail(self, problem: str) -> GGUFError:
         """A GGUFError naming this file."""
@@ -118,6 +125,21 @@ class _Reader:
         self._fill(n)
         data = self._buf[self._pos:self._pos + n]
         self._pos += n
+        return data
+
+    def read_at(self, offset: int, n: int) -> bytes:
+        """`n` bytes at a file offset, wherever the reader is; its position stays."""
+        if offset + n > self._size:
+            raise self.fail(f"{n} bytes at offset {offset} run past the end of the file "
+                            f"({self._size} bytes)")
+        resume = self._f.tell()
+        try:
+            self._f.seek(offset)
+            data = self._f.read(n)
+        finally:
+            self._f.seek(resume)
+        if len(data) < n:  # the file shrank under us
+            raise self._truncated(n)
         return data
 
     def unpack(self, st: struct.Struct) -> tuple:
@@ -176,8 +198,35 @@ class _Reader:
                 self.skip(self._string_length())
                 left -= 1
 
+    def strings(self, count: int, limit: int):
+        """The next `count` length-prefixed strings, as lists of bytes (one list per
+        buffer's worth, so a caller walks them at the speed of a list); a length over
+        `limit` is refused before its bytes are read."""
+        if count * 8 > self._size - self.offset:
+            raise self._truncated(count * 8)
+        left = count
+        while left:
+            batch = []
+            buf, pos, end = self._buf, self._pos, len(self._buf)
+            while left and pos + 8 <= end:  # fast path, as in skip_strings
+                (n,) = _U64.unpack_from(buf, pos)
+                if n > limit or pos + 8 + n > end:
+                    break
+                batch.append(buf[pos + 8:pos + 8 + n])
+                pos += 8 + n
+                left -= 1
+            self._pos = pos
+            if left:
+                (n,) = self.unpack(_U64)
+                if n > limit:
+                    raise self.fail(f"a string of {n} bytes at offset {self.offset - 8}, "
+                                    f"over the {limit} allowed there")
+                batch.append(self.read(n))
+                left -= 1
+            yield batch
 
-def _read_value(r: _Reader, vtype: int, depth: int = 0):
+
+def _read_value(r: Reader, vtype: int, depth: int = 0):
     """The value of type `vtype` at the reader's position, as a plain Python value."""
     if vtype in _FIXED:
         (value,) = r.unpack(_FIXED_STRUCTS[vtype])
@@ -203,7 +252,7 @@ def _read_value(r: _Reader, vtype: int, depth: int = 0):
     return [_read_value(r, etype, depth + 1) for _ in range(count)]
 
 
-def _skip_elements(r: _Reader, etype: int, count: int, depth: int) -> None:
+def _skip_elements(r: Reader, etype: int, count: int, depth: int) -> None:
     if etype in _FIXED:
         r.skip(count * _FIXED_STRUCTS[etype].size)
     elif etype == _STRING:
@@ -213,7 +262,7 @@ def _skip_elements(r: _Reader, etype: int, count: int, depth: int) -> None:
             _read_value(r, _ARRAY, depth + 1)
 
 
-def _read_header(r: _Reader, tensors: bool = False):
+def _read_header(r: Reader, tensors: bool = False):
     """The key/values; with `tensors`, (key/values, {tensor name: shape in ggml order})."""
     magic = r.read(4)
     if magic != MAGIC:
@@ -256,7 +305,7 @@ def _strings_at(path, info: ArrayInfo, indices) -> dict:
             raise IndexError(f"index {i} out of range for {info.count} strings")
     found = {}
     with open(path, "rb") as f:
-        r = _Reader(f, path, info.offset)
+        r = Reader(f, path, info.offset)
         at = 0
         for i in wanted:
             r.skip_strings(i - at)
@@ -276,14 +325,14 @@ def is_gguf(path) -> bool:
 def read_metadata(path) -> dict:
     """All header key/values; arrays longer than MAX_INLINE_ARRAY become ArrayInfo."""
     with open(path, "rb") as f:
-        return _read_header(_Reader(f, path))
+        return _read_header(Reader(f, path))
 
 
 def read_tensor_shapes(path) -> tuple[dict, dict]:
     """(header key/values, {tensor name: dimensions in ggml order, ne[0] first}): the
     tensor infos that follow the key/values, never the tensor data."""
     with open(path, "rb") as f:
-        return _read_header(_Reader(f, path), tensors=True)
+        return _read_header(Reader(f, path), tensors=True)
 
 
 def token_at(path, info: ArrayInfo, index: int) -> str:

@@ -224,6 +224,7 @@ class Scheduler:
         with self._lock:
             if model_id in self._running:
                 return self._running[model_id], False
+        self._registry.check_files(model_id)  # 409 model_file_missing, 400 invalid_model_file
         with self._start_lock:
             with self._lock:
                 if model_id in self._running:

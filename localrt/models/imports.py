@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import Callable
 
 from localrt.downloads.tasks import Item, check_disk_space, fsync_dir
+from localrt.engines import ggufcheck
 from localrt.engines.vetting import invalid_file
-from localrt.errors import Conflict, InvalidField
+from localrt.errors import Conflict, InvalidField, InvalidModelFile
 from localrt.fsutil import MOVE_DATA, private_dir, storage_error
 from localrt.models.ids import check_new_id, folder_name
 from localrt.models.registry import ONNX_CONFIG, Registry, new_definition, weights_path
@@ -57,7 +58,10 @@ class Imports:
         files `beside` its weights (role -> path: a GGUF model's only, as roles.given
         reads them from the body), brought in the same way.
 
-        The path is checked first, then the files beside it, then the id. With `cortex`,
+        The path is checked first (a GGUF's header whole: localrt.engines.ggufcheck, a
+        400 invalid_model_file naming the rule it breaks), then the files beside it,
+        then the id; a model of that id whose files are missing, damaged or invalid is
+        replaced. With `cortex`,
         the request was cortex's {"model", "modelPath"}: errors name those fields, and a
         path that cannot be imported is worded as cortex words it ("Error importing
         model ...").
@@ -73,8 +77,18 @@ class Imports:
         src = Path(path)
         try:
             _check_source(src, path)
+            if not src.is_dir():  # a GGUF: its header checked whole before anything else
+                ggufcheck.check(src, param=path_field)
         except BadSource as exc:
             raise bad_path(str(exc)) from None
+        except InvalidModelFile as exc:
+            message = f"{exc.message}; nothing was imported"
+            if cortex:
+                message = (f"Error importing model path '{path}' with model_id "
+                           f"'{model_id}': {message}")
+            raise InvalidModelFile(message, param=path_field) from None
+        except OSError as exc:
+            raise bad_path(f"{path} cannot be read: {exc.strerror or exc}") from None
         checked = {}
         for role, given in (beside or {}).items():
             if src.is_dir():
@@ -85,7 +99,9 @@ class Imports:
             model_id = src.name[:-5] if src.name.lower().endswith(".gguf") else src.name
         check_new_id(model_id, id_field)
         with self._lock:
-            if self.registry.has(model_id) or model_id in self._importing:
+            # A model whose files are missing, damaged or invalid may be imported again.
+            if (self.registry.has(model_id) and not self.registry.broken(model_id)) \
+                    or model_id in self._importing:
                 raise Conflict(f"A model with id {model_id} already exists", param=id_field)
             self._importing.add(model_id)
         try:

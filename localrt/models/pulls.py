@@ -20,10 +20,11 @@ from typing import Callable
 from urllib.parse import urlsplit
 
 from localrt.downloads.tasks import DownloadFailed, Downloads, Item, Task
+from localrt.engines import ggufcheck
 from localrt.engines.catalog import engine_for_files
 from localrt.engines.vetting import invalid_file
 from localrt.errors import (BadRequest, Conflict, HTTPError, InsufficientStorage, InvalidField,
-                            NotFound, UpstreamError)
+                            InvalidModelFile, NotFound, UpstreamError)
 from localrt.models import roles
 from localrt.models.hub import Hub, HubFile, NotOnHub, RevisionNotOnHub
 from localrt.models.ids import (SPLIT_GGUF, ModelRef, check_id, check_new_id, parse_id,
@@ -118,7 +119,8 @@ class Pulls:
         if done:
             return done
         other = self.registry.at(plan.folder)
-        if other is not None:  # e.g. one file pulled as <org>/<repo> and by its URL
+        # e.g. one file pulled as <org>/<repo> and by its URL (its own id: pulled again)
+        if other not in (None, plan.local_id):
             return {"message": f"Model {plan.local_id} is already downloaded as {other}",
                     "model": other}
         # A gated repository lists its files to anyone and refuses their bytes: ask for one
@@ -165,7 +167,8 @@ class Pulls:
         return Hub(self._settings["modelHubUrl"], self._config.get())
 
     def _already(self, local_id: str, task_id: str) -> dict | None:
-        if self.registry.has(local_id):
+        # A model whose files are missing, damaged or invalid is pulled again.
+        if self.registry.has(local_id) and not self.registry.broken(local_id):
             return {"message": f"Model {local_id} is already downloaded", "model": local_id}
         if self.downloads.running(task_id):
             raise Conflict(f"Model {local_id} is already downloading (taskId {task_id})",
@@ -275,9 +278,19 @@ class Pulls:
         return branches[0] if len(branches) == 1 else None
 
     def _register(self, plan: _Plan) -> None:
-        """Once every file is checked: read the defaults, write the definition."""
+        """Once every file is checked: check each GGUF's header whole (a task error
+        naming the rule a file breaks, and nothing registered: its files stay, so a
+        pull again checks them without downloading them), read the defaults, write the
+        definition."""
         org = plan.ref.repo.split("/")[0]
         paths = [item.local_path for item in plan.items]
+        for path in paths:
+            if path.name.lower().endswith(".gguf"):
+                try:
+                    ggufcheck.check(path)
+                except InvalidModelFile as exc:
+                    raise DownloadFailed(f"{exc.message}; model {plan.local_id} was "
+                                         f"downloaded but not registered") from None
         files = [{"path": str(item.local_path.relative_to(plan.folder)), "size": item.size,
                   "sha256": item.sha256} for item in plan.items]
         source = {"type": "hub", "url": self._settings["modelHubUrl"], "repo": plan.ref.repo,

@@ -4,7 +4,12 @@ Each such model has a folder under `<dataFolderPath>/models` holding its files a
 definition file, `model.json` (schemas/model.json), written atomically and only once
 every file is complete and checked. `new_definition()` builds one from the files: its
 `engine` is model.yml's, else the engine catalog's (localrt.engines.catalog) for the
-files, and its defaults come from model.yml and the GGUF header. A remote model
+files, and its defaults come from model.yml and the GGUF header. A record's `status`
+says whether its files are as they were registered (a stat per file: "downloaded",
+else "missing" or "damaged", with `status_message` saying which file and what to do),
+or a GGUF of it failed the header check (localrt.engines.ggufcheck) when it was last
+started: "invalid", until the file changes. `check_files` is that check, before an
+engine loads the files. A remote model
 (localrt.remote.remotes) has a definition with no files and its `upstreams`, under
 `<dataFolderPath>/models/remote/`; their api keys are secrets, which a record never
 shows (`api_key_set` says whether one is stored).
@@ -25,9 +30,10 @@ from typing import Callable, Iterable
 from localrt import schemas
 from localrt.downloads.tasks import fsync_dir
 from localrt.engines.catalog import engine_alias, engine_for_files, weights_file
-from localrt.errors import Conflict, HTTPError, InvalidField, NotFound
+from localrt.errors import (Conflict, HTTPError, InvalidField, InvalidModelFile,
+                            ModelFileMissing, NotFound)
 from localrt.fsutil import MOVE_DATA, atomic_write, remove_stale_temps, storage_error
-from localrt.engines import ggufinfo
+from localrt.engines import ggufcheck, ggufinfo
 from localrt.models import roles
 
 log = logging.getLogger(__name__)
@@ -43,6 +49,9 @@ FIXED_FIELDS = {"files": "a pull or an import", "engine": "a pull, an import or 
                 "created": "a pull or an import", "owned_by": "a pull or an import",
                 "size": "a pull or an import",
                 "vetting": "a start (the first load of its files in a child)"}
+# A record's status when its files are not as registered, or failed the header check:
+# what GET /v1/models and `localrt models list` show instead of "downloaded".
+BROKEN = ("missing", "damaged", "invalid")
 
 
 class ModelNotFound(NotFound):
@@ -78,8 +87,13 @@ class Registry:
     def __init__(self, root: Path, validators: schemas.Validators):
         self.root = Path(root)
         self._validators = validators
-        self._lock = threading.RLock()  # guards _models and every definition file write
+        # guards _models, _invalid and every definition file write
+        self._lock = threading.RLock()
         self._models: dict[str, tuple[Path, dict]] | None = None  # id -> (folder, definition)
+        # id -> (its files' (path, size, mtime) when a GGUF of them failed the header
+        # check, the check's message): its status is "invalid" while the files are so.
+        self._invalid: dict[str, tuple[tuple, str]] = {}
+        self._checked = ggufcheck.Checked()  # header checks, by file identity
 
     def list(self) -> list[dict]:
         """Every model, in the OpenAI list-item shape plus localrt's fields."""
@@ -104,6 +118,48 @@ class Registry:
         with self._lock:
             return model_id in self._index()
 
+    def broken(self, model_id: str) -> bool:
+        """Whether a registered model's status is one of BROKEN: a pull or an import may
+        then bring its files again, under the same id."""
+        return self.get(model_id)["status"] in BROKEN
+
+    def check_files(self, model_id: str) -> None:
+        """Before an engine loads a model's files: a 409 ModelFileMissing when one is gone
+        or its size is not the recorded one (deleted or truncated behind localrt's
+        back), naming the file and saying to pull or import it again; a 400
+        InvalidModelFile when a GGUF of it breaks a rule of localrt.engines.ggufcheck,
+        after which its status is "invalid" until the file changes. Each GGUF's outcome
+        is kept by its path, size and mtime, so a second start only stats the files."""
+        with self._lock:
+            folder, d = self._find(model_id)
+        signature, _, problem = _files_now(folder, d["files"])
+        if problem:
+            raise ModelFileMissing(f"Model {model_id} cannot start: {problem}; "
+                                   f"{_again(d)}", param="model")
+        for f in d["files"]:
+            path = folder / f["path"]
+            if not f["path"].lower().endswith(".gguf"):
+                continue
+            try:
+                self._checked.check(path, param="model")
+            except InvalidModelFile as exc:
+                self.mark_invalid(model_id, exc.message, signature)
+                raise InvalidModelFile(f"{exc.message}; model {model_id} cannot start",
+                                       param="model") from None
+            except OSError as exc:
+                raise ModelFileMissing(f"Model {model_id} cannot start: its file {path} "
+                                       f"cannot be read ({exc.strerror or exc}); "
+                                       f"{_again(d)}", param="model") from None
+
+    def mark_invalid(self, model_id: str, message: str, signature: tuple | None = None) -> None:
+        """Show `model_id` as "invalid", with `message` (which names the file and why),
+        until its files change from `signature` (as they are now when None)."""
+        with self._lock:
+            folder, d = self._find(model_id)
+            if signature is None:
+                signature = _files_now(folder, d["files"])[0]
+            self._invalid[model_id] = (signature, message)
+
     def add(self, folder: Path, definition: dict) -> dict:
         """Register a model whose files are complete in `folder`."""
         self.check(definition)
@@ -113,6 +169,7 @@ class Registry:
                 raise Conflict(f"A model with id {definition['id']} already exists",
                                param="id")
             self._write(folder, definition)
+            self._invalid.pop(definition["id"], None)
         return self._record(folder, definition)
 
     def update(self, model_id: str, changes: dict) -> dict:
@@ -182,6 +239,7 @@ class Registry:
             except OSError as exc:  # a read-only models folder: the model stays
                 raise storage_error(exc, folder, f"delete model {model_id}") from None
             del self._models[model_id]
+            self._invalid.pop(model_id, None)
             if _inside(folder, self.root):
                 shutil.rmtree(folder, ignore_errors=True)
 
@@ -232,7 +290,9 @@ class Registry:
         return self._models
 
     def _scan(self) -> dict[str, tuple[Path, dict]]:
-        """Read every definition; skip (and log) any that is invalid or whose files are not."""
+        """Read every definition; skip (and log) any that is invalid. A model whose files
+        are not as registered is kept (its status says so), unless another folder has the
+        same id with its files whole."""
         models: dict[str, tuple[Path, dict]] = {}
         for dirpath, dirnames, filenames in os.walk(self.root):
             if DEFINITION not in filenames:
@@ -246,12 +306,14 @@ class Registry:
             except (OSError, ValueError, HTTPError) as exc:
                 log.warning("ignoring the model definition in %s: %s", folder, exc)
                 continue
-            problem = _incomplete(folder, d["files"])
-            if problem:
-                log.warning("ignoring model %s: %s", d["id"], problem)
-            elif d["id"] in models:
+            problem = _files_now(folder, d["files"])[2]
+            if problem:  # listed as missing or damaged (Registry._record), never dropped
+                log.warning("model %s: %s; %s", d["id"], problem, _again(d))
+            other = models.get(d["id"])
+            if other is not None and (problem or not _files_now(other[0],
+                                                                 other[1]["files"])[2]):
                 log.warning("ignoring model %s in %s: the id is also used in %s",
-                            d["id"], folder, models[d["id"]][0])
+                            d["id"], folder, other[0])
             else:
                 models[d["id"]] = (folder, _with_embedding(folder, d))
         return models
@@ -267,6 +329,14 @@ class Registry:
         record["size"] = sum(f["size"] for f in d["files"])
         record["path"] = str(folder)
         record["capabilities"] = capabilities(record)
+        signature, status, problem = _files_now(folder, d["files"])
+        with self._lock:
+            invalid = self._invalid.get(d["id"])
+        if status is None and invalid is not None and invalid[0] == signature:
+            status, problem = "invalid", invalid[1]
+        record["status"] = status or "downloaded"
+        if problem:
+            record["status_message"] = f"{problem}; {_again(d)}"
         if "upstreams" in d:  # an upstream's api_key is a secret: a record only says it is set
             record["upstreams"] = [{**{k: v for k, v in u.items() if k != "api_key"},
                                     "api_key_set": bool(u.get("api_key"))}
@@ -292,17 +362,31 @@ def _with_embedding(folder: Path, d: dict) -> dict:
     return {**d, "metadata": {**meta, "embedding": embedding}}
 
 
-def _incomplete(folder: Path, files: Iterable[dict]) -> str | None:
-    """Why a model's files are not all there, or None."""
+def _files_now(folder: Path, files: Iterable[dict]) -> tuple[tuple, str | None, str | None]:
+    """(signature, status, problem) of a model's files as they are now, a stat each: the
+    signature is each one's (path, size, mtime); the status None, or "missing" or
+    "damaged" (a size not the recorded one) with the problem naming the file."""
+    signature = []
     for f in files:
         path = folder / f["path"]
         try:
-            size = path.stat().st_size
+            st = path.stat()
         except OSError:
-            return f"{path} is missing"
-        if size != f["size"]:
-            return f"{path} has {size} bytes, not {f['size']}"
-    return None
+            return (), "missing", f"its file {path} is missing"
+        if st.st_size != f["size"]:
+            return (), "damaged", (f"its file {path} has {st.st_size} bytes, not the "
+                                   f"{f['size']} it had when it was registered")
+        signature.append((f["path"], st.st_size, st.st_mtime_ns))
+    return tuple(signature), None, None
+
+
+def _again(d: dict) -> str:
+    """What to do about a model whose files are missing, damaged or invalid."""
+    source = d.get("source", {})
+    if source.get("type") == "hub":
+        return f"pull it again (`localrt pull {d['id']}`) or remove it"
+    return (f"import it again (`localrt models import --path {source.get('path', 'PATH')} "
+            f"--id {d['id']}`) or remove it")
 
 
 def _same(key: str, given, record: dict) -> bool:

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
-from localrt.engines import ggufinfo
+from localrt.engines import ggufcheck, ggufinfo
 from localrt.errors import InvalidField
 from localrt.models.ids import quantization
 
@@ -157,6 +157,8 @@ def check_projector(path: str, model: Path) -> Path:
     """The projector GGUF at `path`, once it is one for images whose output size is the
     model GGUF's embedding size; else an InvalidField naming `mmproj` that says why.
 
+    A projector whose header breaks a rule of localrt.engines.ggufcheck is a 400
+    InvalidModelFile naming `mmproj`.
     The sizes are read from both headers, as llama.cpp's mtmd compares them when it
     loads the pair (clip_n_mmproj_embd against the model's input embedding size); a
     projector type whose output localrt cannot read is left to that check at start.
@@ -174,6 +176,10 @@ def check_projector(path: str, model: Path) -> Path:
     except (OSError, ggufinfo.GGUFError):
         raise bad(f"{path} is not a vision projector GGUF (mmproj): it has no "
                   f"clip.projector_type") from None
+    try:  # its header whole: llama.cpp's mtmd reads it in the server's process
+        ggufcheck.check(src, param=PROJECTOR.key)
+    except OSError as exc:
+        raise bad(f"{path} cannot be read: {exc.strerror or exc}") from None
     if not found.vision:
         raise bad(f"{path} is a {found.type} projector without a vision encoder "
                   f"(clip.has_vision_encoder); localrt takes images only")
