@@ -22,8 +22,13 @@ When the server listens beyond loopback, one client address may hold at most
 ``maxConnectionsPerClient`` connections; a connection past that is closed as soon as
 it is accepted, and counted (`on_refused`).
 
-Everything here runs in waitress's loop thread (accept, read, the sweep), except
-`Channel.service`, which runs in a worker thread. waitress is imported only by the
+The worker threads (`Dispatcher`) start as requests need them: the ones the kinds'
+limits need at once, and up to one more for each request that may wait for a place
+(maxQueuedRequests, localrt.admission), only when one comes, since hundreds of
+threads started with every server would double its start time.
+
+Everything here runs in waitress's loop thread (accept, read, the sweep, handing a
+request to a worker), except `Channel.service`, which runs in a worker thread. waitress is imported only by the
 server, so the CLI stays light.
 """
 
@@ -37,6 +42,7 @@ from waitress.adjustments import Adjustments
 from waitress.channel import HTTPChannel
 from waitress.parser import HTTPRequestParser
 from waitress.server import TcpWSGIServer
+from waitress.task import ThreadedTaskDispatcher
 
 from localrt import security
 from localrt.settings import Settings
@@ -54,9 +60,12 @@ def per_client_limit(settings: Settings, host: str) -> int | None:
     return None if security.is_loopback(host) else settings["maxConnectionsPerClient"]
 
 
-def connection_limit(open_files: int) -> int:
-    """waitress's connection_limit for a process that may hold `open_files` files."""
-    return max(MIN_CONNECTIONS, open_files - FD_RESERVE)
+def connection_limit(open_files: int, threads: int = 0) -> int:
+    """waitress's connection_limit for a process that may hold `open_files` files and
+    run `threads` worker threads: a connection for each of them, each held by a
+    request that lasts or waits, and MIN_CONNECTIONS more for the short ones, whose
+    connections would otherwise wait unaccepted."""
+    return max(MIN_CONNECTIONS + threads, open_files - FD_RESERVE)
 
 
 class _Request(HTTPRequestParser):
@@ -100,6 +109,40 @@ class Channel(HTTPChannel):
             self.server.disconnected(client)
 
 
+class Dispatcher(ThreadedTaskDispatcher):
+    """waitress's worker threads: `threads` started at once, and one more whenever a
+    request comes and none is idle, up to `most`. A thread started stays.
+
+    waitress's `lock` guards its threads, queue and counts, as in waitress; more
+    threads are started only in waitress's loop thread (`add_task`), and none once
+    `shutdown` has begun.
+    """
+
+    def __init__(self, threads: int, most: int):
+        super().__init__()
+        self.most = most
+        self._closing = False  # set by shutdown: no thread starts after it
+        self.set_thread_count(threads)
+
+    def add_task(self, task):
+        super().add_task(task)
+        with self.lock:
+            running = len(self.threads) - self.stop_count
+            idle = running - self.active_count
+            more = min(len(self.queue) - idle, self.most - running)
+            closing = self._closing
+        if more > 0 and not closing:
+            try:
+                self.set_thread_count(running + more)
+            except RuntimeError as exc:  # the machine is out of threads: a worker takes it
+                log.warning("cannot start a worker thread (%s); %d run", exc, running)
+
+    def shutdown(self, cancel_pending=True, timeout=5):
+        with self.lock:
+            self._closing = True
+        return super().shutdown(cancel_pending, timeout)
+
+
 class Server(TcpWSGIServer):
     """waitress's TCP server with the two clocks of `Channel` and a per-address limit.
 
@@ -111,11 +154,12 @@ class Server(TcpWSGIServer):
 
     def __init__(self, application, adj: Adjustments, request_timeout: float,
                  keep_alive: float, per_client: int | None = None,
-                 on_refused: Callable[[], None] = lambda: None):
+                 on_refused: Callable[[], None] = lambda: None,
+                 dispatcher: Dispatcher | None = None):
         self.request_timeout, self.keep_alive = request_timeout, keep_alive
         self.per_client, self.on_refused = per_client, on_refused
         self._clients: dict[str, int] = {}
-        super().__init__(application, adj=adj)
+        super().__init__(application, adj=adj, dispatcher=dispatcher)
 
     def handle_accept(self):
         try:
@@ -161,14 +205,22 @@ class Server(TcpWSGIServer):
 
 def make_server(app, host: str, port: int, threads: int, open_files: int,
                 request_timeout: float, keep_alive: float, per_client: int | None = None,
-                on_refused: Callable[[], None] = lambda: None) -> Server:
+                on_refused: Callable[[], None] = lambda: None, queued: int = 0) -> Server:
     """The API server bound to `host`:`port` (its first address, if it has several),
-    accepting as many connections as `open_files` allows, polled with poll(2)."""
-    adj = Adjustments(host=host, port=port, threads=threads, ident="localrt",
-                      connection_limit=connection_limit(open_files),
+    accepting as many connections as `open_files` allows, polled with poll(2), with
+    `threads` worker threads and up to `queued` more as requests wait (`Dispatcher`)."""
+    most = threads + queued
+    adj = Adjustments(host=host, port=port, threads=most, ident="localrt",
+                      connection_limit=connection_limit(open_files, most),
                       # select() cannot watch descriptors past 1024
                       asyncore_use_poll=True,
                       # read on while a request is served, to see its client hang up
                       channel_request_lookahead=1,
                       cleanup_interval=SWEEP_INTERVAL)
-    return Server(app, adj, request_timeout, keep_alive, per_client, on_refused)
+    dispatcher = Dispatcher(threads, most)
+    try:
+        return Server(app, adj, request_timeout, keep_alive, per_client, on_refused,
+                      dispatcher)
+    except BaseException:  # the address is taken: no thread outlives the server
+        dispatcher.shutdown()
+        raise
