@@ -25,15 +25,17 @@ it is accepted, and counted (`on_refused`).
 The worker threads (`Dispatcher`) start as requests need them: the ones the kinds'
 limits need at once, and up to one more for each request that may wait for a place
 (maxQueuedRequests, localrt.admission), only when one comes, since hundreds of
-threads started with every server would double its start time.
+threads started with every server would double its start time; those end again
+once idle.
 
 Everything here runs in waitress's loop thread (accept, read, the sweep, handing a
-request to a worker), except `Channel.service`, which runs in a worker thread. waitress is imported only by the
-server, so the CLI stays light.
+request to a worker), except `Channel.service` and `Dispatcher.handler_thread`, which
+run in worker threads. waitress is imported only by the server, so the CLI stays light.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from typing import Callable
@@ -52,6 +54,9 @@ log = logging.getLogger(__name__)
 SWEEP_INTERVAL = 1  # seconds between sweeps for timed-out connections (waitress wants an int)
 FD_RESERVE = 512    # open files kept for models, logs, downloads and engines, not connections
 MIN_CONNECTIONS = 100  # waitress's own default, for a process stuck with a tiny files limit
+# Seconds a worker thread past the standing ones waits for a task before it ends: a
+# burst's threads are gone soon after it, and one started again costs a millisecond.
+EXTRA_IDLE = 5.0
 
 
 def per_client_limit(settings: Settings, host: str) -> int | None:
@@ -110,32 +115,70 @@ class Channel(HTTPChannel):
 
 
 class Dispatcher(ThreadedTaskDispatcher):
-    """waitress's worker threads: `threads` started at once, and one more whenever a
-    request comes and none is idle, up to `most`. A thread started stays.
+    """waitress's worker threads: `threads` standing ones, started at once, and one more
+    whenever a request comes and none is idle, up to `most`; each of those ends once it
+    has idled `idle` seconds, so a server's threads come back to the standing ones.
 
-    waitress's `lock` guards its threads, queue and counts, as in waitress; more
-    threads are started only in waitress's loop thread (`add_task`), and none once
-    `shutdown` has begun.
+    waitress's `lock` guards its threads, queue and counts, as in waitress. Threads are
+    started only in waitress's loop thread (`add_task`), and none once `shutdown` has
+    begun. The standing threads are numbered from 0, the others after them.
     """
 
-    def __init__(self, threads: int, most: int):
+    def __init__(self, threads: int, most: int, idle: float = EXTRA_IDLE):
         super().__init__()
-        self.most = most
+        self.standing, self.most, self.idle = threads, most, idle
         self._closing = False  # set by shutdown: no thread starts after it
+        self._starting = 0  # threads started for a task that have not looked for one yet
         self.set_thread_count(threads)
 
     def add_task(self, task):
         super().add_task(task)
         with self.lock:
             running = len(self.threads) - self.stop_count
-            idle = running - self.active_count
-            more = min(len(self.queue) - idle, self.most - running)
-            closing = self._closing
-        if more > 0 and not closing:
+            # the tasks that no idle thread, nor one on its way, will take
+            wanted = len(self.queue) - (running - self.active_count) - self._starting
+            for _ in range(min(wanted, self.most - running) if not self._closing else 0):
+                number = next(n for n in itertools.count(self.standing)
+                              if n not in self.threads)
+                try:
+                    self.start_new_thread(self.handler_thread, number)
+                except RuntimeError as exc:  # out of threads: the running ones take it
+                    log.warning("cannot start a worker thread (%s); %d run", exc, running)
+                    break
+                self.threads.add(number)
+                self.active_count += 1  # as set_thread_count counts one started
+                self._starting += 1
+
+    def handler_thread(self, thread_no):
+        """waitress's worker loop, for a standing thread; another also ends once it has
+        waited `idle` seconds for a task."""
+        if thread_no < self.standing:
+            return super().handler_thread(thread_no)
+        started = True
+        while True:
+            with self.lock:
+                if started:  # it takes a task now, or waits as an idle thread
+                    self._starting -= 1
+                    started = False
+                while not self.queue and self.stop_count == 0:
+                    self.active_count -= 1
+                    woken = self.queue_cv.wait(self.idle)
+                    self.active_count += 1
+                    if not woken and not self.queue and self.stop_count == 0:
+                        self.active_count -= 1
+                        self.threads.discard(thread_no)
+                        return
+                if self.stop_count > 0:  # shutdown, as waitress's own threads leave
+                    self.active_count -= 1
+                    self.stop_count -= 1
+                    self.threads.discard(thread_no)
+                    self.thread_exit_cv.notify()
+                    return
+                task = self.queue.popleft()
             try:
-                self.set_thread_count(running + more)
-            except RuntimeError as exc:  # the machine is out of threads: a worker takes it
-                log.warning("cannot start a worker thread (%s); %d run", exc, running)
+                task.service()
+            except BaseException:
+                self.logger.exception("Exception when servicing %r", task)
 
     def shutdown(self, cancel_pending=True, timeout=5):
         with self.lock:

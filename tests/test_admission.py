@@ -3,10 +3,11 @@
 Chats, completions and embeddings each admit at most a fixed number of requests at once
 (localrt.admission.Admission); past that, with no room to wait (maxQueuedRequests 0,
 as every test here sets: the wall itself), a request is a 503 that names its kind and
-the limit, with Retry-After. The queue in front of the wall is tests/test_queue.py's. A remote model's request counts in the same admission
-as a local one, and the dialect routes that go through chat, completion or embedding
-give that 503 in their own error shape. GET /v1/events has its own limit, on open
-event streams (localrt.events.EventBus).
+the limit, with Retry-After (the queue in front of the wall is tests/test_queue.py's).
+A remote model's request counts in the same admission as a local one, and the dialect
+routes that go through chat, completion or embedding give that 503 in their own error
+shape. GET /v1/events has its own limit, on open event streams
+(localrt.events.EventBus).
 
 A test takes every slot but the ones it needs by entering the real admission itself,
 as that many requests in progress would, and gives them back after, so no test has to
