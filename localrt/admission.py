@@ -46,9 +46,6 @@ LIMITS = {
     "events": 4,       # open GET /v1/events streams
     "pull": 4,         # Ollama /api/pull replies following their download
 }
-# The kinds whose requests wait in the Queue past their limit; the others are a 503 at
-# once (see the module's docstring).
-QUEUED_KINDS = ("chat", "completion", "embedding")
 # Worker threads no long-lived reply may hold: with every kind at its limit and the
 # queue full, these still answer the short requests (listings, status, /healthz,
 # config, a model start).
@@ -56,6 +53,7 @@ SPARE_THREADS = 8
 # Seconds between looks at whether a waiting request's client is still there.
 DISCONNECT_POLL = 0.2
 
+# The 503's words with no room to wait, and with a queue that is full.
 WALL = "Too many {what} requests in progress (at most {limit}); retry shortly"
 FULL = ("Too many {what} requests in progress (at most {limit}) and too many requests "
         "waiting for a place (at most {queued}, maxQueuedRequests); retry shortly")
