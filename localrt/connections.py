@@ -22,13 +22,20 @@ When the server listens beyond loopback, one client address may hold at most
 ``maxConnectionsPerClient`` connections; a connection past that is closed as soon as
 it is accepted, and counted (`on_refused`).
 
-Everything here runs in waitress's loop thread (accept, read, the sweep), except
-`Channel.service`, which runs in a worker thread. waitress is imported only by the
-server, so the CLI stays light.
+The worker threads (`Dispatcher`) start as requests need them: the ones the kinds'
+limits need at once, and up to one more for each request that may wait for a place
+(maxQueuedRequests, localrt.admission), only when one comes, since hundreds of
+threads started with every server would double its start time; those end again
+once idle.
+
+Everything here runs in waitress's loop thread (accept, read, the sweep, handing a
+request to a worker), except `Channel.service` and `Dispatcher.handler_thread`, which
+run in worker threads. waitress is imported only by the server, so the CLI stays light.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from typing import Callable
@@ -37,6 +44,7 @@ from waitress.adjustments import Adjustments
 from waitress.channel import HTTPChannel
 from waitress.parser import HTTPRequestParser
 from waitress.server import TcpWSGIServer
+from waitress.task import ThreadedTaskDispatcher
 
 from localrt import security
 from localrt.settings import Settings
@@ -46,6 +54,9 @@ log = logging.getLogger(__name__)
 SWEEP_INTERVAL = 1  # seconds between sweeps for timed-out connections (waitress wants an int)
 FD_RESERVE = 512    # open files kept for models, logs, downloads and engines, not connections
 MIN_CONNECTIONS = 100  # waitress's own default, for a process stuck with a tiny files limit
+# Seconds a worker thread past the standing ones waits for a task before it ends: a
+# burst's threads are gone soon after it, and one started again costs a millisecond.
+EXTRA_IDLE = 5.0
 
 
 def per_client_limit(settings: Settings, host: str) -> int | None:
@@ -54,9 +65,12 @@ def per_client_limit(settings: Settings, host: str) -> int | None:
     return None if security.is_loopback(host) else settings["maxConnectionsPerClient"]
 
 
-def connection_limit(open_files: int) -> int:
-    """waitress's connection_limit for a process that may hold `open_files` files."""
-    return max(MIN_CONNECTIONS, open_files - FD_RESERVE)
+def connection_limit(open_files: int, threads: int = 0) -> int:
+    """waitress's connection_limit for a process that may hold `open_files` files and
+    run `threads` worker threads: a connection for each of them, each held by a
+    request that lasts or waits, and MIN_CONNECTIONS more for the short ones, whose
+    connections would otherwise wait unaccepted."""
+    return max(MIN_CONNECTIONS + threads, open_files - FD_RESERVE)
 
 
 class _Request(HTTPRequestParser):
@@ -100,6 +114,78 @@ class Channel(HTTPChannel):
             self.server.disconnected(client)
 
 
+class Dispatcher(ThreadedTaskDispatcher):
+    """waitress's worker threads: `threads` standing ones, started at once, and one more
+    whenever a request comes and none is idle, up to `most`; each of those ends once it
+    has idled `idle` seconds, so a server's threads come back to the standing ones.
+
+    waitress's `lock` guards its threads, queue and counts, as in waitress. Threads are
+    started only in waitress's loop thread (`add_task`), and none once `shutdown` has
+    begun. The standing threads are numbered from 0, the others after them.
+    """
+
+    def __init__(self, threads: int, most: int, idle: float = EXTRA_IDLE):
+        super().__init__()
+        self.standing, self.most, self.idle = threads, most, idle
+        self._closing = False  # set by shutdown: no thread starts after it
+        self._starting = 0  # threads started for a task that have not looked for one yet
+        self.set_thread_count(threads)
+
+    def add_task(self, task):
+        super().add_task(task)
+        with self.lock:
+            running = len(self.threads) - self.stop_count
+            # the tasks that no idle thread, nor one on its way, will take
+            wanted = len(self.queue) - (running - self.active_count) - self._starting
+            for _ in range(min(wanted, self.most - running) if not self._closing else 0):
+                number = next(n for n in itertools.count(self.standing)
+                              if n not in self.threads)
+                try:
+                    self.start_new_thread(self.handler_thread, number)
+                except RuntimeError as exc:  # out of threads: the running ones take it
+                    log.warning("cannot start a worker thread (%s); %d run", exc, running)
+                    break
+                self.threads.add(number)
+                self.active_count += 1  # as set_thread_count counts one started
+                self._starting += 1
+
+    def handler_thread(self, thread_no):
+        """waitress's worker loop, for a standing thread; another also ends once it has
+        waited `idle` seconds for a task."""
+        if thread_no < self.standing:
+            return super().handler_thread(thread_no)
+        started = True
+        while True:
+            with self.lock:
+                if started:  # it takes a task now, or waits as an idle thread
+                    self._starting -= 1
+                    started = False
+                while not self.queue and self.stop_count == 0:
+                    self.active_count -= 1
+                    woken = self.queue_cv.wait(self.idle)
+                    self.active_count += 1
+                    if not woken and not self.queue and self.stop_count == 0:
+                        self.active_count -= 1
+                        self.threads.discard(thread_no)
+                        return
+                if self.stop_count > 0:  # shutdown, as waitress's own threads leave
+                    self.active_count -= 1
+                    self.stop_count -= 1
+                    self.threads.discard(thread_no)
+                    self.thread_exit_cv.notify()
+                    return
+                task = self.queue.popleft()
+            try:
+                task.service()
+            except BaseException:
+                self.logger.exception("Exception when servicing %r", task)
+
+    def shutdown(self, cancel_pending=True, timeout=5):
+        with self.lock:
+            self._closing = True
+        return super().shutdown(cancel_pending, timeout)
+
+
 class Server(TcpWSGIServer):
     """waitress's TCP server with the two clocks of `Channel` and a per-address limit.
 
@@ -111,11 +197,12 @@ class Server(TcpWSGIServer):
 
     def __init__(self, application, adj: Adjustments, request_timeout: float,
                  keep_alive: float, per_client: int | None = None,
-                 on_refused: Callable[[], None] = lambda: None):
+                 on_refused: Callable[[], None] = lambda: None,
+                 dispatcher: Dispatcher | None = None):
         self.request_timeout, self.keep_alive = request_timeout, keep_alive
         self.per_client, self.on_refused = per_client, on_refused
         self._clients: dict[str, int] = {}
-        super().__init__(application, adj=adj)
+        super().__init__(application, adj=adj, dispatcher=dispatcher)
 
     def handle_accept(self):
         try:
@@ -161,14 +248,22 @@ class Server(TcpWSGIServer):
 
 def make_server(app, host: str, port: int, threads: int, open_files: int,
                 request_timeout: float, keep_alive: float, per_client: int | None = None,
-                on_refused: Callable[[], None] = lambda: None) -> Server:
+                on_refused: Callable[[], None] = lambda: None, queued: int = 0) -> Server:
     """The API server bound to `host`:`port` (its first address, if it has several),
-    accepting as many connections as `open_files` allows, polled with poll(2)."""
-    adj = Adjustments(host=host, port=port, threads=threads, ident="localrt",
-                      connection_limit=connection_limit(open_files),
+    accepting as many connections as `open_files` allows, polled with poll(2), with
+    `threads` worker threads and up to `queued` more as requests wait (`Dispatcher`)."""
+    most = threads + queued
+    adj = Adjustments(host=host, port=port, threads=most, ident="localrt",
+                      connection_limit=connection_limit(open_files, most),
                       # select() cannot watch descriptors past 1024
                       asyncore_use_poll=True,
                       # read on while a request is served, to see its client hang up
                       channel_request_lookahead=1,
                       cleanup_interval=SWEEP_INTERVAL)
-    return Server(app, adj, request_timeout, keep_alive, per_client, on_refused)
+    dispatcher = Dispatcher(threads, most)
+    try:
+        return Server(app, adj, request_timeout, keep_alive, per_client, on_refused,
+                      dispatcher)
+    except BaseException:  # the address is taken: no thread outlives the server
+        dispatcher.shutdown()
+        raise

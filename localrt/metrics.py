@@ -5,8 +5,9 @@ each request when its reply's body closes (`observe_request`), and chat times ea
 completion on a `Clock`, which counts its tokens and times when it ends
 (`observe_completion`). The rest are read when a scrape comes (`render`): running
 models and their sequences from the scheduler's status rows, download totals from
-`Downloads.stats`, and this process's memory and open files from /proc. A scrape
-touches no engine.
+`Downloads.stats`, each kind's requests in progress and waiting for a place from its
+admission (localrt.admission), and this process's memory and open files from /proc.
+A scrape touches no engine.
 
 Written by hand rather than with prometheus_client: the text format is small, the
 project adds no runtime dependency for it, and the tests parse this text with
@@ -123,14 +124,17 @@ class Metrics:
 
     `running` is the scheduler's status (one row per running model, with "requests":
     those holding or waiting for a slot, and "slots": how many it serves at once, one
-    when it does not say); `downloads` gives {"bytes", "active"}. Both are read only
+    when it does not say); `downloads` gives {"bytes", "active"}; `admissions` gives
+    {kind: (requests in progress, requests waiting for a place)}. All are read only
     when a scrape comes.
     """
 
     def __init__(self, running: Callable[[], list[dict]] = list,
-                 downloads: Callable[[], dict] = lambda: {"bytes": 0, "active": 0}):
+                 downloads: Callable[[], dict] = lambda: {"bytes": 0, "active": 0},
+                 admissions: Callable[[], dict[str, tuple[int, int]]] = dict):
         self._running = running
         self._downloads = downloads
+        self._admissions = admissions
         self.requests = Counter("localrt_http_requests_total",
                                 "HTTP requests answered, by route pattern, method and status",
                                 ("route", "method", "status"))
@@ -188,7 +192,7 @@ class Metrics:
 
     def _read(self) -> tuple:
         """The families read now: each source once."""
-        rows, downloads = self._running(), self._downloads()
+        rows, downloads, admissions = self._running(), self._downloads(), self._admissions()
         # A model generates for as many requests as it has slots; the rest wait.
         sequences = [(row["id"], row.get("requests", 0), row.get("slots") or 1)
                      for row in rows]
@@ -198,6 +202,14 @@ class Metrics:
                   [({"model": m}, min(n, slots)) for m, n, slots in sequences]),
             Gauge("localrt_sequences_queued", "Requests waiting for a running model",
                   [({"model": m}, max(n - slots, 0)) for m, n, slots in sequences]),
+            Gauge("localrt_requests_in_progress",
+                  "Requests of each kind holding a place: generating, streaming or "
+                  "waiting for their model's turn",
+                  [({"kind": k}, held) for k, (held, _) in sorted(admissions.items())]),
+            Gauge("localrt_requests_queued",
+                  "Requests of each kind waiting for a place, their kind at its limit "
+                  "(maxQueuedRequests bounds them all together)",
+                  [({"kind": k}, waiting) for k, (_, waiting) in sorted(admissions.items())]),
             ReadCounter("localrt_draft_tokens_total",
                         "Speculative decoding's draft tokens proposed, by model (since it "
                         "started)", [({"model": row["id"]}, row["speculative"]["drafted"])

@@ -35,10 +35,14 @@ LOG_NAME = "localrt.log"
 STDERR_NAME = "server-stderr.log"  # a detached server's raw stderr: crashes before logging starts
 LOG_MAX_BYTES = 10 * 1024 * 1024
 LOG_BACKUPS = 5
-# Waitress worker threads: one for each request the kinds' limits admit (chats,
-# completions, embeddings, event streams, Ollama pulls: localrt.admission.LIMITS), each
-# holding its thread while it lasts, and SPARE_THREADS that keep the rest of the API
-# answering when every kind is at its limit. Derived, so a limit raised raises it too.
+# Waitress worker threads started with the server: one for each request the kinds'
+# limits admit (chats, completions, embeddings, event streams, Ollama pulls:
+# localrt.admission.LIMITS), each holding its thread while it lasts, and SPARE_THREADS
+# that keep the rest of the API answering when every kind is at its limit. Derived, so
+# a limit raised raises it too. Up to maxQueuedRequests more start as requests wait for
+# a place, one each (threads_for(LIMITS, maxQueuedRequests) in all), so SPARE_THREADS
+# still answer with the queue full; only then, since each start costs about a
+# millisecond (localrt.connections.Dispatcher).
 THREADS = threads_for(LIMITS)
 # Open files the server asks for at most: each connection is one, and poll() walks them all
 # on every turn of waitress's loop, so past this many a flood would slow every reply anyway.
@@ -223,7 +227,8 @@ def serve(settings: Settings, host: str | None = None, port: int | None = None,
         server = connections.make_server(
             app, host, port, THREADS, open_files, settings["requestTimeout"],
             settings["keepAliveTimeout"], connections.per_client_limit(settings, host),
-            app.services.metrics.connections_refused.inc)
+            app.services.metrics.connections_refused.inc,
+            queued=settings["maxQueuedRequests"])
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise PortInUse(f"Port {port} on {host} is already in use by another program") from None

@@ -18,12 +18,15 @@ nothing is assigned to it afterwards:
     pulls       pulls from the hub, which download with `downloads` and add to the
                 registry once the scheduler's child loaded the files
     imports     imports of local files and folders, which add to the registry the same way
-    metrics     what GET /metrics says: reads the scheduler's status and the downloads'
-                totals at scrape time; the app counts requests in it
+    metrics     what GET /metrics says: reads the scheduler's status, the downloads'
+                totals and the admissions' counts at scrape time; the app counts
+                requests in it
     remotes     remote models: their upstreams' health, and forwarding their chats
     requests    the one path of chats, completions and embeddings: the model's record,
                 remote (through `remotes`) or local (a lease from the `scheduler`),
-                timed in `metrics`; dialects start models and set keep-alives here
+                timed in `metrics`, and the one queue (maxQueuedRequests) their
+                requests wait in past their kind's limit; dialects start models and
+                set keep-alives here
     chats       chat completions on the scheduler's models, each counted in `metrics`;
                 their images read under the settings and the config's outbound options
     completions text completions (the legacy API) on the same models
@@ -31,7 +34,8 @@ nothing is assigned to it afterwards:
     responses   the Responses API's stored responses (localrt.dialects.responses.Store)
     ollama_names  Ollama's model names over the registry (localrt.dialects.ollama_models)
     admissions  each long-lived kind's Admission by name (localrt.admission.LIMITS): the
-                chats', completions', embeddings' and event bus's own, and Ollama's pulls'
+                chats', completions', embeddings' (which share the requests' queue) and
+                event bus's own, and Ollama's pulls'
 
 Handlers (localrt.api) get the `Services` and call these objects directly.
 """
@@ -42,7 +46,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from localrt import security
-from localrt.admission import LIMITS, Admission
+from localrt.admission import LIMITS, Admission, Queue
 from localrt.inference.chat import Chats
 from localrt.inference.completions import Completions
 from localrt.config import Config
@@ -115,7 +119,7 @@ def build_services(settings: Settings, *, shutdown: Callable[[], None] | None = 
     """Every domain object for these settings. `shutdown` stops the server (None when
     it cannot stop itself); `hardware` replaces detection and `run_probe(path, hw)` the
     gguf-cpp build check; `limits` replaces some of localrt.admission.LIMITS, for a
-    server run with threads_for(them) threads (tests pass them in)."""
+    server run with threads_for(them, maxQueuedRequests) threads (tests pass them in)."""
     unknown = set(limits or {}) - set(LIMITS)
     if unknown:
         raise ValueError(f"no such kind of request: {', '.join(sorted(unknown))}")
@@ -141,11 +145,15 @@ def build_services(settings: Settings, *, shutdown: Callable[[], None] | None = 
     # Both have a child load a model's files before they register it.
     pulls = Pulls(settings, config, downloads, registry, vet=scheduler.vet_new)
     imports = Imports(registry, vet=scheduler.vet_new)
-    metrics = Metrics(running=scheduler.status, downloads=downloads.stats)
+    # Each kind's counts are read at scrape time, from the admissions built below.
+    metrics = Metrics(running=scheduler.status, downloads=downloads.stats,
+                      admissions=lambda: {kind: (a.in_progress, a.queued)
+                                          for kind, a in admissions.items()})
     remotes = Remotes(registry, engines, config.get, lambda: settings["upstreamTimeout"],
                       lambda: security.secrets_of(settings.snapshot()),
                       lambda: (settings["apiServerHost"], settings["apiServerPort"]))
-    requests = RequestPath(registry, engines, scheduler, remotes, metrics)
+    requests = RequestPath(registry, engines, scheduler, remotes, metrics,
+                           Queue(settings["maxQueuedRequests"]))
     chats = Chats(requests, limits["chat"],
                   Images(config.get, lambda: Policy.of(settings)))
     completions = Completions(requests, limits["completion"])

@@ -83,6 +83,14 @@ def _positive_int(value: Any) -> int:
     return value
 
 
+def _places(value: Any) -> int:
+    """Requests that may wait: each holds a connection, so never more than the open
+    files the server asks for (localrt.server.OPEN_FILES_CAP)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65536:
+        raise ValueError(f"expected a whole number from 0 to 65536, got {value!r}")
+    return value
+
+
 def _mebibytes(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 30:
         raise ValueError("must be a whole number of MiB, 0 or more")
@@ -190,6 +198,10 @@ KEYS: tuple[Key, ...] = (
         env="LOCALRT_ENGINE_INDEX_URL"),
     Key("maxRunningModels", _positive_int, 2,
         "models loaded at once; starting one more unloads the least recently used"),
+    # 512: Ollama's OLLAMA_MAX_QUEUE. One bound for all kinds (localrt.admission.Queue).
+    Key("maxQueuedRequests", _places, 512,
+        "chat, completion and embedding requests that may wait, all kinds together, "
+        "for a place once their kind is at its limit; past that, a 503 (0: no waiting)"),
     Key("keepAlive", _minutes, 0.0,
         "unload a model idle this long: minutes, or 30s/5m/1h; 0 keeps models loaded"),
     # llama-server's --cache-ram keeps 8 GiB; a 2-core machine's models are smaller.

@@ -1,11 +1,13 @@
 """Too many requests in progress: the 503 of each kind, through the WSGI app.
 
 Chats, completions and embeddings each admit at most a fixed number of requests at once
-(localrt.inference.scheduler.Admission); past that a request is a 503 that names its kind
-and the limit, with Retry-After. A remote model's request counts in the same admission
-as a local one, and the dialect routes that go through chat, completion or embedding
-give that 503 in their own error shape. GET /v1/events has its own limit, on open
-event streams (localrt.events.EventBus).
+(localrt.admission.Admission); past that, with no room to wait (maxQueuedRequests 0,
+as every test here sets: the wall itself), a request is a 503 that names its kind and
+the limit, with Retry-After (the queue in front of the wall is tests/test_queue.py's).
+A remote model's request counts in the same admission as a local one, and the dialect
+routes that go through chat, completion or embedding give that 503 in their own error
+shape. GET /v1/events has its own limit, on open event streams
+(localrt.events.EventBus).
 
 A test takes every slot but the ones it needs by entering the real admission itself,
 as that many requests in progress would, and gives them back after, so no test has to
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import io
 import json
-import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -36,10 +37,11 @@ from emulators.ggufgen import write_gguf
 from emulators.hubemu import HubEmulator
 from support.apps import bind, events
 from support.models import NO_EOS
-from support.servers import free_port, send
+from support.servers import free_port, raw_request, send, waitress_server
 from support.waiting import Leaving, wait_for
 
-from localrt import connections, server
+from localrt import server
+from localrt import settings as settings_mod
 from localrt.admission import LIMITS, SPARE_THREADS, ClientGone, never, threads_for
 from localrt.app import create_app
 from localrt.dialects import openai
@@ -67,6 +69,14 @@ DIALECTS = {
                             {"prompt": "hello", "raw": True, "options": {"num_predict": 4}}),
     "ollama-embed": ("/api/embed", "embeddings", {"input": "the quick brown fox"}),
 }
+
+
+@pytest.fixture
+def settings(home):
+    """The settings with no queue: past its limit a request is a 503 at once."""
+    settings = settings_mod.load()
+    settings.update({"maxQueuedRequests": 0})
+    return settings
 
 
 @pytest.fixture(scope="module")
@@ -250,11 +260,11 @@ def open_stream(app, path, body=None, method="POST"):
 
 LOW = {kind: 1 for kind in LIMITS}  # every kind at its limit with one request each
 PATIENCE = 30.0  # seconds any one event may take on a busy machine; none should take long
-LONG = 3600  # seconds: a connection timeout no test outlives
 
 
 def test_the_limits_leave_threads_for_short_requests(app):
     assert server.THREADS == threads_for(LIMITS) == sum(LIMITS.values()) + SPARE_THREADS
+    assert threads_for(LIMITS, 512) == server.THREADS + 512  # a thread per queued request
     assert SPARE_THREADS >= 4
     assert {kind: a.limit for kind, a in app.services.admissions.items()} == LIMITS
     assert LIMITS == {"chat": 16, "completion": 8, "embedding": 8, "events": 4, "pull": 4}
@@ -286,29 +296,9 @@ def slow_hub():
 @contextmanager
 def real_server(app, limits):
     """localrt.connections' server for `app` on loopback, in a thread, with the threads
-    those limits need (localrt.server derives THREADS the same way)."""
-    from waitress import wasyncore
-
-    srv = connections.make_server(app, "127.0.0.1", 0, threads_for(limits), 1024, LONG, LONG)
-    loop = threading.Thread(target=srv.run, daemon=True)
-    loop.start()
-    try:
-        yield f"http://127.0.0.1:{srv.effective_port}", int(srv.effective_port)
-    finally:
-        srv.trigger.pull_trigger(lambda: wasyncore.close_all(srv._map))  # ends the loop
-        loop.join(PATIENCE)
-        srv.task_dispatcher.shutdown()
-
-
-def raw_request(port, method, path, body=None) -> socket.socket:
-    """A request sent on its own connection, its reply left unread."""
-    sock = socket.create_connection(("127.0.0.1", port), timeout=PATIENCE)
-    data = b"" if body is None else json.dumps(body).encode()
-    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(data)}\r\n"
-    if body is not None:
-        head += "Content-Type: application/json\r\n"
-    sock.sendall(head.encode() + b"\r\n" + data)
-    return sock
+    those limits need (localrt.server derives THREADS the same way) and no queue."""
+    with waitress_server(app, threads_for(limits)) as srv:
+        yield srv.url, srv.port
 
 
 @pytest.fixture

@@ -57,8 +57,9 @@ class Chats:
     """Turns chat requests (native.Request) into replies (native.Reply) on the
     scheduler's running models.
 
-    At most `max_requests` chats are in progress (generating or queued) at once: each
-    holds a server thread, and the rest of the API needs some. Past that, a 503.
+    At most `max_requests` chats are in progress (generating or waiting for their turn)
+    at once: each holds a server thread, and the rest of the API needs some. Past that
+    a chat waits for a place in line, and past the queue it is a 503 (localrt.admission).
     Each completion is timed and counted in /metrics (its Clock). A request takes the
     one path of localrt.inference.requests: a remote model's goes to its upstreams.
     """
@@ -66,7 +67,7 @@ class Chats:
     def __init__(self, path: RequestPath, max_requests: int = LIMITS["chat"],
                  images: media_mod.Images | None = None):
         self._path = path
-        self.kind = Kind("chat", "/chat/completions", max_requests)
+        self.kind = Kind("chat", "/chat/completions", max_requests, queue=path.queue)
         self.admission = self.kind.admission
         # Reads the images of a request (localrt.inference.media); the default one
         # fetches with no proxy, under the settings' defaults.

@@ -51,14 +51,15 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's, when neither the request nor the model says
 class Completions:
     """Turns completion requests into generations on the scheduler's running models.
 
-    At most `max_requests` are in progress (generating or queued) at once: each holds a
-    server thread (localrt.server.THREADS). Past that, a 503. A request takes the one
+    At most `max_requests` are in progress (generating or waiting for their turn) at
+    once: each holds a server thread (localrt.server). Past that a request waits for a
+    place in line, and past the queue it is a 503 (localrt.admission). It takes the one
     path of localrt.inference.requests: a remote model's goes to its upstreams.
     """
 
     def __init__(self, path: RequestPath, max_requests: int = LIMITS["completion"]):
         self._path = path
-        self.kind = Kind("completion", "/completions", max_requests)
+        self.kind = Kind("completion", "/completions", max_requests, queue=path.queue)
         self.admission = self.kind.admission
 
     def create(self, request: native.TextRequest, disconnected: Disconnected = never):

@@ -49,14 +49,16 @@ class ModelNotEmbedding(Conflict):
 class Embeddings:
     """Turns embedding requests into batches on the scheduler's running models.
 
-    At most `max_requests` are in progress (computing or queued) at once: each holds a
-    server thread (localrt.server.THREADS). Past that, a 503. A request takes the one
+    At most `max_requests` are in progress (computing or waiting for their turn) at
+    once: each holds a server thread (localrt.server). Past that a request waits for a
+    place in line, and past the queue it is a 503 (localrt.admission). It takes the one
     path of localrt.inference.requests (untimed: /metrics counts generations only).
     """
 
     def __init__(self, path: RequestPath, max_requests: int = LIMITS["embedding"]):
         self._path = path
-        self.kind = Kind("embedding", "/embeddings", max_requests, timed=False)
+        self.kind = Kind("embedding", "/embeddings", max_requests, timed=False,
+                         queue=path.queue)
         self.admission = self.kind.admission
 
     def create(self, body: dict, disconnected: Disconnected = never) -> dict:

@@ -11,7 +11,9 @@ Each of the three kinds takes the same steps, written here once:
              lease) and makes the reply (native events for chat and completions)
 
 A request holds its place in the kind's admission (localrt.admission) until its reply
-is closed: a streamed one until the server closes it. `disconnected()`, the app's
+is closed: a streamed one until the server closes it. Past the kind's limit it waits
+for a place in the kind's line, and the three kinds' lines share one bound
+(`RequestPath.queue`, maxQueuedRequests). `disconnected()`, the app's
 look at the client's connection, ends a wait for a turn or an upstream, and a
 generation, once the client has gone (localrt.admission.ClientGone).
 
@@ -31,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from localrt.admission import Admission, Disconnected, never
+from localrt.admission import Admission, Disconnected, Queue, never
 from localrt.inference.running import Lease
 from localrt.inference.scheduler import ModelNotRunning
 from localrt.metrics import Clock
@@ -40,17 +42,19 @@ from localrt.metrics import Clock
 @dataclass
 class Kind:
     """One kind of generation request: its name in messages, its path under an
-    upstream's /v1, whether /metrics counts it, and the limit on those in progress
-    (localrt.admission.LIMITS by default)."""
+    upstream's /v1, whether /metrics counts it, the limit on those in progress
+    (localrt.admission.LIMITS by default), and the queue its requests wait in past
+    that limit (RequestPath.queue; None: a 503 at once)."""
 
     name: str
     path: str
     max_requests: int
     timed: bool = True
+    queue: Queue | None = None
     admission: Admission = field(init=False)
 
     def __post_init__(self):
-        self.admission = Admission(self.name, self.max_requests)
+        self.admission = Admission(self.name, self.max_requests, queue=self.queue)
 
 
 @dataclass
@@ -83,12 +87,16 @@ class Local:
 class RequestPath:
     """The steps every chat, completion and embedding request shares (see the module)."""
 
-    def __init__(self, registry, engines, scheduler, remotes, metrics=None):
+    def __init__(self, registry, engines, scheduler, remotes, metrics=None,
+                 queue: Queue | None = None):
         self.registry = registry
         self.engines = engines
         self.scheduler = scheduler
         self.remotes = remotes  # localrt.remote.remotes.Remotes
         self.metrics = metrics
+        # The bound on requests of its kinds waiting for a place, all kinds together
+        # (localrt.admission.Queue); None: past its limit a kind's request is a 503.
+        self.queue = queue
 
     def serve(self, kind: Kind, model_id: str, local: Callable[[Local], object],
               remote: Callable[[Callable[[dict], object]], object],

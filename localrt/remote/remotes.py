@@ -450,7 +450,7 @@ class Remotes:
         `clock` times and counts it in /metrics; a wait for an upstream with room ends
         when `disconnected()` says the client has gone."""
         pool = self._pool(record["id"])
-        admission.enter()
+        admission.enter(disconnected)
         try:
             exchange, first = self._exchange(pool, record["id"], body, path, clock,
                                              disconnected)

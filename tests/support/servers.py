@@ -10,11 +10,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from socketserver import ThreadingMixIn
+from types import SimpleNamespace
 from urllib.parse import urlsplit
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
@@ -88,6 +91,46 @@ def run_foreground_server(home: Path, extra=()) -> Server:
     except RuntimeError as exc:
         raise AssertionError(f"{exc}: {process.stderr.read().decode()}") from None
     return Server(process, address.url, address.port, settings)
+
+
+LONG = 3600  # seconds: a connection timeout no test outlives
+
+
+@contextmanager
+def waitress_server(app, threads: int, queued: int = 0, timeout: float = LONG):
+    """localrt.connections' server for `app` on loopback, in a thread of this process,
+    as localrt.server.serve makes it: `threads` worker threads and up to `queued` more
+    as requests wait, its connections' clocks `timeout` seconds. Yields (url, port,
+    server); the server and its threads end after."""
+    from localrt import connections
+    from waitress import wasyncore
+
+    srv = connections.make_server(app, "127.0.0.1", 0, threads, 1024, timeout, timeout,
+                                  queued=queued)
+    loop = threading.Thread(target=srv.run, daemon=True)
+    loop.start()
+    try:
+        port = int(srv.effective_port)
+        yield SimpleNamespace(url=f"http://127.0.0.1:{port}", port=port, server=srv)
+    finally:
+        srv.trigger.pull_trigger(lambda: wasyncore.close_all(srv._map))  # ends the loop
+        loop.join(30)
+        srv.task_dispatcher.shutdown()
+
+
+def raw_request(port: int, method: str, path: str, body=None, timeout: float = 30,
+                close: bool = False) -> socket.socket:
+    """A request sent on its own connection, its reply left unread; `close` asks the
+    server to close the connection after its reply, so the reply ends at EOF."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    data = b"" if body is None else json.dumps(body).encode()
+    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(data)}\r\n"
+    if body is not None:
+        head += "Content-Type: application/json\r\n"
+    if close:
+        head += "Connection: close\r\n"
+    sock.sendall(head.encode() + b"\r\n" + data)
+    return sock
 
 
 class QuietHandler(WSGIRequestHandler):
