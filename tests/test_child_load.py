@@ -1,8 +1,8 @@
 """The first load of a model file happens in a child process (issue 38, item 1).
 
-Real llama.cpp on tiny generated GGUFs: a file whose one weight is typed I32 in an
-otherwise perfect header passes every header check and loads, then crashes llama.cpp
-(SIGSEGV) at its first decode; a file that lacks a tensor is refused by llama.cpp's
+Real llama.cpp on tiny generated GGUFs: a file whose RMS-norm epsilon is NaN (which
+model_fuzz found) passes every header check (localrt.engines.ggufcheck) and loads,
+then aborts llama.cpp (SIGABRT, ggml's `eps >= 0` assert) at its first decode; a file that lacks a tensor is refused by llama.cpp's
 loader in its own words. Each is refused with 400 invalid_model_file by the import,
 the pull's end and the start, from a child's load, while the server and another
 model's stream go on; a file a child loaded is never loaded by a child again (the
@@ -16,8 +16,8 @@ import os
 import shutil
 
 import gguf
-import numpy as np
 import pytest
+from emulators import ggufmutate
 from emulators.ggufgen import write_gguf
 from support.models import NO_DRAFTS, NO_EOS
 from support.servers import RawStream, send
@@ -29,7 +29,7 @@ from support.apps import bind
 
 pytestmark = pytest.mark.live  # real children, real loads
 
-CRASHED = "the engine crashed (signal 11) while loading it"
+CRASHED = "the engine crashed (signal 6) while loading it"
 
 
 def _write_with(path, change):
@@ -50,14 +50,17 @@ def _write_with(path, change):
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """A good tiny model; one whose attn_q weight is typed I32 (same size, a perfect
-    header: llama.cpp segfaults at its first decode); one without ffn_up."""
+    """A good tiny model; one whose RMS-norm epsilon is NaN (the same size, a header
+    that passes every check: llama.cpp aborts at its first decode); one without ffn_up."""
     root = tmp_path_factory.mktemp("child-load")
-    i32 = _write_with(root / "i32.gguf", lambda name, a: np.zeros(a.shape, np.int32)
-                      if name == "blk.0.attn_q.weight" else a)
+    good = write_gguf(root / "good.gguf")
+    nan = ggufmutate.read(good)
+    nan.set("llama.attention.layer_norm_rms_epsilon", 6, float("nan"))  # a float32 still
+    crashes = root / "nan.gguf"
+    crashes.write_bytes(nan.write()[0])
     missing = _write_with(root / "missing.gguf",
                           lambda name, a: None if name == "blk.0.ffn_up.weight" else a)
-    return {"good": write_gguf(root / "good.gguf"), "i32": i32, "missing": missing}
+    return {"good": good, "crashes": crashes, "missing": missing}
 
 
 def _vetting(app):
@@ -70,16 +73,16 @@ def test_the_text_holds_every_byte_utf8_can_carry():
 
 
 def test_an_import_of_a_file_that_crashes_llama_cpp_is_refused(api, app, files, settings):
-    r = api("POST", "/v1/models/import", {"path": str(files["i32"]), "id": "bad"})
+    r = api("POST", "/v1/models/import", {"path": str(files["crashes"]), "id": "bad"})
     assert r.status == 400, r.body
     assert r.json["error"]["code"] == "invalid_model_file"
     message = r.json["message"]
-    assert "i32.gguf" in message and CRASHED in message and "SIGSEGV" in message
+    assert "nan.gguf" in message and CRASHED in message and "SIGABRT" in message
     assert api("GET", "/v1/models").json["data"] == []  # nothing registered
     assert not (settings.data_dir / "models" / "imported" / "bad").exists()
     kept = json.loads((settings.data_dir / "engines" / "vetted.json").read_text())
     [outcome] = kept["outcomes"].values()
-    assert outcome["ok"] is False and outcome["file"] == "i32.gguf"
+    assert outcome["ok"] is False and outcome["file"] == "nan.gguf"
     # This process, which serves the app, is alive to read the reply; the good file
     # still imports, and chats.
     r = api("POST", "/v1/models/import", {"path": str(files["good"]), "id": "good"})
@@ -127,7 +130,7 @@ def test_the_start_refuses_a_file_changed_behind_its_back(api, app, files, tmp_p
     shutil.copyfile(files["good"], linked)
     assert api("POST", "/v1/models/import", {"path": str(linked), "id": "m"}).status == 200
     # Same size, another content: the registry's size check cannot tell, the sha256 can.
-    shutil.copyfile(files["i32"], linked)
+    shutil.copyfile(files["crashes"], linked)
     assert linked.stat().st_size == files["good"].stat().st_size
     r = api("POST", "/v1/models/m/start", {"cpu_threads": 1})
     assert r.status == 400 and r.json["error"]["code"] == "invalid_model_file", r.body
@@ -144,7 +147,7 @@ def test_the_start_refuses_a_file_changed_behind_its_back(api, app, files, tmp_p
 
 @pytest.fixture
 def bad_repo(files):
-    return lambda hub: hub.add_repo("org/bad", {"bad.gguf": files["i32"]})
+    return lambda hub: hub.add_repo("org/bad", {"bad.gguf": files["crashes"]})
 
 
 @pytest.fixture
@@ -182,7 +185,7 @@ def test_the_server_and_another_models_stream_go_on(live_server, slow_gguf, file
     first = next(events)
     assert first["choices"][0]["delta"] is not None
     status, reply = send(url, "POST", "/v1/models/import",
-                         {"path": str(files["i32"]), "id": "bad"}, timeout=60)
+                         {"path": str(files["crashes"]), "id": "bad"}, timeout=60)
     assert status == 400 and reply["error"]["code"] == "invalid_model_file", reply
     status, _ = send(url, "GET", "/healthz")
     assert status == 200
