@@ -9,7 +9,8 @@ One server runs throughout (`python -m localrt start --foreground --port 0`, its
 HOME, its log in the run's folder, loopback only). Its hub is the hub emulator and its
 package index an empty loopback index, as in tests/test_fuzz.py, so nothing reaches the
 internet whatever a request asks for. A tiny generated llama (with FIM tokens, its
-ctx_len 64) and a tiny BERT are imported, and the llama started, before the clock runs.
+ctx_len 64, its max_tokens 8) and a tiny BERT are imported, each on one CPU thread,
+and the llama started, before the clock runs.
 
 For --seconds, threads send requests at once:
 
@@ -255,7 +256,11 @@ def exchange(port: int, method: str, path: str, body: bytes | None = None,
 
 
 def setup_models(srv: Server, folder: Path) -> None:
-    """Import the tiny llama and BERT, give the llama a 64-token context, start it."""
+    """Import the tiny llama and BERT, start the llama. Each runs on one thread (two
+    on a loaded two-core machine stall each other's decode), and the llama has a 64-token
+    context and gives GENERATION_CAP tokens to a request that does not say how many, so
+    that no generated request makes a long reply; a request for the model that stops
+    it (keep_alive 0) starts it again with these."""
     from emulators.ggufgen import FIM_TOKENS, write_bert_gguf, write_gguf
 
     weights = folder / "weights"
@@ -264,7 +269,9 @@ def setup_models(srv: Server, folder: Path) -> None:
     bert = write_bert_gguf(weights / "bert.gguf")
     steps = [("POST", "/v1/models/import", {"path": str(llama), "id": MODEL}),
              ("POST", "/v1/models/import", {"path": str(bert), "id": EMBEDDER}),
-             ("PATCH", f"/v1/models/{MODEL}", {"ctx_len": 64}),
+             ("PATCH", f"/v1/models/{MODEL}", {"ctx_len": 64, "cpu_threads": 1,
+                                               "max_tokens": GENERATION_CAP}),
+             ("PATCH", f"/v1/models/{EMBEDDER}", {"cpu_threads": 1}),
              ("POST", f"/v1/models/{MODEL}/start", {"cpu_threads": 1})]
     for method, path, body in steps:
         status, _, reply = exchange(srv.port, method, path, json.dumps(body).encode(),
