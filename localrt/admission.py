@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import collections
 import threading
-import time
 from typing import Callable
 
 from localrt.errors import HTTPError, ServiceUnavailable
@@ -226,18 +225,17 @@ class Admission:
 
 def wait(cond: threading.Condition, disconnected: Disconnected, timeout: float | None,
          why: str) -> None:
-    """cond.wait(timeout), held by the caller, but waking every DISCONNECT_POLL seconds
-    to raise ClientGone (saying `why` it waited) once the client has gone."""
+    """cond.wait(timeout), held by the caller, for at most DISCONNECT_POLL seconds when
+    a client can leave, raising ClientGone (saying `why` it waited) once it has gone.
+
+    Like cond.wait it may return before what the caller waits for holds, so the caller
+    looks again, in a loop. It must: a notify() that comes while a timed wait is timing
+    out, and this thread waits to take the lock back, is spent on it, yet cond.wait
+    says False, and waiting on for another notify would wait forever (a chat in the
+    queue was handed its place so, and never took it)."""
     if disconnected is never:
         cond.wait(timeout)
         return
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        if disconnected():
-            raise ClientGone(f"The client disconnected while its request waited for {why}")
-        left = DISCONNECT_POLL if deadline is None else \
-            min(DISCONNECT_POLL, deadline - time.monotonic())
-        if left <= 0:
-            return
-        if cond.wait(left):
-            return
+    if disconnected():
+        raise ClientGone(f"The client disconnected while its request waited for {why}")
+    cond.wait(DISCONNECT_POLL if timeout is None else min(DISCONNECT_POLL, timeout))

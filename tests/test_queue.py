@@ -34,8 +34,8 @@ from support.waiting import Leaving, wait_for
 
 from localrt import connections, server
 from localrt import settings as settings_mod
-from localrt.admission import (FULL, LIMITS, SPARE_THREADS, WALL, Admission, ClientGone,
-                               Queue, threads_for)
+from localrt.admission import (DISCONNECT_POLL, FULL, LIMITS, SPARE_THREADS, WALL, Admission,
+                               ClientGone, Queue, threads_for, wait)
 from localrt.app import create_app
 from localrt.errors import ServiceUnavailable
 from localrt.metrics import Metrics
@@ -145,6 +145,30 @@ def test_a_waiter_whose_client_leaves_frees_its_place_in_the_queue():
     assert (admission.in_progress, admission.queued) == (1, 0)  # the second's, not the first's
     admission.leave()
     print(f"a waiter whose client left gave up its place in {took * 1000:.0f} ms")
+
+
+def test_a_notify_spent_on_a_poll_that_timed_out_is_not_lost():
+    """A request whose client can leave waits DISCONNECT_POLL seconds at a time. A
+    notify() that comes as such a wait times out, while the notifier holds the lock, is
+    spent on it, yet Condition.wait says False: `wait` returns then all the same, so the
+    waiter looks again at what it waits for. A chat in the queue was handed its place
+    so and waited for ever (tests/bench/hostile_mix.py found it, once a minute)."""
+    cond, granted, waiting = threading.Condition(), [], threading.Event()
+
+    def waiter():
+        with cond:
+            waiting.set()
+            while not granted:
+                wait(cond, Leaving(), None, "a place")
+
+    thread = started(waiter)
+    assert waiting.wait(PATIENCE)
+    with cond:  # taken once the waiter waits
+        time.sleep(3 * DISCONNECT_POLL)  # its wait times out; it cannot take the lock back
+        granted.append(True)
+        cond.notify()  # the waiter is still listed: this is spent on it
+    thread.join(PATIENCE)
+    assert not thread.is_alive(), "the waiter missed its notify"
 
 
 def test_the_threads_and_connections_cover_the_queue():
