@@ -263,7 +263,7 @@ def test_image_url_hosts_entries():
 
 
 def test_a_vision_models_messages_carry_image_parts_in_order():
-    chats = Chats(SimpleNamespace(), images=reader())
+    chats = Chats(SimpleNamespace(queue=None), images=reader())
     files = [{"path": "seer.gguf", "size": 1}, {"path": "mmproj-seer.gguf", "size": 1}]
     local = SimpleNamespace(model_id="seer", record={"id": "seer", "engine": "gguf-cpp",
                                                      "files": files,

@@ -76,8 +76,8 @@ def test_named_events_frame_each_with_its_name():
     (responses.FIELDS, "messages[1].content", "input"),
     (responses.FIELDS, "max_tokens", "max_output_tokens"),
     (responses.FIELDS, "tools[0].function.name", "tools[0].name"),
-    # responses renames whole params only
-    (responses.FIELDS, "tools[0].function.parameters.x", "tools[0].function.parameters.x"),
+    # a path inside a tool's schema keeps its tail (a grammar's bound names one)
+    (responses.FIELDS, "tools[0].function.parameters.x", "tools[0].parameters.x"),
     (ollama.FIELDS, "response_format.json_schema.schema", "format"),
     (ollama.FIELDS, "max_tokens", "options.num_predict"),
     (ollama.GENERATE_FIELDS, "messages[0].content", "prompt"),
