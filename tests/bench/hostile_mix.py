@@ -73,7 +73,6 @@ import random
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -84,7 +83,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from support.servers import subprocess_env  # noqa: E402
+from support.servers import LoggedServer  # noqa: E402
 
 BOUND = 1.0  # seconds: the issue's "no answer slower than a second"
 MB = 1024 * 1024
@@ -181,50 +180,21 @@ DUMPABLE = ("import faulthandler, runpy, signal, sys; "
             "sys.argv[0] = 'localrt'; runpy.run_module('localrt', run_name='__main__')")
 
 
-class Server:
-    """`localrt start --foreground --port 0` on a HOME of its own."""
+class Server(LoggedServer):
+    """The server, started with faulthandler on SIGUSR1 so that a stuck request's
+    threads can be seen in its log (dump_threads)."""
 
     def __init__(self, folder: Path):
-        self.folder = folder
-        self.home = folder / "home"
-        self.home.mkdir(parents=True, exist_ok=True)
-        self.log = open(folder / "server.log", "ab")
-        self.process = None
-        self.url, self.port = "", 0
+        super().__init__(folder, [sys.executable, "-c", DUMPABLE])
 
     def start(self, hub_url: str, index_url: str) -> None:
-        """Point it at the emulators and start it; its stderr goes to the log."""
-        from localrt import server, settings as settings_mod
-
-        settings = settings_mod.load(environ={"HOME": str(self.home)})
-        settings.update({"modelHubUrl": hub_url, "engineIndexUrl": index_url})
-        # `python -m localrt start ...`, with faulthandler on SIGUSR1: a stuck request's
-        # threads can be seen in the log (dump_threads).
-        cmd = [sys.executable, "-c", DUMPABLE, "start", "--foreground", "--port", "0"]
-        self.process = subprocess.Popen(cmd, env=subprocess_env(self.home),
-                                        stdout=subprocess.DEVNULL, stderr=self.log)
-        address = server.wait_started(settings, self.process, timeout=60)
-        self.url, self.port = address.url, address.port
+        """Point it at the emulators and start it."""
+        super().start({"modelHubUrl": hub_url, "engineIndexUrl": index_url})
 
     def dump_threads(self) -> None:
         """Every server thread's stack, into its log."""
         if self.alive():
             self.process.send_signal(signal.SIGUSR1)
-
-    def alive(self) -> bool:
-        """Whether the server process still runs."""
-        return self.process is not None and self.process.poll() is None
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL after a while."""
-        if self.alive():
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.log.close()
 
 
 def exchange(port: int, method: str, path: str, body: bytes | None = None,
@@ -778,7 +748,7 @@ def run(seconds: float, seed: int, folder: Path, generators: int, hostiles: int,
             elapsed = time.monotonic() - started
             alive = srv.alive()
         finally:
-            srv.stop()
+            srv.close()
     return summary(record, elapsed, alive, seed)
 
 

@@ -43,7 +43,6 @@ import collections
 import http.client
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -57,7 +56,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 from emulators import ggufmutate  # noqa: E402
 from emulators.ggufgen import write_gguf  # noqa: E402
 from support.models import NO_EOS, quantize  # noqa: E402
-from support.servers import subprocess_env  # noqa: E402
+from support.servers import LoggedServer  # noqa: E402
 
 ROWS = ("header", "child", "refused", "loaded", "answered")
 # Text that trips tokenizers: '|' (a byte token's piece), a non-ASCII byte, control
@@ -70,9 +69,7 @@ class Campaign:
 
     def __init__(self, folder: Path, timeout: float):
         self.folder, self.timeout = folder, timeout
-        self.home = folder / "home"
-        self.home.mkdir(parents=True, exist_ok=True)
-        self.log = open(folder / "server.log", "ab")
+        self.server = LoggedServer(folder)
         self.rows = collections.Counter()
         self.by_kind: dict[str, collections.Counter] = collections.defaultdict(
             collections.Counter)
@@ -81,43 +78,18 @@ class Campaign:
         self.stalls: list[str] = []
         self.interruptions: list[str] = []
         self.streams = 0
-        self.process = None
-        self.url = ""
         self._streaming = threading.Event()
         self._stream_thread = None
         self._lock = threading.Lock()
 
-    # --- the server ---------------------------------------------------------------
-
-    def start_server(self) -> None:
-        """Start `localrt start` on the campaign's HOME; its stderr goes to the log."""
-        from localrt import server, settings as settings_mod
-
-        settings = settings_mod.load(environ={"HOME": str(self.home)})
-        cmd = [sys.executable, "-m", "localrt", "start", "--foreground", "--port", "0"]
-        self.process = subprocess.Popen(cmd, env=subprocess_env(self.home),
-                                        stdout=subprocess.DEVNULL, stderr=self.log)
-        address = server.wait_started(settings, self.process, timeout=60)
-        self.url = address.url
-
     def alive(self) -> bool:
         """Whether the server process still runs."""
-        return self.process is not None and self.process.poll() is None
-
-    def stop_server(self) -> None:
-        """Stop the server (SIGTERM, then SIGKILL)."""
-        if self.alive():
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        return self.server.alive()
 
     def send(self, method: str, path: str, body=None) -> tuple[int, dict]:
         """One request: (status, reply); status 0 when no reply came (the reply is
         then {"error": why})."""
-        parts = urlsplit(self.url)
+        parts = urlsplit(self.server.url)
         conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.timeout)
         try:
             data = None if body is None else json.dumps(body)
@@ -166,7 +138,7 @@ class Campaign:
 
     def _one_stream(self, body: dict) -> str | None:
         """One streamed reply; None when it ended with [DONE], else what went wrong."""
-        parts = urlsplit(self.url)
+        parts = urlsplit(self.server.url)
         conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.timeout)
         try:
             conn.request("POST", "/v1/chat/completions", json.dumps(body),
@@ -261,7 +233,7 @@ def run(files: int, seed: int, folder: Path, timeout: float, quiet: bool = False
     steady = write_gguf(folder / "bases" / "steady.gguf", name="steady", n_layer=2,
                         context_length=4096)
     camp = Campaign(folder, timeout)
-    camp.start_server()
+    camp.server.start()
     status, reply = camp.send("POST", "/v1/models/import", {"path": str(steady), "id": "steady"})
     assert status == 200, reply
     status, reply = camp.send("POST", "/v1/models/steady/start", {"cpu_threads": 1})
@@ -277,7 +249,7 @@ def run(files: int, seed: int, folder: Path, timeout: float, quiet: bool = False
                 row = "death"
                 camp.by_kind[mutant.kind][row] += 1
                 camp.stop_streaming()
-                camp.start_server()
+                camp.server.start()
                 camp.send("DELETE", f"/v1/models/m{n}")
                 camp.send("POST", "/v1/models/steady/start", {"cpu_threads": 1})
                 camp.start_streaming()
@@ -286,8 +258,7 @@ def run(files: int, seed: int, folder: Path, timeout: float, quiet: bool = False
                       flush=True)
     finally:
         camp.stop_streaming()
-        camp.stop_server()
-        camp.log.close()
+        camp.server.close()
     elapsed = time.monotonic() - started
     return {"files": files, "seed": seed, "rows": dict(camp.rows),
             "by_kind": {k: dict(v) for k, v in camp.by_kind.items()},

@@ -78,6 +78,54 @@ class Server:
             self.process.stderr.close()
 
 
+class LoggedServer:
+    """`localrt start --foreground --port 0` on a HOME of its own under `folder`, its
+    stderr appended to folder/server.log, for the long campaigns (tests/bench): they
+    start it again on the same HOME after a death and quote the log's tail. `program`
+    is the command before `start` (`python -m localrt` by default)."""
+
+    def __init__(self, folder: Path, program: list | None = None):
+        self.folder = folder
+        self.home = folder / "home"
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.log = open(folder / "server.log", "ab")
+        self.program = program or [sys.executable, "-m", "localrt"]
+        self.process: subprocess.Popen | None = None
+        self.url, self.port = "", 0
+
+    def start(self, changes: dict | None = None) -> None:
+        """Apply `changes` to its settings and start it; returns once /healthz answers."""
+        from localrt import server
+
+        settings = settings_mod.load(environ={"HOME": str(self.home)})
+        if changes:
+            settings.update(changes)
+        cmd = [*self.program, "start", "--foreground", "--port", "0"]
+        self.process = subprocess.Popen(cmd, env=subprocess_env(self.home),
+                                        stdout=subprocess.DEVNULL, stderr=self.log)
+        address = server.wait_started(settings, self.process, timeout=60)
+        self.url, self.port = address.url, address.port
+
+    def alive(self) -> bool:
+        """Whether the server process still runs."""
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 30 s."""
+        if self.alive():
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def close(self) -> None:
+        """Stop it and close its log."""
+        self.stop()
+        self.log.close()
+
+
 def run_foreground_server(home: Path, extra=()) -> Server:
     """`localrt start --foreground --port 0` as a child; returns once /healthz answers."""
     from localrt import server
