@@ -28,6 +28,7 @@ from emulators.hubemu import HubEmulator
 from hypothesis import HealthCheck, given, settings
 from emulators.pkgindex import PackageIndex
 from schemathesis import checks
+from support.fuzzing import GENERATES
 from support.servers import run_foreground_server
 
 from localrt.api import DIALECTS, ROUTES
@@ -174,18 +175,6 @@ WITH_A_MODEL = {"/v1/completions": ("completion", "tiny"), "/v1/embeddings": ("e
                 "/v1/messages/count_tokens": ("anthropic-count-tokens", "tiny"),
                 "/api/chat": ("ollama-chat", "tiny"), "/api/generate": ("ollama-generate", "tiny"),
                 "/api/embed": ("ollama-embed", "bert")}
-
-
-# What each of Ollama's routes fuzzed with a model generates from: the field, made
-# required, and what it must be beyond its schema (not empty).
-GENERATES = [
-    ("ollama-chat", "messages", {"type": "array", "minItems": 1, "maxItems": 8}),
-    ("ollama-generate", "prompt", {"type": "string", "minLength": 1, "maxLength": 500}),
-    ("ollama-embed", "input", {"anyOf": [
-        {"type": "string", "minLength": 1, "maxLength": 500},
-        {"type": "array", "minItems": 1, "maxItems": 8,
-         "items": {"type": "string", "maxLength": 500}}]}),
-]
 
 
 @pytest.fixture(scope="module")

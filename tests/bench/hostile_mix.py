@@ -83,6 +83,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
+from support.fuzzing import GENERATES  # noqa: E402
 from support.servers import LoggedServer  # noqa: E402
 
 BOUND = 1.0  # seconds: the "no answer slower than a second"
@@ -110,15 +111,6 @@ WITH_A_MODEL = {"/v1/chat/completions": ("chat-completion", MODEL),
                 "/v1/messages/count_tokens": ("anthropic-count-tokens", MODEL),
                 "/api/chat": ("ollama-chat", MODEL), "/api/generate": ("ollama-generate", MODEL),
                 "/api/embed": ("ollama-embed", EMBEDDER)}
-# As test_fuzz: what Ollama's routes generate from, made required and not empty.
-GENERATES = [
-    ("ollama-chat", "messages", {"type": "array", "minItems": 1, "maxItems": 8}),
-    ("ollama-generate", "prompt", {"type": "string", "minLength": 1, "maxLength": 500}),
-    ("ollama-embed", "input", {"anyOf": [
-        {"type": "string", "minLength": 1, "maxLength": 500},
-        {"type": "array", "minItems": 1, "maxItems": 8,
-         "items": {"type": "string", "maxLength": 500}}]}),
-]
 # Fields that make a generation long, and the most a valid generated request asks.
 CAPS = {"max_tokens": GENERATION_CAP, "max_completion_tokens": GENERATION_CAP,
         "max_output_tokens": GENERATION_CAP, "n": 2, "best_of": 2}
