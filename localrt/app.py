@@ -255,8 +255,13 @@ def _read_body(environ, method: str, limit: int = MAX_BODY):
     chunked = "chunked" in environ.get("HTTP_TRANSFER_ENCODING", "").lower()
     has_body = length > 0 or chunked
     # A body, or any Content-Type on an unsafe method, must be JSON: this also
-    # stops cross-site "simple" form and text/plain POSTs.
-    if (has_body or (ctype and method not in SAFE_METHODS)) and media != "application/json":
+    # stops cross-site "simple" form and text/plain POSTs. A body with no Content-Type
+    # at all is read as JSON when no Origin came with it (litellm's Ollama providers
+    # send none, and Ollama never looks): a browser sends Origin with every cross-site
+    # POST, so the check still stands where it is needed.
+    untyped = not ctype and not environ.get("HTTP_ORIGIN")
+    if (has_body or (ctype and method not in SAFE_METHODS)) and media != "application/json" \
+            and not untyped:
         shown_media = shown(media) if media else "none"
         raise UnsupportedMediaType(
             f"Request bodies must be sent with Content-Type: application/json (got "

@@ -62,13 +62,36 @@ def test_head_has_no_body(api):
     assert resp.status == 200 and resp.body == b""
 
 
-@pytest.mark.parametrize("ctype", [None, "text/plain", "application/x-www-form-urlencoded",
+@pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded",
                                    "multipart/form-data; boundary=x"])
 def test_body_without_json_content_type_is_415(api, ctype):
-    headers = {"Content-Type": ctype} if ctype else {}
-    resp = api("PATCH", "/v1/configs", body=b'{"cors": false}', headers=headers)
+    resp = api("PATCH", "/v1/configs", body=b'{"cors": false}', headers={"Content-Type": ctype})
     assert_error(resp, 415, "unsupported_media_type")
     assert api("GET", "/v1/configs").json["cors"] is True
+
+
+def test_a_body_with_no_content_type_and_no_origin_is_read_as_json(api):
+    # litellm's Ollama providers send JSON with no Content-Type; Ollama never looks
+    resp = api("PATCH", "/v1/configs", body=b'{"cors": false}')
+    assert resp.status == 200, resp.body
+    assert api("GET", "/v1/configs").json["cors"] is False
+
+
+def test_a_body_with_no_content_type_and_an_origin_is_still_415(api):
+    # a browser sends Origin with every cross-site request: the check stands for them
+    # (the page's own origin, so that the cross-origin check lets it through to this one)
+    resp = api("PATCH", "/v1/configs", body=b'{"cors": false}',
+               headers={"Origin": "http://127.0.0.1"})
+    assert_error(resp, 415, "unsupported_media_type")
+    assert "got none" in resp.json["message"]
+    assert api("GET", "/v1/configs").json["cors"] is True
+
+
+@pytest.mark.parametrize("path", ["/api/chat", "/v1/chat/completions", "/v1/messages",
+                                  "/v1/responses", "/v1/models/import"])
+def test_a_body_with_no_content_type_that_is_not_json_is_a_400(api, path):
+    resp = api("POST", path, body=b"model=tiny&prompt=hi")
+    assert resp.status == 400, resp.body
 
 
 def test_cross_site_form_post_without_body_is_415(api):
