@@ -127,6 +127,28 @@ def test_every_command_and_option_is_in_the_man_page():
     assert not missing, f"not in man/localrt.1: {missing}"
 
 
+def test_the_synopsis_lists_every_command():
+    synopsis = plain(section(MAN.read_text(), "SYNOPSIS"))
+    missing, seen = [], set()
+
+    def leaves(parser, prefix=()):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, child in action.choices.items():
+                    if id(child) in seen:  # an alias (models rm): its command is there
+                        continue
+                    seen.add(id(child))
+                    if any(isinstance(a, argparse._SubParsersAction) for a in child._actions):
+                        yield from leaves(child, prefix + (name,))
+                    else:
+                        yield prefix + (name,)
+
+    for path in leaves(build_parser()):
+        if not re.search(rf"^localrt {re.escape(' '.join(path))}\b", synopsis, re.M):
+            missing.append(" ".join(path))
+    assert not missing, f"not in localrt(1)'s SYNOPSIS: {missing}"
+
+
 def test_files_section():
     text = man_text()
     assert ".SH FILES" in text and "~/.localrtrc" in text and "~/localrt/" in text
