@@ -171,7 +171,8 @@ def test_keep_alive_0_waits_for_the_models_other_requests(app, api):
     lease = app.services.scheduler.lease("tiny")  # another request, under way
     try:
         r = api("POST", "/api/chat", {"model": "tiny", "messages": USER, "keep_alive": 0,
-                                      "stream": False, "options": {"num_predict": 2}})
+                                      "stream": False, "options": {"num_predict": 2,
+                                                                   "temperature": 0}})
         assert r.status == 200 and r.json["eval_count"] == 2
         # What unloads an idle model past its keep-alive, run now: this one is not idle.
         app.services.scheduler.reap()
