@@ -184,7 +184,8 @@ class Chat:
             self.verbose = what == "verbose"
             self.ctx.err(f"Set '{what}' mode.")
         elif not what or what == "system":
-            self.ctx.err(HELP.split("\n\n")[0])
+            self.ctx.err("\n".join(line for line in HELP.splitlines()
+                                   if line.startswith("  /set")))
         else:
             self.ctx.err(f"Error: unknown command '/set {what}'; /help lists the commands")
 
@@ -253,7 +254,7 @@ class Chat:
 
     def _load(self, rest: str) -> None:
         """/load ID: chat with another model from here on, the conversation cleared."""
-        if not rest or " " in rest:
+        if not rest or " " in rest or self.load is None:
             self.ctx.err("Usage: /load ID")
             return
         self.ctx.err(f"Loading model '{rest}'")
