@@ -461,12 +461,12 @@ def test_piped_text_is_one_prompt_and_nothing_to_send_is_a_usage_error(thread_se
     # A slash command piped in is no command: the text is sent as it is.
     code, out, err = run("run", "tiny", stdin="/clear the table\nplease\n")
     assert code == ExitCode.OK, err
-    assert out == reply_of(client, "tiny", [user("/clear the table\nplease")]) + "\n"
     assert chats(thread_server) == 1 and "Cleared" not in err
-    code, out, err = run("run", "tiny", stdin=" \n")
-    assert code == ExitCode.USAGE and out == ""
+    code, empty, err = run("run", "tiny", stdin=" \n")
+    assert code == ExitCode.USAGE and empty == ""
     assert "Error: Nothing to answer: give a PROMPT, or text on standard input" in err
     assert chats(thread_server) == 1
+    assert out == reply_of(client, "tiny", [user("/clear the table\nplease")]) + "\n"
     client.stop_model("tiny")
 
 
@@ -557,7 +557,7 @@ def test_help_show_info_and_load(thread_server, quantized, tmp_path):
     add_model(thread_server.url, quantized["Q8_0"], "tiny", stored={**GREEDY, "max_tokens": 12})
     other = write_gguf(tmp_path / "other.gguf", name="other", seed=7)
     add_model(thread_server.url, other, "other", stored={**GREEDY, "max_tokens": 12})
-    typed = ["/help", "/show info", "/set parameter top_k 5", "/show", "/load missing",
+    typed = ["/help", "/set parameter top_k 5", "/show info", "/show", "/load missing",
              "/load other", "Hello there", "/show info", "/exit"]
     code, out, err = run("run", "tiny", "--ctx_len", "128", stdin=Typed("\n".join(typed)))
     assert code == ExitCode.OK, err
