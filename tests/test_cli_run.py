@@ -1,25 +1,35 @@
 """`localrt run`: the terminal chat, driven through a pseudo-terminal as a person types
-at it (the prompt, streamed replies, Ctrl-C, Ctrl-D, /exit), and through main() with
-messages on stdin (the conversation kept, a model pulled first when it is not local).
+at it (the prompt, streamed replies, Ctrl-C, Ctrl-D, /exit, the session's commands,
+several lines), and through main() with messages typed on a stdin that says it is a
+terminal (the conversation kept, each command, a model pulled first when it is not
+local); one prompt answered and the exit, from PROMPT words and from a pipe; a GGUF
+file on disk imported and run; --verbose's readout; a pull that cannot reach the hub;
+and every command's output into a pipe that its reader closed.
 
-The pty tests run `python -m localrt run` as a child against a real server process;
-the stdin tests run main() in this process against the app on a real port. The models
-are tiny GGUF files quantized by llama.cpp, with stored parameters that make replies
-greedy (temperature 0), hence the same every time.
+The pty and pipe tests run `python -m localrt` as a child against a real server process;
+the main() tests run in this process against the app on a real port. The models are
+tiny GGUF files quantized by llama.cpp (or generated), with stored parameters that make
+replies greedy (temperature 0), hence the same every time: a reply shown is compared
+with the API's reply to the request the CLI should have made.
 """
 
 from __future__ import annotations
 
 import codecs
+import fcntl
 import io
 import os
 import pty
+import re
 import select
 import signal
+import socket
+import subprocess
 import sys
 import time
 
 import pytest
+from emulators.ggufgen import write_gguf
 from emulators.hubemu import HubEmulator
 from support.cli import run
 from support.models import NO_DRAFTS, NO_EOS, add_model
@@ -27,11 +37,19 @@ from support.servers import run_foreground_server, subprocess_env
 from support.waiting import wait_for
 
 from localrt.cli import ExitCode
+from localrt.cli.commands.pull import ON_DISK
 from localrt.client import ApiError, Client
 
 pytestmark = pytest.mark.live
 
-PROMPT = ">>> "
+PROMPT, MORE = ">>> ", "... "
+
+
+class Typed(io.StringIO):
+    """What a person types, as main()'s stdin: a stream that says it is a terminal."""
+
+    def isatty(self):
+        return True
 
 
 class Terminal:
@@ -145,6 +163,22 @@ def user(text):
     return {"role": "user", "content": text}
 
 
+def assistant(text):
+    """An assistant message."""
+    return {"role": "assistant", "content": text}
+
+
+def reply_of(client, model_id, messages, **fields):
+    """The API's (greedy) reply to these messages: what the CLI should show."""
+    reply = client.chat({"model": model_id, "messages": messages, **fields})
+    return reply["choices"][0]["message"]["content"]
+
+
+def chats(server):
+    """How many chat requests a thread_server has had."""
+    return server.calls.count(("POST", "/v1/chat/completions"))
+
+
 # Stored on each model here: greedy replies, and one CPU thread (the machine is shared).
 GREEDY = {"temperature": 0, "cpu_threads": 1}
 
@@ -238,7 +272,7 @@ def test_ctrl_d_leaves(home, server, quantized, terminals):
 def test_run_keeps_the_conversation(thread_server, quantized):
     client = Client(thread_server.url)
     add_model(thread_server.url, quantized["Q8_0"], "tiny", stored={**GREEDY, "max_tokens": 12})
-    code, out, err = run("run", "tiny", stdin="Hello there\n\nWhat next?\n/exit\n")
+    code, out, err = run("run", "tiny", stdin=Typed("Hello there\n\nWhat next?\n/exit\n"))
     assert code == ExitCode.OK, err
     assert err.count(PROMPT) == 4 and "Model tiny started successfully" in err
 
@@ -261,7 +295,7 @@ def test_a_conversation_that_outgrows_the_context_says_so_and_goes_on(thread_ser
     add_model(thread_server.url, quantized["Q8_0"], "tiny",
               stored={**GREEDY, "max_tokens": 30})
     code, out, err = run("run", "tiny", "--ctx_len", "128",
-                         stdin="Hello there\n" * 8 + "/exit\n")
+                         stdin=Typed("Hello there\n" * 8 + "/exit\n"))
     assert code == ExitCode.OK, err
     assert "context (ctx_len) holds 128" in err
     assert err.count(PROMPT) == 9  # every message got a prompt after it, then /exit
@@ -273,13 +307,14 @@ def test_run_pulls_a_model_that_is_not_local(settings, thread_server, quantized)
         hub.add_repo("org/single", {"only.gguf": quantized["Q8_0"]})
         settings.update({"modelHubUrl": hub.url})  # the server reads it at each pull
         code, out, err = run("run", "org/single", "--ctx_len", "128", "--cpu_threads", "1",
-                             stdin="Hello there\n")
+                             stdin="Hello there\n")  # piped: answered once
     assert code == ExitCode.OK, err
     assert "Model org/single is not downloaded yet; pulling it" in err
     assert "100%" in err  # the download's progress
     assert out.startswith("Model org:single:only.gguf downloaded successfully!\n") and out.endswith("\n")
+    assert len(out.splitlines()) >= 2  # then the reply
     assert "Model org:single:only.gguf started successfully" in err
-    assert err.count(PROMPT) == 2  # one message, then the end of input
+    assert PROMPT not in err  # no session
     assert thread_server.calls.count(("POST", "/v1/chat/completions")) == 1
     client = Client(thread_server.url)
     options = running_options(client, "org:single:only.gguf")
@@ -394,3 +429,294 @@ def test_a_vision_model_on_a_terminal_answers_the_attached_image(home, server, t
     assert shown.replace("\r\n", "\n").strip() == want.strip()
     term.send("/exit\r")
     assert term.wait() == ExitCode.OK
+
+
+# --- one prompt, answered once -----------------------------------------------------
+
+
+def test_a_prompt_on_the_command_line_and_from_a_pipe_is_answered_once(home, server,
+                                                                       quantized, terminals):
+    add_model(server.url, quantized["Q8_0"], "tiny", stored={**GREEDY, "max_tokens": 12})
+    # At a terminal, with the prompt's words after the options: the reply, then the exit.
+    term = terminals(home, "run", "tiny", "--ctx_len", "128", "Hello", "there")
+    assert term.wait(30) == ExitCode.OK
+    want = reply_of(server.client, "tiny", [user("Hello there")])
+    assert want.strip() and want.strip().replace("\n", "\r\n") in term.screen
+    assert PROMPT not in term.screen and "Type a message" not in term.screen
+
+    # `echo ... | localrt run tiny`: stdin's text first, then the words; stdout the reply.
+    piped = subprocess.run([sys.executable, "-m", "localrt", "run", "tiny", "and", "then?"],
+                           input=b"Hello\nthere\n", capture_output=True, timeout=60,
+                           env=subprocess_env(home))
+    assert piped.returncode == ExitCode.OK, piped.stderr
+    want = reply_of(server.client, "tiny", [user("Hello\nthere and then?")])
+    assert piped.stdout.decode() == want + "\n"
+    assert PROMPT not in piped.stderr.decode()
+
+
+def test_piped_text_is_one_prompt_and_nothing_to_send_is_a_usage_error(thread_server,
+                                                                      quantized):
+    client = Client(thread_server.url)
+    add_model(thread_server.url, quantized["Q8_0"], "tiny", stored={**GREEDY, "max_tokens": 12})
+    # A slash command piped in is no command: the text is sent as it is.
+    code, out, err = run("run", "tiny", stdin="/clear the table\nplease\n")
+    assert code == ExitCode.OK, err
+    assert chats(thread_server) == 1 and "Cleared" not in err
+    code, empty, err = run("run", "tiny", stdin=" \n")
+    assert code == ExitCode.USAGE and empty == ""
+    assert "Error: Nothing to answer: give a PROMPT, or text on standard input" in err
+    assert chats(thread_server) == 1
+    assert out == reply_of(client, "tiny", [user("/clear the table\nplease")]) + "\n"
+    client.stop_model("tiny")
+
+
+def test_verbose_prints_the_tokens_and_their_rates_after_each_reply(thread_server, quantized):
+    client = Client(thread_server.url)
+    add_model(thread_server.url, quantized["Q8_0"], "tiny", stored={**GREEDY, "max_tokens": 12})
+    readout = re.compile(r"prompt tokens: (\d+)(?: \((\d+) from the prompt cache\))?"
+                         r"(?:, [\d.]+ tok/s)?\nreply tokens:  (\d+), ([\d.]+) tok/s\n"
+                         r"total time:    [\d.]+ s\n")
+    code, out, err = run("run", "tiny", "Hello there", "--verbose", stdin="")
+    assert code == ExitCode.OK, err
+    usage = client.chat({"model": "tiny", "messages": [user("Hello there")]})["usage"]
+    found = readout.search(err)
+    assert found, err
+    assert (int(found[1]), int(found[3])) == (usage["prompt_tokens"], usage["completion_tokens"])
+    assert float(found[4]) > 0
+
+    # In a session: after each reply; /set quiet stops it, /set verbose starts it again.
+    code, out, err = run("run", "tiny", "--verbose", stdin=Typed(
+        "Hello there\n/set quiet\nWhat next?\n/set verbose\nAnd then?\n/exit\n"))
+    assert code == ExitCode.OK, err
+    assert len(readout.findall(err)) == 2 and "Set 'quiet' mode." in err
+    first = reply_of(client, "tiny", [user("Hello there")])
+    second = reply_of(client, "tiny", [user("Hello there"), assistant(first),
+                                       user("What next?")])
+    assert out.startswith(f"{first}\n{second}\n")
+    usage = client.chat({"model": "tiny", "messages": [
+        user("Hello there"), assistant(first), user("What next?"), assistant(second),
+        user("And then?")]})["usage"]
+    last = readout.findall(err)[-1]
+    assert (int(last[0]), int(last[2])) == (usage["prompt_tokens"], usage["completion_tokens"])
+    client.stop_model("tiny")
+
+
+# --- the session's commands --------------------------------------------------------
+
+
+def test_set_system_parameters_clear_and_unknown_commands(thread_server, quantized, pictures):
+    client = Client(thread_server.url)
+    add_model(thread_server.url, quantized["Q8_0"], "tiny", stored={**GREEDY, "max_tokens": 12})
+    _, _, gif = pictures
+    typed = ["/set system You answer in French.",
+             "Hello there",
+             "/set parameter num_predict 3",
+             "/set parameter temperature warm",
+             "/set parameter num_ctx 512",
+             "/set parameter nonsense 1",
+             "/frobnicate now",
+             "/set frobnicate",
+             "What next?",
+             f"{gif} What is this?",  # an image's path: a message, not a command
+             "/clear",
+             "What next?",
+             "/bye"]
+    code, out, err = run("run", "tiny", "--ctx_len", "128", stdin=Typed("\n".join(typed)))
+    assert code == ExitCode.OK, err
+    assert err.count(PROMPT) == len(typed)
+    assert chats(thread_server) == 4  # the messages; no command reached the model
+    for line in ("Set system message.", "Set parameter 'num_predict' to '3'",
+                 "Error: cannot set parameter 'temperature': expected a number from 0 to 2, "
+                 "got 'warm'",
+                 "Error: num_ctx is set when the model starts: leave, and run it again with "
+                 "--ctx_len N",
+                 "Error: unknown parameter 'nonsense'; one of temperature, top_p, top_k, "
+                 "min_p, seed, num_predict, max_tokens, repeat_penalty, presence_penalty, "
+                 "frequency_penalty, stop",
+                 "Error: unknown command '/frobnicate'; /help lists the commands",
+                 "Error: unknown command '/set frobnicate'; /help lists the commands",
+                 f"Added image '{gif}'", "Cleared session context"):
+        assert line + "\n" in err
+    refused = err.split(f"Added image '{gif}'\n")[1].splitlines()[0]
+    assert refused.startswith("Error: ") and "unknown command" not in refused
+
+    system = {"role": "system", "content": "You answer in French."}
+    first = reply_of(client, "tiny", [system, user("Hello there")])
+    second = reply_of(client, "tiny", [system, user("Hello there"), assistant(first),
+                                       user("What next?")], max_tokens=3)
+    third = reply_of(client, "tiny", [system, user("What next?")], max_tokens=3)
+    assert out == f"{first}\n{second}\n{third}\n"
+    # Each step shows: without the system message, or without /clear, replies differ.
+    assert reply_of(client, "tiny", [user("Hello there")]) != first
+    assert second != third
+    client.stop_model("tiny")
+
+
+def test_help_show_info_and_load(thread_server, quantized, tmp_path):
+    client = Client(thread_server.url)
+    add_model(thread_server.url, quantized["Q8_0"], "tiny", stored={**GREEDY, "max_tokens": 12})
+    other = write_gguf(tmp_path / "other.gguf", name="other", seed=7)
+    add_model(thread_server.url, other, "other", stored={**GREEDY, "max_tokens": 12})
+    typed = ["/help", "/set parameter top_k 5", "/show info", "/show", "/load missing",
+             "/load other", "Hello there", "/show info", "/exit"]
+    code, out, err = run("run", "tiny", "--ctx_len", "128", stdin=Typed("\n".join(typed)))
+    assert code == ExitCode.OK, err
+    for line in ("  /set system TEXT", "  /set parameter NAME VALUE", "  /show info",
+                 "  /clear", "  /load ID", "  /?, /help",
+                 'Use """ to begin a message of several lines, and """ to end it.'):
+        assert "\n" + line in err
+    tiny_info, other_info = re.findall(r"  Model\n.*?\n\n(?:  [A-Z].*?\n\n)*", err, re.S)
+    record = client.get_model("tiny")
+    meta = record["metadata"]
+    for line in ("    id                  tiny", "    engine              gguf-cpp",
+                 f"    architecture        {meta['architecture']}",
+                 f"    context length      {meta['context_length']}",
+                 f"    quantization        {meta['quantization']}",
+                 "  Running\n    context (ctx_len)   128",
+                 "  Capabilities\n    chat", "  Session parameters\n    top_k               5"):
+        assert line + "\n" in tiny_info, tiny_info
+    assert "Usage: /show info\n" in err
+    assert "Loading model 'missing'\nError: Couldn't find model 'missing'; `localrt pull " \
+           "missing` downloads it\n" in err
+    assert "Loading model 'other'\nModel other started successfully\n" in err
+    assert "    id                  other\n" in other_info
+    # The message after /load went to the other model, with the session's parameter.
+    want = reply_of(client, "other", [user("Hello there")], top_k=5)
+    assert out == want + "\n"
+    assert reply_of(client, "tiny", [user("Hello there")], top_k=5) != want
+    client.stop_model("tiny")
+    client.stop_model("other")
+
+
+def test_several_lines_are_one_message(thread_server, quantized):
+    client = Client(thread_server.url)
+    add_model(thread_server.url, quantized["Q8_0"], "tiny", stored={**GREEDY, "max_tokens": 12})
+    typed = '"""\nfirst line\n\nsecond line"""\n"""one line"""\n/set system """Be\nbrief."""\n' \
+            '"""Hi\nthere"""\n/exit\n'
+    code, out, err = run("run", "tiny", stdin=Typed(typed))
+    assert code == ExitCode.OK, err
+    assert err.count(MORE) == 5 and err.count(PROMPT) == 5
+    first = reply_of(client, "tiny", [user("first line\n\nsecond line")])
+    second = reply_of(client, "tiny", [user("first line\n\nsecond line"), assistant(first),
+                                       user("one line")])
+    third = reply_of(client, "tiny", [
+        {"role": "system", "content": "Be\nbrief."}, user("first line\n\nsecond line"),
+        assistant(first), user("one line"), assistant(second), user("Hi\nthere")])
+    assert out == f"{first}\n{second}\n{third}\n"
+    assert reply_of(client, "tiny", [user("first line second line")]) != first
+    client.stop_model("tiny")
+
+
+def test_commands_and_several_lines_on_a_terminal(home, server, quantized, terminals):
+    add_model(server.url, quantized["Q8_0"], "tiny", stored={**GREEDY, "max_tokens": 12})
+    term = terminals(home, "run", "tiny", "--ctx_len", "128", "--verbose")
+    term.expect(PROMPT)
+    term.send("/?\r")
+    assert "/set parameter NAME VALUE" in term.expect(PROMPT)
+    term.send("/nonsense\r")
+    assert term.expect(PROMPT).endswith(
+        "Error: unknown command '/nonsense'; /help lists the commands\r\n")
+    term.send('"""\r')
+    term.expect('"""\r\n' + MORE)
+    term.send("first line\r")
+    term.expect("first line\r\n" + MORE)
+    term.send('second line"""\r')
+    term.expect('second line"""\r\n')
+    shown = term.expect("prompt tokens: ")  # the reply, then --verbose's readout
+    assert re.match(r"\d+.*\r\nreply tokens:  \d+, [\d.]+ tok/s\r\ntotal time:    [\d.]+ s\r\n$",
+                    term.expect(PROMPT), re.S)
+    want = reply_of(server.client, "tiny", [user("first line\nsecond line")])
+    assert shown.replace("\r\n", "\n").strip() == want.strip()
+    term.send("/clear\r")
+    assert term.expect(PROMPT).endswith("Cleared session context\r\n")
+    term.send("/exit\r")
+    assert term.wait() == ExitCode.OK
+
+
+# --- a GGUF file on disk -------------------------------------------------------------
+
+
+def test_run_a_gguf_file_imports_it_asking_nothing_and_chats(thread_server, quantized,
+                                                            tmp_path, monkeypatch):
+    client = Client(thread_server.url)
+    (tmp_path / "mine.gguf").symlink_to(quantized["Q8_0"])
+    monkeypatch.chdir(tmp_path)
+    path = str(tmp_path / "mine.gguf")
+    code, out, err = run("run", "./mine.gguf", "--ctx_len", "128", "--cpu_threads", "1",
+                         "Hello there", stdin="")
+    assert code == ExitCode.OK, err
+    assert f"Imported {path} as model mine\n" in err and out.strip()
+    assert client.get_model("mine")["source"] == {"type": "import", "path": path,
+                                                  "option": "symlink"}
+    client.update_model("mine", {**GREEDY, "max_tokens": 12})
+
+    # Again, a session: the model imported before, nothing asked, the chat goes on.
+    code, out, err = run("run", "mine.gguf", stdin=Typed("Hello there\n/exit\n"))
+    assert code == ExitCode.OK, err
+    assert "Imported" not in err and err.count(PROMPT) == 2
+    assert out == reply_of(client, "mine", [user("Hello there")]) + "\n"
+    assert [m["id"] for m in client.list_models()] == ["mine"]
+
+    # Another file of that name: its id is taken, and the error says what to do.
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "mine.gguf").symlink_to(quantized["Q4_0"])
+    code, out, err = run("run", "./elsewhere/mine.gguf", "Hi", stdin="")
+    assert code == ExitCode.ERROR and out == ""
+    assert ("Error: A model with id mine already exists; `localrt models import --path "
+            f"{tmp_path}/elsewhere/mine.gguf --id NEW_ID` imports the file under another "
+            "id\n") in err
+    client.stop_model("mine")
+
+
+# --- failures around the chat ------------------------------------------------------
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_pull_that_cannot_reach_the_hub_says_how_to_import_a_file(settings, thread_server):
+    hub = f"http://127.0.0.1:{closed_port()}"
+    settings.update({"modelHubUrl": hub})
+    for argv, stdin in ((("pull", "org/repo"), ""), (("run", "org/repo", "Hello"), "")):
+        code, out, err = run(*argv, stdin=stdin)
+        assert code == ExitCode.ERROR, err
+        lines = err.splitlines()
+        assert lines[-2].startswith("Error: ") and hub in lines[-2], err
+        assert lines[-1] == ON_DISK
+    assert "`localrt run ./model.gguf`" in ON_DISK and "models import --path" in ON_DISK
+
+
+def test_every_command_ends_quietly_when_its_output_pipe_closes(home, server, quantized):
+    """`localrt models list | head -1` with more models than a pipe holds, then each
+    command into a pipe whose reader has already left: no traceback, exit 141."""
+    for n in range(60):  # a table of about 15 kB (the vetting is cached after the first)
+        server.client.import_model(str(quantized["Q8_0"]), f"model-{n:02d}-" + "x" * 200)
+    env = subprocess_env(home)
+    read, write = os.pipe()
+    fcntl.fcntl(write, fcntl.F_SETPIPE_SZ, 4096)  # one page: the table overflows it
+    cli = subprocess.Popen([sys.executable, "-m", "localrt", "models", "list"], stdout=write,
+                           stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env)
+    head = subprocess.Popen(["head", "-1"], stdin=read, stdout=subprocess.PIPE)
+    os.close(read)
+    os.close(write)
+    first = head.communicate(timeout=60)[0]
+    err = cli.communicate(timeout=60)[1]
+    assert first.startswith(b"+-") and first.count(b"\n") == 1
+    assert (cli.returncode, err) == (ExitCode.BROKEN_PIPE, b"")
+
+    add_model(server.url, quantized["Q8_0"], "tiny", stored={**GREEDY, "max_tokens": 12})
+    for argv in (["--help"], ["models", "list"], ["models", "get", "tiny"], ["ps"],
+                 ["config"], ["run", "tiny", "Hello there"]):
+        read, write = os.pipe()
+        os.close(read)
+        done = subprocess.run([sys.executable, "-m", "localrt", *argv], stdout=write,
+                              stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,
+                              timeout=60)
+        os.close(write)
+        assert done.returncode == ExitCode.BROKEN_PIPE, (argv, done.stderr)
+        assert b"Traceback" not in done.stderr and b"Exception" not in done.stderr, argv
+        assert b"Error" not in done.stderr, argv

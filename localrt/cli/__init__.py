@@ -1,7 +1,9 @@
 """The `localrt` command line. Every command talks to the server through localrt.client.
 
 `main(argv, stdout, stderr, stdin)` returns an exit code (`ExitCode`) and never
-calls sys.exit; it is the one place exceptions become exit codes. The package:
+calls sys.exit; it is the one place exceptions become exit codes (a closed output
+pipe, as in `localrt models list | head -1`, ends any command quietly: BROKEN_PIPE).
+The package:
 
 - `context`: ExitCode, CliError, and the Context each command gets; its
   `client()` connects to the server, or starts it once.
@@ -34,8 +36,28 @@ __all__ = ["CliError", "Context", "ExitCode", "build_parser", "main", "model_upd
 def main(argv=None, stdout=None, stderr=None, stdin=None) -> int:
     """Run the localrt command line; return its exit code."""
     stdout = stdout or sys.stdout
-    stderr = stderr or sys.stderr
-    stdin = sys.stdin if stdin is None else stdin
+    try:
+        code = _main(argv, stdout, stderr or sys.stderr, sys.stdin if stdin is None else stdin)
+        stdout.flush()  # argparse's help is buffered: a closed pipe is found here, not at exit
+        return code
+    except BrokenPipeError:  # `localrt models list | head -1`: whatever the command was doing
+        _discard(stdout)
+        return ExitCode.BROKEN_PIPE
+
+
+def _discard(stream) -> None:
+    """Point a real stream's file at /dev/null, so that the flush at exit finds no closed
+    pipe to complain about (Python's advice for SIGPIPE)."""
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+    except (AttributeError, OSError, ValueError):  # not a file (a test's StringIO)
+        pass
+
+
+def _main(argv, stdout, stderr, stdin) -> int:
+    """main(), but for a closed output pipe."""
     parser = build_parser(stdout, stderr)
     try:
         args = parser.parse_args(argv)

@@ -19,6 +19,7 @@ class ExitCode(IntEnum):
     UNAVAILABLE = 3      # the server is not running and could not be started
     SETTINGS = 4         # the settings file cannot be used
     INTERRUPTED = 130    # Ctrl-C
+    BROKEN_PIPE = 141    # the reader of stdout left (`| head`): 128 + SIGPIPE, as others exit
 
 
 class CliError(Exception):

@@ -22,6 +22,17 @@ class _Parser(argparse.ArgumentParser):
 
     streams = (sys.stdout, sys.stderr)
 
+    def parse_args(self, args=None, namespace=None):
+        """argparse's, except that words after `run`'s options join its PROMPT: argparse
+        ends a positional list at the first option (`run ID --ctx_len 8 "a prompt"`)."""
+        args, extra = self.parse_known_args(args, namespace)
+        if extra and isinstance(getattr(args, "prompt", None), list) \
+                and not any(word.startswith("-") for word in extra):
+            args.prompt.extend(extra)
+        elif extra:
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return args
+
     def _print_message(self, message, file=None):
         if message:
             out, err = self.streams
@@ -64,12 +75,13 @@ def build_parser(stdout=None, stderr=None) -> argparse.ArgumentParser:
     _add_pull_arguments(sub.add_parser("pull", help=pull_help, description=pull_description))
 
     run_help = "pull a model if needed, start it and chat with it"
-    run_description = ("Download the model if it is not local yet (with progress), start "
-                       "it, then chat with it in the terminal: replies stream as they are "
-                       "generated and the conversation is kept. /exit or Ctrl-D leaves; "
-                       "Ctrl-C stops a reply without leaving.")
-    _add_start_arguments(sub.add_parser("run", help=run_help, description=run_description),
-                         skip=("embedding",))
+    run_description = ("Download the model if it is not local yet (with progress), or "
+                       "import the GGUF file ID names (./model.gguf), start it, then chat "
+                       "with it in the terminal: replies stream as they are generated and "
+                       "the conversation is kept; /help lists the session's commands. With "
+                       "a PROMPT, or with standard input not a terminal, answer once and "
+                       "exit.")
+    _add_run_arguments(sub.add_parser("run", help=run_help, description=run_description))
     p = sub.add_parser("embed", help="print the embeddings of texts",
                        description="Print each TEXT's embedding from model ID as a JSON "
                        "array of numbers (unit length), one line per TEXT, in order. The "
@@ -139,8 +151,7 @@ def build_parser(stdout=None, stderr=None) -> argparse.ArgumentParser:
     p = models.add_parser("stop", help="unload a running model",
                           description="Unload a running model and free its memory.")
     p.add_argument("model", metavar="ID", help="the model's id")
-    _add_start_arguments(models.add_parser("run", help=run_help, description=run_description),
-                         skip=("embedding",))
+    _add_run_arguments(models.add_parser("run", help=run_help, description=run_description))
 
     p = sub.add_parser("engines", help="list, install and uninstall inference engines",
                        description="Manage the inference engines: gguf-cpp (GGUF, "
@@ -188,11 +199,22 @@ def _add_variant_arguments(p: argparse.ArgumentParser, version_help: str,
                    f"such as linux-amd64-avx2")
 
 
-def _add_start_arguments(p: argparse.ArgumentParser, skip=()) -> None:
-    """The model id and the start options; `run` skips `embedding`: it chats."""
-    p.add_argument("model", metavar="ID", help="the model's id")
+def _add_start_arguments(p: argparse.ArgumentParser, skip=(),
+                         model_help: str = "the model's id") -> None:
+    """The model id and the start options, but those in `skip`."""
+    p.add_argument("model", metavar="ID", help=model_help)
     _add_schema_options(p, model_update_options("model-start.json", skip=("model", *skip)),
                         "start_options")
+
+
+def _add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """`run`'s: the start options but `embedding` (it chats), a prompt, --verbose."""
+    _add_start_arguments(p, skip=("embedding",), model_help="the model's id, or the path "
+                         "of a GGUF file to import and run (./model.gguf)")
+    p.add_argument("prompt", metavar="PROMPT", nargs="*", help="answer this once and exit "
+                   "(after standard input's text, when that is not a terminal)")
+    p.add_argument("--verbose", action="store_true", help="after each reply, print the "
+                   "prompt's and the reply's tokens and their tok/s")
 
 
 def _add_pull_arguments(p: argparse.ArgumentParser) -> None:

@@ -13,6 +13,10 @@ from localrt.cli.menu import ask_number, list_choices
 from localrt.client import ApiError
 from localrt.fsutil import human_size
 
+# The line added to a pull's error when the hub cannot be reached (a 502 from the server).
+ON_DISK = ("A GGUF file already on disk needs no hub: `localrt run ./model.gguf` imports "
+           "it and chats, `localrt models import --path FILE` imports it.")
+
 
 def cmd_pull(ctx: Context) -> int:
     """Download a model from the hub, following its progress until it is registered."""
@@ -28,7 +32,12 @@ def download(ctx: Context, client, stream, model_id: str,
     `stream` is the event stream, opened before the pull (None: poll instead).
     """
     with stream or contextlib.nullcontext():
-        started = _start_pull(ctx, client, model_id, file)
+        try:
+            started = _start_pull(ctx, client, model_id, file)
+        except ApiError as exc:
+            if exc.status != 502:  # 502: the hub cannot be reached, or answers nonsense
+                raise
+            raise CliError(f"{exc}\n{ON_DISK}") from None
         if isinstance(started, str):  # already downloaded
             return ExitCode.OK, started
         model, pull_id, task = started

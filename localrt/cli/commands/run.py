@@ -1,6 +1,14 @@
-"""`localrt run` (and `models run`): pull the model if needed, start it, chat with it."""
+"""`localrt run` (and `models run`): pull the model if needed, or import the GGUF file
+it names, start it, and chat with it, or answer one prompt and exit as `ollama run` does.
+
+A prompt comes from the PROMPT words and, when stdin is not a terminal, from stdin
+(before them): `localrt run ID "a prompt"`, `echo a prompt | localrt run ID`. Without
+one, the session reads messages (localrt.cli.chat).
+"""
 
 from __future__ import annotations
+
+import os
 
 from localrt.cli.chat import Chat
 from localrt.cli.commands.models import start_options
@@ -11,15 +19,76 @@ from localrt.client import ApiError
 
 
 def cmd_run(ctx: Context) -> int:
-    """Pull the model if needed, start it, then chat with it in the terminal."""
-    model_id = ctx.args.model
+    """Make the model ready, then chat with it in the terminal or answer one prompt."""
+    prompt = _prompt(ctx)
     client = ctx.client()
-    if not _downloaded(client, model_id):
-        ctx.err(f"Model {model_id} is not downloaded yet; pulling it")
-        model_id = _pull_for_run(ctx, client, model_id)
+    model_id = _ready(ctx, client, ctx.args.model, pull=True)
     reply = client.start_model(model_id, start_options(ctx))
     ctx.err(reply["message"])
-    return Chat(ctx, client, model_id).loop()
+
+    def load(given: str) -> str:  # /load: a local model, or a file imported, started
+        loaded = _ready(ctx, client, given, pull=False)
+        ctx.err(client.start_model(loaded)["message"])
+        return loaded
+
+    chat = Chat(ctx, client, model_id, load=load, verbose=ctx.args.verbose)
+    return chat.loop() if prompt is None else chat.once(prompt)
+
+
+def _prompt(ctx: Context) -> str | None:
+    """The one prompt to answer: stdin's text (when stdin is no terminal), then the
+    PROMPT words, joined by a space as Ollama joins them; None for a session."""
+    words = list(ctx.args.prompt)
+    if ctx.interactive:
+        return " ".join(words) if words else None
+    piped = ctx.stdin.read().strip() if ctx.stdin is not None else ""
+    prompt = " ".join([piped, *words] if piped else words)
+    if not prompt.strip():
+        raise CliError("Nothing to answer: give a PROMPT, or text on standard input",
+                       ExitCode.USAGE)
+    return prompt
+
+
+def _ready(ctx: Context, client, given: str, pull: bool) -> str:
+    """The id of the model `given` names, imported if it is a file on disk, pulled
+    (when `pull`) if it is not local yet."""
+    path = _path(given)
+    if path is not None:
+        return _imported(ctx, client, path)
+    if _downloaded(client, given):
+        return given
+    if not pull:
+        raise CliError(f"Couldn't find model '{given}'; `localrt pull {given}` downloads it")
+    ctx.err(f"Model {given} is not downloaded yet; pulling it")
+    return _pull_for_run(ctx, client, given)
+
+
+def _path(given: str) -> str | None:
+    """The absolute path when ID names a file or folder on disk (/..., ./..., ../...,
+    ~/..., or an existing NAME.gguf here), else None: an id."""
+    if given.startswith(("/", "./", "../", "~/")) or \
+            given.lower().endswith(".gguf") and os.path.isfile(given):
+        return os.path.abspath(os.path.expanduser(given))
+    return None
+
+
+def _imported(ctx: Context, client, path: str) -> str:
+    """The model imported from `path`: the one already imported from it, else a new
+    import (linked, its id the file's name), asking nothing."""
+    for model in client.list_models():
+        source = model.get("source") or {}
+        if source.get("type") == "import" and source.get("path") == path:
+            return model["id"]
+    try:
+        reply = client.import_model(path)
+    except ApiError as exc:
+        if exc.status != 409:
+            raise
+        raise CliError(f"{exc.message}; `localrt models import --path {path} --id NEW_ID` "
+                       f"imports the file under another id") from None
+    model_id = reply["model"]["id"]
+    ctx.err(f"Imported {path} as model {model_id}")
+    return model_id
 
 
 def _downloaded(client, model_id: str) -> bool:
