@@ -134,6 +134,11 @@ GRAMMARS = [
      {"model": "tiny", "input": "hi", "tool_choice": "required", "tools": [
          {"type": "function", "name": "f", "parameters": array_of("minItems", HUGE)}]},
      "tools[0].parameters.properties.a.minItems"),
+    ("/v1/responses",  # a namespace's function, after a hosted tool left out
+     {"model": "tiny", "input": "hi", "tool_choice": "required", "tools": [
+         {"type": "web_search"}, {"type": "namespace", "name": "n", "tools": [
+             {"type": "function", "name": "f", "parameters": array_of("minItems", HUGE)}]}]},
+     "tools[1].tools[0].parameters.properties.a.minItems"),
     ("/api/chat",
      {"model": "tiny", "messages": ASK, "stream": False, "format": array_of("minItems", HUGE)},
      "format.properties.a.minItems"),

@@ -6,8 +6,11 @@ real `openai` SDK's client.responses against a live server.
 The models are tiny random llamas (tests/emulators/ggufgen.py): "tiny" with a ChatML template, and
 "qwen25" carrying Qwen 2.5's real chat template and <tool_call> token (as in
 tests/test_tools.py), whose calls are forced (tool_choice "required") because random
-weights write gibberish. Replies are greedy (temperature 0), so the same prompt gives
-the same text through chat and through Responses.
+weights write gibberish, and "caller", Qwen 2.5's template on weights scripted to always
+call multi_agent_v1__spawn_agent, a function of Codex's namespace tool, so a request with
+tool_choice "auto", shaped as Codex sends it, gets that call from real llama.cpp.
+Replies are greedy (temperature 0), so the same prompt gives the same text through chat
+and through Responses.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 import threading
 
+import gguf
 import jsonschema
 import pytest
 from emulators.chattemplates import TEMPLATES, TOKENS
@@ -40,13 +44,54 @@ CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in t.items() if k 
               for t in TOOLS]
 
 
+def _function(name: str, description: str, **properties) -> dict:
+    return {"type": "function", "name": name, "description": description, "strict": False,
+            "parameters": {"type": "object", "properties": properties,
+                           "required": sorted(properties), "additionalProperties": False}}
+
+
+# The tools as Codex 0.171 sends them with its default config: its own function tools,
+# the hosted web search (never run by localrt), and the namespace of its sub-agent tools.
+TEXT = {"type": "string"}
+AGENT_ID = {"type": "string", "enum": ["agent-1", "agent-2"]}
+MULTI_AGENT = {"type": "namespace", "name": "multi_agent_v1",
+               "description": "Tools to spawn and manage sub-agents.",
+               "tools": [_function("spawn_agent", "Spawn a sub-agent for a task.",
+                                   message=TEXT),
+                         _function("send_input", "Send a message to a sub-agent.",
+                                   id=AGENT_ID, message=TEXT),
+                         _function("resume_agent", "Resume a closed sub-agent.", id=AGENT_ID),
+                         _function("wait_agent", "Wait for sub-agents to finish.",
+                                   targets={"type": "array", "items": AGENT_ID,
+                                            "minItems": 1, "maxItems": 2},
+                                   timeout_ms={"enum": [1000, 30000]}),
+                         _function("close_agent", "Close a sub-agent.", id=AGENT_ID)]}
+CODEX_TOOLS = [_function("exec_command", "Runs a command in a PTY.", cmd=TEXT, workdir=TEXT),
+               _function("write_stdin", "Writes characters to a running session.",
+                         session_id={"type": "integer"}, chars=TEXT),
+               _function("update_plan", "Updates the task plan.",
+                         plan={"type": "array", "items": TEXT}),
+               _function("apply_patch", "Edits files with a patch.", input=TEXT),
+               _function("view_image", "Attaches a local image.", path=TEXT),
+               {"type": "web_search", "external_web_access": False},
+               MULTI_AGENT]
+AGENT_SCHEMAS = {t["name"]: t["parameters"] for t in MULTI_AGENT["tools"]}
+# What "caller" always writes: a Hermes call of spawn_agent, named as localrt shows it.
+SPAWN = ["<tool_call>", '{"name": "multi_agent_v1__spawn_agent", ',
+         '"arguments": {"message": "Find the bug"}}', "</tool_call>"]
+
+
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
     root = tmp_path_factory.mktemp("responses")
     return {"tiny": write_gguf(root / "tiny.gguf", context_length=512),
             "qwen25": write_gguf(root / "qwen25.gguf", name="qwen25", vocab_size=400,
                                  context_length=4096, chat_template=TEMPLATES["qwen25"],
-                                 added_tokens=[(t, KINDS[k]) for t, k in TOKENS["qwen25"]])}
+                                 added_tokens=[(t, KINDS[k]) for t, k in TOKENS["qwen25"]]),
+            "caller": write_gguf(root / "caller.gguf", name="caller", vocab_size=400,
+                                 context_length=8192, chat_template=TEMPLATES["qwen25"],
+                                 added_tokens=[(t, gguf.TokenType.USER_DEFINED)
+                                               for t in SPAWN], script=SPAWN)}
 
 
 @pytest.fixture
@@ -232,6 +277,97 @@ def test_a_forced_call_comes_back_as_a_function_call_item(app, api):
     assert final["usage"]["input_tokens"] > out["usage"]["input_tokens"]
 
 
+# --- tools as Codex sends them: namespaces and hosted tools ------------------------------
+
+
+@pytest.mark.live
+def test_a_namespaced_function_comes_back_with_its_namespace(app, api):
+    """tool_choice names a function of Codex's namespace tool, beside the hosted web
+    search and a plain function (qwen25's context holds these, not all of Codex's
+    tools): the forced call is the function's own name and its namespace, whole and
+    streamed, and the response's tools are the request's as given."""
+    tools = [TIME, {"type": "web_search", "external_web_access": False}, MULTI_AGENT]
+    body = {"model": "qwen25", "input": "Wait for agent-1.", "tools": tools,
+            "tool_choice": {"type": "function", "name": "wait_agent",
+                            "namespace": "multi_agent_v1"},
+            "parallel_tool_calls": False, "max_output_tokens": 120}
+    out = respond(api, **body).json
+    call_item, = out["output"]
+    assert (call_item["type"], call_item["name"], call_item["namespace"]) == (
+        "function_call", "wait_agent", "multi_agent_v1")
+    jsonschema.validate(json.loads(call_item["arguments"]), AGENT_SCHEMAS["wait_agent"])
+    assert out["tools"] == tools and out["tool_choice"] == body["tool_choice"]
+    assert not app.validators.reply_errors("response", out)
+
+    got = events(app, respond(api, **body, stream=True))
+    added, done, final = got[2]["item"], got[-2]["item"], got[-1]["response"]
+    assert (added["name"], added["namespace"], added["arguments"]) == (
+        "wait_agent", "multi_agent_v1", "")
+    assert got[-3]["type"] == "response.function_call_arguments.done"
+    assert got[-3]["name"] == "wait_agent" and got[-3]["arguments"] == call_item["arguments"]
+    assert done["namespace"] == "multi_agent_v1" and final["output"] == [done]
+
+    # Named alone, where no other tool is called that; a plain function has no namespace.
+    alone = respond(api, **{**body, "tool_choice": {"type": "function",
+                                                    "name": "close_agent"}}).json
+    assert (alone["output"][0]["name"], alone["output"][0]["namespace"]) == (
+        "close_agent", "multi_agent_v1")
+    plain = respond(api, **{**body, "tool_choice": {"type": "function",
+                                                    "name": "get_time"}}).json
+    assert plain["output"][0]["name"] == "get_time" and "namespace" not in plain["output"][0]
+
+
+@pytest.mark.live
+def test_hosted_tools_stay_out_of_the_prompt_and_namespaces_show_their_functions(api):
+    """The prompt's size says what the template was given: hosted tools add nothing, a
+    namespace's functions are there named NAMESPACE__FUNCTION, and a function_call item
+    with a namespace goes back into the history under that name."""
+    def prompt(tools, items=None):
+        r = respond(api, model="qwen25", input=items or "Hello", tools=tools,
+                    tool_choice="none", max_output_tokens=1)
+        assert r.status == 200, r.body
+        return r.json["usage"]["input_tokens"]
+
+    hosted = [{"type": "web_search", "external_web_access": False},
+              {"type": "web_search_preview"}, {"type": "file_search",
+                                               "vector_store_ids": ["vs_1"]},
+              {"type": "code_interpreter", "container": {"type": "auto"}},
+              {"type": "computer_use_preview", "display_width": 1024,
+               "display_height": 768, "environment": "linux"},
+              {"type": "image_generation"},
+              {"type": "mcp", "server_label": "docs", "server_url": "https://example.com/mcp",
+               "require_approval": "never"}]
+    assert prompt([WEATHER, *hosted]) == prompt([WEATHER]) < prompt([WEATHER, TIME])
+    flat = [{**f, "name": "multi_agent_v1__" + f["name"]} for f in MULTI_AGENT["tools"]]
+    assert prompt([WEATHER, MULTI_AGENT]) == prompt([WEATHER, *flat])
+
+    def history(call):
+        return [{"role": "user", "content": "Spawn one."},
+                {"type": "function_call", "call_id": "call_1", "arguments": "{}", **call},
+                {"type": "function_call_output", "call_id": "call_1", "output": "agent-1"}]
+    namespaced = prompt([MULTI_AGENT], history({"name": "spawn_agent",
+                                                "namespace": "multi_agent_v1"}))
+    assert namespaced == prompt([MULTI_AGENT],
+                                history({"name": "multi_agent_v1__spawn_agent"}))
+    assert namespaced != prompt([MULTI_AGENT], history({"name": "spawn_agent"}))
+
+
+def test_hosted_tools_are_the_schemas_and_the_man_pages():
+    """responses.HOSTED, the hosted types response-create.json takes (in tools and in
+    tool_choice) and those localrt-api(7) lists are the same."""
+    from pathlib import Path
+
+    from localrt.schemas import load
+
+    schema = load("response-create.json")["properties"]
+    in_tools = schema["tools"]["items"]["properties"]["type"]["enum"]
+    assert in_tools == ["function", "namespace", *responses.HOSTED]
+    assert schema["tool_choice"]["anyOf"][2]["properties"]["type"]["enum"] == \
+        list(responses.HOSTED)
+    man = (Path(__file__).resolve().parent.parent / "man" / "localrt-api.7").read_text()
+    assert all(f"\\fB{name}\\fR" in man.replace("\\_", "_") for name in responses.HOSTED)
+
+
 # --- storage and previous_response_id ----------------------------------------------------
 
 
@@ -311,7 +447,22 @@ def test_the_store_keeps_the_most_recently_used_within_its_bounds():
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]},
      "input[0].output"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
-    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "x", "tools": [{"type": "custom", "name": "apply_patch"}]}, "tools[0].type"),
+    ({"input": "x", "tools": [{"type": "namespace", "name": "n", "tools": [
+        {"type": "custom", "name": "f"}]}]}, "tools[0].tools[0].type"),
+    ({"input": "x", "tools": [{"type": "namespace", "name": "n.s", "tools": []}]},
+     "tools[0].name"),
+    ({"input": "x", "tools": [{"type": "namespace", "name": "n"}]}, "tools[0].tools"),
+    ({"input": "x", "tools": [{"type": "function", "name": "n__f"}, {"type": "web_search"},
+                              {"type": "namespace", "name": "n", "tools": [
+                                  {"type": "function", "name": "f"}]}]},
+     "tools[2].tools[0].name"),
+    ({"input": "x", "tools": [WEATHER, MULTI_AGENT],
+      "tool_choice": {"type": "function", "name": "get_weather", "namespace": "multi_agent_v1"}},
+     "tool_choice.name"),
+    ({"input": "x", "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}},
+     "tool_choice"),
+    ({"input": "x", "tool_choice": {"type": "custom", "name": "apply_patch"}}, "tool_choice"),
     ({"input": "x", "tools": [{"type": "function"}]}, "tools[0].name"),
     ({"input": "x", "tools": [{"type": "function", "name": "a b"}]}, "tools[0].name"),
     ({"input": "x", "tools": [WEATHER, WEATHER]}, "tools[1].name"),
@@ -537,3 +688,57 @@ def test_the_sdk_stream_helper_rebuilds_a_completed_response(client, weights):
         final = stream.get_final_response()
     assert final.status == "completed" and final.completed_at
     assert text == final.output_text == full[:full.index(stop)]
+
+
+def test_the_sdk_sends_codexs_tools_and_gets_the_namespaced_call(client):
+    """A request shaped as Codex 0.171 sends it with its default config (instructions, a
+    developer message, its function tools, the hosted web search, the multi_agent_v1
+    namespace, tool_choice auto, reasoning and include it sets), through the SDK, whole and
+    streamed: the scripted model's call of spawn_agent comes back with its namespace, the
+    tools as given, and the round trip goes on; forcing web search is a 400 naming it."""
+    import openai
+
+    body = dict(model="caller", instructions="You are Codex, a coding agent.",
+                input=[{"type": "message", "role": "developer",
+                        "content": [{"type": "input_text", "text": "Sandbox: read-only."}]},
+                       {"type": "message", "role": "user",
+                        "content": [{"type": "input_text", "text": "Find the bug."}]}],
+                tools=CODEX_TOOLS, tool_choice="auto", parallel_tool_calls=False,
+                reasoning={"effort": "medium", "summary": "auto"}, store=False,
+                include=["reasoning.encrypted_content"], prompt_cache_key="session-1",
+                temperature=0, max_output_tokens=60)
+    raw = client.responses.with_raw_response.create(**body)
+    assert raw.http_response.json()["tools"] == CODEX_TOOLS
+    first = raw.parse()
+    call, = first.output
+    assert (call.type, call.name, call.namespace) == (
+        "function_call", "spawn_agent", "multi_agent_v1")
+    assert json.loads(call.arguments) == {"message": "Find the bug"}
+    assert first.status == "completed"
+
+    kinds, pieces, final = [], [], None
+    for event in client.responses.create(**body, stream=True):
+        kinds.append(event.type)
+        if event.type == "response.output_item.added":
+            assert (event.item.name, event.item.namespace) == ("spawn_agent", "multi_agent_v1")
+        elif event.type == "response.function_call_arguments.delta":
+            pieces.append(event.delta)
+        elif event.type == "response.completed":
+            final = event.response
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    streamed, = final.output
+    assert (streamed.name, streamed.namespace, streamed.arguments) == (
+        "spawn_agent", "multi_agent_v1", "".join(pieces))
+    assert json.loads(streamed.arguments) == json.loads(call.arguments)
+
+    # The call's output back, with the SDK's own output item: the loop goes on.
+    follow = body["input"] + list(first.output) + [
+        {"type": "function_call_output", "call_id": call.call_id, "output": "agent-1"}]
+    second = client.responses.create(**{**body, "input": follow})
+    assert second.usage.input_tokens > first.usage.input_tokens
+    assert second.output[0].namespace == "multi_agent_v1"
+
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(**{**body, "tool_choice": {"type": "web_search"}})
+    assert caught.value.status_code == 400 and caught.value.param == "tool_choice"
+    assert "web_search" in caught.value.message

@@ -5,7 +5,11 @@ into a native request (localrt.native): `instructions` become a system message, 
 input items messages (a `function_call` an assistant's tool call, a
 `function_call_output` a tool message, an `input_image` part a Media part named by
 its path in `input`), function tools tools, `max_output_tokens` max_tokens and
-`text.format` the response format. `Chats.create` runs it (for a remote model through
+`text.format` the response format. A `namespace` tool's functions are tools named
+NAMESPACE__FUNCTION (SEPARATOR), and a call of one comes back as a `function_call` with
+the function's own `name` and its `namespace`; OpenAI's hosted tools (HOSTED: web
+search, file search, ...) are accepted, echoed in the response's `tools`, left out of
+the prompt and so never called. `Chats.create` runs it (for a remote model through
 its upstreams), and its events are written as a `response` object (a `reasoning`
 item when the model's thinking came apart, a `message` output item with
 `output_text`, one `function_call` item per tool call, `status`, `usage`), or as the
@@ -20,7 +24,9 @@ keeps the MAX_STORED most recently used responses, and fewer when their
 conversations' JSON together passes MAX_STORED_BYTES; it empties when the server stops.
 
 Errors of the native call name native fields; `FIELDS` gives them this API's names
-(`messages` is `input`, `tools[i].function.parameters` is `tools[i].parameters`, ...).
+(`messages` is `input`, `tools[i].function.parameters` is `tools[i].parameters`, ...),
+and `Tools.fields` the request's own, where a native tool is a namespace's function
+(`tools[8].tools[1].parameters`) or hosted tools before it moved its index.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Iterator
 
 from localrt import native
@@ -44,12 +51,31 @@ MAX_STORED_BYTES = 64 * 1024 * 1024
 
 # The native names of the fields of errors, and this API's: a rule matches the start of
 # the param, and what follows the match stays (the path inside a tool's schema).
-FIELDS = Fields((r"messages(\[.*)?$", "input"),
-                (r"tools\[(\d+)\]\.function\.(\w+)", r"tools[\1].\2"),
-                (r"tool_choice\.function\.name$", "tool_choice.name"),
-                (r"(max_tokens|max_completion_tokens)$", "max_output_tokens"),
-                (r"response_format\.json_schema\.schema", "text.format.schema"),
-                (r"response_format(\..*)?$", "text.format"))
+RULES = ((r"messages(\[.*)?$", "input"),
+         (r"tools\[(\d+)\]\.function\.(\w+)", r"tools[\1].\2"),
+         (r"tool_choice\.function\.name$", "tool_choice.name"),
+         (r"(max_tokens|max_completion_tokens)$", "max_output_tokens"),
+         (r"response_format\.json_schema\.schema", "text.format.schema"),
+         (r"response_format(\..*)?$", "text.format"))
+FIELDS = Fields(*RULES)
+
+# OpenAI's tools that its own servers run, or that its models call with output items of
+# their own (local_shell, shell, apply_patch): accepted, echoed, never offered to the
+# model (it could not call them). If you change this, also change the tool types of
+# schemas/response-create.json (its "tool" and "tool_choice") and man/localrt-api.7.
+HOSTED = ("web_search", "web_search_2025_08_26", "web_search_preview",
+          "web_search_preview_2025_03_11", "file_search", "code_interpreter", "computer",
+          "computer_use", "computer_use_preview", "image_generation", "mcp", "local_shell",
+          "shell", "apply_patch", "tool_search")
+
+# Between a namespace and its function in the name the model sees and calls:
+# multi_agent_v1__spawn_agent. Not a dot: every family's parser reads any JSON string
+# back, but remote models' OpenAI-compatible upstreams (and OpenAI's chat API, whose
+# names schemas/chat-completion.json follows) take only [a-zA-Z0-9_-] in a name, and
+# some chat templates print names into identifiers; two underscores keep the name a
+# plain identifier (templates that write tools as TypeScript, as gpt-oss's does, need
+# one) and are the separator other Responses-to-chat bridges use.
+SEPARATOR = "__"
 
 
 class PreviousNotFound(InvalidField):
@@ -73,19 +99,21 @@ def create(chats, store: "Store", body: dict, disconnected: Disconnected = never
     given = body["input"]
     items = [{"type": "message", "role": "user", "content": given}] \
         if isinstance(given, str) else list(given)
-    request = read(body, history, items)
+    tools = Tools.read(body.get("tools"))
+    request = read(body, history, items, tools)
     shell = response_shell(body)
     conversation = history + items
     keep = store.put if body.get("store") else None
     def whole(whole: native.Whole) -> dict:
-        response = finished(shell, *output_of(whole))
+        response = finished(shell, *output_of(whole, tools.named))
         if keep:
             keep(response, conversation + output_items(response["output"]))
         return response
 
-    with FIELDS.named(request):
+    with tools.fields().named(request):
         return write(chats.create(request, disconnected), request.stream,
-                     lambda reply: ResponseStream(reply, shell, conversation, keep), whole)
+                     lambda reply: ResponseStream(reply, shell, conversation, keep,
+                                                  tools.named), whole)
 
 
 def get(store: "Store", response_id: str) -> dict:
@@ -152,9 +180,73 @@ class Store:
 # --- requests: Responses input as native messages ----------------------------------
 
 
-def read(body: dict, history: list, items: list) -> native.Request:
+@dataclass
+class Tools:
+    """A request's tools as the model is offered them: `native` the function tools as
+    native.Request carries them (a namespace's named NAMESPACE__FUNCTION, hosted tools
+    left out), `where` each one's path in the request (tools[3], tools[8].tools[1]),
+    and `named` the native name -> (namespace, function) of each namespace's function."""
+
+    native: list = field(default_factory=list)
+    where: list = field(default_factory=list)
+    named: dict = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, given) -> "Tools":
+        """The tools of a request's `tools` (passed response-create.json)."""
+        tools = cls()
+        for i, tool in enumerate(given or ()):
+            if tool["type"] == "function":
+                tools._add(tool, f"tools[{i}]")
+            elif tool["type"] == "namespace":
+                for j, function in enumerate(tool["tools"]):
+                    tools._add(function, f"tools[{i}].tools[{j}]", tool["name"])
+            # A hosted tool (HOSTED): nothing for the model to see or call.
+        return tools
+
+    def _add(self, tool: dict, where: str, namespace: str | None = None) -> None:
+        name = tool["name"] if namespace is None else namespace + SEPARATOR + tool["name"]
+        if namespace is not None:
+            self.named[name] = (namespace, tool["name"])
+        self.native.append({"type": "function", "function": {
+            "name": name, **{k: tool[k] for k in ("description", "parameters", "strict")
+                             if tool.get(k) is not None}}})
+        self.where.append(where)
+
+    def choice(self, choice) -> tuple[str, str | None]:
+        """(native tool_choice, its function's native name) of a request's tool_choice; a
+        400 for one that forces a hosted tool, or a function no namespace holds."""
+        if not isinstance(choice, dict):
+            return choice or "auto", None
+        if choice["type"] != "function":
+            raise InvalidField(f"Invalid field 'tool_choice': {shown(choice['type'])} is a "
+                               f"hosted tool, which localrt accepts in tools but never "
+                               f"calls, so it cannot be forced", param="tool_choice")
+        name, namespace = choice["name"], choice.get("namespace")
+        if namespace is not None:
+            if self.named.get(namespace + SEPARATOR + name) != (namespace, name):
+                raise InvalidField(f"Invalid field 'tool_choice.name': no function "
+                                   f"{shown(name)} in a namespace {shown(namespace)}",
+                                   param="tool_choice.name")
+            return "function", namespace + SEPARATOR + name
+        plain = {t["function"]["name"] for t in self.native} - self.named.keys()
+        if name not in plain:  # a namespace's function, named alone where that is unique
+            held = [native for native, (_, function) in self.named.items()
+                    if function == name]
+            if len(held) == 1:
+                return "function", held[0]
+        return "function", name
+
+    def fields(self) -> Fields:
+        """FIELDS, with this request's paths for the native tools first."""
+        return Fields(*((rf"tools\[{k}\]\.function\.", where + ".")
+                        for k, where in enumerate(self.where)), *RULES)
+
+
+def read(body: dict, history: list, items: list, tools: Tools | None = None) -> native.Request:
     """The native request of a Responses request: its instructions, the stored
-    conversation it continues (`history`, input items) and its own input `items`."""
+    conversation it continues (`history`, input items), its own input `items` and its
+    `tools` (Tools.read of body["tools"] when not given)."""
     messages = []
     if body.get("instructions"):
         messages.append(native.Message("system", [native.Text(body["instructions"])]))
@@ -168,18 +260,15 @@ def read(body: dict, history: list, items: list) -> native.Request:
                                           ("temperature", None), ("top_p", None),
                                           ("seed", None))
                 if body.get(name) is not None}
-    choice = body.get("tool_choice")
+    tools = Tools.read(body.get("tools")) if tools is None else tools
+    choice, function = tools.choice(body.get("tool_choice"))
     fmt = (body.get("text") or {}).get("format") or {"type": "text"}
     response_format = {"json_schema": {"type": "json_schema", "schema": fmt.get("schema"),
                                        "name": fmt.get("name") or "response"},
                        "json_object": {"type": "json_object", "schema": None}}.get(fmt["type"])
     return native.Request(
         model=body["model"], messages=messages, sampling=sampling,
-        tools=[{"type": "function", "function": {
-            k: tool[k] for k in ("name", "description", "parameters", "strict")
-            if tool.get(k) is not None}} for tool in body.get("tools") or ()],
-        tool_choice="function" if isinstance(choice, dict) else choice or "auto",
-        tool_function=choice["name"] if isinstance(choice, dict) else None,
+        tools=tools.native, tool_choice=choice, tool_function=function,
         parallel_tool_calls=body.get("parallel_tool_calls") is not False,
         response_format=response_format,
         stream=bool(body.get("stream")), include_usage=bool(body.get("stream")))
@@ -196,7 +285,9 @@ def input_messages(items: list, field: str) -> list:
             messages.append(native.Message(role, _parts(item["content"],
                                                          f"{field}[{i}].content")))
         elif kind == "function_call":
-            call = native.ToolCall(item["call_id"], item["name"], item["arguments"])
+            name = item["name"] if not item.get("namespace") else \
+                item["namespace"] + SEPARATOR + item["name"]
+            call = native.ToolCall(item["call_id"], name, item["arguments"])
             last = messages[-1] if messages else None
             if last is not None and last.role == "assistant":
                 last.tool_calls.append(call)
@@ -285,10 +376,14 @@ def message_item(text: str, status: str = "completed", item_id: str | None = Non
 
 
 def call_item(call_id: str, name: str, arguments: str, status: str = "completed",
-              item_id: str | None = None) -> dict:
-    """A `function_call` output item."""
-    return {"id": item_id or new_id("fc"), "type": "function_call", "status": status,
+              item_id: str | None = None, named: dict | None = None) -> dict:
+    """A `function_call` output item; a call of a namespace's function (`named`:
+    Tools.named) has the function's own name and its `namespace`."""
+    item = {"id": item_id or new_id("fc"), "type": "function_call", "status": status,
             "call_id": call_id, "name": name, "arguments": arguments}
+    if named and name in named:
+        item["namespace"], item["name"] = named[name]
+    return item
 
 
 def reasoning_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
@@ -297,9 +392,11 @@ def reasoning_item(text: str, status: str = "completed", item_id: str | None = N
             "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def output_of(whole: native.Whole) -> tuple[list, str | None, native.Usage | None]:
+def output_of(whole: native.Whole, named: dict | None = None
+              ) -> tuple[list, str | None, native.Usage | None]:
     """(output items, finish reason, usage) of a whole reply: its reasoning, its text as
-    a message (also when it is empty and there are no calls), then its tool calls."""
+    a message (also when it is empty and there are no calls), then its tool calls (of
+    namespaces' functions by `named`, Tools.named)."""
     status = "incomplete" if whole.finish == "length" else "completed"
     output = []
     if whole.reasoning:
@@ -308,7 +405,7 @@ def output_of(whole: native.Whole) -> tuple[list, str | None, native.Usage | Non
         output.append(message_item(whole.text, status))
     for call in whole.calls:
         output.append(call_item(call.id or new_id("call"), call.name, call.arguments or "",
-                                status))
+                                status, named=named))
     return output, whole.finish, whole.usage
 
 
@@ -335,8 +432,10 @@ class ResponseStream(NamedEvents):
     response.failed when generation broke part way.
     """
 
-    def __init__(self, reply: native.Reply, shell: dict, conversation: list, keep=None):
+    def __init__(self, reply: native.Reply, shell: dict, conversation: list, keep=None,
+                 named: dict | None = None):
         super().__init__(reply)
+        self._named = named          # Tools.named: the namespaces' functions
         self._shell = shell
         self._conversation = conversation
         self._keep = keep            # Store.put, when the response is to be stored
@@ -404,7 +503,7 @@ class ResponseStream(NamedEvents):
         if item is None:
             yield from self._close("completed")
             item = self._calls[index] = call_item(call_id or new_id("call"), name, "",
-                                                  "in_progress")
+                                                  "in_progress", named=self._named)
             yield from self._added(item)
         if arguments:
             item["arguments"] += arguments
