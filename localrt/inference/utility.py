@@ -28,7 +28,7 @@ from types import SimpleNamespace
 
 from localrt import __version__, native
 from localrt.engines import contract
-from localrt.errors import HTTPError, InvalidField, ServiceUnavailable
+from localrt.errors import HTTPError, InvalidField, ServiceUnavailable, shown
 from localrt.inference.chat import Chats
 from localrt.inference.requests import RequestPath
 from localrt.models.ids import check_id
@@ -64,12 +64,14 @@ class Utility:
         with self._path.scheduler.using(model_id) as use:
             model = self._can(use, model_id, contract.Vocabulary, "detokenize")
             n_vocab = model.n_vocab
-            for i, token in enumerate(body["tokens"]):
+            # JSON Schema's integers include 5.0: each is made an int for llama.cpp.
+            tokens = [int(t) for t in body["tokens"]]
+            for i, token in enumerate(tokens):
                 if not 0 <= token < n_vocab:
-                    raise InvalidField(f"Invalid field 'tokens[{i}]': token {token} is not "
-                                       f"in the vocabulary of {model_id} (0 to "
+                    raise InvalidField(f"Invalid field 'tokens[{i}]': token {shown(token)} is "
+                                       f"not in the vocabulary of {model_id} (0 to "
                                        f"{n_vocab - 1})", param=f"tokens[{i}]")
-            data = b"".join(model.piece(t) for t in body["tokens"])
+            data = b"".join(model.piece(t) for t in tokens)
         return {"content": data.decode("utf-8", "replace")}
 
     def apply_template(self, request: native.Request) -> dict:
