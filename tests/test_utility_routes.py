@@ -293,3 +293,34 @@ def test_a_model_stopped_during_a_read_unloads_once_the_read_ends(app, tiny, llm
     stopper.join(30)
     assert not stopper.is_alive()
     assert call(app, "POST", "/tokenize", {"model": "tiny", "content": "x"}).status == 409
+
+
+def test_an_embedding_model_tokenizes_and_its_slots_have_no_counts(api, tmp_path):
+    """llama.cpp's embedding mode (LlamaEmbedder) has a vocabulary but no chat slots:
+    /tokenize and /detokenize as llama-cpp-python's, /slots from the requests in it,
+    its counts null, and /apply-template a 400 naming the model."""
+    import llama_cpp
+    from emulators.ggufgen import write_bert_gguf
+
+    path = write_bert_gguf(tmp_path / "bert.gguf")
+    add_model(api, path, "bert", start={})
+    vocab = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    try:
+        for add_special in (False, True):
+            r = send(api, "POST", "/tokenize", {"content": "the cat sat",
+                                                "add_special": add_special}, model="bert")
+            assert r.status == 200, r.body
+            tokens = vocab.tokenize(b"the cat sat", add_bos=add_special, special=True)
+            assert r.json == {"tokens": tokens}
+        r = send(api, "POST", "/detokenize", {"tokens": tokens}, model="bert")
+        assert r.json == {"content": vocab.detokenize(tokens, special=True).decode()}
+    finally:
+        vocab.close()
+    r = send(api, "GET", "/slots", model="bert")
+    assert r.status == 200, r.body
+    assert r.json == [{"id": 0, "state": "idle", "n_ctx": 128, "prompt_tokens": None,
+                       "cached_tokens": None}]
+    props = send(api, "GET", "/props", model="bert").json
+    assert props["chat_template"] == "" and props["total_slots"] == 1
+    r = send(api, "POST", "/apply-template", {"messages": MESSAGES}, model="bert")
+    assert r.status == 400 and r.json["error"]["param"] == "model", r.body
