@@ -182,6 +182,7 @@ def test_props_say_the_models_context_slots_template_and_build(api, tiny, gguf):
         assert props["modalities"] == {"vision": False, "audio": False}
         assert props["build_info"].startswith("localrt ") and "gguf-cpp/" in props["build_info"]
         assert props["model_path"].endswith("tiny.gguf") and props["is_sleeping"] is False
+        assert "media_marker" not in props  # no projector
 
 
 def test_slots_say_what_each_slot_holds(app, api, tiny):
@@ -324,3 +325,32 @@ def test_an_embedding_model_tokenizes_and_its_slots_have_no_counts(api, tmp_path
     assert props["chat_template"] == "" and props["total_slots"] == 1
     r = send(api, "POST", "/apply-template", {"messages": MESSAGES}, model="bert")
     assert r.status == 400 and r.json["error"]["param"] == "model", r.body
+
+
+def test_a_vision_models_props_and_its_images_in_the_prompt(api, tmp_path):
+    """A model with a projector: vision among its modalities, and an image of a chat's
+    messages in /apply-template's prompt as the projector's marker, where chat puts it."""
+    import base64
+
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+    from support.vision import png, write_vision_pair
+
+    model, mmproj = write_vision_pair(tmp_path)
+    add_model(api, model, "eye", mmproj=str(mmproj), start={"ctx_len": 512})
+    props = send(api, "GET", "/props", model="eye").json
+    assert props["modalities"] == {"vision": True, "audio": False}
+    marker = props["media_marker"]
+    assert marker.startswith("<__image_")
+    image = "data:image/png;base64," + base64.b64encode(png(8, 8, 0)).decode()
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "Describe it."},
+        {"type": "image_url", "image_url": {"url": image}}]}]
+    r = send(api, "POST", "/apply-template", {"messages": messages}, model="eye")
+    assert r.status == 200, r.body
+    own = Jinja2ChatFormatter(CHATML_TEMPLATE, eos_token="</s>", bos_token="<s>")
+    shown = [{"role": "user", "content": "Describe it.\n" + marker}]
+    assert r.json == {"prompt": own(messages=shown).prompt}
+    # The tiny ChatML model has no projector: an image is refused before anything reads it.
+    add_model(api, write_gguf(tmp_path / "blind.gguf"), "blind", start={"ctx_len": 64})
+    r = send(api, "POST", "/apply-template", {"messages": messages}, model="blind")
+    assert r.status == 400 and r.json["error"]["code"] == "images_not_supported", r.body

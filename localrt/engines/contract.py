@@ -248,6 +248,8 @@ class Vocabulary(Protocol):
 class Rendering(Protocol):
     """A model that says the prompt text a chat's messages become (POST /apply-template)."""
 
+    media_marker: Optional[str]  # the text an image is in that prompt; None: no images
+
     def render_prompt(self, messages: list, params: dict) -> str:
         """The text generate() would tokenize for `messages` and `params` (Model's):
         params["prompt"] when given, else the chat template's rendering with

@@ -88,17 +88,20 @@ class Utility:
 
     def props(self, model: str | None) -> dict:
         """GET /props: the model's context and slots, the stored parameters its requests
-        start from, its chat template, modalities and the build that runs it."""
+        start from, its chat template, modalities (and a vision model's media marker)
+        and the build that runs it."""
         model_id = self.model_of(model)
         record = self._path.registry.get(model_id)
         with self._path.scheduler.using(model_id) as use:
             running = use.running
             template = use.model.chat_template if use.can(contract.Templated) else None
+            marker = use.model.media_marker if use.can(contract.Rendering) else None
             context = _context(use)
         params = {k: record[k] for k in native.SAMPLING if record.get(k) is not None}
         params["stop"] = list(use.options.get("stop") or [])
         build = self._build(running.engine)
         path = weights_path(record)
+        extra = {"media_marker": marker} if marker else {}
         return {"model": model_id, "engine": running.engine,
                 "default_generation_settings": {"n_ctx": context, "params": params},
                 "total_slots": running.slots,
@@ -106,7 +109,7 @@ class Utility:
                 "chat_template": template or "",
                 "modalities": {"vision": "vision" in capabilities(record), "audio": False},
                 "build_info": f"localrt {__version__}" + (f", {build}" if build else ""),
-                "is_sleeping": False}
+                "is_sleeping": False, **extra}
 
     def slots(self, model: str | None, fail_on_no_slot: bool = False) -> list[dict]:
         """GET /slots: one row per slot of the model, {id, state ("idle" or

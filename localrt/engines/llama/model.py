@@ -416,6 +416,13 @@ class LlamaModel(GeneratingModel):
         """A token's bytes, a special token's as its text, as llama-server's pieces are."""
         return self._piece(token, True)
 
+    @property
+    def media_marker(self) -> str | None:
+        """The projector's marker, where an image is in a rendered prompt (random per
+        load, as llama-server's); None without a projector."""
+        projector = self._batch.projector
+        return projector.marker if projector is not None else None
+
     def render_prompt(self, messages: list, params: dict) -> str:
         """The prompt text generate() would tokenize (contract.Rendering): params["prompt"],
         or the chat template's rendering, a vision model's images as its projector's
