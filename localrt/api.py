@@ -284,6 +284,40 @@ def anthropic_count_tokens(services: Services, request: Request):
     return anthropic.count_tokens(services.chats, request.body, request.disconnected)
 
 
+# --- llama-server's utility routes (localrt.inference.utility) ----------------------------
+
+
+def tokenize(services: Services, request: Request):
+    """llama-server's tokenize: a text's tokens in a running model's vocabulary."""
+    return services.utility.tokenize(request.body)
+
+
+def detokenize(services: Services, request: Request):
+    """llama-server's detokenize: the text of tokens of a running model's vocabulary."""
+    return services.utility.detokenize(request.body)
+
+
+def apply_template(services: Services, request: Request):
+    """llama-server's apply-template: the prompt a chat's messages become, not generated."""
+    body = {k: v for k, v in request.body.items() if k in APPLY_TEMPLATE_FIELDS}
+    return services.utility.apply_template(openai.read_chat({"model": "", **body}))
+
+
+# What /apply-template reads of a chat body; the rest of one is accepted and ignored.
+APPLY_TEMPLATE_FIELDS = ("model", "messages", "tools", "tool_choice", "parallel_tool_calls")
+
+
+def props(services: Services, request: Request):
+    """llama-server's props: a running model's context, slots, chat template and build."""
+    return services.utility.props(request.query.get("model"))
+
+
+def slots(services: Services, request: Request):
+    """llama-server's slots: what each slot of a running model holds."""
+    return services.utility.slots(request.query.get("model"),
+                                  request.query.get("fail_on_no_slot") in ("1", "true"))
+
+
 # --- engines -------------------------------------------------------------------------
 
 
@@ -504,6 +538,15 @@ ROUTES = (
           "anthropic-message", max_body=IMAGE_BODY),
     Route("POST", "/v1/messages/count_tokens", anthropic_count_tokens,
           "anthropic-count-tokens.json", "anthropic-token-count", max_body=IMAGE_BODY),
+    # llama-server's utility routes (localrt.inference.utility), /v1/ or not
+    Route("POST", "/tokenize", tokenize, "tokenize.json", "tokenize"),
+    Route("POST", "/v1/tokenize", tokenize, "tokenize.json", "tokenize"),
+    Route("POST", "/detokenize", detokenize, "detokenize.json", "detokenize"),
+    Route("POST", "/v1/detokenize", detokenize, "detokenize.json", "detokenize"),
+    Route("POST", "/apply-template", apply_template, "apply-template.json", "apply-template",
+          max_body=IMAGE_BODY),
+    Route("GET", "/props", props, reply="props", query=("model",)),
+    Route("GET", "/slots", slots, reply="slots", query=("model", "fail_on_no_slot")),
     # Ollama's API (localrt.dialects.ollama), under /api/: its errors take Ollama's shape (DIALECTS)
     Route("GET", "/api/version", ollama_version, reply="ollama-version"),
     Route("GET", "/api/tags", ollama_tags, reply="ollama-tags"),

@@ -58,6 +58,8 @@ def document(routes, dialects=()) -> dict:
         }
         params = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
                   for p in _PARAM.findall(route.pattern)]
+        params += [{"name": q, "in": "query", "required": False, "schema": {"type": "string"}}
+                   for q in route.query]
         if params:
             operation["parameters"] = params
         if route.schema:

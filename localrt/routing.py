@@ -23,8 +23,10 @@ _PART = re.compile(r"\{(\w+)(?::(path))?\}")
 @dataclass(frozen=True)
 class Route:
     """One endpoint: method, path pattern, handler, the request body's schema file, the
-    name of its 200 reply's schema in schemas/replies.json (`$defs`), and the largest
-    body it takes (None: the app's MAX_BODY; the routes that take images take more)."""
+    name of its 200 reply's schema in schemas/replies.json (`$defs`), the largest
+    body it takes (None: the app's MAX_BODY; the routes that take images take more),
+    and the query parameters its handler reads (`Request.query`: each optional, a
+    string)."""
 
     method: str
     pattern: str
@@ -32,6 +34,7 @@ class Route:
     schema: str | None = None
     reply: str | None = None
     max_body: int | None = None
+    query: tuple[str, ...] = ()
     regex: re.Pattern = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):

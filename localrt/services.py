@@ -33,6 +33,8 @@ nothing is assigned to it afterwards:
     embeddings  embeddings, from models the scheduler runs in embedding mode
     responses   the Responses API's stored responses (localrt.dialects.responses.Store)
     ollama_names  Ollama's model names over the registry (localrt.dialects.ollama_models)
+    utility     llama-server's utility routes (tokenize, detokenize, apply-template, props,
+                slots) on the scheduler's running models, a chat's prompt rendered by `chats`
     admissions  each long-lived kind's Admission by name (localrt.admission.LIMITS): the
                 chats', completions', embeddings' (which share the requests' queue) and
                 event bus's own, and Ollama's pulls'
@@ -67,6 +69,7 @@ from localrt.inference.requests import RequestPath
 from localrt.dialects.ollama_models import Names
 from localrt.dialects.responses import Store
 from localrt.inference.scheduler import Scheduler
+from localrt.inference.utility import Utility
 from localrt.schemas import Validators
 from localrt.settings import Settings
 
@@ -97,6 +100,7 @@ class Services:
     embeddings: Embeddings
     responses: Store
     ollama_names: Names
+    utility: Utility
     admissions: dict[str, Admission]
     shutdown: Callable[[], None] | None = None
 
@@ -160,6 +164,7 @@ def build_services(settings: Settings, *, shutdown: Callable[[], None] | None = 
     embeddings = Embeddings(requests, limits["embedding"])
     responses = Store()
     ollama_names = Names(registry, lambda: settings["modelHubOrg"])
+    utility = Utility(requests, chats)
     # If you add a kind to localrt.admission.LIMITS, add its admission here.
     admissions = {"chat": chats.admission, "completion": completions.admission,
                   "embedding": embeddings.admission, "events": events.admission,
@@ -170,5 +175,6 @@ def build_services(settings: Settings, *, shutdown: Callable[[], None] | None = 
                     metrics=metrics, remotes=remotes, requests=requests, chats=chats,
                     completions=completions,
                     embeddings=embeddings, responses=responses, ollama_names=ollama_names,
+                    utility=utility,
                     admissions=admissions,
                     shutdown=shutdown)

@@ -10,9 +10,10 @@ is the hub emulator and its package index an empty loopback index, so nothing
 reaches the internet whatever a generated request asks for.
 
 A generated model id is never a model the server has, so the routes that run a model
-(completions, embeddings, responses, Anthropic's messages and count_tokens) are
-fuzzed once more against a server with models, their
-`model` fixed to one of them in the document: every other field is generated.
+(completions, embeddings, responses, Anthropic's messages and count_tokens, and
+llama-server's utility routes on a running one) are fuzzed once more against a server
+with models, their `model` fixed to one of them in the document: every other field is
+generated.
 """
 
 from __future__ import annotations
@@ -174,7 +175,10 @@ WITH_A_MODEL = {"/v1/completions": ("completion", "tiny"), "/v1/embeddings": ("e
                 "/v1/messages": ("anthropic-messages", "tiny"),
                 "/v1/messages/count_tokens": ("anthropic-count-tokens", "tiny"),
                 "/api/chat": ("ollama-chat", "tiny"), "/api/generate": ("ollama-generate", "tiny"),
-                "/api/embed": ("ollama-embed", "bert")}
+                "/api/embed": ("ollama-embed", "bert"),
+                # llama-server's utility routes read a running model (the fixture starts it)
+                "/tokenize": ("tokenize", "tiny"), "/detokenize": ("detokenize", "tiny"),
+                "/apply-template": ("apply-template", "tiny")}
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +197,8 @@ def model_schema(tmp_path_factory):
                                ("bert", write_bert_gguf(weights / "bert.gguf"))):
             _send_to(srv.url, "POST", "/v1/models/import", {"path": str(path), "id": model_id})
         _send_to(srv.url, "PATCH", "/v1/models/tiny", {"ctx_len": 64})
+        # The utility routes start no model: each would be a 409 without it running.
+        _send_to(srv.url, "POST", "/v1/models/tiny/start", {"cpu_threads": 1})
         schemas = {}
         for mode in ("positive", "negative"):
             doc = openapi.document(ROUTES, DIALECTS)

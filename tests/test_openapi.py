@@ -45,7 +45,9 @@ def test_every_route_is_in_the_document(app):
             body = operation["requestBody"]["content"]["application/json"]["schema"]
             assert resolve(doc, body["$ref"])["title"]
         names = re.findall(r"\{(\w+)", route.pattern)
-        assert [p["name"] for p in operation.get("parameters", [])] == names
+        # The path's parameters, then the query's the route reads (Route.query).
+        assert [(p["name"], p["in"]) for p in operation.get("parameters", [])] == \
+            [(n, "path") for n in names] + [(q, "query") for q in route.query]
     operations = [op["operationId"] for ops in doc["paths"].values() for op in ops.values()]
     assert len(operations) == len(set(operations)) == len(ROUTES)
 

@@ -10,7 +10,8 @@ nowhere else:
   * the model it loads is a `Model`, or a `ChatModel` of the older contract that
     `generating` wraps into one (localrt.engines.generation.ChatOnlyModel);
   * what else a model can do (`OPTIONAL`: `Batched`, `Measured`, `Tokenizing`,
-    `Counting`, `Embedding`, `Templated`) is found once, by `capabilities`, when
+    `Counting`, `Embedding`, `Templated`, `Reporting`, and for llama-server's utility
+    routes `Vocabulary`, `Rendering` and `Slotted`) is found once, by `capabilities`, when
     localrt.inference.scheduler loads it, and recorded in its Running record; the
     inference modules ask that record (Lease.can), never the model.
 
@@ -224,8 +225,50 @@ class Reporting(Protocol):
         proposed and kept since it loaded."""
 
 
+@runtime_checkable
+class Vocabulary(Protocol):
+    """A model whose vocabulary llama-server's utility routes read (POST /tokenize and
+    /detokenize: localrt.inference.utility). Both run outside the model's turns, beside
+    its generations, so they only read the vocabulary (llama.cpp's tokenizer is safe to
+    call so, as llama-server calls it from its HTTP threads)."""
+
+    n_vocab: int  # how many token ids there are: each is below it
+
+    def encode(self, text: str, add_special: bool, parse_special: bool) -> list:
+        """A text's tokens: with the vocabulary's BOS (and EOS) when `add_special` and
+        the model adds them, the text of a special token read as that token when
+        `parse_special`. Not bounded by the context: any text is counted."""
+
+    def piece(self, token: int) -> bytes:
+        """A token's bytes, a special token's as its text (llama-server's pieces); the
+        caller checks that the token is below n_vocab."""
+
+
+@runtime_checkable
+class Rendering(Protocol):
+    """A model that says the prompt text a chat's messages become (POST /apply-template)."""
+
+    media_marker: Optional[str]  # the text an image is in that prompt; None: no images
+
+    def render_prompt(self, messages: list, params: dict) -> str:
+        """The text generate() would tokenize for `messages` and `params` (Model's):
+        params["prompt"] when given, else the chat template's rendering with
+        params["tools"] (a vision model's images as its projector's markers)."""
+
+
+@runtime_checkable
+class Slotted(Protocol):
+    """A model that says what each of its slots holds (GET /slots)."""
+
+    def slot_states(self) -> list:
+        """One dict per slot, in id order: {"processing" (a generation holds it),
+        "prompt_tokens" (its generation's prompt, or its last one's), "cached_tokens"
+        (the tokens its KV cache holds)}; read without calling the engine."""
+
+
 # What a loaded model may have besides Model's: `capabilities` finds these.
-OPTIONAL = (Batched, Measured, Tokenizing, Counting, Embedding, Templated, Reporting)
+OPTIONAL = (Batched, Measured, Tokenizing, Counting, Embedding, Templated, Reporting,
+            Vocabulary, Rendering, Slotted)
 
 
 def missing(obj, protocol: type) -> list[str]:

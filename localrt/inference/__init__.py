@@ -6,5 +6,7 @@ chat, completion and embedding takes (local or remote, decided once; a remote mo
 goes to localrt.remote); `chat` and `completions` take native requests and give
 native events (localrt.native), `embeddings` gives vectors, and `media` reads and
 checks a chat's media parts (bytes, data: URLs, fetched URLs) for the kinds the model
-takes. No wire format is known here: the dialects (localrt.dialects) read and write.
+takes, and `utility` answers llama-server's utility routes (tokens, a chat's prompt,
+slots) on a running model. No wire format is known here: the dialects
+(localrt.dialects) read and write.
 """

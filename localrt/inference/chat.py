@@ -162,6 +162,15 @@ class Chats:
             lease.release()
 
 
+    def prompt_text(self, request: native.Request, record: dict, use, messages: list) -> str:
+        """The prompt text create() would have the model read for `request`, rendered as
+        create() renders it, tools and prompt_template included (llama-server's POST
+        /apply-template: localrt.inference.utility). `use` is the running model's
+        (Scheduler.using; a contract.Rendering model), `messages` are messages()'s."""
+        params, _ = _prompt_params(request, record, use, messages, _tools(request))
+        return use.model.render_prompt(messages, params)
+
+
 def _tools(request: native.Request):
     """The request's ToolRequest (localrt.engines.toolcalls); None without tools."""
     return toolcalls.ToolRequest.read(request.tools, request.tool_choice,
@@ -178,7 +187,8 @@ def _remote_count(forward, request: native.Request) -> int:
 def _prompt_params(request: native.Request, record: dict, lease: Lease, messages: list,
                    tools):
     """(params, plan): the generation's parameters from the request, the model's stored
-    ones and the leased model's template, and the tool plan (None without tools)."""
+    ones and the leased model's template, and the tool plan (None without tools).
+    `lease` may be a running.Use too: only its model, options and can() are read."""
     params = _params(request, record, lease.options)
     plan = tools and tools.plan(lease.model.chat_template if lease.can(contract.Templated)
                                 else None)

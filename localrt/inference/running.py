@@ -1,7 +1,8 @@
 """A running model and a request's turn on it.
 
 `Running` is what the scheduler (localrt.inference.scheduler) keeps of a loaded model
-and what `ps` shows about it; `Lease` is one request's turn on it: its generation,
+and what `ps` shows about it; `Use` is a moment's use of it outside its turns, which
+computes nothing (Scheduler.using); `Lease` is one request's turn on it: its generation,
 paced on the compute lanes (localrt.inference.lanes), which ends with ModelStopped
 when the model is stopped meanwhile, or with ClientGone once the request's client has
 gone (localrt.admission).
@@ -48,10 +49,28 @@ class Running:
     last_used: float = field(default_factory=time.monotonic)
     turn: FairLock = field(default_factory=FairLock)  # a slot per request, in order
     active: int = 0  # requests holding or waiting for a slot; guarded by Scheduler._lock
+    # Requests using it outside its turns (Scheduler.using), which its unload waits for;
+    # guarded by Scheduler._lock.
+    users: int = 0
     stopping: threading.Event = field(default_factory=threading.Event)
     # Seconds it stays loaded once idle (Scheduler.keep_for): None is the scheduler's
     # keep_alive, math.inf until stopped. Guarded by Scheduler._lock.
     keep_alive: float | None = None
+
+
+class Use:
+    """A moment's use of a running model outside its turns (Scheduler.using): its `model`,
+    `options` and what it `can` do, as a Lease has them, for what reads the model
+    without computing (llama-server's utility routes: localrt.inference.utility)."""
+
+    def __init__(self, running: Running):
+        self.running = running
+        self.model = running.model
+        self.options = running.options
+
+    def can(self, protocol: type) -> bool:
+        """Whether the model has one of localrt.engines.contract's OPTIONAL protocols."""
+        return protocol in self.running.capabilities
 
 
 class Lease:

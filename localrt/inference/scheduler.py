@@ -52,7 +52,7 @@ from localrt.engines import contract
 from localrt.engines.vetting import invalid_file
 from localrt.errors import BadRequest, Conflict, HTTPError, ServiceUnavailable
 from localrt.inference.lanes import ComputeLanes, FairLock, Stepper
-from localrt.inference.running import Lease, Running
+from localrt.inference.running import Lease, Running, Use
 from localrt.models import roles
 from localrt.models.options import StartOptions
 from localrt.models.registry import weights_path
@@ -78,10 +78,11 @@ class Scheduler:
     """Owns the running models.
 
     `_lock` guards `_running` (model id -> Running) and each Running's `active`,
-    `last_used` and `keep_alive`; `_idle` (on the same lock) is notified when a model's
-    last request ends. `_start_lock` lets one load happen at a time, so a model is never
-    loaded twice and the RSS measured around a load is that model's. Neither is held
-    while a model computes."""
+    `users`, `last_used` and `keep_alive`; `_idle` (on the same lock) is notified when a
+    model's last request ends, or its last use outside its turns (`using`).
+    `_start_lock` lets one load happen at a time, so a model is never loaded twice and
+    the RSS measured around a load is that model's. Neither is held while a model
+    computes."""
 
     def __init__(self, registry, engines, options: StartOptions, max_models: int = 2,
                  keep_alive: float = 0.0, lanes: int = 1, vetting=None):
@@ -115,6 +116,30 @@ class Scheduler:
         if running is None:
             raise ModelNotRunning(f"Model {model_id} is not running", param="model")
         return running.model
+
+    @contextlib.contextmanager
+    def using(self, model_id: str):
+        """A running model's `Use` for a moment outside its turns (llama-server's utility
+        routes read its vocabulary, template and slots beside its generations); its
+        unload waits until the body ends. A 409 model_not_running when it is not
+        running (a 404 for no such model): nothing is started."""
+        with self._lock:
+            running = self._running.get(model_id)
+            if running is not None and running.stopping.is_set():
+                running = None
+            if running is not None:
+                running.users += 1
+        if running is None:
+            self._registry.get(model_id)  # a 404 for an unknown model
+            raise ModelNotRunning(f"Model {model_id} is not running; start it first with "
+                                  f"`localrt models start {model_id}`", param="model")
+        try:
+            yield Use(running)
+        finally:
+            with self._lock:
+                running.users -= 1
+                if not running.users:
+                    self._idle.notify_all()
 
     def models_of(self, engine: str) -> list[str]:
         """The running models of an engine."""
@@ -437,6 +462,9 @@ class Scheduler:
 
     def _unload(self, running: Running, why: str) -> None:
         running.stopping.set()
+        with self._lock:  # a use outside the turns (`using`) ends first: it is short
+            while running.users:
+                self._idle.wait()
         # Take every slot: this waits for the requests generating now, which stop at
         # their next token (and those waiting for a slot give theirs back at once).
         for _ in range(running.slots):

@@ -113,6 +113,7 @@ class Slot:
     tokens: list = field(default_factory=list)
     seq: Sequence | None = None
     used: int = 0  # when its last sequence left (a step count): least recently used first
+    prompt: int = 0  # the prompt positions of its sequence, or of its last one (GET /slots)
 
 
 @dataclass
@@ -224,6 +225,14 @@ class Batcher:
         """Hold this while the engine frees what steps use."""
         return self._stepping
 
+    def slot_states(self) -> list[dict]:
+        """Each slot's state as GET /slots gives it (contract.Slotted): whether a
+        sequence holds it, its (last) sequence's prompt positions, and the tokens its
+        KV cache holds."""
+        with self._lock:
+            return [{"processing": slot.seq is not None, "prompt_tokens": slot.prompt,
+                     "cached_tokens": len(slot.tokens)} for slot in self.slots]
+
     def _admit(self) -> None:
         """Waiting sequences into free slots, in arrival order; each slot's KV is cut
         to what its new sequence reuses."""
@@ -242,7 +251,7 @@ class Batcher:
             if not self._engine.trim(slot.id, keep):  # a model that cannot cut (recurrent)
                 keep = 0
                 self._engine.trim(slot.id, 0)
-            slot.seq, slot.tokens = seq, slot.tokens[:keep]
+            slot.seq, slot.tokens, slot.prompt = seq, slot.tokens[:keep], len(seq.prompt)
             seq.slot, seq.cached, seq.read = slot, keep, keep
             self._active.append(seq)
 

@@ -18,7 +18,7 @@ import threading
 from typing import Callable
 
 from localrt.engines.generation import GeneratingModel, Generation
-from localrt.engines.llama.measure import Measure
+from localrt.engines.llama.measure import Measure, token_piece
 from localrt.errors import Conflict, InvalidField
 
 
@@ -193,6 +193,22 @@ class LlamaEmbedder(GeneratingModel):
     def embed(self, inputs: list, compute: Callable | None = None) -> tuple:
         """See Embedder.embed."""
         return self._embedder.embed(inputs, compute)
+
+    # llama-server's utility routes (contract.Vocabulary), as LlamaModel's.
+
+    @property
+    def n_vocab(self) -> int:
+        """The vocabulary's size: token ids are below it."""
+        return self.llm.n_vocab()
+
+    def encode(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        """A text's tokens as llama-server's POST /tokenize gives them."""
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=add_special,
+                                 special=parse_special)
+
+    def piece(self, token: int) -> bytes:
+        """A token's bytes, a special token's as its text."""
+        return token_piece(self._llama_cpp, self.llm._model.vocab, token, True)
 
     def memory(self) -> dict:
         """RAM and VRAM from llama.cpp: the weights (split by offloaded layers) and the

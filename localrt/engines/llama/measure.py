@@ -66,3 +66,15 @@ class Measure:
         most = context * self.longest()
         return data if len(data) <= most else \
             data[:most].decode("utf-8", "ignore").encode("utf-8")
+
+
+def token_piece(llama_cpp, vocab, token: int, special: bool) -> bytes:
+    """The bytes a token stands for, a special token's as its text when `special` (as
+    nothing else): llama_token_to_piece with a buffer as long as the piece needs."""
+    size = 64
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = llama_cpp.llama_token_to_piece(vocab, token, buf, size, 0, special)
+        if n >= 0:
+            return buf.raw[:n]
+        size = -n

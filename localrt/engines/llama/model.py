@@ -1,7 +1,8 @@
 """gguf-cpp: llama.cpp through llama-cpp-python, for GGUF models.
 
 `GgufEngine` loads a GGUF as a `LlamaModel`, localrt.engines.contract's Batched,
-Measured, Tokenizing, Counting, Embedding and Templated model: one llama.cpp context
+Measured, Tokenizing, Counting, Embedding and Templated model (and Vocabulary,
+Rendering and Slotted, for llama-server's utility routes): one llama.cpp context
 whose n_parallel sequences share each decode step (localrt.engines.llama.batch), with
 the prompt cache, and embeddings on a second context of its own
 (localrt.engines.llama.embedding.EmbeddingContext). Its start options become
@@ -34,7 +35,7 @@ from localrt.engines.generation import (GeneratingModel, Generation, check_room,
                                         render_template, seed_of, sampling_value,
                                         token_loop)
 from localrt.engines.llama.grammar import check_gbnf, json_grammar
-from localrt.engines.llama.measure import Measure
+from localrt.engines.llama.measure import Measure, token_piece
 from localrt.engines.llama.media import (Projector, Prompt, has_images, refuse_images,
                                          texts_and_images)
 from localrt.engines.llama.params import (CACHE_TYPE_BYTES, QUANTIZED_CACHE, context_params,
@@ -401,6 +402,46 @@ class LlamaModel(GeneratingModel):
         return (bos + [pre] + self._text_tokens(prefix) + [suf] + self._text_tokens(suffix)
                 + [mid])
 
+    # --- for llama-server's utility routes (localrt.inference.utility) ---------------------
+
+    def encode(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        """A text's tokens as llama-server's POST /tokenize gives them (contract.Vocabulary):
+        the BOS (and EOS) the model adds when `add_special`, special tokens read from
+        their text when `parse_special`."""
+        # llama_tokenize's add_bos is its add_special: BOS and EOS as the vocabulary says.
+        return self._model.tokenize(text.encode("utf-8"), add_bos=add_special,
+                                    special=parse_special)
+
+    def piece(self, token: int) -> bytes:
+        """A token's bytes, a special token's as its text, as llama-server's pieces are."""
+        return self._piece(token, True)
+
+    @property
+    def media_marker(self) -> str | None:
+        """The projector's marker, where an image is in a rendered prompt (random per
+        load, as llama-server's); None without a projector."""
+        projector = self._batch.projector
+        return projector.marker if projector is not None else None
+
+    def render_prompt(self, messages: list, params: dict) -> str:
+        """The prompt text generate() would tokenize (contract.Rendering): params["prompt"],
+        or the chat template's rendering, a vision model's images as its projector's
+        markers (a cortex-style prompt_template around them when params has one)."""
+        if params.get("prompt") is not None:
+            return params["prompt"]
+        if has_images(messages):
+            projector = self._batch.projector
+            if projector is None:
+                raise refuse_images()
+            messages, _ = texts_and_images(messages, projector.marker)
+            if params.get("prompt_template"):
+                return render_template(params["prompt_template"], messages)
+        return self._format(messages, params.get("tools"))[0]
+
+    def slot_states(self) -> list[dict]:
+        """Each slot's state (contract.Slotted: localrt.engines.llama.batch.Batcher's)."""
+        return self._batcher.slot_states()
+
     def _text_tokens(self, text: str) -> list[int]:
         """A text's tokens as plain text: no BOS, and no special token read from it."""
         return self._model.tokenize(self._measure.cut(text.encode("utf-8"), self.context),
@@ -412,14 +453,8 @@ class LlamaModel(GeneratingModel):
         pieces = self._special_pieces if special else self._pieces
         piece = pieces.get(token)
         if piece is None:
-            vocab, size = self._model.vocab, 64
-            while True:
-                buf = ctypes.create_string_buffer(size)
-                n = self._llama_cpp.llama_token_to_piece(vocab, token, buf, size, 0, special)
-                if n >= 0:
-                    break
-                size = -n
-            piece = pieces[token] = buf.raw[:n]
+            piece = pieces[token] = token_piece(self._llama_cpp, self._model.vocab, token,
+                                                special)
         return piece
 
     def exercise(self) -> None:
