@@ -10,9 +10,9 @@ nowhere else:
   * the model it loads is a `Model`, or a `ChatModel` of the older contract that
     `generating` wraps into one (localrt.engines.generation.ChatOnlyModel);
   * what else a model can do (`OPTIONAL`: `Batched`, `Measured`, `Tokenizing`,
-    `Counting`, `Embedding`, `Templated`) is found once, by `capabilities`, when
-    localrt.inference.scheduler loads it, and recorded in its Running record; the
-    inference modules ask that record (Lease.can), never the model.
+    `Counting`, `Embedding`, `Reranking`, `Templated`) is found once, by
+    `capabilities`, when localrt.inference.scheduler loads it, and recorded in its
+    Running record; the inference modules ask that record (Lease.can), never the model.
 
 Every model's generate() raises InvalidField before it computes anything (a prompt
 longer than the context, a bad response_format or grammar), so a streamed reply never
@@ -207,6 +207,18 @@ class Embedding(Protocol):
 
 
 @runtime_checkable
+class Reranking(Protocol):
+    """A model that scores documents against a query (POST /v1/rerank): a reranker, one
+    whose GGUF pools by rank, loaded in llama.cpp's embedding mode, whose generate() is a
+    409 (gguf-cpp's: localrt.engines.llama.rerank)."""
+
+    def rerank(self, query: str, documents: list, compute: Callable) -> tuple:
+        """(scores, tokens read): one float per document, in order, each read with the
+        query as the model pairs them. Each batch it computes is `compute(fn, *args)`,
+        as Embedding.embed's."""
+
+
+@runtime_checkable
 class Templated(Protocol):
     """A model with a Jinja chat template (localrt.engines.toolcalls reads its call
     format from it)."""
@@ -225,7 +237,8 @@ class Reporting(Protocol):
 
 
 # What a loaded model may have besides Model's: `capabilities` finds these.
-OPTIONAL = (Batched, Measured, Tokenizing, Counting, Embedding, Templated, Reporting)
+OPTIONAL = (Batched, Measured, Tokenizing, Counting, Embedding, Reranking, Templated,
+            Reporting)
 
 
 def missing(obj, protocol: type) -> list[str]:
