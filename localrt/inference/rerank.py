@@ -59,7 +59,8 @@ class Reranks:
             scores, tokens = lease.model.rerank(body["query"], documents, lease.run)
         finally:
             lease.release()
-        ranked = sorted(range(len(documents)), key=lambda i: -scores[i])  # stable: ties in order
+        # Best first; sorted() is stable, so ties keep the documents' order.
+        ranked = sorted(range(len(documents)), key=lambda i: -scores[i])
         top_n = body.get("top_n")
         if top_n is not None:
             ranked = ranked[:int(top_n)]  # JSON Schema counts 2.0 as an integer

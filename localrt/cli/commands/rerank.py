@@ -6,7 +6,7 @@ from localrt.cli.context import Context, ExitCode
 
 
 def cmd_rerank(ctx: Context) -> int:
-    """Print the ranking, best first: each document's score, index and text, tab-separated."""
+    """Print the ranking, best first: each document's score, index and text, by tabs."""
     args = ctx.args
     reply = ctx.client().rerank(args.model, args.query, args.documents, top_n=args.top_n)
     for result in reply["results"]:

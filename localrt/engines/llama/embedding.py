@@ -5,10 +5,11 @@ A GGUF embedding model (it declares a pooling type, or non-causal attention; see
 llama.cpp's embedding mode (`LlamaEmbedder`): it answers POST /v1/embeddings
 (localrt.inference.embeddings), and its generate() is a 409. One that pools by rank
 (a reranker) loads so too, as localrt.engines.llama.rerank's LlamaReranker
-(localrt.engines.llama.model's GgufEngine.load picks it by `embedding_pooling`). A decoder started
-without that option is a chat model (localrt.engines.llama.model.LlamaModel) that embeds
-too, on a second context of its own in embedding mode over the same weights
-(`EmbeddingContext`), made at its first embeddings request. Both compute with one
+(localrt.engines.llama.model's GgufEngine.load picks it by `embedding_pooling`), an
+`EmbeddingMode` as LlamaEmbedder is. A decoder started without that option is a chat
+model (localrt.engines.llama.model.LlamaModel) that embeds too, on a second context
+of its own in embedding mode over the same weights (`EmbeddingContext`), made at its
+first embeddings request. Both compute with one
 `Embedder`, with the same context parameters (`embedding_params`), so a decoder's
 vectors are the same in either mode. Both are localrt.engines.contract's Embedding.
 llama_cpp is imported only when a model loads.

@@ -7,10 +7,10 @@ the prompt cache, and embeddings on a second context of its own
 (localrt.engines.llama.embedding.EmbeddingContext). Its start options become
 llama.cpp's parameters in localrt.engines.llama.params. An embedding model, or one
 started with the start option `embedding`, loads in llama.cpp's embedding mode instead
-(localrt.engines.llama.embedding), and a reranker so too (localrt.engines.llama.rerank). A model with a projector (the option `mmproj`, its
-role's key, which localrt.inference.scheduler sets from the record: localrt.models.roles)
-loads it through llama.cpp's mtmd and reads chats with images
-(localrt.engines.llama.media). A JSON response_format becomes a grammar
+(localrt.engines.llama.embedding), and a reranker so too (localrt.engines.llama.rerank).
+A model with a projector (the option `mmproj`, its role's key, which
+localrt.inference.scheduler sets from the record: localrt.models.roles) loads it
+through llama.cpp's mtmd and reads chats with images (localrt.engines.llama.media). A JSON response_format becomes a grammar
 (localrt.engines.llama.grammar); log probabilities (localrt.engines.logprobs) are read
 from the logits before sampling, in LlamaBatch.decode, for the prompt too. llama_cpp is
 imported only when a model loads.
