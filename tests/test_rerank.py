@@ -127,7 +127,8 @@ def test_scores_are_llama_cpps_rank_embedding_of_the_pairs(api, add, ggufs, name
     expected = reference(ggufs[name], pairs)
     got = scores_by_index(reply)
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
-    assert max(expected) - min(expected) > 0.1  # the pairs score apart
+    # The pairs score apart by more than the tolerance, so their order means something.
+    assert np.diff(sorted(expected)).min() > 1e-3
     # Best first; the usage is every pair's tokens.
     assert [r["index"] for r in reply["results"]] == sorted(range(len(DOCS)),
                                                            key=lambda i: -expected[i])

@@ -328,7 +328,11 @@ def write_bert_gguf(
             writer.add_tensor(T[tensor].format(bid=bid) + "." + kind, array)
 
         for tensor in (M.ATTN_Q, M.ATTN_K, M.ATTN_V, M.ATTN_OUT):
-            add(tensor, "weight", weight(n_embd, n_embd))
+            # A reranker's [CLS] must read the pair: larger values and outputs carry
+            # the other tokens into it, so pairs score apart.
+            scale = 10 if pooling_type == gguf.PoolingType.RANK and \
+                tensor in (M.ATTN_V, M.ATTN_OUT) else 1
+            add(tensor, "weight", weight(n_embd, n_embd) * scale)
             add(tensor, "bias", zeros)
         add(M.ATTN_OUT_NORM, "weight", ones)
         add(M.ATTN_OUT_NORM, "bias", zeros)
