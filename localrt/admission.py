@@ -5,12 +5,12 @@ else, and noticing a client that left.
 Every reply that can last holds one of waitress's worker threads from its arrival to
 its close, generating, streaming or waiting for its turn: a chat (OpenAI's, and
 through it Anthropic's messages, the Responses API and Ollama's /api/chat and
-/api/generate), a completion, an embedding, a GET /v1/events stream, an Ollama
+/api/generate), a completion, an embedding, a rerank, a GET /v1/events stream, an Ollama
 /api/pull that follows its download. Each kind has its own `Admission` and its limit
 (`LIMITS`) on requests in progress.
 
-Past its limit a chat, completion or embedding waits for a place in its kind's line,
-first come first served, and one `Queue` bounds how many wait, of all three kinds
+Past its limit a chat, completion, embedding or rerank waits for a place in its kind's
+line, first come first served, and one `Queue` bounds how many wait, of all four kinds
 together (maxQueuedRequests, as Ollama's OLLAMA_MAX_QUEUE bounds its one queue); only
 past that is the request a 503 with Retry-After that names the kind, its limit and the
 queue's, in its route's error shape. An event stream or a pull never waits: its place
@@ -42,6 +42,7 @@ LIMITS = {
     "chat": 16,        # OpenAI's, Anthropic's and Ollama's chats, and Responses
     "completion": 8,   # OpenAI's text completions, Ollama's raw /api/generate
     "embedding": 8,    # OpenAI's embeddings, Ollama's /api/embed
+    "rerank": 8,       # POST /v1/rerank (and /rerank, /v1/reranking)
     "events": 4,       # open GET /v1/events streams
     "pull": 4,         # Ollama /api/pull replies following their download
 }

@@ -271,6 +271,13 @@ def embeddings(services: Services, request: Request):
     return services.embeddings.create(request.body, request.disconnected)
 
 
+def rerank(services: Services, request: Request):
+    """Rerank: documents scored against a query by a reranker model, best first.
+
+    Jina's and Cohere's shape, as llama.cpp's server serves it."""
+    return services.reranks.create(request.body, request.disconnected)
+
+
 # --- Anthropic's Messages API (localrt.dialects.anthropic, on chat) ------------------------------
 
 
@@ -528,6 +535,10 @@ ROUTES = (
           "chat-completion", max_body=IMAGE_BODY),
     Route("POST", "/v1/completions", completions, "completion.json", "text-completion"),
     Route("POST", "/v1/embeddings", embeddings, "embedding.json", "embedding-list"),
+    # llama.cpp's server's names for reranking (localrt.inference.rerank)
+    Route("POST", "/v1/rerank", rerank, "rerank.json", "rerank"),
+    Route("POST", "/rerank", rerank, "rerank.json", "rerank"),
+    Route("POST", "/v1/reranking", rerank, "rerank.json", "rerank"),
     # OpenAI's Responses API (localrt.dialects.responses)
     Route("POST", "/v1/responses", create_response, "response-create.json", "response",
           max_body=IMAGE_BODY),

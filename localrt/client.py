@@ -193,6 +193,14 @@ class Client:
             body["dimensions"] = dimensions
         return self._request("POST", "/v1/embeddings", body, timeout=LOAD_TIMEOUT)
 
+    def rerank(self, model_id: str, query: str, documents: list,
+               top_n: int | None = None) -> dict:
+        """POST /v1/rerank: the documents' scores against the query, best first."""
+        body = {"model": model_id, "query": query, "documents": documents}
+        if top_n is not None:
+            body["top_n"] = top_n
+        return self._request("POST", "/v1/rerank", body, timeout=LOAD_TIMEOUT)
+
     # --- plumbing ------------------------------------------------------------
 
     def _open(self, method: str, path: str, body: Any = None, timeout: float | None = None):

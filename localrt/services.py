@@ -22,8 +22,8 @@ nothing is assigned to it afterwards:
                 totals and the admissions' counts at scrape time; the app counts
                 requests in it
     remotes     remote models: their upstreams' health, and forwarding their chats
-    requests    the one path of chats, completions and embeddings: the model's record,
-                remote (through `remotes`) or local (a lease from the `scheduler`),
+    requests    the one path of chats, completions, embeddings and reranks: the model's
+                record, remote (through `remotes`) or local (a lease from the `scheduler`),
                 timed in `metrics`, and the one queue (maxQueuedRequests) their
                 requests wait in past their kind's limit; dialects start models and
                 set keep-alives here
@@ -31,13 +31,14 @@ nothing is assigned to it afterwards:
                 their images read under the settings and the config's outbound options
     completions text completions (the legacy API) on the same models
     embeddings  embeddings, from models the scheduler runs in embedding mode
+    reranks     documents scored against a query, by rerankers the scheduler runs
     responses   the Responses API's stored responses (localrt.dialects.responses.Store)
     ollama_names  Ollama's model names over the registry (localrt.dialects.ollama_models)
     utility     llama-server's utility routes (tokenize, detokenize, apply-template, props,
                 slots) on the scheduler's running models, a chat's prompt rendered by `chats`
     admissions  each long-lived kind's Admission by name (localrt.admission.LIMITS): the
-                chats', completions', embeddings' (which share the requests' queue) and
-                event bus's own, and Ollama's pulls'
+                chats', completions', embeddings', reranks' (which share the requests'
+                queue) and event bus's own, and Ollama's pulls'
 
 Handlers (localrt.api) get the `Services` and call these objects directly.
 """
@@ -54,6 +55,7 @@ from localrt.inference.completions import Completions
 from localrt.config import Config
 from localrt.downloads.tasks import Downloads
 from localrt.inference.embeddings import Embeddings
+from localrt.inference.rerank import Reranks
 from localrt.inference.media import Images, Policy
 from localrt.engines.catalog import Engines
 from localrt.events import EventBus
@@ -98,6 +100,7 @@ class Services:
     chats: Chats
     completions: Completions
     embeddings: Embeddings
+    reranks: Reranks
     responses: Store
     ollama_names: Names
     utility: Utility
@@ -162,19 +165,21 @@ def build_services(settings: Settings, *, shutdown: Callable[[], None] | None = 
                   Images(config.get, lambda: Policy.of(settings)))
     completions = Completions(requests, limits["completion"])
     embeddings = Embeddings(requests, limits["embedding"])
+    reranks = Reranks(requests, limits["rerank"])
     responses = Store()
     ollama_names = Names(registry, lambda: settings["modelHubOrg"])
     utility = Utility(requests, chats)
     # If you add a kind to localrt.admission.LIMITS, add its admission here.
     admissions = {"chat": chats.admission, "completion": completions.admission,
-                  "embedding": embeddings.admission, "events": events.admission,
+                  "embedding": embeddings.admission, "rerank": reranks.admission,
+                  "events": events.admission,
                   "pull": Admission("pull", limits["pull"])}
     return Services(settings=settings, validators=validators, config=config, events=events,
                     downloads=downloads, engines=engines, installs=installs,
                     registry=registry, pulls=pulls, imports=imports, scheduler=scheduler,
                     metrics=metrics, remotes=remotes, requests=requests, chats=chats,
                     completions=completions,
-                    embeddings=embeddings, responses=responses, ollama_names=ollama_names,
-                    utility=utility,
+                    embeddings=embeddings, reranks=reranks, responses=responses,
+                    ollama_names=ollama_names, utility=utility,
                     admissions=admissions,
                     shutdown=shutdown)

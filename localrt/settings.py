@@ -200,8 +200,9 @@ KEYS: tuple[Key, ...] = (
         "models loaded at once; starting one more unloads the least recently used"),
     # 512: Ollama's OLLAMA_MAX_QUEUE. One bound for all kinds (localrt.admission.Queue).
     Key("maxQueuedRequests", _places, 512,
-        "chat, completion and embedding requests that may wait, all kinds together, "
-        "for a place once their kind is at its limit; past that, a 503 (0: no waiting)"),
+        "chat, completion, embedding and rerank requests that may wait, all kinds "
+        "together, for a place once their kind is at its limit; past that, a 503 (0: no "
+        "waiting)"),
     Key("keepAlive", _minutes, 0.0,
         "unload a model idle this long: minutes, or 30s/5m/1h; 0 keeps models loaded"),
     # llama-server's --cache-ram keeps 8 GiB; a 2-core machine's models are smaller.

@@ -33,7 +33,7 @@ from wsgiref.util import setup_testing_defaults
 from wsgiref.validate import validator
 
 import pytest
-from emulators.ggufgen import write_gguf
+from emulators.ggufgen import write_bert_gguf, write_gguf
 from emulators.hubemu import HubEmulator
 from support.apps import bind, events
 from support.models import NO_EOS
@@ -267,7 +267,8 @@ def test_the_limits_leave_threads_for_short_requests(app):
     assert threads_for(LIMITS, 512) == server.THREADS + 512  # a thread per queued request
     assert SPARE_THREADS >= 4
     assert {kind: a.limit for kind, a in app.services.admissions.items()} == LIMITS
-    assert LIMITS == {"chat": 16, "completion": 8, "embedding": 8, "events": 4, "pull": 4}
+    assert LIMITS == {"chat": 16, "completion": 8, "embedding": 8, "rerank": 8, "events": 4,
+                      "pull": 4}
     assert {kind: a.what for kind, a in app.services.admissions.items()} == \
         {kind: kind for kind in LIMITS}
 
@@ -302,20 +303,23 @@ def real_server(app, limits):
 
 
 @pytest.fixture
-def crowded(settings, slow_hub, tiny_gguf):
-    """A real server whose every kind is at its limit of one: a chat, a completion and
-    an embedding waiting for their turn (this test holds both models' turns), an open
-    event stream and an Ollama pull following a slow download, each on its own
+def crowded(settings, slow_hub, tiny_gguf, tmp_path):
+    """A real server whose every kind is at its limit of one: a chat, a completion, an
+    embedding and a rerank waiting for their turn (this test holds the models' turns),
+    an open event stream and an Ollama pull following a slow download, each on its own
     connection. Yields (app, port, {kind: its socket})."""
-    settings.update({"modelHubUrl": slow_hub.url})
+    settings.update({"modelHubUrl": slow_hub.url, "maxRunningModels": 3})
     app = create_app(settings, limits=LOW)
     api = bind(app)
-    for model_id in ("tiny", "tiny-embed"):
-        r = api("POST", "/v1/models/import", {"path": str(tiny_gguf), "id": model_id})
+    reranker = write_bert_gguf(tmp_path / "rerank.gguf", pooling_type=4)
+    for model_id, path in (("tiny", tiny_gguf), ("tiny-embed", tiny_gguf),
+                           ("tiny-rerank", reranker)):
+        r = api("POST", "/v1/models/import", {"path": str(path), "id": model_id})
         assert r.status == 200, r.body
     scheduler = app.services.scheduler
     scheduler.start("tiny", {"cpu_threads": 1})
     scheduler.start("tiny-embed", {"cpu_threads": 1, "embedding": True})
+    scheduler.start("tiny-rerank", {"cpu_threads": 1})
     slots = {row["id"]: row["slots"] for row in scheduler.status()}
     leases = [scheduler.lease(m) for m in slots for _ in range(slots[m])]  # every turn
     clients = {}
@@ -327,6 +331,8 @@ def crowded(settings, slow_hub, tiny_gguf):
                 "model": "tiny", "prompt": "Once", "max_tokens": 4})
             clients["embedding"] = raw_request(port, "POST", "/v1/embeddings", {
                 "model": "tiny-embed", "input": "the quick brown fox"})
+            clients["rerank"] = raw_request(port, "POST", "/v1/rerank", {
+                "model": "tiny-rerank", "query": "a fox", "documents": ["the fox"]})
             clients["events"] = raw_request(port, "GET", "/v1/events")
             clients["pull"] = raw_request(port, "POST", "/api/pull", {"model": "org/big"})
             for kind in ("events", "pull"):  # their replies have begun
@@ -349,13 +355,16 @@ def test_models_answer_while_every_kind_is_at_its_limit(crowded):
     started = time.monotonic()
     status, body = send(url, "GET", "/v1/models", timeout=PATIENCE)
     answered = time.monotonic() - started
-    assert status == 200 and {m["id"] for m in body["data"]} == {"tiny", "tiny-embed"}
+    assert status == 200 and {m["id"] for m in body["data"]} == {"tiny", "tiny-embed",
+                                                                 "tiny-rerank"}
     assert send(url, "GET", "/healthz", timeout=PATIENCE)[0] == 200
     print(f"GET /v1/models answered in {answered * 1000:.0f} ms with every kind at its limit")
     # One more of each kind is the 503 naming it, in its route's shape.
     more = {"chat": ("POST", "/v1/chat/completions", {"model": "tiny", "messages": USER}),
             "completion": ("POST", "/v1/completions", {"model": "tiny", "prompt": "a"}),
             "embedding": ("POST", "/v1/embeddings", {"model": "tiny-embed", "input": "a"}),
+            "rerank": ("POST", "/v1/rerank", {"model": "tiny-rerank", "query": "a",
+                                              "documents": ["b"]}),
             "pull": ("POST", "/api/pull", {"model": "org/big"})}
     for kind, (method, path, body) in more.items():
         status, reply = send(url, method, path, body, timeout=PATIENCE)
@@ -370,7 +379,7 @@ def test_models_answer_while_every_kind_is_at_its_limit(crowded):
 
 @pytest.mark.live
 def test_a_client_that_leaves_frees_its_place(crowded):
-    """Waiting for a turn (chat, completion, embedding) or streaming (events, a pull):
+    """Waiting for a turn (chat, completion, embedding, rerank) or streaming (events, a pull):
     the client closes its socket, and its kind has a place free again. Nothing else
     could free it while the test runs: the test's leases hold every turn, the pull
     lasts a thousand seconds at the hub's 2 KB/s, and the connection timeouts are LONG."""

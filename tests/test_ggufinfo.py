@@ -62,6 +62,7 @@ def test_model_defaults(tmp_path):
         "file_type": 1,
         "quantization": "F16",
         "embedding": False,  # no pooling type, causal attention: a model that chats
+        "rerank": False,  # and not a reranker (pooling rank)
     }
 
 

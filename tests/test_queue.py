@@ -173,7 +173,7 @@ def test_a_notify_spent_on_a_poll_that_timed_out_is_not_lost():
 
 def test_the_threads_and_connections_cover_the_queue():
     assert server.THREADS == threads_for(LIMITS) == sum(LIMITS.values()) + SPARE_THREADS
-    assert threads_for(LIMITS, 512) == server.THREADS + 512 == 560
+    assert threads_for(LIMITS, 512) == server.THREADS + 512 == 568
     # A connection for each thread's request and more for the short ones, even where
     # few files may be open.
     assert connections.connection_limit(1024, 560) >= 560 + connections.MIN_CONNECTIONS

@@ -91,6 +91,15 @@ def build_parser(stdout=None, stderr=None) -> argparse.ArgumentParser:
     p.add_argument("text", metavar="TEXT", nargs="+", help="a text to embed")
     p.add_argument("--dimensions", type=int, metavar="N", help="keep the first N numbers "
                    "of each embedding, scaled again to unit length")
+    p = sub.add_parser("rerank", help="rank documents by their relevance to a query",
+                       description="Score each DOC against QUERY with the reranker ID and "
+                       "print the ranking, best first: one line per DOC with its score, its "
+                       "place among the DOCs (from 0) and its text, separated by tabs. The "
+                       "server starts the model if it is not running.")
+    p.add_argument("--model", required=True, metavar="ID", help="the reranker's id")
+    p.add_argument("query", metavar="QUERY", help="what the documents are scored against")
+    p.add_argument("documents", metavar="DOC", nargs="+", help="a document to score")
+    p.add_argument("--top-n", type=positive_int, metavar="N", help="print only the N best")
     sub.add_parser("ps", help="show the running models and the hardware",
                    description="Print the running models (engine, RAM, VRAM, up time, "
                    "context length) and this machine's CPU, memory and GPU.")

@@ -357,11 +357,14 @@ def _finite(value):
 
 
 def capabilities(info: dict, template: str, own: list = ()) -> list:
-    """What a model does, as Ollama names it: embedding (a GGUF header that makes it an
-    embedding model, localrt.engines.ggufinfo.is_embedding, or what
-    localrt.models.registry.capabilities, `own`, calls one), else completion, vision
+    """What a model does, as Ollama names it: rerank (a GGUF header that pools by rank,
+    localrt.engines.ggufinfo.is_rerank: it answers POST /v1/rerank), embedding (a GGUF
+    header that makes it an embedding model, localrt.engines.ggufinfo.is_embedding, or
+    what localrt.models.registry.capabilities, `own`, calls one), else completion, vision
     when `own` says so (a projector), tools when its template calls tools in a family
     localrt reads, insert when its vocabulary has fill-in-the-middle tokens."""
+    if ggufinfo.is_rerank(info) or "rerank" in own:
+        return ["rerank"]
     if ggufinfo.is_embedding(info) or ("embedding" in own and "chat" not in own):
         return ["embedding"]
     out = ["completion"]

@@ -10,10 +10,10 @@ nowhere else:
   * the model it loads is a `Model`, or a `ChatModel` of the older contract that
     `generating` wraps into one (localrt.engines.generation.ChatOnlyModel);
   * what else a model can do (`OPTIONAL`: `Batched`, `Measured`, `Tokenizing`,
-    `Counting`, `Embedding`, `Templated`, `Reporting`, and for llama-server's utility
-    routes `Vocabulary`, `Rendering` and `Slotted`) is found once, by `capabilities`, when
-    localrt.inference.scheduler loads it, and recorded in its Running record; the
-    inference modules ask that record (Lease.can), never the model.
+    `Counting`, `Embedding`, `Reranking`, `Templated`, `Reporting`, and for llama-server's
+    utility routes `Vocabulary`, `Rendering` and `Slotted`) is found once, by
+    `capabilities`, when localrt.inference.scheduler loads it, and recorded in its
+    Running record; the inference modules ask that record (Lease.can), never the model.
 
 Every model's generate() raises InvalidField before it computes anything (a prompt
 longer than the context, a bad response_format or grammar), so a streamed reply never
@@ -208,6 +208,18 @@ class Embedding(Protocol):
 
 
 @runtime_checkable
+class Reranking(Protocol):
+    """A model that scores documents against a query (POST /v1/rerank): a reranker, one
+    whose GGUF pools by rank, loaded in llama.cpp's embedding mode, whose generate() is a
+    409 (gguf-cpp's: localrt.engines.llama.rerank)."""
+
+    def rerank(self, query: str, documents: list, compute: Callable) -> tuple:
+        """(scores, tokens read): one float per document, in order, each read with the
+        query as the model pairs them. Each batch it computes is `compute(fn, *args)`,
+        as Embedding.embed's."""
+
+
+@runtime_checkable
 class Templated(Protocol):
     """A model with a Jinja chat template (localrt.engines.toolcalls reads its call
     format from it)."""
@@ -267,8 +279,8 @@ class Slotted(Protocol):
 
 
 # What a loaded model may have besides Model's: `capabilities` finds these.
-OPTIONAL = (Batched, Measured, Tokenizing, Counting, Embedding, Templated, Reporting,
-            Vocabulary, Rendering, Slotted)
+OPTIONAL = (Batched, Measured, Tokenizing, Counting, Embedding, Reranking, Templated,
+            Reporting, Vocabulary, Rendering, Slotted)
 
 
 def missing(obj, protocol: type) -> list[str]:

@@ -19,7 +19,7 @@ import struct
 from dataclasses import dataclass
 
 __all__ = ["ArrayInfo", "GGUFError", "Projector", "Reader", "is_embedding", "is_gguf",
-           "model_defaults", "model_input_size", "projector", "read_metadata",
+           "is_rerank", "model_defaults", "model_input_size", "projector", "read_metadata",
            "read_tensor_shapes", "token_at"]
 
 MAGIC = b"GGUF"
@@ -30,6 +30,7 @@ MAX_COUNT = 1 << 31          # the same for array, key/value and tensor counts
 _MAX_DEPTH = 8               # arrays of arrays; bounds recursion on hostile files
 _MAX_DIMS = 4                # GGML_MAX_DIMS: a tensor info with more is corruption
 _CHUNK = 1 << 16             # read size; one chunk usually holds the whole header
+RANK_POOLING = 4             # <arch>.pooling_type of a reranker (LLAMA_POOLING_TYPE_RANK)
 
 # Value type id -> (name, struct format) for fixed-size types; ids from the GGUF spec.
 # If you add a type here, also check _read_value, which handles STRING and ARRAY.
@@ -374,6 +375,7 @@ def model_defaults(path) -> dict:
         out["quantization"] = QUANTIZATION_NAMES[out["file_type"]]
     take("parameter_count", "general.parameter_count", int)
     out["embedding"] = is_embedding(md)
+    out["rerank"] = is_rerank(md)
     return out
 
 
@@ -391,6 +393,14 @@ def is_embedding(md: dict) -> bool:
     llama.cpp's embedding mode) both ask this."""
     arch = md.get("general.architecture", "")
     return declares_pooling(md) or md.get(f"{arch}.attention.causal") is False
+
+
+def is_rerank(md: dict) -> bool:
+    """Whether a GGUF's header makes it a reranker: it pools by rank (llama.cpp's
+    LLAMA_POOLING_TYPE_RANK: bge-reranker, jina-reranker, Qwen3-Reranker), scoring a
+    query and a document read together. The registry's capabilities ask this."""
+    pooling = md.get(f"{md.get('general.architecture', '')}.pooling_type")
+    return pooling == RANK_POOLING and not isinstance(pooling, bool)
 
 
 def model_input_size(md: dict) -> int | None:

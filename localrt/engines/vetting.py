@@ -12,7 +12,8 @@ through the same adapter with the same start options, then:
     piece of every token; localrt.engines.llama.model);
   * renders its chat template for a short chat (a template the model refuses, or
     one localrt.engines.chattemplate bounds, is noted, and a plain prompt is used);
-  * decodes a few tokens from that prompt (an embedding model embeds a text instead).
+  * decodes a few tokens from that prompt (an embedding model embeds a text instead,
+    and a reranker scores one against another).
 
 Only a file a child loaded this way is ever loaded by the server (Ollama loads each
 model in a runner of its own for the same reason). The child prints one JSON line per
@@ -135,7 +136,7 @@ def main(argv: list[str]) -> int:
         if exercise is not None:
             exercise()
         _emit(stage="chat")
-        note = _chat(model, contract.Embedding in can, HTTPError)
+        note = _chat(model, can, contract, HTTPError)
     except Exception as exc:
         _emit(stage="error", where="use", message=str(exc) or type(exc).__name__)
         return 1
@@ -148,19 +149,24 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _chat(model, embeds: bool, refusal: type) -> str | None:
+def _chat(model, can: frozenset, contract, refusal: type) -> str | None:
     """Decode a few tokens from CHAT through the model's template, or from a short
     prompt when the template or the context refuses it (an embedding model embeds a
-    text instead); what refused, if anything. A refusal (`refusal`, an HTTPError) is
-    the request's, never the file's."""
+    text instead, a reranker scores one: `can` holds its `contract` protocols); what
+    refused, if anything. A refusal (`refusal`, an HTTPError) is the request's, never
+    the file's."""
     params = {"max_tokens": DECODE_TOKENS, "temperature": 0.0, "seed": 0}
     try:
         _decode(model.generate(CHAT, params))
         return None
     except refusal as exc:
-        if embeds and exc.code == "embedding_model":  # llama.cpp's embedding mode
-            model.embed([SHORT_PROMPT], None)
-            return None
+        if exc.code == "embedding_model":  # llama.cpp's embedding mode
+            if contract.Reranking in can:
+                model.rerank(SHORT_PROMPT, [SHORT_PROMPT], None)
+                return None
+            if contract.Embedding in can:
+                model.embed([SHORT_PROMPT], None)
+                return None
         note = exc.message
     try:
         _decode(model.generate([], {**params, "prompt": SHORT_PROMPT}))

@@ -14,7 +14,8 @@ share it in either order, and the vectors are those of llama.cpp's embedding mod
 which the start option `embedding` still gives (a model that only embeds). A GGUF
 embedding model (BERT, nomic-bert, ...: its GGUF declares a pooling type) always runs
 in embedding mode and pools its own way; a chat with it is a 409 `embedding_model`.
-A running model without embed() is a 400 when its engine has no embedding mode, else
+A running model without embed() is a 400 when it is a reranker (its GGUF pools by
+rank: localrt.inference.rerank) or its engine has no embedding mode, else
 a 409 `model_not_embedding` (a custom engine's model that embeds only when started
 with `embedding`). A request holds one of the model's turns, and each decode of its
 batch is one job on a compute lane (`Lease.run`), so a batched model's chat steps take
@@ -37,6 +38,7 @@ from localrt.errors import Conflict, InvalidField
 from localrt.inference.completions import read_prompt
 from localrt.admission import LIMITS, Disconnected, never
 from localrt.inference.requests import Kind, Local, RequestPath
+from localrt.models.registry import capabilities
 
 
 class ModelNotEmbedding(Conflict):
@@ -74,12 +76,14 @@ class Embeddings:
         upstream says for itself."""
         record = self._path.registry.get(model_id)
         if not self._path.is_remote(record):
+            _refuse_reranker(model_id, record)
             _refuse_without_mode(self._path.engines.check_options(record["engine"],
                                                                   {"embedding": True}))
 
     def _create(self, local: Local, body: dict) -> dict:
         model_id = local.model_id
         inputs = read_prompt(body["input"])  # the shapes of a completion's prompt
+        _refuse_reranker(model_id, local.record)
         _refuse_without_mode(local.check_options({"embedding": True}))
         lease = local.lease(purpose="an embeddings request")
         try:
@@ -126,9 +130,23 @@ def _base64(vector) -> str:
     return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
 
 
+def _refuse_reranker(model_id: str, record: dict) -> None:
+    """A 400 before any model starts, for a reranker (its record's capabilities)."""
+    if "rerank" in capabilities(record):
+        raise _reranker(model_id)
+
+
+def _reranker(model_id: str) -> InvalidField:
+    return InvalidField(f"Invalid field 'model': model {model_id} is a reranker (its GGUF "
+                        f"pools by rank): it scores documents against a query at "
+                        f"POST /v1/rerank and gives no embeddings", param="model")
+
+
 def _not_embedding(model_id: str, lease) -> Exception:
-    """Why a running model has no embed(): its engine cannot compute embeddings (400),
-    or only in the embedding mode it was not started in (409)."""
+    """Why a running model has no embed(): it is a reranker (400), its engine cannot
+    compute embeddings (400), or only in the embedding mode it was not started in (409)."""
+    if lease.can(contract.Reranking):
+        return _reranker(model_id)
     if lease.options.get("embedding"):
         return InvalidField(f"Invalid field 'model': engine {lease.running.engine} cannot "
                             f"compute embeddings", param="model")

@@ -345,21 +345,24 @@ class Registry:
 
 
 def _with_embedding(folder: Path, d: dict) -> dict:
-    """A definition written before pulls and imports recorded metadata.embedding, with it
-    read from its GGUF's header once (kept in memory, and in the file at its next write),
-    so that listing never opens a model file."""
+    """A definition written before pulls and imports recorded metadata.embedding (or, for
+    an embedding model, metadata.rerank), with them read from its GGUF's header once
+    (kept in memory, and in the file at its next write), so that listing never opens a
+    model file."""
     meta = d.get("metadata")
-    if not isinstance(meta, dict) or "embedding" in meta:
-        return d
+    if not isinstance(meta, dict) or "embedding" in meta and (
+            "rerank" in meta or meta["embedding"] is not True):
+        return d  # only an embedding model can be a reranker
     weights = weights_path({**d, "path": str(folder)})
     if weights is None or not weights.name.lower().endswith(".gguf"):
         return d
     try:
-        embedding = ggufinfo.is_embedding(ggufinfo.read_metadata(weights))
+        header = ggufinfo.read_metadata(weights)
     except (OSError, ggufinfo.GGUFError) as exc:
         log.warning("model %s: its GGUF header cannot be read: %s", d["id"], exc)
         return d
-    return {**d, "metadata": {**meta, "embedding": embedding}}
+    return {**d, "metadata": {**meta, "embedding": ggufinfo.is_embedding(header),
+                              "rerank": ggufinfo.is_rerank(header)}}
 
 
 def _files_now(folder: Path, files: Iterable[dict]) -> tuple[tuple, str | None, str | None]:
@@ -415,11 +418,15 @@ def _inside(folder: Path, root: Path) -> bool:
 
 def capabilities(record: dict) -> list[str]:
     """What a model can be asked for, as GET /v1/models and Ollama's /api/show say:
-    ["embedding"] for an embedding model (its GGUF says so: metadata.embedding, which
-    a pull or an import records), ["chat", "vision"] for a GGUF with a projector (the
+    ["rerank"] for a reranker (its GGUF pools by rank: metadata.rerank), ["embedding"]
+    for another embedding model (its GGUF says so: metadata.embedding; a pull or an
+    import records both), ["chat", "vision"] for a GGUF with a projector (the
     capability of each file it has beside its weights: localrt.models.roles), else
     ["chat"]."""
-    if (record.get("metadata") or {}).get("embedding") is True:
+    meta = record.get("metadata") or {}
+    if meta.get("rerank") is True:
+        return ["rerank"]
+    if meta.get("embedding") is True:
         return ["embedding"]
     added = [r.capability for r in roles.BESIDE if r.capability and record.get(r.key)]
     if added:  # files that go with GGUF weights, which llama.cpp loads beside them

@@ -1,5 +1,5 @@
 """Test support: tiny, structurally complete llama-architecture GGUF files (and a BERT
-embedding model's, `write_bert_gguf`).
+embedding model's or reranker's, `write_bert_gguf`).
 
 Not a test module. Tests import it as ``from emulators.ggufgen import write_gguf``
 (tests/ is on sys.path under pytest).
@@ -255,16 +255,27 @@ def write_bert_gguf(
     n_ff: Optional[int] = None,
     pooling_type: int = 1,
     seed: int = 0,
+    add_eos: Optional[bool] = None,
+    rerank_template: Optional[str] = None,
 ) -> Path:
     """Write a tiny random-weight BERT embedding model (F32) to `path` and return it.
 
     What llama.cpp's BERT loader requires, as convert_hf_to_gguf.py writes a
     sentence-transformers model: ``bert.*`` hyperparameters with non-causal attention
-    and a pooling type (``gguf.PoolingType``: 1 mean, 2 cls), a WordPiece ("bert")
-    vocabulary (``[PAD]`` ``[UNK]`` ``[CLS]`` ``[SEP]`` ``[MASK]``, then pieces where "▁"
-    starts a word, as the converter turns "##" pieces around), token, token-type and
-    position embeddings with their norm, and per block biased Q/K/V/output
-    projections, a GELU feed-forward and two layer norms.
+    and a pooling type (``gguf.PoolingType``: 1 mean, 2 cls, 4 rank), a WordPiece
+    ("bert") vocabulary (``[PAD]`` ``[UNK]`` ``[CLS]`` ``[SEP]`` ``[MASK]``, then pieces
+    where "▁" starts a word, as the converter turns "##" pieces around), token,
+    token-type and position embeddings with their norm, and per block biased
+    Q/K/V/output projections, a GELU feed-forward and two layer norms.
+
+    With rank pooling it is a reranker (a cross-encoder, as bge-reranker's converted
+    GGUF is): it has the classification head llama.cpp's rank pooling reads, ``cls``
+    (a dense layer, then tanh) and ``cls.output`` (one output: the score), with weights
+    large enough that pairs score apart. `add_eos` writes
+    ``tokenizer.ggml.add_eos_token`` (llama.cpp's default for a WordPiece vocabulary is
+    false; its EOS is then [SEP]); `rerank_template` writes
+    ``tokenizer.chat_template.rerank``, the prompt llama.cpp's server makes of a query
+    and a document (``{query}``, ``{document}``).
     """
     path = Path(path)
     n_ff = 2 * n_embd if n_ff is None else n_ff
@@ -295,6 +306,10 @@ def write_bert_gguf(
     writer.add_mask_token_id(4)
     writer.add_add_bos_token(True)
     writer.add_add_sep_token(True)
+    if add_eos is not None:
+        writer.add_add_eos_token(add_eos)
+    if rerank_template is not None:
+        writer.add_string(gguf.Keys.Tokenizer.CHAT_TEMPLATE + ".rerank", rerank_template)
 
     rng = np.random.default_rng(seed)
 
@@ -313,7 +328,11 @@ def write_bert_gguf(
             writer.add_tensor(T[tensor].format(bid=bid) + "." + kind, array)
 
         for tensor in (M.ATTN_Q, M.ATTN_K, M.ATTN_V, M.ATTN_OUT):
-            add(tensor, "weight", weight(n_embd, n_embd))
+            # A reranker's [CLS] must read the pair: larger values and outputs carry
+            # the other tokens into it, so pairs score apart.
+            scale = 10 if pooling_type == gguf.PoolingType.RANK and \
+                tensor in (M.ATTN_V, M.ATTN_OUT) else 1
+            add(tensor, "weight", weight(n_embd, n_embd) * scale)
             add(tensor, "bias", zeros)
         add(M.ATTN_OUT_NORM, "weight", ones)
         add(M.ATTN_OUT_NORM, "bias", zeros)
@@ -323,6 +342,11 @@ def write_bert_gguf(
         add(M.FFN_DOWN, "bias", zeros)
         add(M.LAYER_OUT_NORM, "weight", ones)
         add(M.LAYER_OUT_NORM, "bias", zeros)
+    if pooling_type == gguf.PoolingType.RANK:  # the classifier: ggml {n_embd, 1} out
+        writer.add_tensor(T[M.CLS] + ".weight", weight(n_embd, n_embd) * 5)
+        writer.add_tensor(T[M.CLS] + ".bias", zeros)
+        writer.add_tensor(T[M.CLS_OUT] + ".weight", weight(1, n_embd) * 50)
+        writer.add_tensor(T[M.CLS_OUT] + ".bias", np.zeros(1, np.float32))
 
     write_out(writer, path)
     return path

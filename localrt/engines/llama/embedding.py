@@ -3,10 +3,13 @@
 A GGUF embedding model (it declares a pooling type, or non-causal attention; see
 `embedding_pooling`), or any GGUF started with the start option `embedding`, loads in
 llama.cpp's embedding mode (`LlamaEmbedder`): it answers POST /v1/embeddings
-(localrt.inference.embeddings), and its generate() is a 409. A decoder started
-without that option is a chat model (localrt.engines.llama.model.LlamaModel) that embeds
-too, on a second context of its own in embedding mode over the same weights
-(`EmbeddingContext`), made at its first embeddings request. Both compute with one
+(localrt.inference.embeddings), and its generate() is a 409. One that pools by rank
+(a reranker) loads so too, as localrt.engines.llama.rerank's LlamaReranker
+(localrt.engines.llama.model's GgufEngine.load picks it by `embedding_pooling`), an
+`EmbeddingMode` as LlamaEmbedder is. A decoder started without that option is a chat
+model (localrt.engines.llama.model.LlamaModel) that embeds too, on a second context
+of its own in embedding mode over the same weights (`EmbeddingContext`), made at its
+first embeddings request. Both compute with one
 `Embedder`, with the same context parameters (`embedding_params`), so a decoder's
 vectors are the same in either mode. Both are localrt.engines.contract's Embedding.
 llama_cpp is imported only when a model loads.
@@ -40,8 +43,10 @@ def embedding_pooling(model_path: str, options: dict) -> int | None:
     An embedding model's GGUF says how it pools (`<arch>.pooling_type`: mean, cls, last,
     rank) or has non-causal attention (an encoder, such as BERT); it always loads in
     embedding mode and pools its own way (LLAMA_POOLING_TYPE_UNSPECIFIED lets llama.cpp
-    read it). Any other model loads so only with the start option `embedding`, pooled by
-    the mean of its tokens, as llama.cpp's server pools a decoder.
+    read it; LLAMA_POOLING_TYPE_RANK, a reranker, loads as
+    localrt.engines.llama.rerank.LlamaReranker). Any other model loads so only with the
+    start option `embedding`, pooled by the mean of its tokens, as llama.cpp's server
+    pools a decoder.
     """
     import llama_cpp
 
@@ -51,6 +56,8 @@ def embedding_pooling(model_path: str, options: dict) -> int | None:
         meta = ggufinfo.read_metadata(model_path)
     except (OSError, ggufinfo.GGUFError):
         meta = {}  # llama.cpp says what is wrong with the file when it loads it
+    if ggufinfo.is_rerank(meta):
+        return llama_cpp.LLAMA_POOLING_TYPE_RANK
     if ggufinfo.declares_pooling(meta):
         return llama_cpp.LLAMA_POOLING_TYPE_UNSPECIFIED
     if ggufinfo.is_embedding(meta) or options.get("embedding"):
@@ -77,11 +84,16 @@ class Embedder:
         self.model, self.ctx, self.batch = model, ctx, batch  # llama_cpp._internals'
         self.context = context
         self.budget = min(budget, context)
+        # The numbers a sequence pools to: n_embd, or a reranker's classifier outputs
+        # (its scores), which is all llama.cpp keeps of a sequence pooled by rank.
+        self.width = model.n_embd()
+        if llama_cpp.llama_pooling_type(ctx.ctx) == llama_cpp.LLAMA_POOLING_TYPE_RANK:
+            self.width = llama_cpp.llama_model_n_cls_out(model.model)
         self._measure = Measure(llama_cpp, model.vocab)  # inputs before tokenizing
         self._lock = threading.Lock()  # one decode at a time uses ctx and batch
 
     def embed(self, inputs: list, compute: Callable | None = None) -> tuple:
-        """One vector per input (an array of n_embd floats, as the model pools them) and
+        """One vector per input (an array of `width` floats, as the model pools them) and
         the tokens read; a 400 naming `input` for an empty one, one longer than the
         context, or a token not in the vocabulary. Each decode is `compute(fn, *args)`
         (the scheduler's compute lane; here when None)."""
@@ -98,7 +110,7 @@ class Embedder:
                 used = 0
             groups[-1].append(row)
             used += len(tokens)
-        out = np.empty((len(lists), self.model.n_embd()), dtype=np.float32)
+        out = np.empty((len(lists), self.width), dtype=np.float32)
         for rows in groups:
             compute(self._decode, [lists[row] for row in rows], out[rows[0]:rows[-1] + 1])
         return out, sum(map(len, lists))
@@ -150,9 +162,10 @@ class Embedder:
         return tokens
 
 
-class LlamaEmbedder(GeneratingModel):
-    """A GGUF model in llama.cpp's embedding mode: vectors, never text (an `Embedder`
-    on llama_cpp.Llama's context)."""
+class EmbeddingMode(GeneratingModel):
+    """A GGUF model loaded in llama.cpp's embedding mode (llama_cpp.Llama's context, read
+    by an `Embedder`): what `LlamaEmbedder` and a reranker
+    (localrt.engines.llama.rerank.LlamaReranker) share."""
 
     def __init__(self, llm, context: int):
         import llama_cpp
@@ -164,8 +177,7 @@ class LlamaEmbedder(GeneratingModel):
         self.context = context
 
     @classmethod
-    def open(cls, model_path: str, arguments: dict, context: int | None,
-             pooling: int) -> "LlamaEmbedder":
+    def open(cls, model_path: str, arguments: dict, context: int | None, pooling: int):
         """Load a GGUF in embedding mode: llama_cpp.Llama with `arguments` (the start
         options', localrt.engines.llama.params.llama_arguments), one batch of `context`
         tokens (ctx_len; 512 when None) and the pooling type `pooling`."""
@@ -176,23 +188,7 @@ class LlamaEmbedder(GeneratingModel):
                               pooling_type=pooling, **{**arguments, "n_ctx": context,
                                                        "n_batch": context,
                                                        "n_ubatch": context})
-        if llm.pooling_type() == llama_cpp.LLAMA_POOLING_TYPE_RANK:
-            llm.close()
-            raise InvalidField("Invalid field 'model': the model is a reranker (pooling "
-                               "rank): it scores pairs of texts and gives no embeddings",
-                               param="model")
         return cls(llm, context)
-
-    def generate(self, messages: list, params: dict) -> Generation:
-        """A 409: a model in embedding mode makes no text."""
-        raise EmbeddingModel("The model runs in llama.cpp's embedding mode (an embedding "
-                             "model, or one started with embedding: true): it answers "
-                             "POST /v1/embeddings, not chats or completions; stop it to "
-                             "chat with a model that can", param="model")
-
-    def embed(self, inputs: list, compute: Callable | None = None) -> tuple:
-        """See Embedder.embed."""
-        return self._embedder.embed(inputs, compute)
 
     # llama-server's utility routes (contract.Vocabulary), as LlamaModel's.
 
@@ -227,6 +223,21 @@ class LlamaEmbedder(GeneratingModel):
     def unload(self) -> None:
         """Free the model and its context."""
         self.llm.close()
+
+
+class LlamaEmbedder(EmbeddingMode):
+    """A GGUF model in llama.cpp's embedding mode: vectors, never text."""
+
+    def generate(self, messages: list, params: dict) -> Generation:
+        """A 409: a model in embedding mode makes no text."""
+        raise EmbeddingModel("The model runs in llama.cpp's embedding mode (an embedding "
+                             "model, or one started with embedding: true): it answers "
+                             "POST /v1/embeddings, not chats or completions; stop it to "
+                             "chat with a model that can", param="model")
+
+    def embed(self, inputs: list, compute: Callable | None = None) -> tuple:
+        """See Embedder.embed."""
+        return self._embedder.embed(inputs, compute)
 
 
 def embedding_params(llama_cpp, arguments: dict, context: int, pooling: int):

@@ -8,10 +8,10 @@ the prompt cache, and embeddings on a second context of its own
 (localrt.engines.llama.embedding.EmbeddingContext). Its start options become
 llama.cpp's parameters in localrt.engines.llama.params. An embedding model, or one
 started with the start option `embedding`, loads in llama.cpp's embedding mode instead
-(localrt.engines.llama.embedding). A model with a projector (the option `mmproj`, its
-role's key, which localrt.inference.scheduler sets from the record: localrt.models.roles)
-loads it through llama.cpp's mtmd and reads chats with images
-(localrt.engines.llama.media). A JSON response_format becomes a grammar
+(localrt.engines.llama.embedding), and a reranker so too (localrt.engines.llama.rerank).
+A model with a projector (the option `mmproj`, its role's key, which
+localrt.inference.scheduler sets from the record: localrt.models.roles) loads it
+through llama.cpp's mtmd and reads chats with images (localrt.engines.llama.media). A JSON response_format becomes a grammar
 (localrt.engines.llama.grammar); log probabilities (localrt.engines.logprobs) are read
 from the logits before sampling, in LlamaBatch.decode, for the prompt too. llama_cpp is
 imported only when a model loads.
@@ -31,6 +31,7 @@ from localrt.engines.llama.decode import LlamaBatch, Sampling
 from localrt.engines.llama.drafting import DRAFT_MAX, Drafter, prediction_counts
 from localrt.engines.llama.promptcache import PromptCache
 from localrt.engines.llama.embedding import EmbeddingContext, LlamaEmbedder, embedding_pooling
+from localrt.engines.llama.rerank import LlamaReranker
 from localrt.engines.generation import (GeneratingModel, Generation, check_room,
                                         render_template, seed_of, sampling_value,
                                         token_loop)
@@ -43,6 +44,7 @@ from localrt.engines.llama.params import (CACHE_TYPE_BYTES, QUANTIZED_CACHE, con
                                           rpc_targets)
 from localrt.errors import InvalidChatTemplate, InvalidField
 from localrt.engines import toolcalls
+from localrt.engines.ggufinfo import RANK_POOLING
 from localrt.engines.logprobs import Log, TokenLogprob
 
 GGUF_ENGINE = "gguf-cpp"
@@ -68,14 +70,15 @@ class GgufEngine:
     def load(self, model_path: str, options: dict) -> "LlamaModel":
         """Load a GGUF file and make its context: n_parallel sequences of ctx_len tokens,
         or, for an embedding model or the start option `embedding`, llama.cpp's embedding
-        mode (`LlamaEmbedder`)."""
+        mode (`LlamaEmbedder`; a reranker's GGUF, which pools by rank, `LlamaReranker`)."""
         pooling = embedding_pooling(model_path, options)
         if pooling is not None:
             if options.get("rpc_servers"):
                 raise InvalidField("Invalid field 'rpc_servers': an embedding model loads "
                                    "on this machine only", param="rpc_servers")
-            return LlamaEmbedder.open(model_path, llama_arguments(options),
-                                      options.get("ctx_len"), pooling)
+            kind = LlamaReranker if pooling == RANK_POOLING else LlamaEmbedder
+            return kind.open(model_path, llama_arguments(options), options.get("ctx_len"),
+                             pooling)
         return LlamaModel(model_path, options, self._rpc, self.prompt_cache_bytes)
 
     @staticmethod
