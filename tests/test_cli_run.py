@@ -61,6 +61,9 @@ class Terminal:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child
             try:
+                # Ctrl-C reaches it as a user's would, however pytest was started: a
+                # shell's background job inherits SIGINT ignored, and execve keeps it so.
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
                 os.execve(sys.executable, argv, env)
             finally:
                 os._exit(127)

@@ -177,6 +177,8 @@ class Downloads:
                      elapsed, human_size(total / max(elapsed, 1e-6)))
 
     def _fail(self, task: Task, message: str, code: str | None = None) -> None:
+        if code and code not in message:  # the error names its code too, for its readers
+            message = f"{message} ({code})"
         task.error = security.redact(message, security.secrets_of(self._config()))
         task.error_code = code
         self._finish(task, "Error", "DownloadError")
