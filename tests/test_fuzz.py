@@ -122,9 +122,18 @@ def _ndjson(ctx, response):
     return [json.loads(line) for line in response.content.decode("utf-8").splitlines()]
 
 
+def negative_data_rejection(ctx, response, case):
+    """schemathesis' check that a request breaking the schema is refused, with a 413 (a
+    body over the route's limit, which a generated list of 2,048 long strings can be:
+    it is refused before it is read) counted as refused too."""
+    if response.status_code == 413:
+        return None
+    return checks.negative_data_rejection(ctx, response, case)
+
+
 CHECKS = [checks.not_a_server_error, checks.status_code_conformance,
           checks.content_type_conformance, checks.response_schema_conformance,
-          checks.negative_data_rejection, error_json_on_4xx]
+          negative_data_rejection, error_json_on_4xx]
 
 
 @pytest.mark.parametrize("method,path,mode", CASES, ids=[f"{m} {p} {x}" for m, p, x in CASES])
