@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 import pytest
 from emulators.ggufgen import write_bert_gguf, write_gguf
-from support.models import NO_EOS, tokens_of
+from support.models import NO_EOS, add_model, tokens_of
 
 from localrt.engines.llama.embedding import embedding_params
 from localrt.engines.llama.params import llama_arguments
@@ -42,11 +42,7 @@ def ggufs(tmp_path_factory):
 @pytest.fixture
 def add(api, ggufs):
     """Import one of the generated models under its own name."""
-    def add(name):
-        r = api("POST", "/v1/models/import", {"path": str(ggufs[name]), "id": name})
-        assert r.status == 200, r.body
-        return name
-    return add
+    return lambda name: add_model(api, ggufs[name], name)
 
 
 def embed(api, model, inputs, **extra):

@@ -51,11 +51,7 @@ def ggufs(tmp_path_factory):
 @pytest.fixture
 def add(api, ggufs):
     """Import one of the generated models under its own name."""
-    def add(name):
-        r = api("POST", "/v1/models/import", {"path": str(ggufs[name]), "id": name})
-        assert r.status == 200, r.body
-        return name
-    return add
+    return lambda name: add_model(api, ggufs[name], name)
 
 
 def rerank(api, model, query=QUERY, documents=DOCS, path="/v1/rerank", **extra):
