@@ -119,6 +119,15 @@ class Request:
     "json_schema", "schema", "name"} or None for text; `logprobs` the alternatives
     each token comes with (None: no log-probabilities); `prediction` text the reply
     is expected to repeat; `speculative` False turns drafting off for this request.
+
+    Thinking (a reasoning model's): `think` True or False turns it on or off, None
+    leaves the model's default (its `reasoning` parameter); `effort` is the level a
+    template that takes one is given ("minimal", "low", "medium", "high", "xhigh",
+    "max"); `reasoning_budget` the most tokens the model may think before localrt ends
+    its thinking (None: no budget); `reasoning_format` "none" leaves the reply as the
+    model wrote it, markers in the text (None: thinking is parsed out into Reasoning
+    events); `template_kwargs` are given to the chat template as they are
+    (chat_template_kwargs: enable_thinking among them).
     """
 
     model: str
@@ -136,6 +145,11 @@ class Request:
     speculative: bool | None = None
     stream: bool = False
     include_usage: bool = False
+    think: bool | None = None
+    effort: str | None = None
+    reasoning_budget: int | None = None
+    reasoning_format: str | None = None
+    template_kwargs: dict = field(default_factory=dict)
 
     def media(self) -> Iterator[Media]:
         """Every Media part of the messages, in order."""
