@@ -24,7 +24,12 @@ class _Parser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         """argparse's, except that words after `run`'s options join its PROMPT: argparse
-        ends a positional list at the first option (`run ID --ctx_len 8 "a prompt"`)."""
+        ends a positional list at the first option (`run ID --ctx_len 8 "a prompt"`);
+        and `--think` takes a value only as `--think=VALUE`, as Ollama's does, so that
+        `run ID --think "a prompt"` asks the prompt."""
+        if args is None:
+            args = sys.argv[1:]
+        args = ["--think=true" if word == "--think" else word for word in args]
         args, extra = self.parse_known_args(args, namespace)
         if extra and isinstance(getattr(args, "prompt", None), list) \
                 and not any(word.startswith("-") for word in extra):
@@ -224,6 +229,22 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
                    "(after standard input's text, when that is not a terminal)")
     p.add_argument("--verbose", action="store_true", help="after each reply, print the "
                    "prompt's and the reply's tokens and their tok/s")
+    p.add_argument("--think", default=None, type=_think,
+                   metavar="true|false|low|medium|high",
+                   help="let a reasoning model think (at a level), or not (--think=false); "
+                   "without it, the model's default")
+    p.add_argument("--hidethinking", action="store_true",
+                   help="do not show a reasoning model's thinking, only its answer")
+
+
+def _think(text: str):
+    """--think's value: True, False or a level."""
+    from localrt.cli.chat import think_value
+
+    try:
+        return think_value(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _add_pull_arguments(p: argparse.ArgumentParser) -> None:

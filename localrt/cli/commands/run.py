@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from localrt.cli.chat import Chat
+from localrt.cli.chat import Chat, reasons_of
 from localrt.cli.commands.models import start_options
 from localrt.cli.commands.pull import download
 from localrt.cli.context import CliError, Context, ExitCode
@@ -23,6 +23,10 @@ def cmd_run(ctx: Context) -> int:
     prompt = _prompt(ctx)
     client = ctx.client()
     model_id = _ready(ctx, client, ctx.args.model, pull=True)
+    think = ctx.args.think
+    if think not in (None, False) and not reasons_of(client, model_id):
+        raise CliError(f"Model '{model_id}' does not support thinking; run it without "
+                       f"--think", ExitCode.USAGE)
     reply = client.start_model(model_id, start_options(ctx))
     ctx.err(reply["message"])
 
@@ -31,7 +35,8 @@ def cmd_run(ctx: Context) -> int:
         ctx.err(client.start_model(loaded)["message"])
         return loaded
 
-    chat = Chat(ctx, client, model_id, load=load, verbose=ctx.args.verbose)
+    chat = Chat(ctx, client, model_id, load=load, verbose=ctx.args.verbose, think=think,
+                hide_thinking=ctx.args.hidethinking)
     return chat.loop() if prompt is None else chat.once(prompt)
 
 
