@@ -14,73 +14,25 @@ server process.
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from support.cli import run
 from support.models import add_model
 from support.servers import run_foreground_server
+from support.thinker import ANSWER, THINKING, add_thinker, thinking_upstream
 from test_cli_run import GREEDY, Terminal, Typed
 
 from localrt.cli import ExitCode
-from localrt.client import Client
 
 pytestmark = pytest.mark.live
 
-THINKING = ["The user greets me. ", "I should greet back."]
-ANSWER = ["Hello", " there!"]
 DIM, RESET = "\x1b[2m", "\x1b[0m"
-
-
-class _Upstream(BaseHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-    def do_GET(self):  # the probe: GET /v1/models
-        raw = json.dumps({"object": "list", "data": [{"id": "thinker"}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(raw)))
-        self.end_headers()
-        self.wfile.write(raw)
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        self.server.bodies.append(body)
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        deltas = [{"role": "assistant", "content": ""}, {"reasoning_content": THINKING[0]},
-                  {"reasoning": THINKING[1]}] + [{"content": t} for t in ANSWER]
-        for delta in deltas:
-            self._event({"id": "up", "object": "chat.completion.chunk", "created": 1,
-                         "model": "thinker",
-                         "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
-        self._event({"id": "up", "object": "chat.completion.chunk", "created": 1,
-                     "model": "thinker",
-                     "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
-        self.wfile.write(b"data: [DONE]\n\n")
-
-    def _event(self, data: dict) -> None:
-        self.wfile.write(b"data: " + json.dumps(data).encode() + b"\n\n")
-        self.wfile.flush()
 
 
 @pytest.fixture
 def upstream():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Upstream)
-    server.bodies = []
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server
-    server.shutdown()
-    server.server_close()
-
-
-def add_thinker(url: str, upstream) -> None:
-    """The remote model `thinker`, served by `upstream`."""
-    Client(url)._request("POST", "/v1/models/remote", {
-        "id": "thinker", "upstreams": [{"url": f"http://127.0.0.1:{upstream.server_port}/v1"}]})
+    with thinking_upstream() as server:
+        yield server
 
 
 def test_thinking_goes_to_stderr_when_the_reply_is_redirected(thread_server, upstream):
