@@ -160,6 +160,14 @@ def test_lavapipe_is_a_vulkan_device_of_type_cpu(api):
 
 
 @pytest.mark.live
+def test_a_broken_nvml_library_does_not_hide_the_vulkan_devices():
+    require_lavapipe()
+    # libc has none of NVML's functions: the child reads the Vulkan devices all the same
+    found = gpus.detect(nvml="libc.so.6")
+    assert [g["backend"] for g in found if LAVAPIPE in g["name"]] == ["vulkan"]
+
+
+@pytest.mark.live
 def test_ps_shows_the_gpus(thread_server):
     require_lavapipe()
     code, out, _ = run("ps")

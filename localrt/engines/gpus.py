@@ -358,8 +358,19 @@ def main(argv: list[str]) -> int:
     """Print the GPUs as one JSON line: {"gpus": [...]}; argv: the NVML and Vulkan
     libraries to load."""
     nvml, vulkan = (argv + [NVML_LIBRARY, VULKAN_LIBRARY][len(argv):])[:2]
-    print(json.dumps({"gpus": merged(nvidia_gpus(nvml), vulkan_gpus(vulkan))}), flush=True)
+    print(json.dumps({"gpus": merged(_guarded(nvidia_gpus, nvml),
+                                     _guarded(vulkan_gpus, vulkan))}), flush=True)
     return 0
+
+
+def _guarded(read, library: str) -> list[dict]:
+    """`read(library)`, or [] when the library lacks a function it calls (an old
+    driver): one library's failure never hides the other's GPUs."""
+    try:
+        return read(library)
+    except (AttributeError, OSError, ValueError) as exc:
+        print(f"{library}: {exc}", file=sys.stderr)
+        return []
 
 
 def detect(timeout: float = DETECT_TIMEOUT, nvml: str = NVML_LIBRARY,
