@@ -53,7 +53,6 @@ from pathlib import Path
 
 from localrt.admission import Disconnected, never, wait
 from localrt.engines import contract, memory
-from localrt.engines.ggufinfo import GGUFError
 from localrt.engines.hardware import free_ram
 from localrt.engines.vetting import invalid_file
 from localrt.errors import BadRequest, Conflict, HTTPError, ServiceUnavailable
@@ -464,11 +463,11 @@ class Scheduler:
         beside = [Path(p) for p in roles.beside(record).values()]
         try:
             needed = memory.need(memory.parts_of(path), beside, options)
-        except (GGUFError, OSError) as exc:
+        except (OSError, ValueError, TypeError) as exc:  # GGUFError is a ValueError
             log.info("model %s: no memory estimate (%s)", record["id"], exc)
             return
-        device_free, devices = self._device_memory(options)
-        memory.check(record["id"], needed, ram, device_free, devices)
+        if needed.total > ram:  # only then ask the GPUs (a child, for a GPU build)
+            memory.check(record["id"], needed, ram, *self._device_memory(options))
         log.info("model %s needs about %d MiB (weights %d, KV cache %d, compute %d)",
                  record["id"], needed.total >> 20, needed.weights >> 20, needed.kv >> 20,
                  needed.compute >> 20)
