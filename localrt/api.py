@@ -255,6 +255,14 @@ def models_status(services: Services, request: Request):
             "hardware": services.engines.hardware.status()}
 
 
+def hardware(services: Services, request: Request):
+    """This machine's CPU, OS, RAM, storage and GPUs, in cortex's shape (MiB).
+
+    GPUs are NVIDIA ones (NVML) and Vulkan devices, read by a child process; none is
+    an empty list."""
+    return services.engines.hardware.cortex(services.settings.data_dir)
+
+
 def chat_completions(services: Services, request: Request):
     """OpenAI's chat completion, streamed as Server-Sent Events or not."""
     return _streamed(openai.chat(services.chats, request.body, request.disconnected))
@@ -493,6 +501,7 @@ ROUTES = (
     Route("PATCH", "/v1/configs", patch_configs, "config-update.json", "config-updated"),
     Route("DELETE", "/v1/system", stop_server, reply="message"),
     Route("GET", "/v1/events", events),
+    Route("GET", "/v1/hardware", hardware, reply="hardware"),
     Route("GET", "/v1/engines", list_engines, reply="engine-list"),
     Route("POST", "/v1/engines/install", install_engine_wheel, "engine-wheel.json",
           "engine-install"),

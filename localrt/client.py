@@ -170,6 +170,10 @@ class Client:
         """GET /v1/models/status: the running models, and the machine."""
         return self._request("GET", "/v1/models/status")
 
+    def hardware(self) -> dict:
+        """GET /v1/hardware: CPU, OS, RAM, storage and GPUs, in cortex's shape."""
+        return self._request("GET", "/v1/hardware")
+
     def chat(self, request: dict) -> dict:
         """POST /v1/chat/completions, not streamed: the chat.completion."""
         return self._request("POST", "/v1/chat/completions", {**request, "stream": False},

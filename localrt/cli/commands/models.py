@@ -124,7 +124,7 @@ def cmd_models_stop(ctx: Context) -> int:
 
 
 def cmd_ps(ctx: Context) -> int:
-    """Print the running models, and the machine they run on."""
+    """Print the running models, and the machine they run on, its GPUs included."""
     status = ctx.client().models_status()
     rows = [(m["id"], m["engine"], human_size(m["ram"]), human_size(m["vram"]),
              duration(m["uptime"]), m["options"].get("ctx_len", ""))
@@ -146,9 +146,16 @@ def cmd_ps(ctx: Context) -> int:
         ctx.out(table(["Remote model", "Upstream", "Health", "In flight", "Latency", "Error"],
                       upstreams))
     hw = status.get("hardware") or {}
+    gpus = ctx.client().hardware()["gpus"]
     if hw:
-        gpu = f"CUDA {hw['cuda']}" if hw.get("cuda") else "no GPU"
+        gpu = f"CUDA {hw['cuda']}" if hw.get("cuda") else "no GPU" if not gpus else \
+            f"{len(gpus)} GPU{'s' if len(gpus) > 1 else ''}"
         ctx.out(f"CPU: {hw.get('cpu') or 'unknown'} ({hw.get('cores')} cores, "
                 f"{hw.get('cpuLevel') or 'no AVX'}); RAM: {human_size(hw.get('ramAvailable', 0))} "
                 f"free of {human_size(hw.get('ramTotal', 0))}; {gpu}")
+    if gpus:
+        ctx.out(table(["GPU", "Name", "Type", "Backend", "Version", "Free", "Total"],
+                      [(g["id"], g["name"], g["type"], g["backend"], g["version"],
+                        human_size(g["free_vram"] << 20), human_size(g["total_vram"] << 20))
+                       for g in gpus]))
     return ExitCode.OK
