@@ -210,12 +210,13 @@ def _prompt_params(request: native.Request, record: dict, lease: Lease, messages
 def _message(message: native.Message, read) -> dict:
     """A native message as chat templates take it: its content as one string (text
     parts joined), or with media a list of parts in order ({"type": "text"} and
-    {"type": "image", "image": contract.Image}, each medium read by `read(media)`); an
+    {"type": "image", "image": contract.Image} or {"type": "audio", "audio":
+    contract.Audio}, each medium read by `read(media)`); an
     assistant's tool_calls with their arguments as objects, a tool reply's
     tool_call_id."""
     if message.media:
         content = [{"type": "text", "text": part.text} if isinstance(part, native.Text)
-                   else {"type": "image", "image": read(part)} for part in message.parts]
+                   else {"type": part.kind, part.kind: read(part)} for part in message.parts]
     else:
         content = message.text
     out = {"role": message.role, "content": content or ""}

@@ -37,7 +37,7 @@ from localrt.engines.generation import (GeneratingModel, Generation, check_room,
                                         token_loop)
 from localrt.engines.llama.grammar import check_gbnf, json_grammar
 from localrt.engines.llama.measure import Measure, token_piece
-from localrt.engines.llama.media import (Projector, Prompt, has_images, refuse_images,
+from localrt.engines.llama.media import (Projector, Prompt, has_images, refuse_media,
                                          texts_and_images)
 from localrt.engines.llama.params import (CACHE_TYPE_BYTES, QUANTIZED_CACHE, context_params,
                                           engine_dir, llama_arguments, model_params,
@@ -293,7 +293,7 @@ class LlamaModel(GeneratingModel):
         elif has_images(messages):
             projector = self._batch.projector
             if projector is None:
-                raise refuse_images()
+                raise refuse_media(messages)
             messages, images = texts_and_images(messages, projector.marker)
             if params.get("prompt_template"):  # a cortex-style template: markers in {prompt}
                 text = render_template(params["prompt_template"], messages)
@@ -435,7 +435,7 @@ class LlamaModel(GeneratingModel):
         if has_images(messages):
             projector = self._batch.projector
             if projector is None:
-                raise refuse_images()
+                raise refuse_media(messages)
             messages, _ = texts_and_images(messages, projector.marker)
             if params.get("prompt_template"):
                 return render_template(params["prompt_template"], messages)
