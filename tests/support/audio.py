@@ -157,7 +157,7 @@ def samples(seconds: float, seed: int, rate: int = SAMPLE_RATE) -> list[int]:
     import random
 
     rnd = random.Random(seed)
-    pitch = 200 + 40 * (seed % 17)
+    pitch = 150 + 450 * (seed % 13)  # seeds far apart in pitch, so mels differ
     n = int(round(seconds * rate))
     return [max(-32768, min(32767, int(12000 * math.sin(2 * math.pi * pitch * i / rate)
                                        + rnd.randint(-3000, 3000))))
