@@ -22,7 +22,10 @@ ASK = "What is said?"
 PROMPT = f"<|im_start|>user\n{ASK}\n{MARKER}<|im_end|>\n<|im_start|>assistant\n"
 # Ollama puts a message's images (and clips) before its text, as Ollama does
 CLIPS_FIRST = f"<|im_start|>user\n{MARKER}\n{ASK}<|im_end|>\n<|im_start|>assistant\n"
-A, B = wav(2.0, 1), wav(1.0, 3)
+# Clips whose first ten greedy tokens win by a clear margin (0.1 in logits at least):
+# this random model has near ties elsewhere, which the last bits of llama.cpp's sums
+# (batches of other sequences beside them, thread counts) may decide either way.
+A, B = wav(2.0, 2), wav(1.0, 4)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +74,7 @@ def test_the_openai_sdk_gets_mtmds_reply_whole_and_streamed(server, pair):
     want = expected(pair, PROMPT, A)
     assert via_openai(server.url, A) == want
     assert via_openai(server.url, A, stream=True) == want
-    assert via_openai(server.url, flac(2.0, 1), "flac") == want  # the same samples
+    assert via_openai(server.url, flac(2.0, 2), "flac") == want  # the same samples
     assert via_openai(server.url, B) == expected(pair, PROMPT, B) != want
     assert via_openai(server.url, mp3_silence(1.0), "mp3") == \
         expected(pair, PROMPT, mp3_silence(1.0))

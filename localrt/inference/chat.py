@@ -317,7 +317,8 @@ class Completion:
         yield native.Usage(u["prompt_tokens"], u["completion_tokens"],
                            cached_tokens=u.get("cached_tokens", 0),
                            accepted_prediction_tokens=u.get("accepted_prediction_tokens", 0),
-                           rejected_prediction_tokens=u.get("rejected_prediction_tokens", 0))
+                           rejected_prediction_tokens=u.get("rejected_prediction_tokens", 0),
+                           audio_tokens=u.get("audio_tokens", 0))
 
     def _streamed(self, log) -> Iterator:
         parser = self.parser

@@ -108,6 +108,7 @@ class Prompt:
     items: list
     chunks: dict = field(default_factory=dict)
     n_tokens: int = 0
+    audio_tokens: int = 0  # of n_tokens, those of audio chunks (a transcription's usage)
 
 
 class Projector:
@@ -215,7 +216,10 @@ class Projector:
                 prompt.chunks[start] = mtmd.mtmd_input_chunk_copy(chunk)
                 prompt.items.extend((IMAGE, digest, k)
                                     for k in range(mtmd.mtmd_input_chunk_get_n_pos(chunk)))
-                prompt.n_tokens += mtmd.mtmd_input_chunk_get_n_tokens(chunk)
+                n = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
+                prompt.n_tokens += n
+                if mtmd.mtmd_input_chunk_get_type(chunk) == mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO:
+                    prompt.audio_tokens += n
         except BaseException:
             self.free(prompt)
             raise

@@ -261,8 +261,11 @@ class LlamaModel(GeneratingModel):
             log = Log(self._piece, prompt=(
                 (lambda: [TokenLogprob(tokens[0], None), *seq.prompt_scores])
                 if seq.prompt_logprobs else None))
-        return Generation(prompt.n_tokens, run, on_close=lambda: batcher.leave(seq),
-                          logprobs=log)
+        gen = Generation(prompt.n_tokens, run, on_close=lambda: batcher.leave(seq),
+                         logprobs=log)
+        if prompt.audio_tokens:
+            gen.usage["audio_tokens"] = prompt.audio_tokens
+        return gen
 
     def _drafter(self, params: dict, tokens: list, predicted: list | None):
         """The sequence's Drafter, or None: speculation off for the model or the request
