@@ -87,12 +87,12 @@ class Role:
         return name.startswith(self.prefix) and name.endswith(".gguf")
 
     def capabilities(self, record: dict) -> tuple:
-        """What the file of this role a record names adds to its capabilities."""
-        path = self.path(record)
-        if path is None:
+        """What the file of this role a record names adds to its capabilities (by the
+        file's contents where the role reads them and the record has its folder)."""
+        if not self.key or not record.get(self.key):
             return ()
-        if self.capabilities_of is not None:
-            return self.capabilities_of(path)
+        if self.capabilities_of is not None and record.get("path"):
+            return self.capabilities_of(self.path(record))
         return (self.capability,) if self.capability else ()
 
     def path(self, record: dict) -> Path | None:
