@@ -226,8 +226,8 @@ def test_a_split_gguf_pulls_every_part_and_loads_the_first(api, hub):
 def test_a_builtin_branch_with_a_projector_records_it(api, hub):
     reply = pull(api, "vision")
     assert reply["model"] == "vision:4b"
-    assert reply["message"] == "Model vision:4b starts downloading, with its vision " \
-                               "projector mmproj.gguf"
+    assert reply["message"] == "Model vision:4b starts downloading, with its projector " \
+                               "mmproj.gguf"
     assert "4b/mmproj.gguf" in fetched(hub)
     model = api("GET", "/v1/models/vision:4b").json
     assert model["mmproj"] == "mmproj.gguf" and model["metadata"]["name"] == "a"
