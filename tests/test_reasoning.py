@@ -121,6 +121,15 @@ def test_history_reasoning_reaches_the_template_under_its_name():
         assert shown in text
 
 
+def test_a_schemas_grammar_keeps_its_property_order():
+    from localrt.engines.llama.grammar import json_grammar
+
+    rules = json_grammar({"type": "json_schema", "schema": {
+        "type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}},
+        "required": ["b", "a"]}})
+    assert 'root ::= "{" space b-kv "," space a-kv "}" space' in rules
+
+
 # --- splitting the reply ------------------------------------------------------------------
 
 def split(syntax_name: str, state: str, pieces) -> list:
@@ -201,3 +210,179 @@ def test_the_tracker_counts_thinking_and_forces_the_end_at_the_budget():
     for token in range(7):
         assert unbounded.step(token) == []
     assert unbounded.count == 6 and unbounded.answering  # the model's own end counts
+
+
+# --- through the native chat, on tiny scripted models --------------------------------------
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+JSON_REPLY = '{"b": 2, "a": 1}'
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+# name: (template, added tokens (user-defined), script)
+MODELS = {
+    # Qwen3: the model opens its thinking; a call inside it is thinking, one after a call
+    "qwen3": ("Qwen-Qwen3-0.6B", ["<think>", "</think>", "<tool_call>", "</tool_call>",
+                                  CALL, '{"name": "get_weather", ',
+                                  '"arguments": {"city": "Paris"}}'],
+              ["<think>", "▁so", CALL, "▁we", "▁go", "</think>", "<tool_call>",
+               '{"name": "get_weather", ', '"arguments": {"city": "Paris"}}', "</tool_call>"]),
+    # The end marker in two tokens
+    "split": ("Qwen-Qwen3-0.6B", ["<think>", "</th", "ink>"],
+              ["<think>", "▁so", "▁we", "</th", "ink>", "▁ok"]),
+    # QwQ: the prompt opens the thinking; with it off the prompt ends "</think>", after
+    # which this script answers at once
+    "qwq": ("Qwen-QwQ-32B", ["<think>", "</think>"], ["▁so", "▁we", "</think>", "▁ok"]),
+    # A JSON answer after the thinking, its keys out of alphabetical order
+    "json": ("Qwen-Qwen3-0.6B", ["<think>", "</think>", JSON_REPLY],
+             ["<think>", "▁so", "</think>", JSON_REPLY]),
+}
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory):
+    import gguf
+
+    from emulators.ggufgen import write_gguf
+
+    root = tmp_path_factory.mktemp("reasoning")
+    user = gguf.TokenType.USER_DEFINED
+    return {name: write_gguf(root / f"{name}.gguf", name=name, vocab_size=1600,
+                             context_length=2048, chat_template=template(kept),
+                             added_tokens=[(t, user) for t in added], script=script)
+            for name, (kept, added, script) in MODELS.items()}
+
+
+@pytest.fixture
+def chat(app, ggufs):
+    """create(model, **request fields) -> the reply's events, the model started."""
+    from localrt import native
+    from support.apps import bind
+    from support.models import add_model
+
+    api = bind(app)
+    for name, path in ggufs.items():
+        add_model(api, path, name)
+
+    def create(model, text="Which is larger, 7 or 9?", stream=False, **fields):
+        fields.setdefault("sampling", {"temperature": 0, "max_tokens": 32})
+        request = native.Request(model, [native.Message("user", [native.Text(text)])],
+                                 stream=stream, **fields)
+        reply = app.services.chats.create(request)
+        try:
+            return list(reply.events())
+        finally:
+            reply.close()
+
+    create.api = api
+    return create
+
+
+def folded(events):
+    from localrt import native
+
+    return native.collect(events)
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("stream", [False, True])
+def test_thinking_is_apart_and_a_call_inside_it_is_thinking(chat, stream):
+    from localrt import native
+
+    events = chat("qwen3", stream=stream, tools=TOOLS)
+    whole = folded(events)
+    assert whole.reasoning == f"so{CALL} we go"
+    assert whole.text == ""
+    assert [(c.name, json.loads(c.arguments)) for c in whole.calls] == \
+        [("get_weather", {"city": "Paris"})]
+    assert whole.finish == "tool_calls"
+    assert whole.usage.reasoning_tokens == 6  # <think>, 4 tokens, the model's </think>
+    kinds = [type(e) for e in events if not isinstance(e, (native.Usage, native.Finish))]
+    assert kinds.index(native.CallStart) > max(i for i, k in enumerate(kinds)
+                                               if k is native.Reasoning)
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_marker_split_across_two_tokens(chat, stream):
+    whole = folded(chat("split", stream=stream))
+    assert (whole.reasoning, whole.text, whole.finish) == ("so we", "ok", "stop")
+
+
+@pytest.mark.live
+def test_reasoning_format_none_leaves_the_reply_as_written(chat):
+    whole = folded(chat("split", reasoning_format="none"))
+    assert (whole.reasoning, whole.text) == ("", "<think> so we</think> ok")
+    assert whole.usage.reasoning_tokens == 5
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reply_cut_while_thinking_ends_with_its_thinking(chat, stream):
+    whole = folded(chat("split", stream=stream,
+                        sampling={"temperature": 0, "max_tokens": 3}))
+    assert (whole.reasoning, whole.text, whole.finish) == ("so we", "", "length")
+    assert whole.usage.reasoning_tokens == 3
+
+
+@pytest.mark.live
+def test_a_prompt_that_opens_the_thinking_and_think_false(chat):
+    on = folded(chat("qwq"))
+    assert (on.reasoning, on.text) == ("so we", "ok")
+    off = folded(chat("qwq", think=False))  # the template's "</think>" ends its prompt
+    assert (off.reasoning, off.text, off.usage.reasoning_tokens) == ("", "ok", 0)
+    stored = folded(chat("qwq", think=None))
+    assert stored.reasoning == "so we"
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("budget, thought", [(1, ""), (2, "so"), (3, f"so{CALL}"),
+                                             (4, f"so{CALL} we")])
+def test_a_budget_ends_the_thinking_at_exactly_n_tokens(chat, budget, thought):
+    whole = folded(chat("qwen3", reasoning_budget=budget, tools=TOOLS))
+    assert whole.reasoning == thought
+    assert whole.usage.reasoning_tokens == budget  # <think> and budget - 1 more
+    # localrt wrote </think> (not counted); the model answers from there
+    assert [c.name for c in whole.calls] == ["get_weather"]
+    assert whole.usage.completion_tokens == budget + 1 + 4
+
+
+@pytest.mark.live
+def test_a_budget_of_zero_and_the_models_default(chat):
+    assert folded(chat("qwq", reasoning_budget=0)).reasoning == ""
+    api = chat.api
+    assert api("PATCH", "/v1/models/qwq", {"reasoning": "off"}).status == 200
+    assert folded(chat("qwq")).reasoning == ""
+    assert folded(chat("qwq", think=True)).reasoning == "so we"
+    assert api("PATCH", "/v1/models/qwq", {"reasoning": "auto",
+                                           "reasoning_budget": 1}).status == 200
+    whole = folded(chat("qwq"))
+    assert (whole.reasoning, whole.text, whole.usage.reasoning_tokens) == ("so", "ok", 1)
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_json_schema_applies_after_the_thinking(chat, stream):
+    schema = {"type": "object", "properties": {"b": {"type": "integer"},
+                                               "a": {"type": "integer"}},
+              "required": ["b", "a"]}
+    whole = folded(chat("json", stream=stream, response_format={
+        "type": "json_schema", "schema": schema, "name": "pair"}))
+    assert whole.reasoning == "so"
+    assert json.loads(whole.text) == {"b": 2, "a": 1}
+
+
+@pytest.mark.live
+def test_the_openai_chat_route_no_longer_gives_the_trace_as_content(chat):
+    r = chat.api("POST", "/v1/chat/completions", {
+        "model": "split", "temperature": 0,
+        "messages": [{"role": "user", "content": "Which is larger?"}]})
+    assert r.status == 200, r.body
+    message = r.json["choices"][0]["message"]
+    assert message["content"] == "ok"
+    assert r.json["usage"]["completion_tokens"] == 6
+
+
+@pytest.mark.live
+def test_the_models_record_says_it_reasons(chat):
+    record = chat.api("GET", "/v1/models/qwen3").json
+    assert "reasoning" in record["capabilities"]
