@@ -130,6 +130,17 @@ def test_a_schemas_grammar_keeps_its_property_order():
     assert 'root ::= "{" space b-kv "," space a-kv "}" space' in rules
 
 
+def test_an_assistants_reasoning_goes_to_the_template_under_both_names():
+    from localrt import native
+    from localrt.inference.chat import _message
+
+    turn = native.Message("assistant", [native.Text("9.")])
+    turn.reasoning = "Nine is more."  # native.Message's reasoning (the dialects fill it)
+    out = _message(turn, None)
+    assert (out["reasoning_content"], out["thinking"]) == ("Nine is more.",) * 2
+    assert "thinking" not in _message(native.Message("assistant", [native.Text("9.")]), None)
+
+
 # --- splitting the reply ------------------------------------------------------------------
 
 def split(syntax_name: str, state: str, pieces) -> list:
@@ -235,7 +246,12 @@ MODELS = {
     # A JSON answer after the thinking, its keys out of alphabetical order
     "json": ("Qwen-Qwen3-0.6B", ["<think>", "</think>", JSON_REPLY],
              ["<think>", "▁so", "</think>", JSON_REPLY]),
+    # gpt-oss: harmony's channel tokens are control tokens; this one only analyses
+    "harmony": ("openai-gpt-oss-120b", ["analysis", "assistant", "final"],
+                ["<|channel|>", "analysis", "<|message|>", "▁so", "▁we", "▁go", "▁on"]),
 }
+CONTROL = {"harmony": ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>",
+                       "<|call|>", "<|constrain|>"]}
 
 
 @pytest.fixture(scope="module")
@@ -245,10 +261,11 @@ def ggufs(tmp_path_factory):
     from emulators.ggufgen import write_gguf
 
     root = tmp_path_factory.mktemp("reasoning")
-    user = gguf.TokenType.USER_DEFINED
+    user, control = gguf.TokenType.USER_DEFINED, gguf.TokenType.CONTROL
     return {name: write_gguf(root / f"{name}.gguf", name=name, vocab_size=1600,
                              context_length=2048, chat_template=template(kept),
-                             added_tokens=[(t, user) for t in added], script=script)
+                             added_tokens=[(t, control) for t in CONTROL.get(name, ())]
+                             + [(t, user) for t in added], script=script)
             for name, (kept, added, script) in MODELS.items()}
 
 
@@ -386,3 +403,17 @@ def test_the_openai_chat_route_no_longer_gives_the_trace_as_content(chat):
 def test_the_models_record_says_it_reasons(chat):
     record = chat.api("GET", "/v1/models/qwen3").json
     assert "reasoning" in record["capabilities"]
+
+
+@pytest.mark.live
+def test_harmony_control_tokens_are_read_and_its_budget_switches_to_final(chat):
+    whole = folded(chat("harmony"))  # it never leaves the analysis channel
+    assert (whole.reasoning, whole.text) == (" so we go on", "")  # bodies as written
+    assert whole.usage.reasoning_tokens == 7  # the channel header's three tokens too
+    raw = folded(chat("harmony", reasoning_format="none"))
+    assert raw.text == "<|channel|>analysis<|message|> so we go on"
+    # at 5 tokens localrt writes <|end|><|start|>assistant<|channel|>final<|message|>,
+    # after which this script goes on from its <|message|>, in the final channel
+    budget = folded(chat("harmony", reasoning_budget=5))
+    assert (budget.reasoning, budget.text, budget.usage.reasoning_tokens) == \
+        (" so we", " so we go on", 5)
