@@ -403,6 +403,8 @@ def test_the_openai_chat_route_no_longer_gives_the_trace_as_content(chat):
 def test_the_models_record_says_it_reasons(chat):
     record = chat.api("GET", "/v1/models/qwen3").json
     assert "reasoning" in record["capabilities"]
+    listed = {m["id"]: m for m in chat.api("GET", "/v1/models").json["data"]}
+    assert "reasoning" in listed["qwen3"]["capabilities"]
 
 
 @pytest.mark.live

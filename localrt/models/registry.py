@@ -328,7 +328,8 @@ class Registry:
                                   if k not in LIST_OMITS}
         record["size"] = sum(f["size"] for f in d["files"])
         record["path"] = str(folder)
-        record["capabilities"] = capabilities(record)
+        # Read from the whole metadata: a listing's leaves out the chat template.
+        record["capabilities"] = capabilities({**record, "metadata": d.get("metadata")})
         signature, status, problem = _files_now(folder, d["files"])
         with self._lock:
             invalid = self._invalid.get(d["id"])

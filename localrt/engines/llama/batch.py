@@ -318,10 +318,13 @@ class Batcher:
                 # no more than it may still say: its KV stays inside its context
                 draft = seq.drafter.propose(min(room, seq.max_tokens - seq.generated - 1))
                 room -= len(draft)
-            fed = [seq.next, *seq.forced]
-            room -= len(seq.forced)
-            plan.append(Entry(seq, seq.slot.id, fed + draft, len(seq.slot.tokens),
-                              True, False, draft=len(draft)))
+            # Tokens localrt writes go in as the batch has room; the sequence samples
+            # again once the last of them is in.
+            written = seq.forced[:max(room, 0)]
+            room -= len(written)
+            plan.append(Entry(seq, seq.slot.id, [seq.next, *written] + draft,
+                              len(seq.slot.tokens), len(written) == len(seq.forced), False,
+                              draft=len(draft)))
         reach = {}  # where each sequence's KV will end after this step's text
         for seq in self._active:
             if room <= 0:
@@ -378,8 +381,9 @@ class Batcher:
             if entry.reading:
                 seq.read += len(entry.tokens)
                 self.prompt_read += len(entry.tokens)
-            else:
-                seq.next, seq.forced = None, []
+            else:  # what of its token and the tokens localrt writes is still to feed
+                left = [seq.next, *seq.forced][len(kept):] if not entry.draft else []
+                seq.next, seq.forced = (left[0], left[1:]) if left else (None, [])
             if seq.left:
                 continue
             for token in got:
