@@ -290,7 +290,14 @@ def chat(app, ggufs):
         finally:
             reply.close()
 
-    create.api = api
+    def create_native(request):
+        reply = app.services.chats.create(request)
+        try:
+            return list(reply.events())
+        finally:
+            reply.close()
+
+    create.api, create.create_native = api, create_native
     return create
 
 
@@ -419,3 +426,20 @@ def test_harmony_control_tokens_are_read_and_its_budget_switches_to_final(chat):
     budget = folded(chat("harmony", reasoning_budget=5))
     assert (budget.reasoning, budget.text, budget.usage.reasoning_tokens) == \
         (" so we", " so we go on", 5)
+
+
+@pytest.mark.live
+def test_the_prompt_cache_covers_the_earlier_turns_as_the_template_renders_them(chat):
+    from localrt import native
+
+    first = folded(chat("split"))
+    assert (first.reasoning, first.text) == ("so we", "ok")
+    answer = native.Message("assistant", [native.Text(first.text)])
+    answer.reasoning = first.reasoning  # Qwen3's template drops an earlier turn's
+    messages = [native.Message("user", [native.Text("Which is larger, 7 or 9?")]), answer,
+                native.Message("user", [native.Text("And 8 or 3?")])]
+    reply = chat.create_native(native.Request("split", messages,
+                                              sampling={"temperature": 0}))
+    second = folded(reply)
+    assert second.usage.cached_tokens >= first.usage.prompt_tokens - 1
+    assert (second.reasoning, second.text) == ("so we", "ok")
