@@ -260,6 +260,7 @@ class TagSplitter(Splitter):
         self._fresh = True  # at the start of the thinking or the answer: drop whitespace
 
     def feed(self, text: str) -> list:
+        """The events `text` (after what came before) settles."""
         out: list = []
         self._buf += text
         while self._buf:
@@ -296,6 +297,7 @@ class TagSplitter(Splitter):
             out.append((kind, text))
 
     def close(self) -> list:
+        """The events of the end of the reply: its thinking, if it ended inside it."""
         out: list = []
         if self.state == "thinking":
             self._emit(out, "reasoning", self._buf.rstrip())
@@ -336,6 +338,7 @@ class HarmonySplitter(Splitter):
         return "thinking" if self._channel == "analysis" else "answer"
 
     def feed(self, text: str) -> list:
+        """The events `text` (after what came before) settles."""
         out: list = []
         self._buf += text
         while self._buf:
@@ -345,7 +348,8 @@ class HarmonySplitter(Splitter):
             elif self._mode == "header":
                 i = self._buf.find("<|message|>")
                 if i < 0:
-                    if not self._buf.lstrip().startswith("<|"[:len(self._buf.lstrip())]):
+                    head = self._buf.lstrip()
+                    if head and not (head.startswith("<|") or "<|".startswith(head)):
                         self._mode = "plain"  # not harmony: the model wrote plain text
                         continue
                     break
@@ -383,6 +387,7 @@ class HarmonySplitter(Splitter):
             out.append(("reasoning" if self._channel == "analysis" else "answer", text))
 
     def close(self) -> list:
+        """The events of the end of the reply: the body it ended inside, if any."""
         out: list = []
         if self._mode == "body":
             self._body(self._buf, out)
