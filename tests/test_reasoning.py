@@ -227,6 +227,7 @@ def test_the_tracker_counts_thinking_and_forces_the_end_at_the_budget():
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
 JSON_REPLY = '{"b": 2, "a": 1}'
+FORCED = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
 # name: (template, added tokens (user-defined), script)
@@ -246,6 +247,10 @@ MODELS = {
     # A JSON answer after the thinking, its keys out of alphabetical order
     "json": ("Qwen-Qwen3-0.6B", ["<think>", "</think>", JSON_REPLY],
              ["<think>", "▁so", "</think>", JSON_REPLY]),
+    # A call a grammar forces, after the thinking
+    "forced": ("Qwen-Qwen3-0.6B", ["<think>", "</think>", "<tool_call>\n", FORCED,
+                                   "\n</tool_call>"],
+               ["<think>", "▁so", "</think>", "<tool_call>\n", FORCED, "\n</tool_call>"]),
     # gpt-oss: harmony's channel tokens are control tokens; this one only analyses
     "harmony": ("openai-gpt-oss-120b", ["analysis", "assistant", "final"],
                 ["<|channel|>", "analysis", "<|message|>", "▁so", "▁we", "▁go", "▁on"]),
@@ -443,3 +448,14 @@ def test_the_prompt_cache_covers_the_earlier_turns_as_the_template_renders_them(
     second = folded(reply)
     assert second.usage.cached_tokens >= first.usage.prompt_tokens - 1
     assert (second.reasoning, second.text) == ("so we", "ok")
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("choice", ["required", "function"])
+def test_a_forced_call_applies_after_the_thinking(chat, choice):
+    whole = folded(chat("forced", tools=TOOLS, tool_choice=choice,
+                        tool_function="get_weather" if choice == "function" else None))
+    assert whole.reasoning == "so"
+    assert [(c.name, json.loads(c.arguments)) for c in whole.calls] == \
+        [("get_weather", {"city": "Oslo"})]
+    assert whole.finish == "tool_calls"
