@@ -232,11 +232,18 @@ def _check_entry(role: Role, index: int, path: str, weights: Path) -> Path:
 
 
 def _kept_name(path: str, have: set, folder: Path) -> str | None:
-    """The name of the model's own file that `path` gives (its name in the folder, or
-    its path there), or None: a file to check and bring in."""
+    """The name of the model's own file that `path` gives (its name in the folder, its
+    path there, or the file a link of it points at), or None: a file to check and
+    bring in."""
     for name in have:
         if path == name or path == str(folder / name):
             return name
+    target = Path(path)
+    if target.is_absolute():
+        for name in sorted(have):
+            link = folder / name
+            if link.is_symlink() and os.path.realpath(link) == os.path.realpath(target):
+                return name
     return None
 
 
