@@ -20,10 +20,11 @@ import threading
 
 import pytest
 from emulators.ggufgen import _vocab, write_gguf
-from support.adapters import write_lora
+from support.adapters import write_lora, write_random_lora
 from support.cli import run
 
 from localrt.cli import ExitCode
+from localrt.engines.llama.promptcache import PromptCache
 from localrt.models.roles import ADAPTER, check_adapter
 from localrt.errors import InvalidField
 
@@ -109,6 +110,20 @@ def test_an_adapter_that_does_not_fit_is_refused_naming_why(files, which, words)
 def test_an_adapter_of_the_model_passes(files):
     assert check_adapter(str(files.first_a), files.model) == files.first_a
     assert ADAPTER.claims("lora-first-a.gguf") and ADAPTER.many
+
+
+def test_the_ram_cache_serves_a_prompt_only_the_states_of_its_adapters():
+    cache = PromptCache(1 << 20)
+    tokens = list(range(40))
+    cache.put(tokens, b"base", 4)
+    assert cache.wants(tokens, ((0, 1.0),)) and not cache.wants(tokens)
+    cache.put(tokens, b"adapted", 7, ((0, 1.0),))
+    assert len(cache) == 2  # the same tokens, two states
+    assert cache.find(tokens + [99])[0].data == b"base"
+    assert cache.find(tokens + [99], ((0, 1.0),))[0].data == b"adapted"
+    assert cache.find(tokens + [99], ((0, 0.5),)) == (None, 0)
+    cache.put(tokens + [40], b"longer", 8, ((0, 1.0),))  # replaces its own prefix only
+    assert cache.find(tokens)[0].data == b"base" and len(cache) == 2
 
 
 # --- imports and PATCHes --------------------------------------------------------------------
@@ -264,6 +279,27 @@ def test_concurrent_requests_of_different_adapters_each_get_their_own(api, files
     for thread in threads:
         thread.join(timeout=120)
     assert got == {w: _tokens_of(wanted[w], lengths[w]) for w in wanted}
+
+
+@pytest.mark.live
+def test_a_prompt_cached_with_other_adapters_is_read_again(api, tmp_path):
+    # A random model whose adapter changes its attention's values, so the KV it caches:
+    # the one slot's cache of a prompt read with the adapter must not serve the same
+    # prompt without it (nor the other way round), or the replies would differ from a
+    # model that never had the adapter.
+    model = write_gguf(tmp_path / "random.gguf", name="random", seed=5, weight_scale=0.2)
+    lora = write_random_lora(tmp_path / "lora-v.gguf", model, "blk.0.attn_v.weight", 64, 64)
+    import_(api, "adapted", path=model, lora=[adapter(lora, 0.0)])
+    import_(api, "plain", path=model)
+    for model_id in ("adapted", "plain"):
+        start(api, model_id, n_parallel=1, ctx_len=128)
+    body = {"max_tokens": 8, "logit_bias": {"2": -100}}
+    base = chat(api, "plain", **body)
+    with_adapter = chat(api, "adapted", lora=[{"id": 0, "scale": 1.0}], **body)
+    assert with_adapter != base  # the adapter matters to this prompt's KV
+    assert chat(api, "adapted", **body) == base
+    assert chat(api, "adapted", lora=[{"id": 0, "scale": 1.0}], **body) == with_adapter
+    assert chat(api, "adapted", **body) == base
 
 
 def _tokens_of(text: str, n: int) -> str:

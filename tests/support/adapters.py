@@ -48,3 +48,20 @@ def write_lora(path: Path, model: Path, boost: dict, *, arch: str | None = None,
     writer.add_tensor(f"{tensor}.lora_b", b)
     write_out(writer, Path(path))
     return Path(path)
+
+
+def write_random_lora(path: Path, model: Path, tensor: str, n_in: int, n_out: int,
+                      rank: int = 4, seed: int = 0) -> Path:
+    """A LoRA adapter GGUF of random pairs for the model's `tensor` ({n_in, n_out} in
+    ggml order), large enough to change what a random model computes there (an
+    attention tensor's: the KV it caches)."""
+    rng = np.random.default_rng(seed)
+    arch = read_gguf_metadata(model)["general.architecture"]
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_type("adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", float(rank))
+    writer.add_tensor(f"{tensor}.lora_a", rng.standard_normal((rank, n_in), dtype=np.float32))
+    writer.add_tensor(f"{tensor}.lora_b", rng.standard_normal((n_out, rank), dtype=np.float32))
+    write_out(writer, Path(path))
+    return Path(path)
