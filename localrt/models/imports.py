@@ -1,6 +1,6 @@
 """Imports: registering a local GGUF file or ONNX model folder, linked or copied in,
-and a GGUF model's files beside its weights (a vision projector: localrt.models.roles),
-given with the import or later.
+and a GGUF model's files beside its weights (a vision projector, LoRA adapters:
+localrt.models.roles), given with the import or later.
 
 An imported model's folder is `<dataFolderPath>/models/imported/<quoted id>`. A link
 points at the file or folder as it is; a copy goes through a part file, is fsynced
@@ -11,7 +11,8 @@ disk filled meanwhile, a read-only models folder) is a 507 that names the folder
 and the import's folder goes with whatever it held. A file beside the weights is
 brought in the same way, under a name its role knows (Role.file_name), once its role's
 check passes (a projector's: a vision projector GGUF whose output fits the model's
-embeddings).
+embeddings; an adapter's: a LoRA GGUF whose tensors fit the model's). A PATCH's
+adapters replace the model's list: the ones it has stay, without a second link.
 
 Before a model is registered, a child process loads its files (`vet`: the scheduler's
 vet_new, localrt.engines.vetting): a file the child could not load is refused with 400

@@ -198,21 +198,21 @@ class Registry:
             self._write(folder, updated)
         return self._record(folder, updated)
 
-    def set_file(self, model_id: str, role: roles.Role, name, entries: list) -> dict:
-        """Record `name`, a file now in the model's folder (its files entries `entries`),
-        as the model's file in `role` (under the role's key), or for a role of `many`
-        the list `name` ({"path", "scale"} each, the files of `entries` among them;
-        an empty list drops the role's key); the files of the ones it replaces are
-        deleted from the folder (a link's target never is)."""
+    def set_file(self, model_id: str, role: roles.Role, value, entries: list) -> dict:
+        """Record `value` under the role's key: the name of a file now in the model's
+        folder (its files entry in `entries`), or for a role of `many` the list of
+        {"path", "scale"} (the new files' entries in `entries`; an empty list drops the
+        key). The files of the ones it replaces are deleted from the folder (a link's
+        target never is)."""
         with self._lock:
             folder, d = self._find(model_id)
             old = set(role.names(d))
-            new = {e["path"] for e in name} if role.many else {name}
+            new = {e["path"] for e in value} if role.many else {value}
             added = {e["path"] for e in entries}
             files = [f for f in d["files"] if f["path"] not in old | added] + \
                 [f for f in d["files"] if f["path"] in old & new - added] + entries
-            updated = {**d, "files": files, role.key: name}
-            if role.many and not name:
+            updated = {**d, "files": files, role.key: value}
+            if role.many and not value:
                 del updated[role.key]
             self._write(folder, updated)
             # A definition's paths are relative (schemas/model.json); a hand-edited one
