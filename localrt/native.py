@@ -118,7 +118,9 @@ class Request:
     "required" or "function", with `tool_function` the function's name; `response_format` {"type": "json_object" or
     "json_schema", "schema", "name"} or None for text; `logprobs` the alternatives
     each token comes with (None: no log-probabilities); `prediction` text the reply
-    is expected to repeat; `speculative` False turns drafting off for this request.
+    is expected to repeat; `speculative` False turns drafting off for this request;
+`lora` llama-server's [{"id", "scale"}], the LoRA adapters' scales for this request
+(None: the model's own).
 
     Thinking (a reasoning model's): `think` True or False turns it on or off, None
     leaves the model's default (its `reasoning` parameter); `effort` is the level a
@@ -143,6 +145,7 @@ class Request:
     logit_bias: dict | None = None
     prediction: str | None = None
     speculative: bool | None = None
+    lora: list | None = None
     stream: bool = False
     include_usage: bool = False
     think: bool | None = None
@@ -173,6 +176,7 @@ class TextRequest:
     logprobs: int | None = None
     logit_bias: dict | None = None
     speculative: bool | None = None
+    lora: list | None = None
     stream: bool = False
     include_usage: bool = False
 

@@ -128,6 +128,10 @@ def build_parser(stdout=None, stderr=None) -> argparse.ArgumentParser:
     p.add_argument("model", metavar="ID", help="the model's id")
     p.add_argument("--mmproj", metavar="PATH", help="a vision projector (mmproj GGUF) to "
                    "link in, as the GGUF model's projector; it replaces the one it has")
+    p.add_argument("--lora", metavar="PATH[:SCALE]", action="append", help="a LoRA adapter "
+                   "GGUF to apply at start, with its scale (default 1.0); repeat it for "
+                   "several: they replace the adapters the model has (--lora '' drops "
+                   "them all)")
     _add_schema_options(p, model_update_options(), "parameters")
     p = models.add_parser("import", help="register a local GGUF file or ONNX folder",
                           description="Register a local GGUF file, or an ONNX model folder "
@@ -140,6 +144,10 @@ def build_parser(stdout=None, stderr=None) -> argparse.ArgumentParser:
                    "(default: the file name without .gguf)")
     p.add_argument("--mmproj", metavar="PATH", help="the GGUF model's vision projector "
                    "(mmproj GGUF), linked or copied as the model is")
+    p.add_argument("--lora", metavar="PATH[:SCALE]", action="append", help="a LoRA adapter "
+                   "GGUF of the model, linked or copied as the model is and applied at "
+                   "start with its scale (default 1.0); repeat it for several (a request's "
+                   "lora[].id counts them in this order)")
     p.add_argument("--copy", action="store_true", help="copy the file into the models "
                    "folder instead of linking to it")
     p = models.add_parser("add-remote", help="add a model served by other servers",

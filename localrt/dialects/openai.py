@@ -84,8 +84,8 @@ def read_chat(body: dict) -> native.Request:
         response_format=response_format(body.get("response_format")),
         logprobs=_top_logprobs(body), logit_bias=body.get("logit_bias") or None,
         prediction=_prediction(body.get("prediction")),
-        speculative=body.get("speculative"), stream=bool(body.get("stream")),
-        include_usage=include_usage(body))
+        speculative=body.get("speculative"), lora=body.get("lora"),
+        stream=bool(body.get("stream")), include_usage=include_usage(body))
 
 
 def sampling(body: dict) -> dict:
@@ -326,7 +326,8 @@ def read_text(body: dict) -> native.TextRequest:
         echo=bool(body.get("echo")), sampling=sampling(body), stop=stops(body.get("stop")),
         logprobs=None if body.get("logprobs") is None else int(body["logprobs"]),
         logit_bias=body.get("logit_bias") or None, speculative=body.get("speculative"),
-        stream=bool(body.get("stream")), include_usage=include_usage(body))
+        lora=body.get("lora"), stream=bool(body.get("stream")),
+        include_usage=include_usage(body))
 
 
 def text_completion(events, request: native.TextRequest) -> dict:

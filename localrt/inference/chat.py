@@ -124,6 +124,7 @@ class Chats:
         try:
             params, plan = _prompt_params(request, local.record, lease, messages, tools)
             params["response_format"], params["logprobs"] = response_format, top
+            params.update(lease.lora(request.lora))
             generation = lease.generate(messages, params)
             if top is not None and generation.logprobs is None:
                 generation.close()

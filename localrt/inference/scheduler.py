@@ -489,7 +489,8 @@ class Scheduler:
     def _loading(record: dict, options: dict) -> dict:
         """What the engine loads a model with: its start options, the files it loads
         beside the weights, each under its role's key (a vision model's projector:
-        localrt.engines.llama.media), and its id as `model`, for its messages; never
+        localrt.engines.llama.media; its LoRA adapters: localrt.engines.llama.adapters),
+        and its id as `model`, for its messages; never
         the options a status row shows."""
         return {**options, **roles.beside(record), "model": record["id"]}
 
