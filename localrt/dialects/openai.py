@@ -92,7 +92,7 @@ def read_chat(body: dict) -> native.Request:
     if body.get("n") not in (None, 1):
         raise InvalidField("Invalid field 'n': only n=1 is supported", param="n")
     return native.Request(
-        model=body["model"],
+        model=body["model"], **reasoning(body),
         messages=[_message(i, m) for i, m in enumerate(body["messages"])],
         sampling=sampling(body), stop=stops(body.get("stop")),
         tools=list(body.get("tools") or []), **_tool_choice(body.get("tool_choice")),
@@ -101,7 +101,7 @@ def read_chat(body: dict) -> native.Request:
         logprobs=_top_logprobs(body), logit_bias=body.get("logit_bias") or None,
         prediction=_prediction(body.get("prediction")),
         speculative=body.get("speculative"), stream=bool(body.get("stream")),
-        include_usage=include_usage(body), **reasoning(body))
+        include_usage=include_usage(body))
 
 
 def reasoning(body: dict) -> dict:
