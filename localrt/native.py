@@ -12,7 +12,8 @@ A request:
   Request       model, messages, sampling fields, stop, tools, tool_choice,
                 response_format, logprobs, prediction, stream, include_usage, ...
   Message       role (system, user, assistant, tool), parts, tool calls, the
-                tool_call_id a tool message answers, its name
+                tool_call_id a tool message answers, its name, an assistant's
+                reasoning
   Text          a part that is text
   Media         a part that is bytes of a media type (an image today): `data` is the
                 bytes, or a URL to read them from (data: or http(s)), read and checked
@@ -89,13 +90,15 @@ Part = Union[Text, Media]
 @dataclass
 class Message:
     """One message of a conversation. `parts` are Text and Media in order; an
-    assistant's `tool_calls`; a tool message's `tool_call_id` and `name`."""
+    assistant's `tool_calls`, and its `reasoning` (the thinking it wrote before its
+    answer, "" for none); a tool message's `tool_call_id` and `name`."""
 
     role: str
     parts: list = field(default_factory=list)
     tool_calls: list = field(default_factory=list)
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning: str = ""
 
     @property
     def text(self) -> str:

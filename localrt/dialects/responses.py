@@ -5,7 +5,9 @@ into a native request (localrt.native): `instructions` become a system message, 
 input items messages (a `function_call` an assistant's tool call, a
 `function_call_output` a tool message, an `input_image` part a Media part named by
 its path in `input`), function tools tools, `max_output_tokens` max_tokens and
-`text.format` the response format. A `namespace` tool's functions are tools named
+`text.format` the response format, `reasoning.effort` the thinking's (as OpenAI chat's
+reasoning_effort: "none" turns it off), and a `reasoning` input item the thinking of
+the assistant message or call after it. A `namespace` tool's functions are tools named
 NAMESPACE__FUNCTION (SEPARATOR), and a call of one comes back as a `function_call` with
 the function's own `name` and its `namespace`; OpenAI's hosted tools (HOSTED: web
 search, file search, ...) are accepted, echoed in the response's `tools`, left out of
@@ -14,7 +16,9 @@ its upstreams), and its events are written as a `response` object (a `reasoning`
 item when the model's thinking came apart, a `message` output item with
 `output_text`, one `function_call` item per tool call, `status`, `usage`), or as the
 Responses API's typed Server-Sent Events (`ResponseStream`). Nothing here generates,
-or sees a model.
+or sees a model. A reasoning item is {"type": "reasoning", "id", "summary": [],
+"content": [{"type": "reasoning_text", "text"}], "encrypted_content": null}: localrt
+writes the thinking as the model wrote it, never a summary, and encrypts nothing.
 
 Stored responses (`store: true`; the default is false) live in memory in a `Store`,
 for `GET /v1/responses/{id}`, `DELETE` and `previous_response_id`, which puts the
@@ -41,7 +45,7 @@ from typing import Iterator
 
 from localrt import native
 from localrt.admission import Disconnected, never
-from localrt.dialects.common import Fields, NamedEvents, failure, write
+from localrt.dialects.common import Fields, NamedEvents, failure, thinking, write
 from localrt.errors import InvalidField, NotFound, shown
 
 # The store's bounds: responses, and the bytes of their conversations as JSON (each
@@ -271,15 +275,22 @@ def read(body: dict, history: list, items: list, tools: Tools | None = None) -> 
         tools=tools.native, tool_choice=choice, tool_function=function,
         parallel_tool_calls=body.get("parallel_tool_calls") is not False,
         response_format=response_format,
-        stream=bool(body.get("stream")), include_usage=bool(body.get("stream")))
+        stream=bool(body.get("stream")), include_usage=bool(body.get("stream")),
+        **thinking((body.get("reasoning") or {}).get("effort")))
 
 
 def input_messages(items: list, field: str) -> list:
     """Native messages from input items, in order, an assistant's function_call items
-    joined to its message as tool calls; `field` names the items in errors."""
+    joined to its message as tool calls, and a reasoning item's thinking to the
+    assistant message or call that follows it (a reasoning item nothing of the
+    assistant's follows is left out); `field` names the items in errors."""
     messages: list = []
+    thought = ""  # a reasoning item's text, until the assistant's item it came before
     for i, item in enumerate(items):
         kind = item.get("type", "message")
+        if kind == "reasoning":
+            thought += reasoning_text(item)
+            continue
         if kind == "message":
             role = "system" if item["role"] == "developer" else item["role"]
             messages.append(native.Message(role, _parts(item["content"],
@@ -289,7 +300,7 @@ def input_messages(items: list, field: str) -> list:
                 item["namespace"] + SEPARATOR + item["name"]
             call = native.ToolCall(item["call_id"], name, item["arguments"])
             last = messages[-1] if messages else None
-            if last is not None and last.role == "assistant":
+            if last is not None and last.role == "assistant" and not thought:
                 last.tool_calls.append(call)
             else:
                 messages.append(native.Message("assistant", [], [call]))
@@ -297,9 +308,20 @@ def input_messages(items: list, field: str) -> list:
             messages.append(native.Message("tool", _parts(item["output"],
                                                           f"{field}[{i}].output"),
                                            tool_call_id=item["call_id"]))
-        # "reasoning" items: the model's thinking of an earlier turn; chat templates
-        # leave it out of the prompt, so it is left out here.
+        if messages and messages[-1].role == "assistant" and thought:
+            messages[-1].reasoning += thought
+        thought = ""
     return messages
+
+
+def reasoning_text(item: dict) -> str:
+    """The thinking a reasoning input item carries: its reasoning_text parts (localrt's
+    and llama-server's), else its summary (what OpenAI's models give)."""
+    parts = [p.get("text") for p in item.get("content") or ()
+             if p.get("type") == "reasoning_text"]
+    if not any(parts):
+        parts = [p.get("text") for p in item.get("summary") or ()]
+    return "".join(p for p in parts if isinstance(p, str))
 
 
 def _parts(content, field: str) -> list:
@@ -331,7 +353,9 @@ def response_shell(body: dict) -> dict:
             "model": body["model"], "output": [],
             "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
             "previous_response_id": body.get("previous_response_id"),
-            "reasoning": {"effort": None, "summary": None}, "service_tier": "default",
+            "reasoning": {"effort": (body.get("reasoning") or {}).get("effort"),
+                          "summary": (body.get("reasoning") or {}).get("summary")},
+            "service_tier": "default",
             "store": bool(body.get("store")),
             "temperature": body.get("temperature"),
             "text": body.get("text") or {"format": {"type": "text"}},
@@ -389,7 +413,7 @@ def call_item(call_id: str, name: str, arguments: str, status: str = "completed"
 def reasoning_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
     """A `reasoning` output item holding the model's thinking as one reasoning_text."""
     return {"id": item_id or new_id("rs"), "type": "reasoning", "status": status,
-            "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+            "summary": [], "content": [_reasoning_part(text)], "encrypted_content": None}
 
 
 def output_of(whole: native.Whole, named: dict | None = None
@@ -426,7 +450,8 @@ class ResponseStream(NamedEvents):
     The order, as OpenAI sends it: response.created, response.in_progress; for each
     output item, response.output_item.added, then a message's response.content_part.added,
     response.output_text.delta... response.output_text.done, response.content_part.done,
-    a reasoning item's response.reasoning_text.delta... .done, or a call's
+    a reasoning item's response.content_part.added (a reasoning_text part),
+    response.reasoning_text.delta... .done, response.content_part.done, or a call's
     response.function_call_arguments.delta... .done; response.output_item.done;
     last response.completed, or response.incomplete, or an `error` event and
     response.failed when generation broke part way.
@@ -492,7 +517,12 @@ class ResponseStream(NamedEvents):
     def _reasoning(self, piece: str) -> Iterator[tuple[str, dict]]:
         if self._open is None or self._open["type"] != "reasoning":
             yield from self._close("completed")
-            yield from self._added(reasoning_item("", "in_progress"))
+            item = reasoning_item("", "in_progress")
+            item["content"] = []  # as OpenAI's: the part comes in its own event
+            yield from self._added(item)
+            item["content"].append(_reasoning_part(""))
+            yield self._event("response.content_part.added", **self._at(),
+                              content_index=0, part=_reasoning_part(""))
         self._open["content"][0]["text"] += piece
         yield self._event("response.reasoning_text.delta", **self._at(), content_index=0,
                           delta=piece)
@@ -530,8 +560,11 @@ class ResponseStream(NamedEvents):
             yield self._event("response.content_part.done", **at, content_index=0,
                               part=_part(text))
         elif item["type"] == "reasoning":
+            text = item["content"][0]["text"]
             yield self._event("response.reasoning_text.done", **at, content_index=0,
-                              text=item["content"][0]["text"])
+                              text=text)
+            yield self._event("response.content_part.done", **at, content_index=0,
+                              part=_reasoning_part(text))
         else:
             yield self._event("response.function_call_arguments.done", **at,
                               name=item["name"], arguments=item["arguments"])
@@ -559,6 +592,10 @@ class ResponseStream(NamedEvents):
 
 def _part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": []}
+
+
+def _reasoning_part(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
 
 
 def _copy(item: dict) -> dict:
