@@ -22,12 +22,12 @@ def cmd_run(ctx: Context) -> int:
     """Make the model ready, then chat with it in the terminal or answer one prompt."""
     prompt = _prompt(ctx)
     client = ctx.client()
-    model_id = _ready(ctx, client, ctx.args.model, pull=True)
+    model_id = ready(ctx, client, ctx.args.model, pull=True)
     reply = client.start_model(model_id, start_options(ctx))
     ctx.err(reply["message"])
 
     def load(given: str) -> str:  # /load: a local model, or a file imported, started
-        loaded = _ready(ctx, client, given, pull=False)
+        loaded = ready(ctx, client, given, pull=False)
         ctx.err(client.start_model(loaded)["message"])
         return loaded
 
@@ -49,7 +49,7 @@ def _prompt(ctx: Context) -> str | None:
     return prompt
 
 
-def _ready(ctx: Context, client, given: str, pull: bool) -> str:
+def ready(ctx: Context, client, given: str, pull: bool) -> str:
     """The id of the model `given` names, imported if it is a file on disk, pulled
     (when `pull`) if it is not local yet."""
     path = _path(given)
