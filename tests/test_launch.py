@@ -25,7 +25,7 @@ from support.cli import run
 from support.models import KINDS, add_model
 from support.servers import send
 
-from localrt.cli.commands.launch import CLIENTS, context_for
+from localrt.cli.commands.launch import CLIENTS, Target, context_for
 from localrt.cli.parser import LAUNCH_CLIENTS, build_parser
 
 USER = gguf.TokenType.USER_DEFINED
@@ -117,12 +117,28 @@ def test_print_without_a_server_needs_the_model_and_starts_nothing(cli_home):
     for name in ("ANTHROPIC_MODEL", "ANTHROPIC_SMALL_FAST_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL",
                  "ANTHROPIC_DEFAULT_SONNET_MODEL", "ANTHROPIC_DEFAULT_HAIKU_MODEL"):
         assert f"export {name}=qwen\n" in out
-    assert "export CLAUDE_CODE_AUTO_COMPACT_WINDOW=65536\n" in out
+    # Claude Code's window for a model it does not know; it takes no compact window
+    # below 100,000 tokens (it warns, and compacts as if it were 100,000).
+    assert "export CLAUDE_CODE_MAX_CONTEXT_TOKENS=65536\n" in out
+    assert "CLAUDE_CODE_AUTO_COMPACT_WINDOW" not in out
     assert "export CLAUDE_CODE_TOTAL_TOKENS_REMINDER=off\n" in out
     assert "export ANTHROPIC_AUTH_TOKEN=localrt\n" in out  # keys off: any token
     assert "unset ANTHROPIC_API_KEY\n" in out
     assert out.rstrip().endswith("claude -p hi")
     assert server.read_pid_file(cli_home) is None
+
+
+def test_claude_codes_compact_window_is_the_context_from_its_minimum_on(tmp_path):
+    def env(ctx_len):
+        return CLIENTS["claude"].setup(Target("http://h:1", "m", ctx_len, "sk-1", tmp_path)).env
+
+    assert env(131072)["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] == "131072"
+    assert env(131072)["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "131072"
+    assert env(100000)["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] == "100000"
+    assert "CLAUDE_CODE_AUTO_COMPACT_WINDOW" not in env(99999)
+    assert env(None).keys().isdisjoint({"CLAUDE_CODE_AUTO_COMPACT_WINDOW",
+                                        "CLAUDE_CODE_MAX_CONTEXT_TOKENS"})  # remote: unknown
+    assert env(8192)["ANTHROPIC_AUTH_TOKEN"] == "sk-1"  # keys on: the key
 
 
 def _codex_config(out: str) -> dict:
@@ -193,7 +209,7 @@ def test_without_model_the_one_running_is_used_else_the_models_are_listed(thread
     assert code == 0, err
     # It runs with 1,024 tokens; launch would restart it with all it was trained on.
     assert out.startswith("# Claude Code pointed at localrt: model short, ctx_len 2048\n")
-    assert "export CLAUDE_CODE_AUTO_COMPACT_WINDOW=2048\n" in out
+    assert "export CLAUDE_CODE_MAX_CONTEXT_TOKENS=2048\n" in out
     code, out, err = run("ps")  # --print started nothing: the model runs as it did
     assert "| 1024 " in out, out
 
@@ -231,6 +247,7 @@ def test_claude_code_prints_the_models_answer_through_launch(cli_home, home, age
     assert code == 0, err
     assert out.strip() == "".join(SCRIPT)
     assert "Model answer is running with ctx_len 4096; restarting it with 65536" in err
+    assert "CLAUDE_CODE" not in err  # no setting of launch's was refused
     code, out, err = run("ps")
     assert "answer" in out and "| 65536 " in out, out
     # The client's own exit status comes back.

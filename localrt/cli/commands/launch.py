@@ -38,6 +38,9 @@ from localrt.client import ApiError, Unreachable
 # its cached prompt in one while the client's side requests (titles, summaries) use the
 # other; each slot holds ctx_len tokens of KV cache, so more would multiply the memory.
 LAUNCH_SLOTS = 2
+# The smallest CLAUDE_CODE_AUTO_COMPACT_WINDOW Claude Code 2.1 takes (it reads a smaller one
+# as this); CLAUDE_CODE_MAX_CONTEXT_TOKENS sets a smaller window.
+CLAUDE_MIN_COMPACT_WINDOW = 100_000
 # What a client is handed for the API key when the server has none: Claude Code asks
 # for a login and the OpenAI clients for a key without one, and localrt ignores it.
 NO_KEY = "localrt"
@@ -89,7 +92,11 @@ def _claude(t: Target) -> Setup:
            # turn, so the prompt cache could not hold the conversation.
            "CLAUDE_CODE_TOTAL_TOKENS_REMINDER": "off"}
     if t.ctx_len:
-        env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = str(t.ctx_len)
+        # Claude Code takes a model it does not know for one of a million tokens: this is
+        # the window it counts and compacts the conversation within.
+        env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] = str(t.ctx_len)
+        if t.ctx_len >= CLAUDE_MIN_COMPACT_WINDOW:  # below, it ignores it, and says so
+            env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = str(t.ctx_len)
     return Setup(env=env)
 
 
