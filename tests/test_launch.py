@@ -25,7 +25,8 @@ from support.cli import run
 from support.models import KINDS, add_model
 from support.servers import send
 
-from localrt.cli.commands.launch import CLIENTS, Target, context_for
+from localrt.cli.commands.launch import CLIENTS, Target
+from localrt.cli.commands.models import context_for
 from localrt.cli.parser import LAUNCH_CLIENTS, build_parser
 
 USER = gguf.TokenType.USER_DEFINED
@@ -59,7 +60,9 @@ def weights(tmp_path_factory):
                                  added_tokens=family + [(t, USER) for t in
                                                         (CALL[1], AFTER, DONE)],
                                  script=CALL, branches=[(AFTER, [DONE])]),
-            "short": write_gguf(root / "short.gguf", name="short", context_length=2048)}
+            "short": write_gguf(root / "short.gguf", name="short", context_length=2048),
+            "long": write_gguf(root / "long.gguf", name="long", vocab_size=1700,
+                               context_length=8192)}
 
 
 # --- what each client is handed, and the context -----------------------------------------
@@ -212,6 +215,23 @@ def test_without_model_the_one_running_is_used_else_the_models_are_listed(thread
     assert "export CLAUDE_CODE_MAX_CONTEXT_TOKENS=2048\n" in out
     code, out, err = run("ps")  # --print started nothing: the model runs as it did
     assert "| 1024 " in out, out
+
+
+def test_run_starts_a_model_with_a_context_that_holds_a_long_prompt(thread_server, weights):
+    """`localrt run` too: a piped prompt longer than the stored ctx_len (4,096, as imported)
+    holds starts the model with a longer one, within the 8,192 it was trained on."""
+    add_model(thread_server.url, weights["long"], "long",
+              stored={"cpu_threads": 1, "max_tokens": 2})
+    prompt = "ab " * 5000  # 5,000 tokens: each " ab" is one of the vocabulary's
+    code, out, err = run("run", "long", stdin=prompt)
+    assert code == 0, err
+    status, reply = send(thread_server.url, "GET", "/v1/models/status")
+    options = {row["id"]: row["options"] for row in reply["data"]}["long"]
+    assert options["ctx_len"] == 7168  # 15,000 bytes / 3 + 2,048 for the reply, rounded up
+    status, reply = send(thread_server.url, "POST", "/v1/models/long/stop", {})
+    assert status == 200, reply
+    code, out, err = run("run", "long", "--ctx_len", "4096", stdin=prompt)  # as told
+    assert code == 1 and "ctx_len" in err
 
 
 # --- the real clients --------------------------------------------------------------------

@@ -3,7 +3,7 @@ pointed at localrt, as `ollama launch` does; `--print` shows how, `--list` which
 
 Launching starts the server if none runs (Context.client()), makes the model ready
 (pulled or imported as `run` does), starts it with a ctx_len that holds the client's
-prompt (`context_for`: Claude Code's first request alone is tens of thousands of
+prompt (localrt.cli.commands.models.context_for: Claude Code's first request alone is tens of thousands of
 tokens), then runs the client with its exit status passed through. A model already
 running with a smaller ctx_len is restarted with the larger one, and the user is told.
 
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from localrt.cli.commands.models import context_for
 from localrt.cli.context import CliError, Context, ExitCode
 from localrt.cli.output import table
 from localrt.client import ApiError, Unreachable
@@ -171,14 +172,6 @@ CLIENTS = {agent.name: agent for agent in (
     Agent("aider", "aider", "aider", "python3 -m pip install aider-install && aider-install",
           16384, _aider),
     Agent("llm", "llm", "llm", "python3 -m pip install llm", 8192, _llm))}
-
-
-def context_for(record: dict, need: int) -> int:
-    """The ctx_len to start a model with so that `need` tokens fit: the stored ctx_len
-    or `need`, whichever is more, but never past the context it was trained on."""
-    wanted = max(need, record.get("ctx_len") or 0)
-    trained = (record.get("metadata") or {}).get("context_length")
-    return min(wanted, trained) if isinstance(trained, int) and trained > 0 else wanted
 
 
 # --- the command ---------------------------------------------------------------------
