@@ -163,8 +163,9 @@ def _llm(t: Target) -> Setup:
 
 
 CLIENTS = {agent.name: agent for agent in (
-    # Claude Code's first request, its system prompt and tool schemas, is about 55,000
-    # tokens on Claude's tokenizer; Codex's is smaller but grows with the session.
+    # Claude Code's first request, its system prompt and tool schemas, is 24,300 tokens by
+    # 2.1.332's own count (/context) and about 55,000 with more tools and MCP servers;
+    # Codex 0.171's is smaller (its request is 41 kB against Claude Code's 50) but grows.
     Agent("claude", "Claude Code", "claude", "npm install -g @anthropic-ai/claude-code",
           65536, _claude),
     Agent("codex", "Codex", "codex", "npm install -g @openai/codex", 32768, _codex),
@@ -373,7 +374,10 @@ def _environment(changes: dict) -> dict:
 def _run(argv: list, env: dict) -> int:
     """Run the client in the foreground; its exit status (128 + N when signal N ended it,
     as shells report it). Ctrl-C is the client's to handle, not this process's."""
-    child = subprocess.Popen(argv, env=env)
+    try:
+        child = subprocess.Popen(argv, env=env)
+    except OSError as exc:  # found on PATH, but not runnable
+        raise CliError(f"Cannot run {argv[0]}: {exc.strerror}") from None
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
     try:
