@@ -13,6 +13,7 @@ that token with DONE, so the model answers only once Codex has sent the result b
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 import tomllib
@@ -146,8 +147,6 @@ def test_claude_codes_compact_window_is_the_context_from_its_minimum_on(tmp_path
 
 def _codex_config(out: str) -> dict:
     """The TOML that the `-c` options of a printed codex command line make."""
-    import shlex
-
     words = shlex.split(next(line for line in out.splitlines() if line.startswith("codex ")))
     return tomllib.loads("\n".join(words[i + 1] for i, w in enumerate(words) if w == "-c"))
 
@@ -172,8 +171,6 @@ def test_opencode_aider_and_llm_are_pointed_at_the_openai_routes(cli_home):
     url = f"http://127.0.0.1:{cli_home['apiServerPort']}/v1"
     code, out, err = run("launch", "opencode", "--print", "--model", "qwen")
     assert code == 0, err
-    import shlex
-
     line = next(line for line in out.splitlines() if "OPENCODE_CONFIG_CONTENT=" in line)
     config = json.loads(shlex.split(line.split("=", 1)[1])[0])
     assert config["model"] == "localrt/qwen"

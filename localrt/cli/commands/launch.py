@@ -3,9 +3,10 @@ pointed at localrt, as `ollama launch` does; `--print` shows how, `--list` which
 
 Launching starts the server if none runs (Context.client()), makes the model ready
 (pulled or imported as `run` does), starts it with a ctx_len that holds the client's
-prompt (localrt.cli.commands.models.context_for: Claude Code's first request alone is tens of thousands of
-tokens), then runs the client with its exit status passed through. A model already
-running with a smaller ctx_len is restarted with the larger one, and the user is told.
+prompt (localrt.cli.commands.models.context_for: Claude Code's first request alone is
+tens of thousands of tokens), then runs the client with its exit status passed through.
+A model already running with a smaller ctx_len is restarted with the larger one, and the
+user is told.
 
 Each client is one `Agent` entry of CLIENTS: its command, how it is installed, the
 context its prompt needs, and `setup`, which says how that client is pointed at a
