@@ -13,6 +13,9 @@ import sys
 from localrt import __version__
 from localrt.cli.flags import config_options, model_update_options, port, positive_int
 
+# The clients `launch` knows (localrt.cli.commands.launch.CLIENTS, which is imported only
+# once the arguments are parsed): change both together.
+LAUNCH_CLIENTS = ("claude", "codex", "opencode", "aider", "llm")
 # Other names `models` subcommands answer to.
 MODEL_ALIASES = {"rm": "remove", "delete": "remove"}
 
@@ -34,6 +37,10 @@ class _Parser(argparse.ArgumentParser):
         if extra and isinstance(getattr(args, "prompt", None), list) \
                 and not any(word.startswith("-") for word in extra):
             args.prompt.extend(extra)
+        elif extra[:1] == ["--"] and isinstance(getattr(args, "client_args", None), list):
+            # `launch claude --model ID -- -p hi`: argparse leaves what follows `--` over
+            # once an option came between the positionals.
+            args.client_args.extend(extra[1:])
         elif extra:
             self.error(f"unrecognized arguments: {' '.join(extra)}")
         return args
@@ -105,6 +112,23 @@ def build_parser(stdout=None, stderr=None) -> argparse.ArgumentParser:
     p.add_argument("query", metavar="QUERY", help="what the documents are scored against")
     p.add_argument("documents", metavar="DOC", nargs="+", help="a document to score")
     p.add_argument("--top-n", type=positive_int, metavar="N", help="print only the N best")
+    p = sub.add_parser("launch", help="run a coding agent or chat client pointed at localrt",
+                       description="Start the server if needed, make the model ready and "
+                       "start it with a context that holds the client's prompt (restarting "
+                       "it if it runs with less), then run CLIENT pointed at localrt with "
+                       "ARGS, and exit with its exit status. Without --model: the one "
+                       "running model, else the one launched last. The user's own "
+                       "configuration of the client is never edited.")
+    p.add_argument("client", metavar="CLIENT", nargs="?", choices=LAUNCH_CLIENTS,
+                   help=f"the client: {', '.join(LAUNCH_CLIENTS)}")
+    p.add_argument("client_args", metavar="ARGS", nargs="*",
+                   help="the client's own arguments, after --")
+    p.add_argument("--model", metavar="ID", help="the model's id, or the path of a GGUF "
+                   "file to import (pulled if it is not local yet)")
+    p.add_argument("--print", action="store_true", help="print the environment, options "
+                   "and files the client would get, and start nothing")
+    p.add_argument("--list", action="store_true", help="list the clients launch knows and "
+                   "whether each is installed")
     sub.add_parser("ps", help="show the running models and the hardware",
                    description="Print the running models (engine, RAM, VRAM, up time, "
                    "context length) and this machine's CPU, memory and GPU.")

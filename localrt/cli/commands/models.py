@@ -133,6 +133,15 @@ def start_options(ctx: Context) -> dict:
     return flag_values(ctx.args, ctx.args.start_options)
 
 
+def context_for(record: dict, need: int) -> int:
+    """The ctx_len to start a model with so that `need` tokens fit (`launch`, `run`): the
+    stored ctx_len or `need`, whichever is more, but never past the context it was
+    trained on."""
+    wanted = max(need, record.get("ctx_len") or 0)
+    trained = (record.get("metadata") or {}).get("context_length")
+    return min(wanted, trained) if isinstance(trained, int) and trained > 0 else wanted
+
+
 def cmd_models_stop(ctx: Context) -> int:
     """Unload a running model."""
     ctx.out(ctx.client().stop_model(ctx.args.model)["message"])
