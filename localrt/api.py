@@ -255,6 +255,14 @@ def models_status(services: Services, request: Request):
             "hardware": services.engines.hardware.status()}
 
 
+def hardware(services: Services, request: Request):
+    """This machine's CPU, OS, RAM, storage and GPUs, in cortex's shape (MiB).
+
+    GPUs are NVIDIA ones (NVML) and Vulkan devices, read by a child process; none is
+    an empty list."""
+    return services.engines.hardware.cortex(services.settings.data_dir)
+
+
 def chat_completions(services: Services, request: Request):
     """OpenAI's chat completion, streamed as Server-Sent Events or not."""
     return _streamed(openai.chat(services.chats, request.body, request.disconnected))
@@ -323,6 +331,16 @@ def slots(services: Services, request: Request):
     """llama-server's slots: what each slot of a running model holds."""
     return services.utility.slots(request.query.get("model"),
                                   request.query.get("fail_on_no_slot") in ("1", "true"))
+
+
+def lora_adapters(services: Services, request: Request):
+    """llama-server's lora-adapters: a running model's LoRA adapters and their scales."""
+    return services.utility.lora_adapters(request.query.get("model"))
+
+
+def set_lora_adapters(services: Services, request: Request):
+    """llama-server's lora-adapters: the scales of a running model's requests that give none."""
+    return services.utility.set_lora_adapters(request.query.get("model"), request.body)
 
 
 # --- engines -------------------------------------------------------------------------
@@ -493,6 +511,7 @@ ROUTES = (
     Route("PATCH", "/v1/configs", patch_configs, "config-update.json", "config-updated"),
     Route("DELETE", "/v1/system", stop_server, reply="message"),
     Route("GET", "/v1/events", events),
+    Route("GET", "/v1/hardware", hardware, reply="hardware"),
     Route("GET", "/v1/engines", list_engines, reply="engine-list"),
     Route("POST", "/v1/engines/install", install_engine_wheel, "engine-wheel.json",
           "engine-install"),
@@ -558,6 +577,9 @@ ROUTES = (
           max_body=IMAGE_BODY),
     Route("GET", "/props", props, reply="props", query=("model",)),
     Route("GET", "/slots", slots, reply="slots", query=("model", "fail_on_no_slot")),
+    Route("GET", "/lora-adapters", lora_adapters, reply="lora-adapters", query=("model",)),
+    Route("POST", "/lora-adapters", set_lora_adapters, "lora-adapters.json",
+          "lora-adapters-set", query=("model",)),
     # Ollama's API (localrt.dialects.ollama), under /api/: its errors take Ollama's shape (DIALECTS)
     Route("GET", "/api/version", ollama_version, reply="ollama-version"),
     Route("GET", "/api/tags", ollama_tags, reply="ollama-tags"),

@@ -29,6 +29,7 @@ the internet builds against a mirror.
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib.util
 import os
 import platform
@@ -56,10 +57,16 @@ RPC_BUILD_WHEELS = ("scikit-build-core", "cmake", "ninja")
 RPC_SOURCES = Path("tests") / ".rpc-build" / "sources"
 
 # Commands the tests use when present, and the Debian packages that bring them.
-# Without them test_man.py, test_cors_browser.py and the tinyproxy tests
-# (tests/emulators/proxyfix.py) skip, except under CI.
+# Without them test_man.py, test_cors_browser.py, the tinyproxy tests
+# (tests/emulators/proxyfix.py) and the real agent clients' tests (npm installs Claude
+# Code and Codex: tests/support/agents.py) skip, except under CI.
 TEST_TOOLS = {"groff": "groff-base", "chromium": "chromium", "chromedriver": "chromium-driver",
-              "tinyproxy": "tinyproxy"}
+              "tinyproxy": "tinyproxy", "node": "nodejs", "npm": "npm"}
+# Files the tests use when present (glob patterns), and the Debian packages that bring
+# them: the Vulkan loader and Mesa's lavapipe, a Vulkan device that runs on the CPU.
+# Without them tests/test_hardware.py's Vulkan tests skip, except under CI.
+TEST_FILES = {"/usr/lib/*/libvulkan.so.1": "libvulkan1",
+              "/usr/share/vulkan/icd.d/lvp_icd.*.json": "mesa-vulkan-drivers"}
 
 
 # --- the build flags --------------------------------------------------------------
@@ -93,9 +100,15 @@ def build_env(environ: Dict[str, str], machine: str,
 # --- Debian packages --------------------------------------------------------------
 
 
+def any_file(pattern: str) -> bool:
+    """Whether a file matches the glob `pattern`."""
+    return bool(glob.glob(pattern))
+
+
 def missing_packages(test: bool, need_venv: bool,
                      which: Callable[[str], Optional[str]] = shutil.which,
-                     find_spec: Callable[[str], object] = importlib.util.find_spec
+                     find_spec: Callable[[str], object] = importlib.util.find_spec,
+                     exists: Callable[[str], bool] = any_file
                      ) -> Tuple[List[str], List[str]]:
     """(needed, optional) Debian packages that are missing; setup stops without `needed`."""
     needed = []
@@ -105,6 +118,7 @@ def missing_packages(test: bool, need_venv: bool,
     if not (which("cc") and which("c++")):
         needed.append("build-essential")  # llama-cpp-python compiles C and C++
     optional = [pkg for cmd, pkg in TEST_TOOLS.items() if test and not which(cmd)]
+    optional += [pkg for pattern, pkg in TEST_FILES.items() if test and not exists(pattern)]
     return needed, optional
 
 
@@ -134,6 +148,7 @@ class Host:
     environ: Dict[str, str] = field(default_factory=lambda: dict(os.environ))
     which: Callable[[str], Optional[str]] = shutil.which
     find_spec: Callable[[str], object] = importlib.util.find_spec
+    exists: Callable[[str], bool] = any_file
     accepts: Callable[[str, str, Sequence[str]], bool] = compiler_accepts
     candidate: Callable[[str], bool] = apt_candidate
 
@@ -198,7 +213,7 @@ def setup(args: argparse.Namespace, shell: Shell, host: Host, err: TextIO) -> in
     venv = Path(args.venv).absolute()
     python = venv / "bin" / "python"
     needed, optional = missing_packages(args.test, not python.exists(), host.which,
-                                        host.find_spec)
+                                        host.find_spec, host.exists)
     rc = install_packages(shell, needed, optional, apt_prefix(host.euid, host.which), err,
                           host.candidate)
     if rc:

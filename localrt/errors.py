@@ -163,6 +163,14 @@ class ServiceUnavailable(HTTPError):
     code = "unavailable"
 
 
+class InsufficientMemory(ServiceUnavailable):
+    """A model start this machine cannot hold: its weights, KV cache and compute buffers
+    need more than the free RAM (and GPU memory); the message gives both in MiB and
+    what to change (localrt.engines.memory)."""
+
+    code = "insufficient_memory"
+
+
 class InternalError(HTTPError):
     """What a client sees for an unexpected exception; the traceback stays in the log."""
 

@@ -4,9 +4,11 @@
 each request when its reply's body closes (`observe_request`), and chat times each
 completion on a `Clock`, which counts its tokens and times when it ends
 (`observe_completion`). The rest are read when a scrape comes (`render`): running
-models and their sequences from the scheduler's status rows, download totals from
-`Downloads.stats`, each kind's requests in progress and waiting for a place from its
-admission (localrt.admission), and this process's memory and open files from /proc.
+models, their sequences and their memory by device (the rows' `ram`, as the engine
+accounts it, and a GPU build's `offload.devices`) from the scheduler's status rows,
+download totals from `Downloads.stats`, each kind's requests in progress and waiting
+for a place from its admission (localrt.admission), and this process's memory and
+open files from /proc.
 A scrape touches no engine.
 
 Written by hand rather than with prometheus_client: the text format is small, the
@@ -198,6 +200,10 @@ class Metrics:
                      for row in rows]
         return (
             Gauge("localrt_models_running", "Models loaded", [({}, len(rows))]),
+            Gauge("localrt_model_memory_bytes",
+                  "Bytes a running model holds on each device, as its engine accounts them "
+                  "(device: cpu, or a GPU's name as GET /v1/hardware gives it)",
+                  [({"model": m, "device": d}, n) for m, d, n in _memory(rows)]),
             Gauge("localrt_sequences_active", "Requests a running model is generating for",
                   [({"model": m}, min(n, slots)) for m, n, slots in sequences]),
             Gauge("localrt_sequences_queued", "Requests waiting for a running model",
@@ -268,6 +274,17 @@ class Clock:
                                    usage["completion_tokens"],
                                    None if first is None else first - self.arrived,
                                    None if first is None else ended - first)
+
+
+def _memory(rows: list[dict]) -> Iterator[tuple[str, str, int]]:
+    """(model, device, bytes) of each running model: its RAM as the device cpu, and each
+    device its offload names (a GPU build's), from the scheduler's status rows."""
+    for row in rows:
+        if "ram" not in row:
+            continue  # a remote model's row: nothing loaded here
+        yield row["id"], "cpu", row["ram"]
+        for device in (row.get("offload") or {}).get("devices", ()):
+            yield row["id"], device["name"], device["bytes"]
 
 
 def _rss() -> list[int]:

@@ -14,10 +14,11 @@ VENV_PKG = "python3.%d-venv" % sys.version_info[1]
 
 
 def host(**changes) -> Host:
-    """A Debian x86-64 machine, as root, with every command, a compiler that knows AMX,
-    and Python's ensurepip; `changes` overrides any of that."""
+    """A Debian x86-64 machine, as root, with every command and file, a compiler that
+    knows AMX, and Python's ensurepip; `changes` overrides any of that."""
     answers = dict(arch="x86_64", euid=0, environ={"PATH": "/usr/bin"},
-                   which=lambda cmd: f"/usr/bin/{cmd}", find_spec=lambda name: object(),
+                   which=lambda cmd: f"/usr/bin/{cmd}", exists=lambda pattern: True,
+                   find_spec=lambda name: object(),
                    accepts=lambda compiler, language, flags: True,
                    candidate=lambda package: True)
     answers.update(changes)
@@ -111,8 +112,20 @@ def test_missing_packages_come_from_apt_through_sudo(tmp_path):
         "sudo apt-get update -q",
         "sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "
         f"--no-install-recommends {VENV_PKG} build-essential groff-base chromium-driver "
-        "tinyproxy",
+        "tinyproxy nodejs npm",
     ]
+
+
+def test_test_installs_the_vulkan_loader_and_lavapipe_where_they_are_missing(tmp_path):
+    rc, commands, out, err = dry_run(
+        ["--test", "--venv", str(tmp_path / "venv")],
+        exists=lambda pattern: "libvulkan" in pattern)
+    assert rc == 0
+    assert commands[1] == ("env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "
+                           "--no-install-recommends mesa-vulkan-drivers")
+    rc, commands, out, err = dry_run(["--venv", str(tmp_path / "venv")],
+                                     exists=lambda pattern: False)
+    assert rc == 0 and "apt-get" not in out  # only --test needs them
 
 
 def test_test_tools_apt_lacks_are_left_out_with_a_note(tmp_path):
@@ -130,7 +143,7 @@ def test_test_tools_apt_lacks_are_left_out_with_a_note(tmp_path):
     assert rc == 5  # pytest's exit code
     assert calls[1] == ["env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "install", "-y",
                         "-q", "--no-install-recommends", "build-essential", "groff-base",
-                        "tinyproxy"]
+                        "tinyproxy", "nodejs", "npm"]
     assert "apt has no chromium chromium-driver here" in err.getvalue()
 
 

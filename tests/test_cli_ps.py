@@ -28,7 +28,8 @@ def test_start_ps_and_stop(tiny):
     code, out, _ = run("models", "start", "tiny")
     assert out.strip() == "Model tiny is already running"
     code, out, _ = run("ps")
-    header, row = [line for line in out.splitlines() if line.startswith("|")]
+    # the models' table first (a GPU table follows where the machine has one)
+    header, row = [line for line in out.splitlines() if line.startswith("|")][:2]
     assert [c.strip() for c in header.strip("|").split("|")] == \
         ["Model", "Engine", "RAM", "VRAM", "Up time", "Context"]
     cells = [c.strip() for c in row.strip("|").split("|")]

@@ -34,6 +34,7 @@ FAMILIES = {  # every family, by the name the parser gives it, and its type
     "localrt_prompt_tokens": "counter", "localrt_generation_tokens": "counter",
     "localrt_time_to_first_token_seconds": "histogram",
     "localrt_decode_tokens_per_second": "histogram", "localrt_models_running": "gauge",
+    "localrt_model_memory_bytes": "gauge",
     "localrt_sequences_active": "gauge", "localrt_sequences_queued": "gauge",
     "localrt_requests_in_progress": "gauge", "localrt_requests_queued": "gauge",
     "localrt_download_bytes": "counter", "localrt_download_tasks_active": "gauge",

@@ -134,8 +134,7 @@ def test_an_assistants_reasoning_goes_to_the_template_under_both_names():
     from localrt import native
     from localrt.inference.chat import _message
 
-    turn = native.Message("assistant", [native.Text("9.")])
-    turn.reasoning = "Nine is more."  # native.Message's reasoning (the dialects fill it)
+    turn = native.Message("assistant", [native.Text("9.")], reasoning="Nine is more.")
     out = _message(turn, None)
     assert (out["reasoning_content"], out["thinking"]) == ("Nine is more.",) * 2
     assert "thinking" not in _message(native.Message("assistant", [native.Text("9.")]), None)
@@ -408,7 +407,9 @@ def test_the_openai_chat_route_no_longer_gives_the_trace_as_content(chat):
     assert r.status == 200, r.body
     message = r.json["choices"][0]["message"]
     assert message["content"] == "ok"
+    assert message["reasoning_content"] == message["reasoning"] == "so we"
     assert r.json["usage"]["completion_tokens"] == 6
+    assert r.json["usage"]["completion_tokens_details"]["reasoning_tokens"] == 5
 
 
 @pytest.mark.live
@@ -439,8 +440,8 @@ def test_the_prompt_cache_covers_the_earlier_turns_as_the_template_renders_them(
 
     first = folded(chat("split"))
     assert (first.reasoning, first.text) == ("so we", "ok")
-    answer = native.Message("assistant", [native.Text(first.text)])
-    answer.reasoning = first.reasoning  # Qwen3's template drops an earlier turn's
+    # Qwen3's template drops an earlier turn's reasoning
+    answer = native.Message("assistant", [native.Text(first.text)], reasoning=first.reasoning)
     messages = [native.Message("user", [native.Text("Which is larger, 7 or 9?")]), answer,
                 native.Message("user", [native.Text("And 8 or 3?")])]
     reply = chat.create_native(native.Request("split", messages,

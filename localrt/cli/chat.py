@@ -9,6 +9,15 @@ unknown one is an error and nothing is sent, unless the word is the path of an i
 file: a path to an image file in a message attaches the image (localrt.cli.images).
 `Chat.once` answers one prompt, for `localrt run ID PROMPT` and for a prompt piped in.
 
+A reasoning model's thinking is shown apart from its answer, as `ollama run` shows it:
+a "Thinking…" line, the trace dimmed, "…done thinking." before the answer. It goes to
+stdout when stdout is a terminal, else to stderr, so that a redirected reply is the
+answer alone. --hidethinking (or /set hidethinking) hides it; --think / --think=false
+/ --think=LEVEL (or /set think, /set nothink) turn thinking on or off for the
+session: off is `reasoning_effort: "none"`, on a level (medium when none is given).
+A conversation's earlier thinking is sent back with its answer (`reasoning_content`),
+so the model's template keeps or drops it as its authors wrote it.
+
 With --verbose (or /set verbose) a readout on stderr follows each reply: the prompt's
 tokens (those the prompt cache held too) and the reply's, from the stream's usage, each
 with its rate as Ollama measures it: the prompt from the request to the reply's first
@@ -20,7 +29,7 @@ from __future__ import annotations
 import sys
 import time
 
-from localrt.cli.context import CliError, Context, ExitCode
+from localrt.cli.context import CliError, Context, ExitCode, isatty
 from localrt.cli.images import find_images, image_part
 from localrt.client import ApiError
 from localrt.fsutil import human_size
@@ -35,6 +44,9 @@ HELP = f"""Available commands:
   /set system TEXT           set the system message ({QUOTES}...{QUOTES} for several lines)
   /set parameter NAME VALUE  set a sampling parameter for this session (/set parameter lists them)
   /set verbose, /set quiet   show the tokens and tok/s after each reply, or not
+  /set think [LEVEL]         let a reasoning model think (LEVEL: low, medium, high)
+  /set nothink               tell a reasoning model not to think
+  /set hidethinking          do not show the model's thinking (/set nohidethinking shows it)
   /show info                 show the model's details
   /clear                     clear the conversation; the system message stays
   /load ID                   switch to another model (an id, or ./model.gguf)
@@ -55,17 +67,47 @@ PARAMETERS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
 START_ONLY = {"num_ctx": "--ctx_len", "num_gpu": "--ngl", "num_thread": "--cpu_threads",
               "num_batch": "--n_batch"}
 
+# Thinking's levels (Ollama's `think` levels); True is the default level's "on".
+THINK_LEVELS = ("low", "medium", "high")
+THINKING, DONE_THINKING = "Thinking…", "…done thinking."
+DIM, RESET = "\x1b[2m", "\x1b[0m"
+
+
+def think_value(text: str):
+    """--think's value as the session keeps it: True, False or a level."""
+    word = text.strip().lower()
+    if word in ("", "true", "on", "yes"):
+        return True
+    if word in ("false", "off", "no"):
+        return False
+    if word in THINK_LEVELS:
+        return word
+    raise ValueError(f"'{text}' is not true, false, {', '.join(THINK_LEVELS)}")
+
+
+def think_fields(think) -> dict:
+    """The chat request fields that say `think` (None: nothing, the model's default)."""
+    if think is None:
+        return {}
+    if think is False:
+        return {"reasoning_effort": "none"}
+    return {"reasoning_effort": "medium" if think is True else think}
+
 
 class Chat:
     """The terminal chat of `localrt run`: history kept, replies streamed as they come.
 
     `load(given)` makes another model ready for /load and returns its id (see
-    localrt.cli.commands.run); `verbose` prints the readout after each reply.
+    localrt.cli.commands.run); `verbose` prints the readout after each reply; `think`
+    True, False or a level says whether the model thinks (None: its default);
+    `hide_thinking` hides the thinking.
     """
 
-    def __init__(self, ctx: Context, client, model_id: str, load=None, verbose: bool = False):
+    def __init__(self, ctx: Context, client, model_id: str, load=None, verbose: bool = False,
+                 think=None, hide_thinking: bool = False):
         self.ctx, self.client, self.model_id = ctx, client, model_id
         self.load, self.verbose = load, verbose
+        self.think, self.hide_thinking = think, hide_thinking
         self.history: list[dict] = []  # the conversation, without the system message
         self.system: str | None = None
         self.parameters: dict = {}  # request fields from /set parameter
@@ -183,11 +225,37 @@ class Chat:
         elif what in ("verbose", "quiet") and not value:
             self.verbose = what == "verbose"
             self.ctx.err(f"Set '{what}' mode.")
+        elif what in ("think", "nothink") and not (what == "nothink" and value):
+            self._set_think(what, value)
+        elif what in ("hidethinking", "nohidethinking") and not value:
+            self.hide_thinking = what == "hidethinking"
+            self.ctx.err("Set 'hidethinking' mode." if self.hide_thinking
+                         else "Set 'nohidethinking' mode.")
         elif not what or what == "system":
             self.ctx.err("\n".join(line for line in HELP.splitlines()
                                    if line.startswith("  /set")))
         else:
             self.ctx.err(f"Error: unknown command '/set {what}'; /help lists the commands")
+
+    def _set_think(self, what: str, value: str) -> None:
+        """/set think [LEVEL], /set nothink: thinking on (at a level) or off."""
+        try:
+            think = False if what == "nothink" else think_value(value)
+        except ValueError as exc:
+            self.ctx.err(f"Error: cannot set think: {exc}")
+            return
+        if think is not False:
+            try:
+                reasons = reasons_of(self.client, self.model_id)
+            except ApiError as exc:
+                self.ctx.err(f"Error: {exc}")
+                return
+            if not reasons:
+                self.ctx.err(f"Error: model '{self.model_id}' does not support thinking")
+                return
+        self.think = think
+        self.ctx.err("Set 'nothink' mode." if think is False else
+                     f"Set 'think' mode{'' if think is True else f' ({think})'}.")
 
     def _set_parameter(self, words: list[str]) -> None:
         """Set a request field for the rest of the session, checked as the API checks it."""
@@ -288,9 +356,10 @@ class Chat:
     def _reply(self) -> bool:
         """Stream one reply to stdout and keep it; Ctrl-C ends it early and keeps what
         came (then False)."""
-        pieces: list[str] = []
+        shown = Shown(self.ctx, hidden=self.hide_thinking)
         stream, usage, first, whole = None, None, None, True
-        request = {"model": self.model_id, "messages": self.messages(), **self.parameters}
+        request = {"model": self.model_id, "messages": self.messages(), **self.parameters,
+                   **think_fields(self.think)}
         if self.verbose:
             request["stream_options"] = {"include_usage": True}
         started = time.monotonic()
@@ -302,23 +371,92 @@ class Chat:
                     raise CliError(f"The reply failed: {chunk['error'].get('message')}")
                 usage = chunk.get("usage") or usage
                 for choice in chunk.get("choices") or []:
-                    piece = (choice.get("delta") or {}).get("content")
-                    if piece:
+                    delta = choice.get("delta") or {}
+                    # Servers write the thinking as reasoning_content, reasoning or both
+                    # (the same text): one of them is read.
+                    thought = delta.get("reasoning_content") or delta.get("reasoning")
+                    piece = delta.get("content")
+                    if thought or piece:
                         first = first or time.monotonic()
-                        pieces.append(piece)
-                        self.ctx.stdout.write(piece)
-                        self.ctx.stdout.flush()
+                    if thought:
+                        shown.thinking(thought)
+                    if piece:
+                        shown.answer(piece)
         except KeyboardInterrupt:  # the server stops generating when the stream closes
-            self.ctx.stdout.write(" [interrupted]")
+            shown.interrupted()
             whole = False
         finally:
             if stream is not None:
                 stream.close()
+            shown.end()
         self.ctx.out("")
-        self.history.append({"role": "assistant", "content": "".join(pieces)})
+        message = {"role": "assistant", "content": "".join(shown.pieces)}
+        if shown.thoughts:
+            message["reasoning_content"] = "".join(shown.thoughts)
+        self.history.append(message)
         if self.verbose and usage:
             self.ctx.err(readout(usage, started, first, time.monotonic()))
         return whole
+
+
+class Shown:
+    """A reply as the terminal shows it: the thinking apart (a "Thinking…" line, the
+    trace dimmed on a terminal, "…done thinking." before the answer), on stdout when
+    stdout is a terminal and on stderr otherwise, or not at all when `hidden`; the
+    answer on stdout. Keeps both for the history."""
+
+    def __init__(self, ctx: Context, hidden: bool):
+        self.ctx, self.hidden = ctx, hidden
+        self.stream = ctx.stdout if isatty(ctx.stdout) else ctx.stderr
+        self.dim = isatty(self.stream)
+        self.pieces: list[str] = []
+        self.thoughts: list[str] = []
+        self._open = False  # the thinking is being shown
+
+    def thinking(self, text: str) -> None:
+        """A piece of the thinking."""
+        self.thoughts.append(text)
+        if self.hidden:
+            return
+        if not self._open:
+            if self.stream is self.ctx.stdout and self.pieces:
+                self._write("\n")
+            self._write(f"{THINKING}\n" + (DIM if self.dim else ""))
+            self._open = True
+        self._write(text)
+
+    def answer(self, text: str) -> None:
+        """A piece of the answer."""
+        self._close()
+        self.pieces.append(text)
+        self.ctx.stdout.write(text)
+        self.ctx.stdout.flush()
+
+    def interrupted(self) -> None:
+        """Ctrl-C ended the reply."""
+        self._close()
+        self.ctx.stdout.write(" [interrupted]")
+
+    def end(self) -> None:
+        """The reply ended (a stream that ended inside the thinking ends it here)."""
+        self._close()
+
+    def _close(self) -> None:
+        if self._open:
+            self._open = False
+            self._write((RESET if self.dim else "") + f"\n{DONE_THINKING}\n\n")
+
+    def _write(self, text: str) -> None:
+        self.stream.write(text)
+        self.stream.flush()
+
+
+def reasons_of(client, model_id: str) -> bool:
+    """Whether the model may think: its capabilities say "reasoning", or it is remote
+    (its upstream's model is not known here: the upstream decides)."""
+    record = client.get_model(model_id)
+    return "reasoning" in (record.get("capabilities") or ()) or \
+        (record.get("source") or {}).get("type") == "remote"
 
 
 def readout(usage: dict, started: float, first: float | None, ended: float) -> str:

@@ -13,6 +13,9 @@ import sys
 from localrt import __version__
 from localrt.cli.flags import config_options, model_update_options, port, positive_int
 
+# The clients `launch` knows (localrt.cli.commands.launch.CLIENTS, which is imported only
+# once the arguments are parsed): change both together.
+LAUNCH_CLIENTS = ("claude", "codex", "opencode", "aider", "llm")
 # Other names `models` subcommands answer to.
 MODEL_ALIASES = {"rm": "remove", "delete": "remove"}
 
@@ -24,11 +27,20 @@ class _Parser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         """argparse's, except that words after `run`'s options join its PROMPT: argparse
-        ends a positional list at the first option (`run ID --ctx_len 8 "a prompt"`)."""
+        ends a positional list at the first option (`run ID --ctx_len 8 "a prompt"`);
+        and `--think` takes a value only as `--think=VALUE`, as Ollama's does, so that
+        `run ID --think "a prompt"` asks the prompt."""
+        if args is None:
+            args = sys.argv[1:]
+        args = ["--think=true" if word == "--think" else word for word in args]
         args, extra = self.parse_known_args(args, namespace)
         if extra and isinstance(getattr(args, "prompt", None), list) \
                 and not any(word.startswith("-") for word in extra):
             args.prompt.extend(extra)
+        elif extra[:1] == ["--"] and isinstance(getattr(args, "client_args", None), list):
+            # `launch claude --model ID -- -p hi`: argparse leaves what follows `--` over
+            # once an option came between the positionals.
+            args.client_args.extend(extra[1:])
         elif extra:
             self.error(f"unrecognized arguments: {' '.join(extra)}")
         return args
@@ -100,6 +112,23 @@ def build_parser(stdout=None, stderr=None) -> argparse.ArgumentParser:
     p.add_argument("query", metavar="QUERY", help="what the documents are scored against")
     p.add_argument("documents", metavar="DOC", nargs="+", help="a document to score")
     p.add_argument("--top-n", type=positive_int, metavar="N", help="print only the N best")
+    p = sub.add_parser("launch", help="run a coding agent or chat client pointed at localrt",
+                       description="Start the server if needed, make the model ready and "
+                       "start it with a context that holds the client's prompt (restarting "
+                       "it if it runs with less), then run CLIENT pointed at localrt with "
+                       "ARGS, and exit with its exit status. Without --model: the one "
+                       "running model, else the one launched last. The user's own "
+                       "configuration of the client is never edited.")
+    p.add_argument("client", metavar="CLIENT", nargs="?", choices=LAUNCH_CLIENTS,
+                   help=f"the client: {', '.join(LAUNCH_CLIENTS)}")
+    p.add_argument("client_args", metavar="ARGS", nargs="*",
+                   help="the client's own arguments, after --")
+    p.add_argument("--model", metavar="ID", help="the model's id, or the path of a GGUF "
+                   "file to import (pulled if it is not local yet)")
+    p.add_argument("--print", action="store_true", help="print the environment, options "
+                   "and files the client would get, and start nothing")
+    p.add_argument("--list", action="store_true", help="list the clients launch knows and "
+                   "whether each is installed")
     sub.add_parser("ps", help="show the running models and the hardware",
                    description="Print the running models (engine, RAM, VRAM, up time, "
                    "context length) and this machine's CPU, memory and GPU.")
@@ -123,6 +152,10 @@ def build_parser(stdout=None, stderr=None) -> argparse.ArgumentParser:
     p.add_argument("model", metavar="ID", help="the model's id")
     p.add_argument("--mmproj", metavar="PATH", help="a vision projector (mmproj GGUF) to "
                    "link in, as the GGUF model's projector; it replaces the one it has")
+    p.add_argument("--lora", metavar="PATH[:SCALE]", action="append", help="a LoRA adapter "
+                   "GGUF to apply at start, with its scale (default 1.0); repeat it for "
+                   "several: they replace the adapters the model has (--lora '' drops "
+                   "them all)")
     _add_schema_options(p, model_update_options(), "parameters")
     p = models.add_parser("import", help="register a local GGUF file or ONNX folder",
                           description="Register a local GGUF file, or an ONNX model folder "
@@ -135,6 +168,10 @@ def build_parser(stdout=None, stderr=None) -> argparse.ArgumentParser:
                    "(default: the file name without .gguf)")
     p.add_argument("--mmproj", metavar="PATH", help="the GGUF model's vision projector "
                    "(mmproj GGUF), linked or copied as the model is")
+    p.add_argument("--lora", metavar="PATH[:SCALE]", action="append", help="a LoRA adapter "
+                   "GGUF of the model, linked or copied as the model is and applied at "
+                   "start with its scale (default 1.0); repeat it for several (a request's "
+                   "lora[].id counts them in this order)")
     p.add_argument("--copy", action="store_true", help="copy the file into the models "
                    "folder instead of linking to it")
     p = models.add_parser("add-remote", help="add a model served by other servers",
@@ -224,6 +261,22 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
                    "(after standard input's text, when that is not a terminal)")
     p.add_argument("--verbose", action="store_true", help="after each reply, print the "
                    "prompt's and the reply's tokens and their tok/s")
+    p.add_argument("--think", default=None, type=_think,
+                   metavar="true|false|low|medium|high",
+                   help="let a reasoning model think (at a level), or not (--think=false); "
+                   "without it, the model's default")
+    p.add_argument("--hidethinking", action="store_true",
+                   help="do not show a reasoning model's thinking, only its answer")
+
+
+def _think(text: str):
+    """--think's value: True, False or a level."""
+    from localrt.cli.chat import think_value
+
+    try:
+        return think_value(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _add_pull_arguments(p: argparse.ArgumentParser) -> None:

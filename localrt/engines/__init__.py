@@ -7,7 +7,9 @@ and keeps one adapter object per engine; each adapter is behind one contract
 text is here too: `toolcalls` (each model family's call syntax, its grammar and
 parser) and `logprobs` (the model's own log-probabilities); `ggufinfo` reads a GGUF
 header. `installs`, `builds`, `releases` and `wheels` install engine variants from a
-package index; `probe` and `hardware` say what this machine's build can run; `rpc`
-splits a model across hosts; `plugins` finds custom engines. Nothing here knows
-HTTP, models' ids or requests.
+package index; `probe` and `hardware` say what this machine's build can run, and
+`gpus` reads its GPUs (NVML, the Vulkan loader) in a child; `memory` counts what a GGUF
+model needs before it loads and refuses what the machine cannot hold; `rpc` splits a
+model across hosts; `plugins` finds custom engines. Nothing here knows HTTP, models'
+ids or requests.
 """

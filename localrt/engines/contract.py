@@ -11,7 +11,7 @@ nowhere else:
     `generating` wraps into one (localrt.engines.generation.ChatOnlyModel);
   * what else a model can do (`OPTIONAL`: `Batched`, `Measured`, `Tokenizing`,
     `Counting`, `Embedding`, `Reranking`, `Templated`, `Reporting`, and for llama-server's
-    utility routes `Vocabulary`, `Rendering` and `Slotted`) is found once, by
+    utility routes `Vocabulary`, `Rendering`, `Slotted` and `Adapted`) is found once, by
     `capabilities`, when localrt.inference.scheduler loads it, and recorded in its
     Running record; the inference modules ask that record (Lease.can), never the model.
 
@@ -283,9 +283,25 @@ class Slotted(Protocol):
         (the tokens its KV cache holds)}; read without calling the engine."""
 
 
+@runtime_checkable
+class Adapted(Protocol):
+    """A model that applies LoRA adapters (the start option `lora`: localrt.models.roles),
+    each request with its own scales (params["lora"], llama-server's [{"id", "scale"}];
+    generate() raises InvalidField naming lora[i].id for an adapter it does not have)."""
+
+    def lora_adapters(self) -> list:
+        """GET /lora-adapters: {"id", "path", "scale"} per adapter, in the option's
+        order; the scale is the one a request that names none gets."""
+
+    def set_lora_scales(self, entries: list) -> None:
+        """POST /lora-adapters: llama-server's [{"id", "scale"}] become the scales of
+        the requests that name none (an adapter left out: 0); InvalidField naming
+        `[i].id` for one it does not have."""
+
+
 # What a loaded model may have besides Model's: `capabilities` finds these.
 OPTIONAL = (Batched, Measured, Tokenizing, Counting, Embedding, Reranking, Templated,
-            Reporting, Vocabulary, Rendering, Slotted)
+            Reporting, Vocabulary, Rendering, Slotted, Adapted)
 
 
 def missing(obj, protocol: type) -> list[str]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 __all__ = ["ArrayInfo", "GGUFError", "Projector", "Reader", "is_embedding", "is_gguf",
            "is_rerank", "model_defaults", "model_input_size", "projector", "read_metadata",
-           "read_tensor_shapes", "token_at"]
+           "read_tensor_infos", "read_tensor_shapes", "token_at"]
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)  # version 1 used 32-bit counts and lengths
@@ -264,7 +264,8 @@ def _skip_elements(r: Reader, etype: int, count: int, depth: int) -> None:
 
 
 def _read_header(r: Reader, tensors: bool = False):
-    """The key/values; with `tensors`, (key/values, {tensor name: shape in ggml order})."""
+    """The key/values; with `tensors`, (key/values, {tensor name: (shape in ggml order,
+    ggml type)})."""
     magic = r.read(4)
     if magic != MAGIC:
         raise r.fail(f"not a GGUF file (magic {magic!r}, expected {MAGIC!r})")
@@ -291,8 +292,10 @@ def _read_header(r: Reader, tensors: bool = False):
         (n_dims,) = r.unpack(_U32)
         if n_dims > _MAX_DIMS:
             raise r.fail(f"tensor {name!r} has {n_dims} dimensions (at most {_MAX_DIMS})")
-        shapes[name] = tuple(r.unpack(_U64)[0] for _ in range(n_dims))
-        r.skip(4 + 8)
+        shape = tuple(r.unpack(_U64)[0] for _ in range(n_dims))
+        (ggml_type,) = r.unpack(_U32)
+        r.skip(8)  # the data offset
+        shapes[name] = (shape, ggml_type)
     return metadata, shapes
 
 
@@ -332,6 +335,12 @@ def read_metadata(path) -> dict:
 def read_tensor_shapes(path) -> tuple[dict, dict]:
     """(header key/values, {tensor name: dimensions in ggml order, ne[0] first}): the
     tensor infos that follow the key/values, never the tensor data."""
+    md, infos = read_tensor_infos(path)
+    return md, {name: shape for name, (shape, _) in infos.items()}
+
+
+def read_tensor_infos(path) -> tuple[dict, dict]:
+    """(header key/values, {tensor name: (dimensions in ggml order, ggml type id)})."""
     with open(path, "rb") as f:
         return _read_header(Reader(f, path), tensors=True)
 

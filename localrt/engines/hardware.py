@@ -1,8 +1,11 @@
-"""This machine: OS, architecture, CPU flags, cores, memory and the CUDA driver.
+"""This machine: OS, architecture, CPU flags, cores, memory, the CUDA driver and GPUs.
 
 `detect_hardware()` reads them once (localrt.app passes a `Hardware` in, so tests can
-pretend to be another machine). `runnable` and `recommended` are the hardware rules
-of engine variants: whether this machine runs a build, and which build to install
+pretend to be another machine); its GPUs are read when first asked, by a child
+process (localrt.engines.gpus), and again at most every GPU_REFRESH seconds (`Gpus`).
+`Hardware.status()` is what `localrt ps` shows, `Hardware.cortex()` what GET
+/v1/hardware gives (cortex's shape). `runnable` and `recommended` are the hardware
+rules of engine variants: whether this machine runs a build, and which build to install
 when none is named. The variants themselves are listed in localrt.engines.catalog.
 """
 
@@ -15,9 +18,69 @@ import re
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
+
+MIB = 1 << 20
+GPU_REFRESH = 5.0  # seconds a GPU list (and its free memory) is shown before it is read again
+
+
+class Gpus:
+    """This machine's GPUs as localrt.engines.gpus reads them (`detect`: a child process
+    each time), read when first asked and again once `refresh` seconds have passed, so
+    that `ps`, GET /v1/hardware and a model's start never wait for more than one child
+    at a time. `_lock` guards `_gpus` and `_read_at`, and is held while a child runs."""
+
+    def __init__(self, detect: Callable[[], list] | None = None,
+                 refresh: float = GPU_REFRESH):
+        self._detect = detect
+        self._refresh = refresh
+        self._lock = threading.Lock()
+        self._gpus: list[dict] | None = None
+        self._read_at = 0.0
+
+    def list(self) -> list[dict]:
+        """The GPUs (localrt.engines.gpus' dicts); [] where there are none or none can
+        be read."""
+        with self._lock:
+            now = time.monotonic()
+            if self._gpus is None or now - self._read_at >= self._refresh:
+                if self._detect is None:
+                    from localrt.engines import gpus
+
+                    self._gpus = gpus.detect()
+                else:
+                    self._gpus = list(self._detect())
+                self._read_at = time.monotonic()
+            return [dict(g) for g in self._gpus]
+
+
+class CpuUsage:
+    """How busy the CPUs were since the previous ask (since boot, the first time), from
+    /proc/stat. `_lock` guards `_last`."""
+
+    def __init__(self, stat: Path = Path("/proc/stat")):
+        self._stat = stat
+        self._lock = threading.Lock()
+        self._last = (0, 0)  # (busy, total) jiffies
+
+    def percent(self) -> float:
+        """Percent of the CPUs' time spent busy since the previous call (0 without /proc)."""
+        try:
+            fields = self._stat.read_text().splitlines()[0].split()[1:]
+            ticks = [int(x) for x in fields]
+        except (OSError, IndexError, ValueError):
+            return 0.0
+        total = sum(ticks[:8])  # user nice system idle iowait irq softirq steal
+        busy = total - ticks[3] - (ticks[4] if len(ticks) > 4 else 0)
+        with self._lock:
+            last_busy, last_total = self._last
+            self._last = (busy, total)
+        spent = total - last_total
+        return round(100.0 * (busy - last_busy) / spent, 1) if spent > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -29,6 +92,8 @@ class Hardware:
     cpu_model: str = ""
     cpu_flags: frozenset = frozenset()
     cuda: str | None = None  # the driver's CUDA version, "12.4"
+    gpus: Gpus = field(default_factory=Gpus, compare=False, repr=False)
+    usage: CpuUsage = field(default_factory=CpuUsage, compare=False, repr=False)
 
     @property
     def platform(self) -> str:
@@ -42,12 +107,34 @@ class Hardware:
         return None
 
     def status(self) -> dict:
-        """What `localrt ps` shows about the machine: CPU, cores, memory and CUDA."""
+        """What GET /v1/models/status shows about the machine: CPU, cores, memory and
+        CUDA (no GPUs: reading them takes a child process; `cortex` has them)."""
         memory = _meminfo()
         return {"os": self.os, "arch": self.arch, "cpu": self.cpu_model,
                 "cpuLevel": self.cpu_level() or "", "cores": available_cores(),
                 "ramTotal": memory.get("MemTotal", 0),
                 "ramAvailable": memory.get("MemAvailable", 0), "cuda": self.cuda or ""}
+
+    def cortex(self, data_dir: Path) -> dict:
+        """GET /v1/hardware, in cortex's shape: cpu, os, ram, storage (that of the
+        folder `data_dir`, where models go) and gpus; memory and storage in MiB."""
+        memory = _meminfo()
+        while not data_dir.exists() and data_dir.parent != data_dir:
+            data_dir = data_dir.parent  # not made yet: the file system it will be on
+        try:
+            disk = shutil.disk_usage(data_dir)
+            storage = {"total": disk.total // MIB, "available": disk.free // MIB,
+                       "type": storage_type(data_dir)}
+        except OSError:
+            storage = {"total": 0, "available": 0, "type": ""}
+        return {"cpu": {"arch": self.arch, "cores": available_cores(),
+                        "model": self.cpu_model, "usage": self.usage.percent(),
+                        "instructions": sorted(self.cpu_flags)},
+                "os": os_release(),
+                "ram": {"total": memory.get("MemTotal", 0) // MIB,
+                        "available": memory.get("MemAvailable", 0) // MIB, "type": ""},
+                "storage": storage,
+                "gpus": [cortex_gpu(g) for g in self.gpus.list()]}
 
     def key(self) -> str:
         """Identifies the CPU for cached probe results."""
@@ -81,11 +168,55 @@ def detect_hardware(cpuinfo: Path = Path("/proc/cpuinfo")) -> Hardware:
                     _cuda_driver_version())
 
 
+def cortex_gpu(gpu: dict) -> dict:
+    """One GPU as GET /v1/hardware gives it (cortex's fields, memory in MiB, and
+    localrt's type and backend) from localrt.engines.gpus' dict."""
+    return {"id": gpu["id"], "name": gpu["name"], "version": gpu["version"],
+            "additional_information": {"driver_version": gpu.get("driver", ""),
+                                       "compute_cap": gpu.get("computeCap", "")},
+            "free_vram": gpu["free"] // MIB, "total_vram": gpu["total"] // MIB,
+            "uuid": gpu.get("uuid", ""), "activated": True, "type": gpu["type"],
+            "backend": gpu["backend"]}
+
+
+def os_release(path: Path = Path("/etc/os-release")) -> dict:
+    """This OS's name and version: /etc/os-release's NAME and VERSION_ID where it has one."""
+    fields = {}
+    try:
+        for line in path.read_text().splitlines():
+            key, _, value = line.partition("=")
+            fields[key.strip()] = value.strip().strip('"')
+    except OSError:
+        pass
+    return {"name": fields.get("NAME") or platform.system(),
+            "version": fields.get("VERSION_ID") or platform.release()}
+
+
+def storage_type(path: Path) -> str:
+    """"SSD" or "HDD" for the disk that holds `path` (Linux's rotational flag); "" where
+    that cannot be said (a network or overlay file system)."""
+    try:
+        dev = os.stat(path).st_dev
+        block = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}").resolve()
+        flag = block / "queue" / "rotational"
+        if not flag.exists():  # a partition: its disk's queue
+            flag = block.parent / "queue" / "rotational"
+        return "HDD" if flag.read_text().strip() == "1" else "SSD"
+    except (OSError, ValueError):
+        return ""
+
+
 def available_cores() -> int:
     """The CPUs this process may run on (all of them where that cannot be asked)."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def free_ram() -> int | None:
+    """Bytes of RAM a new allocation can have now without swapping (MemAvailable; None
+    where /proc/meminfo cannot say)."""
+    return _meminfo().get("MemAvailable")
 
 
 def _meminfo(path: Path = Path("/proc/meminfo")) -> dict:

@@ -124,6 +124,7 @@ class Chats:
         try:
             params, plan = _prompt_params(request, local.record, lease, messages, tools)
             params["response_format"], params["logprobs"] = response_format, top
+            params.update(lease.lora(request.lora))
             generation = lease.generate(messages, params)
             if top is not None and generation.logprobs is None:
                 generation.close()
@@ -248,7 +249,7 @@ def _message(message: native.Message, read) -> dict:
     else:
         content = message.text
     out = {"role": message.role, "content": content or ""}
-    thought = getattr(message, "reasoning", None)
+    thought = message.reasoning
     if message.role == "assistant" and thought:
         # Under the names templates read it: Qwen3's and DeepSeek's, and gpt-oss's.
         out["reasoning_content"] = out["thinking"] = thought

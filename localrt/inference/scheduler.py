@@ -31,6 +31,10 @@ fight over the CPU:
 A request's `disconnected()` (localrt.admission) ends its wait for a turn or for room
 under maxRunningModels, and its generation at the next token, once its client has gone.
 
+Before a GGUF model loads, its weights, KV cache and compute buffers are counted from its
+headers and refused with 503 insufficient_memory when the free RAM (and GPU memory)
+cannot hold them (localrt.engines.memory), so the out-of-memory killer never has to.
+
 Before a model's files are loaded here for the first time with an engine build, a child
 process loads them (`vetted`, localrt.engines.vetting): a file the child could not load
 is refused with 400 invalid_model_file and never loaded here, and its record says so
@@ -48,7 +52,8 @@ import time
 from pathlib import Path
 
 from localrt.admission import Disconnected, never, wait
-from localrt.engines import contract
+from localrt.engines import contract, memory
+from localrt.engines.hardware import free_ram
 from localrt.engines.vetting import invalid_file
 from localrt.errors import BadRequest, Conflict, HTTPError, ServiceUnavailable
 from localrt.inference.lanes import ComputeLanes, FairLock, Stepper
@@ -416,6 +421,7 @@ class Scheduler:
     def _load(self, record: dict, options: dict) -> Running:
         engine = options["engine"]
         path = self._model_path(record)
+        self._check_memory(record, options)  # before a child or this process allocates
         self._vet(record, options)  # before any native code reads the file here
         before = _rss()
         loading = self._loading(record, options)
@@ -445,11 +451,49 @@ class Scheduler:
                        capabilities=can,
                        report=model.report if contract.Reporting in can else dict)
 
+    def _check_memory(self, record: dict, options: dict) -> None:
+        """A 503 insufficient_memory, before anything loads, for a GGUF model whose
+        weights, KV cache and compute buffers this machine cannot hold now
+        (localrt.engines.memory). A model with rpc_servers is not checked (its layers
+        go elsewhere), nor one on a system without /proc/meminfo; a header the estimate
+        cannot read is left to the file's checks."""
+        path, ram = self._model_path(record), free_ram()
+        if path.suffix.lower() != ".gguf" or options.get("rpc_servers") or ram is None:
+            return
+        beside = []  # a projector's path, and each adapter's (a list of {path, scale})
+        for value in roles.beside(record).values():
+            beside += [Path(e["path"]) for e in value] if isinstance(value, list) \
+                else [Path(value)]
+        try:
+            needed = memory.need(memory.parts_of(path), beside, options)
+        except (OSError, ValueError, TypeError) as exc:  # GGUFError is a ValueError
+            log.info("model %s: no memory estimate (%s)", record["id"], exc)
+            return
+        if needed.total > ram:  # only then ask the GPUs (a child, for a GPU build)
+            memory.check(record["id"], needed, ram, *self._device_memory(options))
+        log.info("model %s needs about %d MiB (weights %d, KV cache %d, compute %d)",
+                 record["id"], needed.total >> 20, needed.weights >> 20, needed.kv >> 20,
+                 needed.compute >> 20)
+
+    def _device_memory(self, options: dict) -> tuple[int, str]:
+        """(bytes free, names) on the GPUs the engine's build offloads to: a CUDA or
+        Vulkan build's devices of that backend that are not the CPU, with ngl not 0;
+        (0, "") for a CPU build, which never reads the GPUs."""
+        build = self._engines.build(options["engine"])
+        variant = build[0].split("/")[1] if build and build[0].count("/") >= 2 else ""
+        backend = next((b for b in ("cuda", "vulkan") if b in variant), None)
+        if backend is None or options.get("ngl") == 0:
+            return 0, ""
+        gpus = [g for g in self._engines.hardware.gpus.list()
+                if g["backend"] == backend and g["type"] != "cpu"]
+        return sum(g["free"] for g in gpus), ", ".join(g["name"] for g in gpus)
+
     @staticmethod
     def _loading(record: dict, options: dict) -> dict:
         """What the engine loads a model with: its start options, the files it loads
         beside the weights, each under its role's key (a vision model's projector:
-        localrt.engines.llama.media), and its id as `model`, for its messages; never
+        localrt.engines.llama.media; its LoRA adapters: localrt.engines.llama.adapters),
+        and its id as `model`, for its messages; never
         the options a status row shows."""
         return {**options, **roles.beside(record), "model": record["id"]}
 

@@ -198,21 +198,28 @@ class Registry:
             self._write(folder, updated)
         return self._record(folder, updated)
 
-    def set_file(self, model_id: str, role: roles.Role, name: str, entry: dict) -> dict:
-        """Record `name`, a file now in the model's folder (its files entry `entry`), as
-        the model's file in `role` (under the role's key); the file of the one it
-        replaces is deleted from the folder (a link's target never is)."""
+    def set_file(self, model_id: str, role: roles.Role, value, entries: list) -> dict:
+        """Record `value` under the role's key: the name of a file now in the model's
+        folder (its files entry in `entries`), or for a role of `many` the list of
+        {"path", "scale"} (the new files' entries in `entries`; an empty list drops the
+        key). The files of the ones it replaces are deleted from the folder (a link's
+        target never is)."""
         with self._lock:
             folder, d = self._find(model_id)
-            old = d.get(role.key)
-            files = [f for f in d["files"] if f["path"] not in (old, name)] + [entry]
-            updated = {**d, "files": files, role.key: name}
+            old = set(role.names(d))
+            new = {e["path"] for e in value} if role.many else {value}
+            added = {e["path"] for e in entries}
+            files = [f for f in d["files"] if f["path"] not in old | added] + \
+                [f for f in d["files"] if f["path"] in old & new - added] + entries
+            updated = {**d, "files": files, role.key: value}
+            if role.many and not value:
+                del updated[role.key]
             self._write(folder, updated)
             # A definition's paths are relative (schemas/model.json); a hand-edited one
             # that leaves the folder is left alone.
-            if old and old != name and not Path(old).is_absolute() \
-                    and ".." not in Path(old).parts:
-                (folder / old).unlink(missing_ok=True)
+            for gone in old - new:
+                if not Path(gone).is_absolute() and ".." not in Path(gone).parts:
+                    (folder / gone).unlink(missing_ok=True)
         return self._record(folder, updated)
 
     def set_vetting(self, model_id: str, state: dict) -> dict:
@@ -451,7 +458,7 @@ def weights_path(record: dict) -> Path | None:
 
 def _weights_name(definition: dict) -> str | None:
     """The path, in a model's folder, of the file an engine loads (weights_path)."""
-    beside = {definition.get(k) for k in roles.KEYS}
+    beside = {name for r in roles.BESIDE for name in r.names(definition)}
     return weights_file(f["path"] for f in definition.get("files", ())
                         if roles.role_of(f["path"]) is roles.WEIGHTS
                         and f["path"] not in beside)

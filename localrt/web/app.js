@@ -16,7 +16,8 @@ const ui = {
   system: $("system"), temperature: $("temperature"), maxTokens: $("max-tokens"),
   error: $("error"), errorText: $("error-text"), errorClose: $("error-close"),
   keyBox: $("key-box"), keyMessage: $("key-message"), key: $("api-key"),
-  keyUse: $("key-use"), pullId: $("pull-id"), pull: $("pull"),
+  keyUse: $("key-use"), pullId: $("pull-id"), pull: $("pull"), think: $("think"),
+  thinkLabel: $("think-label"),
   pullProgress: $("pull-progress"), pullStatus: $("pull-status"),
 };
 
@@ -111,6 +112,13 @@ function showModelState(text) {
                          m.capabilities.includes("vision"));
   ui.attach.hidden = !vision;
   if (!vision) setImage(null);
+  ui.thinkLabel.hidden = !reasons(m);
+  ui.think.checked = store.current.think !== false;
+}
+
+// Whether a model thinks before it answers (its capabilities say "reasoning").
+function reasons(m) {
+  return Boolean(m && Array.isArray(m.capabilities) && m.capabilities.includes("reasoning"));
 }
 
 async function pickModel() {
@@ -257,9 +265,28 @@ function messageItem(role, msg) {
     img.alt = "Attached image";
     li.insertBefore(img, body);
   }
+  if (role === "assistant" && msg.reasoning) fillThinking(li, msg);
   fillBody(li, role, msg.content || "");
   if (msg.stopped) note(li, "stopped");
   return li;
+}
+
+// A reply's thinking: a collapsed block above the answer ("Thinking…" while the model
+// thinks, "Thought for N s" after), which a click opens. Its text is text, never HTML.
+function fillThinking(li, msg) {
+  let block = li.querySelector("details.thinking");
+  if (!block) {
+    block = document.createElement("details");
+    block.className = "thinking";
+    const summary = document.createElement("summary");
+    const text = document.createElement("div");
+    text.className = "thinking-text";
+    block.append(summary, text);
+    li.insertBefore(block, li.querySelector(".body"));
+  }
+  block.querySelector("summary").textContent = msg.thoughtMs == null ? "Thinking…"
+    : `Thought for ${Math.max(1, Math.round(msg.thoughtMs / 1000))} s`;
+  block.querySelector(".thinking-text").textContent = msg.reasoning;
 }
 
 function fillBody(li, role, text) {
@@ -288,6 +315,8 @@ function apiMessages(c) {
       out.push({ role: m.role, content: [
         { type: "text", text: m.content },
         ...m.images.map((url) => ({ type: "image_url", image_url: { url } }))] });
+    } else if (m.reasoning) {  // the template keeps or drops earlier thinking
+      out.push({ role: m.role, content: m.content, reasoning_content: m.reasoning });
     } else {
       out.push({ role: m.role, content: m.content });
     }
@@ -325,12 +354,20 @@ async function send() {
   const body = { model: m.id, messages: apiMessages(c), stream: true };
   if (c.temperature !== null) body.temperature = c.temperature;
   if (c.maxTokens !== null) body.max_tokens = c.maxTokens;
+  if (reasons(m)) body.reasoning_effort = c.think === false ? "none" : "medium";
 
   const controller = new AbortController();
   streaming = controller;
   setStreaming(true);
   if (!isRunning(m)) showModelState(`starting ${m.id}…`);  // the reply loads it first
   let state = "done";
+  let thinkingSince = null;
+  const thought = () => {  // the thinking has ended: how long it took
+    if (thinkingSince !== null && reply.thoughtMs == null) {
+      reply.thoughtMs = performance.now() - thinkingSince;
+      fillThinking(li, reply);
+    }
+  };
   try {
     const resp = await api.request("POST", "/v1/chat/completions", body, controller.signal);
     if (ui.modelState.dataset.state !== "starting") {
@@ -344,7 +381,15 @@ async function send() {
                                event.error.code || "");
       }
       const delta = event.choices && event.choices[0] && event.choices[0].delta;
+      // Servers write thinking as reasoning_content, reasoning or both (the same text).
+      const thinking = delta && (delta.reasoning_content || delta.reasoning);
+      if (typeof thinking === "string" && thinking) {
+        if (thinkingSince === null) thinkingSince = performance.now();
+        reply.reasoning = (reply.reasoning || "") + thinking;
+        fillThinking(li, reply);
+      }
       if (delta && typeof delta.content === "string" && delta.content) {
+        thought();
         reply.content += delta.content;
         scheduleRender(li, reply);
       }
@@ -363,8 +408,9 @@ async function send() {
     streaming = null;
     setStreaming(false);
   }
+  thought();
   if (state === "stopped") reply.stopped = true;
-  if (reply.content || state === "stopped") {
+  if (reply.content || reply.reasoning || state === "stopped") {
     c.messages.push(reply);
     store.touch(c);
   }
@@ -508,6 +554,10 @@ document.addEventListener("keydown", (e) => {
   if (e.key === "Escape" && streaming) stop();
 });
 ui.models.addEventListener("change", pickModel);
+ui.think.addEventListener("change", () => {
+  store.current.think = ui.think.checked;
+  save();
+});
 ui.newChat.addEventListener("click", newConversation);
 ui.settingsToggle.addEventListener("click", () => {
   ui.settings.hidden = !ui.settings.hidden;

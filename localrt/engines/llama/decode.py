@@ -47,9 +47,10 @@ class LlamaBatch:
     """The Batcher's engine on llama.cpp: one context holding a sequence per slot, the
     llama_batch each step fills, and each sequence's sampler chain."""
 
-    def __init__(self, llama_cpp, model, params, projector=None):
+    def __init__(self, llama_cpp, model, params, projector=None, adapters=None):
         self._ll = llama_cpp
         self.projector = projector  # a vision model's (localrt.engines.llama.media.Projector)
+        self.adapters = adapters  # a model's LoRA adapters (localrt.engines.llama.adapters)
         self.ctx = llama_cpp.llama_init_from_model(model, params)
         if self.ctx is None:
             raise ValueError("llama.cpp could not make the context (not enough memory for "
@@ -122,7 +123,10 @@ class LlamaBatch:
 
     def decode(self, entries: list[Entry]) -> list[list[int]]:
         """One llama_decode of every text entry, the sampled tokens of each that samples
-        (_decode's), then each image entry's image (one that fails is marked `failed`)."""
+        (_decode's), then each image entry's image (one that fails is marked `failed`),
+        with the LoRA adapters of the entries' sequences (one set a step)."""
+        if self.adapters is not None and entries:  # the Batcher's step has one set
+            self.adapters.apply(self.ctx, entries[0].seq.adapters)
         images = [e for e in entries if e.image is not None]
         sampled: list = self._decode([e for e in entries if e.image is None])
         for entry in images:  # after sampling: an image's decode overwrites the logits

@@ -11,7 +11,9 @@ started with the start option `embedding`, loads in llama.cpp's embedding mode i
 (localrt.engines.llama.embedding), and a reranker so too (localrt.engines.llama.rerank).
 A model with a projector (the option `mmproj`, its role's key, which
 localrt.inference.scheduler sets from the record: localrt.models.roles) loads it
-through llama.cpp's mtmd and reads chats with images (localrt.engines.llama.media). A JSON response_format becomes a grammar
+through llama.cpp's mtmd and reads chats with images (localrt.engines.llama.media). One
+with LoRA adapters (the option `lora`, their role's key) loads them onto the model and
+applies each request's scales (localrt.engines.llama.adapters). A JSON response_format becomes a grammar
 (localrt.engines.llama.grammar); log probabilities (localrt.engines.logprobs) are read
 from the logits before sampling, in LlamaBatch.decode, for the prompt too. llama_cpp is
 imported only when a model loads.
@@ -26,6 +28,7 @@ import os
 from pathlib import Path
 from typing import Callable, Iterator
 
+from localrt.engines.llama.adapters import Adapters
 from localrt.engines.llama.batch import Batcher, Sequence
 from localrt.engines.llama.decode import LlamaBatch, Sampling
 from localrt.engines.llama.drafting import DRAFT_MAX, Drafter, prediction_counts
@@ -164,10 +167,13 @@ class LlamaModel(GeneratingModel):
             self.context = options.get("ctx_len") or self._model.n_ctx_train()
             params = context_params(llama_cpp, options, self.slots * self.context,
                                     self.slots)
+            # freed with the model (llama.cpp frees a model's adapters with it)
+            self.adapters = Adapters(llama_cpp, self._model.model, options.get("lora"))
             if self._mmproj:
                 projector = Projector(llama_cpp, self._mmproj, self._model.model, options)
             # The batch owns the projector from here: its close() frees it.
-            self._batch = LlamaBatch(llama_cpp, self._model.model, params, projector)
+            self._batch = LlamaBatch(llama_cpp, self._model.model, params, projector,
+                                     self.adapters if len(self.adapters) else None)
         except BaseException:
             if projector is not None:
                 projector.close()
@@ -218,6 +224,7 @@ class LlamaModel(GeneratingModel):
             room = check_room(len(tokens), self.context)
             max_tokens = min(params.get("max_tokens") or room, room)
             keep = self._preserved(params.get("preserved_tokens"))
+            adapters = self.adapters.key(params.get("lora"))
             top, echo = params.get("logprobs"), bool(params.get("prompt_logprobs"))
             sampler = self._sampler(params, tokens)
             plan = params.get("reasoning")
@@ -240,7 +247,7 @@ class LlamaModel(GeneratingModel):
         seq = Sequence(tokens, max_tokens, sampler, top_logprobs=top,
                        prompt_logprobs=echo and top is not None, images=prompt.chunks,
                        drafter=None if forcing else self._drafter(params, tokens, predicted),
-                       thinking=thinking, after_thinking=after)
+                       adapters=adapters, thinking=thinking, after_thinking=after)
         batcher, wait = self._batcher, wait or self.step
         made: list[int] = []  # the reply's tokens, for the prediction's counts
 
@@ -486,6 +493,16 @@ class LlamaModel(GeneratingModel):
         text = self._format(messages, params.get("tools"), params.get("template_kwargs"))[0]
         return self._thinking(text, params)[0]
 
+    def lora_adapters(self) -> list[dict]:
+        """Its LoRA adapters as GET /lora-adapters lists them (contract.Adapted):
+        {"id", "path", "scale"} each."""
+        return self.adapters.listing()
+
+    def set_lora_scales(self, entries: list) -> None:
+        """POST /lora-adapters: the scales of the requests that name none
+        (contract.Adapted); a 400 naming an unknown id."""
+        self.adapters.set_scales(entries)
+
     def slot_states(self) -> list[dict]:
         """Each slot's state (contract.Slotted: localrt.engines.llama.batch.Batcher's)."""
         return self._batcher.slot_states()
@@ -541,6 +558,8 @@ class LlamaModel(GeneratingModel):
         weights = llama_cpp.llama_model_size(model.model)
         if self._mmproj:  # the projector's weights, counted with the model's
             weights += Path(self._mmproj).stat().st_size
+        for path in self.adapters.paths:  # and so are the adapters'
+            weights += Path(path).stat().st_size
         kv = self.kv_bytes()
         layers = llama_cpp.llama_model_n_layer(model.model)
         offloaded = 0

@@ -1,0 +1,177 @@
+"""What a GGUF model needs in memory before it loads, and the refusal of a start this
+machine cannot hold (issue 35).
+
+A model whose weights, KV cache and compute buffers do not fit in memory is not
+refused by llama.cpp: its allocations succeed on overcommitted memory, and the kernel's
+out-of-memory killer ends the server later, with every other model in it. So before a
+GGUF model loads (localrt.inference.scheduler), `need` counts, from its files' headers
+alone (localrt.engines.ggufinfo: never the tensor data):
+
+  * weights: each tensor's bytes in the GGUF's tensor table (its ggml type's block size
+    times its blocks, localrt.engines.ggufcheck.GGML_TYPES), every part of a split
+    file, plus the files loaded beside it (a projector) as they are on disk; `layers`
+    keeps each block's (blk.N.*) share, for what offloads layer by layer;
+  * the KV cache: keys and values of every layer for every token of every slot,
+    ctx_len x n_parallel cells (one slot in llama.cpp's embedding mode), each value of
+    the cache_type's size (f16 by default). Per layer, its KV heads
+    (`<arch>.attention.head_count_kv`, a number or one per layer) times
+    `<arch>.attention.key_length` + `value_length` (n_embd / n_head when the header says
+    none). Sliding-window layers count in full, as llama.cpp allocates them (its
+    context's swa_full is on); a model without attention heads (Mamba, RWKV) has none;
+  * the compute buffers, the allowance documented here and in localrt-api(7): without
+    flash attention, llama.cpp reserves one batch's attention scores and mask, ctx_len
+    x n_ubatch x (n_head + 1) floats; with it, an f16 mask of ctx_len x n_ubatch; plus
+    one batch's logits (n_ubatch x n_vocab floats) and COMPUTE_BASE for the rest. This
+    is what llama.cpp's `sched_reserve` logs on the CPU for the tiny test models, to a
+    few MiB.
+
+`check` compares the sum with the RAM free now (/proc/meminfo's MemAvailable), plus the
+free memory of the GPUs a GPU build offloads to (a device of type cpu, such as
+lavapipe, adds nothing: its memory is the RAM), and refuses with 503
+insufficient_memory, naming the numbers in MiB and what to change. A model started
+with rpc_servers is not checked: its layers go to other machines.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from localrt.engines import ggufinfo
+from localrt.engines.ggufcheck import GGML_TYPES
+from localrt.engines.llama.params import CACHE_TYPE_BYTES
+from localrt.errors import InsufficientMemory
+
+MIB = 1 << 20
+COMPUTE_BASE = 64 * MIB  # activations and the graph's own bookkeeping, beyond the terms above
+UBATCH = 512             # llama.cpp's most tokens in one micro-batch (localrt's n_ubatch)
+_BLOCK = re.compile(r"blk\.(\d+)\.")
+_SPLIT = re.compile(r"(.*)-00001-of-(\d{5})\.gguf", re.IGNORECASE)  # llama.cpp's split names
+
+
+@dataclass(frozen=True)
+class Need:
+    """Bytes a model needs: its weights (`layers`: each block's part of them), its KV
+    cache and its compute buffers, and what they were counted for."""
+
+    weights: int
+    kv: int
+    compute: int
+    ctx_len: int
+    slots: int
+    layers: dict = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        """All of it."""
+        return self.weights + self.kv + self.compute
+
+
+def tensor_bytes(path) -> tuple[dict, dict]:
+    """(the GGUF's header key/values, {tensor name: bytes of its data})."""
+    md, infos = ggufinfo.read_tensor_infos(path)
+    sizes = {}
+    for name, (dims, ggml_type) in infos.items():
+        if ggml_type not in GGML_TYPES:
+            raise ggufinfo.GGUFError(f"{path}: the tensor {name!r} has the unknown ggml "
+                                     f"type {ggml_type}")
+        _, block, size = GGML_TYPES[ggml_type]
+        elements = 1
+        for d in dims:
+            elements *= d
+        sizes[name] = elements // block * size
+    return md, sizes
+
+
+def kv_bytes(md: dict, cells: int, cache_type: str = "f16") -> int:
+    """The KV cache of `cells` tokens (ctx_len x slots) for the model of header `md`."""
+    arch = md.get("general.architecture", "")
+    layers = _number(md.get(f"{arch}.block_count"))
+    heads = md.get(f"{arch}.attention.head_count")
+    head_count = max(heads) if isinstance(heads, list) and heads else _number(heads)
+    if not layers or not head_count:
+        return 0  # no attention (Mamba, RWKV): its state does not grow with the context
+    kv_heads = md.get(f"{arch}.attention.head_count_kv", heads)
+    per_layer = kv_heads if isinstance(kv_heads, list) else [_number(kv_heads)] * layers
+    head = _number(md.get(f"{arch}.embedding_length")) // head_count
+    width = (_number(md.get(f"{arch}.attention.key_length"), head)
+             + _number(md.get(f"{arch}.attention.value_length"), head))
+    values = sum(_number(h) for h in per_layer[:layers]) * width * cells
+    return int(values * CACHE_TYPE_BYTES.get(cache_type or "f16", 2))
+
+
+def compute_bytes(md: dict, ctx_len: int, slots: int, options: dict) -> int:
+    """The compute buffers' allowance (see the module's docstring)."""
+    arch = md.get("general.architecture", "")
+    heads = md.get(f"{arch}.attention.head_count")
+    head_count = max(heads) if isinstance(heads, list) and heads else _number(heads)
+    ubatch = min(max(options.get("n_batch") or UBATCH, slots), UBATCH)
+    scores = ctx_len * ubatch * (2 if options.get("flash_attn") else 4 * (head_count + 1))
+    tokens = md.get("tokenizer.ggml.tokens")
+    vocab = tokens.count if isinstance(tokens, ggufinfo.ArrayInfo) else \
+        len(tokens) if isinstance(tokens, list) else _number(md.get(f"{arch}.vocab_size"))
+    return COMPUTE_BASE + scores + ubatch * vocab * 4
+
+
+def parts_of(weights: Path) -> list[Path]:
+    """The files of a GGUF model: a split one's parts (<name>-00001-of-0000N.gguf and the
+    others beside it, as llama.cpp finds them), else the file alone."""
+    found = _SPLIT.fullmatch(weights.name)
+    if not found:
+        return [weights]
+    count = int(found.group(2))
+    return [weights.with_name(f"{found.group(1)}-{i:05d}-of-{count:05d}.gguf")
+            for i in range(1, count + 1)]
+
+
+def need(parts: list[Path], beside: list[Path], options: dict) -> Need:
+    """What a model whose weights are the GGUF `parts` (a split file's parts in order)
+    and files `beside` them needs with the start `options`. GGUFError for a header it
+    cannot read."""
+    md, weights, layers = {}, 0, {}
+    for i, part in enumerate(parts):
+        part_md, sizes = tensor_bytes(part)
+        if i == 0:
+            md = part_md
+        for name, size in sizes.items():
+            weights += size
+            found = _BLOCK.match(name)
+            if found:
+                layers[int(found.group(1))] = layers.get(int(found.group(1)), 0) + size
+    weights += sum(p.stat().st_size for p in beside)
+    embedding = bool(options.get("embedding")) or ggufinfo.is_embedding(md)
+    slots = 1 if embedding else max(int(options.get("n_parallel") or 1), 1)
+    trained = _number(md.get(f"{md.get('general.architecture', '')}.context_length"))
+    ctx_len = int(options.get("ctx_len") or trained or 0)
+    return Need(weights, kv_bytes(md, ctx_len * slots, options.get("cache_type") or "f16"),
+                compute_bytes(md, ctx_len, slots, options), ctx_len, slots, layers)
+
+
+def check(model_id: str, needed: Need, ram_free: int, device_free: int = 0,
+          devices: str = "") -> None:
+    """Raise InsufficientMemory (503) unless `needed` fits in `ram_free` plus
+    `device_free` (the free memory of the GPUs the build offloads to, named `devices`)."""
+    free = ram_free + device_free
+    if needed.total <= free:
+        return
+    where = f"{_mib(ram_free)} MiB of RAM free" + \
+        (f" and {_mib(device_free)} MiB on {devices}" if device_free else "")
+    raise InsufficientMemory(
+        f"Model {model_id} needs about {_mib(needed.total)} MiB (weights "
+        f"{_mib(needed.weights)} MiB, KV cache {_mib(needed.kv)} MiB for ctx_len "
+        f"{needed.ctx_len} x n_parallel {needed.slots}, compute buffers "
+        f"{_mib(needed.compute)} MiB), and this machine has {where}; start it with a "
+        f"smaller ctx_len or n_parallel, use a smaller quantization of it, or stop "
+        f"another model (localrt ps lists them)", param="model")
+
+
+def _mib(n: int) -> int:
+    return -(-n // MIB)
+
+
+def _number(value, default: int = 0) -> int:
+    """A header value as a count (`default` when it is missing or not a number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return default
+    return int(value)

@@ -1,0 +1,185 @@
+"""GPUs (issue 35, item 1): NVML's and the Vulkan loader's answers read into localrt's
+dicts on the real ctypes structures, GET /v1/hardware in cortex's shape with no Vulkan
+loader or driver (an empty list, never an error), and with Mesa's lavapipe, a real
+Vulkan device that runs on the CPU, and `localrt ps` showing it.
+
+NVML itself cannot run here (no NVIDIA driver): its parsing is tested on the
+structures NVML fills (`nvidia_gpu`), and the absent library is the real no-GPU path.
+The lavapipe tests need Debian's libvulkan1 and mesa-vulkan-drivers (python3 -m
+localrt.bootstrap --test installs them); without them they skip, except under CI.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import re
+
+import pytest
+from support.cli import run
+
+from localrt.cli import ExitCode
+from localrt.engines import gpus
+from localrt.engines.hardware import MIB, cortex_gpu
+
+LAVAPIPE = "llvmpipe"
+
+
+def require_lavapipe() -> None:
+    """Skip the calling test when lavapipe or the Vulkan loader is missing; under CI,
+    fail instead."""
+    if glob.glob("/usr/lib/*/libvulkan.so.1") and \
+            glob.glob("/usr/share/vulkan/icd.d/lvp_icd.*.json"):
+        return
+    if os.environ.get("CI"):
+        raise RuntimeError("CI must install libvulkan1 and mesa-vulkan-drivers "
+                           "(python3 -m localrt.bootstrap --test does)")
+    pytest.skip("the Vulkan loader or lavapipe (mesa-vulkan-drivers) is not installed")
+
+
+@pytest.fixture
+def no_vulkan_driver(tmp_path, monkeypatch):
+    """The Vulkan loader pointed at a driver list with no driver in it."""
+    monkeypatch.setenv("VK_ICD_FILENAMES", str(tmp_path / "no-driver.json"))
+    monkeypatch.setenv("VK_DRIVER_FILES", str(tmp_path / "no-driver.json"))
+
+
+# --- the parsing, on the structures the libraries fill --------------------------------
+
+
+def test_an_nvidia_gpu_is_read_from_what_nvml_fills_in():
+    memory = gpus.NvmlMemory(total=81559 * MIB, free=80000 * MIB + 5, used=1559 * MIB)
+    gpu = gpus.nvidia_gpu(0, ctypes.create_string_buffer(b"NVIDIA H100 80GB HBM3", 96),
+                          memory, ctypes.c_int(9), ctypes.c_int(0),
+                          ctypes.create_string_buffer(
+                              b"GPU-5f3b9a2c-1d4e-4f60-8a7b-9c0d1e2f3a4b", 96),
+                          ctypes.create_string_buffer(b"550.54.15", 80), ctypes.c_int(12040))
+    assert gpu == {"id": "0", "name": "NVIDIA H100 80GB HBM3", "backend": "cuda",
+                   "type": "discrete", "total": 81559 * MIB, "free": 80000 * MIB + 5,
+                   "version": "12.4", "driver": "550.54.15", "computeCap": "9.0",
+                   "uuid": "GPU-5f3b9a2c-1d4e-4f60-8a7b-9c0d1e2f3a4b"}
+    assert cortex_gpu(gpu) == {
+        "id": "0", "name": "NVIDIA H100 80GB HBM3", "version": "12.4",
+        "additional_information": {"driver_version": "550.54.15", "compute_cap": "9.0"},
+        "free_vram": 80000, "total_vram": 81559,
+        "uuid": "GPU-5f3b9a2c-1d4e-4f60-8a7b-9c0d1e2f3a4b", "activated": True,
+        "type": "discrete", "backend": "cuda"}
+    assert [gpus.cuda_version(v) for v in (12040, 11080, 13000, 0)] == \
+        ["12.4", "11.8", "13.0", ""]
+    assert ctypes.sizeof(gpus.NvmlMemory) == 24  # nvmlMemory_t: three unsigned long longs
+
+
+def test_a_vulkan_device_is_read_from_what_the_loader_fills_in():
+    props = gpus.VkPhysicalDeviceProperties(apiVersion=(1 << 22) | (3 << 12) | 280,
+                                            vendorID=0x10DE, deviceType=2,
+                                            deviceName=b"NVIDIA GeForce RTX 4090")
+    memory = gpus.VkPhysicalDeviceMemoryProperties(memoryHeapCount=2)
+    memory.memoryHeaps[0] = gpus.VkMemoryHeap(24564 * MIB, gpus.VK_MEMORY_HEAP_DEVICE_LOCAL)
+    memory.memoryHeaps[1] = gpus.VkMemoryHeap(32000 * MIB, 0)  # host memory it can see
+    ids = gpus.VkPhysicalDeviceIDProperties()
+    ids.deviceUUID[:] = list(bytes.fromhex("5f3b9a2c1d4e4f608a7b9c0d1e2f3a4b"))
+    driver = gpus.VkPhysicalDeviceDriverProperties(driverInfo=b"550.54.15")
+    budget = gpus.VkPhysicalDeviceMemoryBudgetProperties()
+    budget.heapBudget[0], budget.heapUsage[0] = 24000 * MIB, 1000 * MIB
+    budget.heapBudget[1], budget.heapUsage[1] = 30000 * MIB, 0
+    gpu = gpus.vulkan_gpu(1, props, memory, ids, driver, budget)
+    assert gpu == {"id": "1", "name": "NVIDIA GeForce RTX 4090", "backend": "vulkan",
+                   "type": "discrete", "total": 24564 * MIB, "free": 23000 * MIB,
+                   "version": "1.3.280", "driver": "550.54.15", "computeCap": "",
+                   "uuid": "5f3b9a2c-1d4e-4f60-8a7b-9c0d1e2f3a4b", "vendorId": 0x10DE,
+                   "heaps": [{"size": 24564 * MIB, "deviceLocal": True, "free": 23000 * MIB},
+                             {"size": 32000 * MIB, "deviceLocal": False,
+                              "free": 30000 * MIB}]}
+    # without VK_EXT_memory_budget or Vulkan 1.1: the total is all it can say
+    bare = gpus.vulkan_gpu(0, props, memory)
+    assert bare["free"] == bare["total"] == 24564 * MIB and bare["uuid"] == ""
+    assert [gpus.DEVICE_TYPES[t] for t in range(5)] == \
+        ["other", "integrated", "discrete", "virtual", "cpu"]
+    # the fields read lie where vulkan_core.h puts them
+    assert gpus.VkPhysicalDeviceProperties.deviceName.offset == 20
+    assert gpus.VkPhysicalDeviceProperties2.properties.offset == 16
+    assert gpus.VkPhysicalDeviceIDProperties.deviceUUID.offset == 16
+    assert ctypes.sizeof(gpus.VkPhysicalDeviceMemoryProperties) == 520
+
+
+def test_an_nvidia_gpu_the_vulkan_loader_also_lists_is_shown_once_as_cuda():
+    nvidia = [{"id": "0", "uuid": "GPU-5f3b9a2c-1d4e-4f60-8a7b-9c0d1e2f3a4b",
+               "backend": "cuda"}]
+    vulkan = [{"id": "0", "uuid": "5f3b9a2c-1d4e-4f60-8a7b-9c0d1e2f3a4b", "backend": "vulkan"},
+              {"id": "1", "uuid": "6d657361-3232-2e33-2e36-000000000000",
+               "backend": "vulkan"}]
+    assert [(g["id"], g["backend"]) for g in gpus.merged(nvidia, vulkan)] == \
+        [("0", "cuda"), ("1", "vulkan")]
+
+
+# --- no GPU, no driver, no loader ------------------------------------------------------
+
+
+def test_no_vulkan_loader_and_no_nvml_is_an_empty_list(tmp_path):
+    missing = str(tmp_path / "libvulkan.so.1")
+    assert gpus.detect(nvml=str(tmp_path / "libnvidia-ml.so.1"), vulkan=missing) == []
+    assert gpus.vulkan_gpus(missing) == [] and gpus.nvidia_gpus(missing) == []
+
+
+def test_a_child_that_does_not_answer_in_time_is_no_gpus(caplog):
+    assert gpus.detect(timeout=0.001) == []
+    assert "did not finish" in caplog.text
+
+
+def test_the_hardware_route_without_a_vulkan_driver(api, no_vulkan_driver):
+    r = api("GET", "/v1/hardware")
+    assert r.status == 200, r.body  # support.apps checks it against its schema too
+    body = r.json
+    assert body["gpus"] == []
+    assert body["cpu"]["cores"] >= 1 and body["cpu"]["arch"] in ("amd64", "arm64")
+    assert isinstance(body["cpu"]["instructions"], list) and body["os"]["name"]
+    assert 0 < body["ram"]["available"] <= body["ram"]["total"]  # MiB
+    assert body["ram"]["total"] < 1 << 24  # MiB, not bytes
+    assert 0 < body["storage"]["available"] <= body["storage"]["total"]
+    assert 0 <= body["cpu"]["usage"] <= 100
+
+
+# --- lavapipe ----------------------------------------------------------------------------
+
+
+@pytest.mark.live
+def test_lavapipe_is_a_vulkan_device_of_type_cpu(api):
+    require_lavapipe()
+    found = [g for g in api("GET", "/v1/hardware").json["gpus"] if LAVAPIPE in g["name"]]
+    assert len(found) == 1, found
+    gpu = found[0]
+    assert re.fullmatch(r"llvmpipe \(LLVM [\d.]+, \d+ bits\)", gpu["name"])
+    assert (gpu["type"], gpu["backend"], gpu["activated"]) == ("cpu", "vulkan", True)
+    assert re.fullmatch(r"1\.\d+\.\d+", gpu["version"])  # its Vulkan API version
+    assert re.fullmatch(r"[0-9a-f]{8}-([0-9a-f]{4}-){3}[0-9a-f]{12}", gpu["uuid"])
+    assert gpu["additional_information"]["compute_cap"] == ""
+    assert gpu["additional_information"]["driver_version"].startswith("Mesa ")
+    assert 0 < gpu["free_vram"] <= gpu["total_vram"]  # MiB: Debian 12's has a 2 GiB heap
+    assert gpu["total_vram"] < 1 << 24
+
+
+@pytest.mark.live
+def test_a_broken_nvml_library_does_not_hide_the_vulkan_devices():
+    require_lavapipe()
+    # libc has none of NVML's functions: the child reads the Vulkan devices all the same
+    found = gpus.detect(nvml="libc.so.6")
+    assert [g["backend"] for g in found if LAVAPIPE in g["name"]] == ["vulkan"]
+
+
+@pytest.mark.live
+def test_ps_shows_the_gpus(thread_server):
+    require_lavapipe()
+    code, out, _ = run("ps")
+    assert code == ExitCode.OK
+    header = next(line for line in out.splitlines() if "| GPU" in line)
+    assert [c.strip() for c in header.strip("|").split("|")] == \
+        ["GPU", "Name", "Type", "Backend", "Version", "Free", "Total"]
+    row = next(line for line in out.splitlines() if LAVAPIPE in line)
+    assert [c.strip() for c in row.strip("|").split("|")][2:4] == ["cpu", "vulkan"]
+
+
+@pytest.mark.live
+def test_ps_without_a_vulkan_driver_says_no_gpu(thread_server, no_vulkan_driver):
+    code, out, _ = run("ps")
+    assert code == ExitCode.OK and "no GPU" in out and "| GPU" not in out
