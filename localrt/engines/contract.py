@@ -109,7 +109,12 @@ class Model(Protocol):
     probabilities (localrt.engines.logprobs): `logprobs` (how many alternatives each
     token's comes with, 0 to 20; absent or None: none) and `prompt_logprobs` (score
     the prompt's tokens too: a completion's echo). A Tokenizing model's generate()
-    also takes `prompt_tokens` (a completion's own tokens).
+    also takes `prompt_tokens` (a completion's own tokens). For a reasoning model
+    (localrt.engines.reasoning): `template_kwargs` (more variables for the chat
+    template: enable_thinking, reasoning_effort, chat_template_kwargs) and `reasoning`
+    (the request's reasoning.Plan: an engine that follows it prepares the rendered
+    prompt with it, sets the Generation's `thinking` to the state it gives, and
+    counts `reasoning_tokens` in its usage; one that does not may ignore both).
     """
 
     def generate(self, messages: list, params: dict) -> Generation:

@@ -33,7 +33,7 @@ from localrt.engines.catalog import engine_alias, engine_for_files, weights_file
 from localrt.errors import (Conflict, HTTPError, InvalidField, InvalidModelFile,
                             ModelFileMissing, NotFound)
 from localrt.fsutil import MOVE_DATA, atomic_write, remove_stale_temps, storage_error
-from localrt.engines import ggufcheck, ggufinfo
+from localrt.engines import ggufcheck, ggufinfo, reasoning
 from localrt.models import roles
 
 log = logging.getLogger(__name__)
@@ -335,7 +335,8 @@ class Registry:
                                   if k not in LIST_OMITS}
         record["size"] = sum(f["size"] for f in d["files"])
         record["path"] = str(folder)
-        record["capabilities"] = capabilities(record)
+        # Read from the whole metadata: a listing's leaves out the chat template.
+        record["capabilities"] = capabilities({**record, "metadata": d.get("metadata")})
         signature, status, problem = _files_now(folder, d["files"])
         with self._lock:
             invalid = self._invalid.get(d["id"])
@@ -429,18 +430,23 @@ def capabilities(record: dict) -> list[str]:
     for another embedding model (its GGUF says so: metadata.embedding; a pull or an
     import records both), ["chat", "vision"] for a GGUF with a projector (the
     capability of each file it has beside its weights: localrt.models.roles), else
-    ["chat"]."""
+    ["chat"]; a chat model whose chat template thinks (localrt.engines.reasoning)
+    has "reasoning" too."""
     meta = record.get("metadata") or {}
     if meta.get("rerank") is True:
         return ["rerank"]
     if meta.get("embedding") is True:
         return ["embedding"]
+    out = ["chat"]
     added = [r.capability for r in roles.BESIDE if r.capability and record.get(r.key)]
     if added:  # files that go with GGUF weights, which llama.cpp loads beside them
         weights = _weights_name(record)
         if weights is not None and weights.lower().endswith(".gguf"):
-            return ["chat", *added]
-    return ["chat"]
+            out += added
+    template = meta.get("chat_template")
+    if isinstance(template, str) and reasoning.markers_of(template) is not None:
+        out.append("reasoning")
+    return out
 
 
 def weights_path(record: dict) -> Path | None:

@@ -43,6 +43,13 @@ step computes; `LlamaBatch` (localrt.engines.llama.decode) computes it with llam
     and keeps the draft as far as it agrees, so one step may give several tokens. The
     rejected draft tokens' KV is cut off at once. Drafts come after every sequence's
     next token in the batch's room, before prompt chunks.
+  * Thinking (localrt.engines.reasoning): a reasoning reply's sequence has a Tracker,
+    which each of its tokens passes through as the step records it. At its budget the
+    tracker gives the end-of-thinking marker's tokens: they go to the reply as if the
+    model wrote them, into its sampler chain, and into the next step's decode after the
+    sampled token, and the model answers from there. A sequence whose answer a grammar
+    constrains (a JSON schema, a forced call) thinks freely: its sampler chain is
+    swapped for the grammar's where its answer starts. Such a sequence does not draft.
   * LoRA adapters (localrt.engines.llama.adapters): a sequence's `adapters` are the
     (id, scale) pairs it decodes with, and the context applies one such set at a
     time, so a step carries only the sequences of one set; when several sets have
@@ -84,13 +91,19 @@ class Sequence:
 
     def __init__(self, prompt: list, max_tokens: int, sampler=None,
                  top_logprobs: int | None = None, prompt_logprobs: bool = False,
-                 images: dict | None = None, drafter=None, adapters: tuple = ()):
+                 images: dict | None = None, drafter=None, adapters: tuple = (),
+                 thinking=None, after_thinking=None):
         self.prompt = prompt  # text tokens, and ("image", digest, k) per image position
         self.images = images or {}  # the engine's chunk of each image, by its first index
         self.drafter = drafter  # drafting.Drafter, when this sequence speculates
         self.adapters = adapters  # the (id, scale) LoRA adapters it decodes with
         self.max_tokens = max_tokens
         self.sampler = sampler  # the engine's, handed to its decode(); freed by release()
+        # A reasoning reply's reasoning.Tracker (None: none), and the sampler chain that
+        # takes over where its answer starts (a grammar's; None: the same chain goes on).
+        self.thinking = thinking
+        self.after_thinking = after_thinking
+        self.forced: list = []  # tokens localrt writes itself, fed after `next`
         # Log-probabilities (localrt.engines.logprobs), for a request that asks: each sampled
         # token's, with this many alternatives (None: none computed), and with
         # prompt_logprobs the prompt's too, which is then read whole (no cached
@@ -148,7 +161,8 @@ class Batcher:
     decode(entries) -> for each entry with `sample`, in order, its sampled tokens (a
     list: one, or with a draft those the samples kept and one more; a lone int is
     taken as one), is_end(token) and release(sequence) (free what the engine made for
-    it); with an image entry, decode marks it `failed` when it cannot evaluate it.
+    it), accept(sequence, tokens) (tokens written for it, into its sampler chain) and
+    constrain(sequence) (its after_thinking chain takes over); with an image entry, decode marks it `failed` when it cannot evaluate it.
     `_lock` guards the slots, `_waiting`, `_active` and the sequences' state;
     `_stepping` lets one step run at a time and is held while it decodes.
     """
@@ -331,12 +345,17 @@ class Batcher:
         plan = []
         for seq in generating:
             draft = []
-            if seq.drafter is not None and room > 0:
+            if seq.drafter is not None and room > 0 and not seq.forced:
                 # no more than it may still say: its KV stays inside its context
                 draft = seq.drafter.propose(min(room, seq.max_tokens - seq.generated - 1))
                 room -= len(draft)
-            plan.append(Entry(seq, seq.slot.id, [seq.next] + draft, len(seq.slot.tokens),
-                              True, False, draft=len(draft)))
+            # Tokens localrt writes go in as the batch has room; the sequence samples
+            # again once the last of them is in.
+            written = seq.forced[:max(room, 0)]
+            room -= len(written)
+            plan.append(Entry(seq, seq.slot.id, [seq.next, *written] + draft,
+                              len(seq.slot.tokens), len(written) == len(seq.forced), False,
+                              draft=len(draft)))
         reach = {}  # where each sequence's KV will end after this step's text
         for seq in active:
             if room <= 0:
@@ -393,8 +412,9 @@ class Batcher:
             if entry.reading:
                 seq.read += len(entry.tokens)
                 self.prompt_read += len(entry.tokens)
-            else:
-                seq.next = None
+            else:  # what of its token and the tokens localrt writes is still to feed
+                left = [seq.next, *seq.forced][len(kept):] if not entry.draft else []
+                seq.next, seq.forced = (left[0], left[1:]) if left else (None, [])
             if seq.left:
                 continue
             for token in got:
@@ -402,7 +422,12 @@ class Batcher:
                 seq.generated += 1
                 if seq.drafter is not None:
                     seq.drafter.extend((token,))
-                if self._engine.is_end(token) or seq.generated >= seq.max_tokens:
+                if self._engine.is_end(token):
+                    seq.ended = True
+                    break
+                if seq.thinking is not None and self._think(seq, token):
+                    break
+                if seq.generated >= seq.max_tokens:
                     seq.ended = True
                     break
             else:
@@ -411,6 +436,26 @@ class Batcher:
         self._in_flight = set()
         for seq in [s for s in self._active if s.left]:
             self._free(seq)
+
+    def _think(self, seq: Sequence, token: int) -> bool:
+        """Follow a token of a reasoning reply (see the module docstring); True when
+        localrt writes the end of its thinking after it."""
+        forced = seq.thinking.step(token)
+        if forced and seq.generated < seq.max_tokens:
+            seq.thinking.forced(forced)
+            self._engine.accept(seq, forced)
+            seq.next, seq.forced = token, list(forced)
+            for written in forced:
+                seq.ready.append(written)
+                seq.generated += 1
+                if seq.generated >= seq.max_tokens:
+                    seq.ended = True
+                    break
+        else:
+            forced = []
+        if seq.thinking.answering and seq.after_thinking is not None:
+            self._engine.constrain(seq)
+        return bool(forced)
 
     def _fail(self, plan: list[Entry], exc: Exception) -> None:
         """A decode failed: its sequences end with the error, their slots forget their KV."""

@@ -212,11 +212,23 @@ class LlamaBatch:
         """Whether a token ends a generation (end of sequence, end of turn, ...)."""
         return bool(self._ll.llama_vocab_is_eog(self._vocab, token))
 
+    def accept(self, seq: Sequence, tokens: list) -> None:
+        """Tokens written for a sequence (the end of its thinking), into its sampler chain
+        as if it had sampled them."""
+        for token in tokens:
+            self._ll.llama_sampler_accept(seq.sampler, token)
+
+    def constrain(self, seq: Sequence) -> None:
+        """The sequence's answer starts: its grammar's chain takes over from the free one."""
+        self._ll.llama_sampler_free(seq.sampler)
+        seq.sampler, seq.after_thinking = seq.after_thinking, None
+
     def release(self, seq: Sequence) -> None:
-        """Free a sequence's sampler chain, and its image chunks."""
-        if seq.sampler is not None:
-            self._ll.llama_sampler_free(seq.sampler)
-            seq.sampler = None
+        """Free a sequence's sampler chains, and its image chunks."""
+        for chain in (seq.sampler, seq.after_thinking):
+            if chain is not None:
+                self._ll.llama_sampler_free(chain)
+        seq.sampler = seq.after_thinking = None
         if seq.images:
             self.projector.free_chunks(seq.images)
 

@@ -91,6 +91,7 @@ class Prompt:
     items: list
     chunks: dict = field(default_factory=dict)
     n_tokens: int = 0
+    thinking: str | None = None  # a reasoning reply's state at its start (reasoning.Plan)
 
 
 class Projector:
