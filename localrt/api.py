@@ -354,6 +354,16 @@ def slots(services: Services, request: Request):
                                   request.query.get("fail_on_no_slot") in ("1", "true"))
 
 
+def lora_adapters(services: Services, request: Request):
+    """llama-server's lora-adapters: a running model's LoRA adapters and their scales."""
+    return services.utility.lora_adapters(request.query.get("model"))
+
+
+def set_lora_adapters(services: Services, request: Request):
+    """llama-server's lora-adapters: the scales of a running model's requests that give none."""
+    return services.utility.set_lora_adapters(request.query.get("model"), request.body)
+
+
 # --- engines -------------------------------------------------------------------------
 
 
@@ -604,6 +614,9 @@ ROUTES = (
           max_body=IMAGE_BODY),
     Route("GET", "/props", props, reply="props", query=("model",)),
     Route("GET", "/slots", slots, reply="slots", query=("model", "fail_on_no_slot")),
+    Route("GET", "/lora-adapters", lora_adapters, reply="lora-adapters", query=("model",)),
+    Route("POST", "/lora-adapters", set_lora_adapters, "lora-adapters.json",
+          "lora-adapters-set", query=("model",)),
     # Ollama's API (localrt.dialects.ollama), under /api/: its errors take Ollama's shape (DIALECTS)
     Route("GET", "/api/version", ollama_version, reply="ollama-version"),
     Route("GET", "/api/tags", ollama_tags, reply="ollama-tags"),

@@ -57,10 +57,11 @@ RPC_BUILD_WHEELS = ("scikit-build-core", "cmake", "ninja")
 RPC_SOURCES = Path("tests") / ".rpc-build" / "sources"
 
 # Commands the tests use when present, and the Debian packages that bring them.
-# Without them test_man.py, test_cors_browser.py and the tinyproxy tests
-# (tests/emulators/proxyfix.py) skip, except under CI.
+# Without them test_man.py, test_cors_browser.py, the tinyproxy tests
+# (tests/emulators/proxyfix.py) and the real agent clients' tests (npm installs Claude
+# Code and Codex: tests/support/agents.py) skip, except under CI.
 TEST_TOOLS = {"groff": "groff-base", "chromium": "chromium", "chromedriver": "chromium-driver",
-              "tinyproxy": "tinyproxy"}
+              "tinyproxy": "tinyproxy", "node": "nodejs", "npm": "npm"}
 # Files the tests use when present (glob patterns), and the Debian packages that bring
 # them: the Vulkan loader and Mesa's lavapipe, a Vulkan device that runs on the CPU.
 # Without them tests/test_hardware.py's Vulkan tests skip, except under CI.

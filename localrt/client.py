@@ -112,14 +112,18 @@ class Client:
                                                           "upstreams": upstreams})
 
     def import_model(self, path: str, model_id: str | None = None,
-                     option: str = "symlink", mmproj: str | None = None) -> dict:
+                     option: str = "symlink", mmproj: str | None = None,
+                     lora: list | None = None) -> dict:
         """POST /v1/models/import: register a local GGUF file (`path` is absolute), with
-        its vision projector `mmproj` (absolute too) if given."""
+        its vision projector `mmproj` (absolute too) and its LoRA adapters `lora`
+        ([{"path", "scale"?}], absolute paths) if given."""
         body = {"path": path, "option": option}
         if model_id is not None:
             body["id"] = model_id
         if mmproj is not None:
             body["mmproj"] = mmproj
+        if lora:
+            body["lora"] = lora
         return self._request("POST", "/v1/models/import", body)
 
     def list_engines(self) -> list:

@@ -12,7 +12,8 @@ A request:
   Request       model, messages, sampling fields, stop, tools, tool_choice,
                 response_format, logprobs, prediction, stream, include_usage, ...
   Message       role (system, user, assistant, tool), parts, tool calls, the
-                tool_call_id a tool message answers, its name
+                tool_call_id a tool message answers, its name, an assistant's
+                reasoning
   Text          a part that is text
   Media         a part that is bytes of a media type (an image today): `data` is the
                 bytes, or a URL to read them from (data: or http(s)), read and checked
@@ -89,13 +90,15 @@ Part = Union[Text, Media]
 @dataclass
 class Message:
     """One message of a conversation. `parts` are Text and Media in order; an
-    assistant's `tool_calls`; a tool message's `tool_call_id` and `name`."""
+    assistant's `tool_calls`, and its `reasoning` (the thinking it wrote before its
+    answer, "" for none); a tool message's `tool_call_id` and `name`."""
 
     role: str
     parts: list = field(default_factory=list)
     tool_calls: list = field(default_factory=list)
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning: str = ""
 
     @property
     def text(self) -> str:
@@ -118,7 +121,9 @@ class Request:
     "required" or "function", with `tool_function` the function's name; `response_format` {"type": "json_object" or
     "json_schema", "schema", "name"} or None for text; `logprobs` the alternatives
     each token comes with (None: no log-probabilities); `prediction` text the reply
-    is expected to repeat; `speculative` False turns drafting off for this request.
+    is expected to repeat; `speculative` False turns drafting off for this request;
+`lora` llama-server's [{"id", "scale"}], the LoRA adapters' scales for this request
+(None: the model's own).
 
     Thinking (a reasoning model's): `think` True or False turns it on or off, None
     leaves the model's default (its `reasoning` parameter); `effort` is the level a
@@ -143,6 +148,7 @@ class Request:
     logit_bias: dict | None = None
     prediction: str | None = None
     speculative: bool | None = None
+    lora: list | None = None
     stream: bool = False
     include_usage: bool = False
     think: bool | None = None
@@ -173,6 +179,7 @@ class TextRequest:
     logprobs: int | None = None
     logit_bias: dict | None = None
     speculative: bool | None = None
+    lora: list | None = None
     stream: bool = False
     include_usage: bool = False
 

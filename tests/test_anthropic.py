@@ -130,7 +130,9 @@ def test_a_conversation_becomes_a_native_request_and_an_upstreams_chat_request()
     assert [m.role for m in request.messages] == ["system", "user", "assistant", "tool",
                                                   "tool", "user"]
     assert request.tool_choice == "function" and request.tool_function == "get_weather"
-    # A remote model's upstream gets the request as OpenAI's chat request.
+    assert request.messages[2].reasoning == "hm"  # a thinking block goes back to the template
+    # A remote model's upstream gets the request as OpenAI's chat request, the thinking
+    # under both names upstreams read it by.
     assert wire.chat_body(request) == {
         "model": "m", "max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 20,
         "messages": [
@@ -140,7 +142,8 @@ def test_a_conversation_becomes_a_native_request_and_an_upstreams_chat_request()
                 {"id": hashed, "type": "function",
                  "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
                 {"id": "Ab3De5Gh7", "type": "function",
-                 "function": {"name": "get_time", "arguments": "{}"}}]},
+                 "function": {"name": "get_time", "arguments": "{}"}}],
+             "reasoning_content": "hm", "reasoning": "hm"},
             {"role": "tool", "tool_call_id": hashed, "content": "21\nsunny"},
             {"role": "tool", "tool_call_id": "Ab3De5Gh7", "content": "12:00"},
             {"role": "user", "content": "And tomorrow?"}],

@@ -643,3 +643,40 @@ def test_an_image_that_fails_ends_only_its_own_sequence():
     batcher.step()
     assert isinstance(seeing.error, RuntimeError) and seeing.ended
     assert batcher.slots[1].tokens == [] and not talking.ended and len(talking.ready) == 2
+
+
+class ThinkingEngine(Engine):
+    """The pretend engine, with what a reasoning reply's sequence needs."""
+
+    def __init__(self):
+        super().__init__()
+        self.fed, self.accepted = [], []
+
+    def decode(self, entries: list[Entry]) -> list[int]:
+        self.fed.append([(list(e.tokens), e.sample) for e in entries])
+        return super().decode(entries)
+
+    def accept(self, seq, tokens):
+        self.accepted += tokens
+
+    def constrain(self, seq):
+        seq.sampler, seq.after_thinking = seq.after_thinking, None
+
+
+def test_at_the_budget_the_end_of_thinking_is_fed_as_the_batch_has_room():
+    from localrt.engines import reasoning
+
+    texts = {100: "x", 7: "</th", 8: "ink>", 9: "\n"}
+    engine = ThinkingEngine()
+    batcher = Batcher(1, 1, engine)  # room for one token a step
+    tracker = reasoning.Tracker(reasoning.SYNTAXES[-1], "thinking", 2,
+                                lambda t: texts[t].encode(), lambda text: [7, 8, 9])
+    seq = Sequence([1, 2], 20, sampler="free", thinking=tracker, after_thinking="grammar")
+    batcher.join(seq)
+    for _ in range(7):
+        batcher.step()
+    assert list(seq.ready) == [100, 100, 7, 8, 9, 100]
+    assert engine.fed[2:] == [[([100], True)], [([100], False)], [([7], False)],
+                              [([8], False)], [([9], True)]]
+    assert engine.accepted == [7, 8, 9] and tracker.count == 2
+    assert seq.sampler == "grammar" and seq.after_thinking is None

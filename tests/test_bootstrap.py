@@ -112,7 +112,7 @@ def test_missing_packages_come_from_apt_through_sudo(tmp_path):
         "sudo apt-get update -q",
         "sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "
         f"--no-install-recommends {VENV_PKG} build-essential groff-base chromium-driver "
-        "tinyproxy",
+        "tinyproxy nodejs npm",
     ]
 
 
@@ -143,7 +143,7 @@ def test_test_tools_apt_lacks_are_left_out_with_a_note(tmp_path):
     assert rc == 5  # pytest's exit code
     assert calls[1] == ["env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "install", "-y",
                         "-q", "--no-install-recommends", "build-essential", "groff-base",
-                        "tinyproxy"]
+                        "tinyproxy", "nodejs", "npm"]
     assert "apt has no chromium chromium-driver here" in err.getvalue()
 
 

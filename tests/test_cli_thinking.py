@@ -19,7 +19,7 @@ import pytest
 from support.cli import run
 from support.models import add_model
 from support.servers import run_foreground_server
-from support.thinker import ANSWER, THINKING, add_thinker, thinking_upstream
+from support.thinker import ANSWER, THINKING, add_thinker, thinking_upstream, write_qwq
 from test_cli_run import GREEDY, Terminal, Typed
 
 from localrt.cli import ExitCode
@@ -118,3 +118,31 @@ def test_a_terminal_shows_the_thinking_dimmed_before_the_answer(home, server, up
         assert terminal.wait() == 0
     finally:
         terminal.close()
+
+
+# --- a local reasoning model ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwq(tmp_path_factory):
+    return write_qwq(tmp_path_factory.mktemp("qwq") / "qwq.gguf")
+
+
+def test_a_local_reasoning_model_thinks_apart_and_think_false_stops_it(thread_server, qwq):
+    add_model(thread_server.url, qwq, "qwq", stored={**GREEDY, "max_tokens": 16})
+    code, out, err = run("run", "qwq", "Which is larger, 7 or 9?")
+    assert code == ExitCode.OK, err
+    assert out == "ok\n" and "Thinking…\nso we\n…done thinking.\n\n" in err
+
+    code, out, err = run("run", "qwq", "--think", "Which is larger, 7 or 9?")
+    assert code == ExitCode.OK, err  # the model reasons: --think is taken
+    assert out == "ok\n" and "so we" in err
+
+    code, out, err = run("run", "qwq", "--think=false", "Which is larger, 7 or 9?")
+    assert code == ExitCode.OK, err
+    assert out == "ok\n" and "Thinking" not in err
+
+    code, out, err = run("run", "qwq", stdin=Typed(
+        "Hello\n/set nothink\nAgain\n/set think\nOnce more\n/exit\n"))
+    assert code == ExitCode.OK, err
+    assert out == "ok\n" * 3 and err.count("Thinking…") == 2

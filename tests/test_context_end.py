@@ -192,14 +192,40 @@ def test_a_reply_that_reaches_the_end_of_the_context_ends_with_length(
     assert (finish, prompt, reply) == (length, CTX - 1, 1)
 
 
+def refusal(dialect, r) -> str:
+    """The message of a 400 in the dialect's own error shape (each client reads only
+    its own: Claude Code the Anthropic one, Codex the Responses one, ...)."""
+    assert r.status == 400, r.body
+    assert r.headers["content-type"] == "application/json"
+    body = r.json
+    if dialect.startswith("ollama"):
+        assert set(body) == {"error"} and isinstance(body["error"], str), body
+        return body["error"]
+    if dialect == "anthropic":
+        assert body["type"] == "error", body
+        assert body["error"]["type"] == "invalid_request_error", body
+        return body["error"]["message"]
+    field = "input" if dialect == "responses" else "messages"
+    assert body["error"]["type"] == "invalid_request_error", body
+    assert (body["error"]["code"], body["error"]["param"]) == ("invalid_field", field), body
+    return body["error"]["message"]
+
+
 @pytest.mark.parametrize("dialect", sorted(DIALECTS))
 def test_a_prompt_that_fills_the_context_is_a_400_naming_ctx_len(api, overhead, dialect):
+    """In the dialect's own shape, naming ctx_len and the prompt's size: counted when it
+    is tokenized, or a bound on it when its text alone is too long (measured before)."""
     request, _, _ = DIALECTS[dialect]
     for stream in (False, True):  # refused before a stream starts
-        r = api("POST", *request(words(CTX - overhead), stream))
-        assert r.status == 400, r.body
-        assert r.headers["content-type"] == "application/json"
-        assert "ctx_len" in r.body.decode()
+        message = refusal(dialect, api("POST", *request(words(CTX - overhead), stream)))
+        assert f"the prompt is {CTX} tokens and the model's context (ctx_len) holds " \
+               f"{CTX}" in message, message
+        # 2 bytes a word: 80 bytes for each token of the context, more than any of the
+        # vocabulary's pieces stands for (12 at most): refused before it is tokenized
+        message = refusal(dialect, api("POST", *request(words(CTX * 40), stream)))
+        assert "the prompt is at least " in message, message
+        assert f"the model's context (ctx_len) holds {CTX}" in message, message
+        assert "larger ctx_len" in message
     assert ask(api, dialect, words(CTX - 1 - overhead), False)[2] == 1  # still serves
 
 

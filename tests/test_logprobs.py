@@ -369,8 +369,10 @@ def test_completion_logprobs_match_llama_cpp_pythons_own(api, tiny, quantized):
     """llama-cpp-python's high-level Llama scores a completion the same way."""
     import llama_cpp
 
+    # flash attention on, as localrt's default (llama.cpp's auto) has it on a CPU: the
+    # same kernels, so the same logits
     llm = llama_cpp.Llama(model_path=str(quantized["Q8_0"]), n_ctx=256, logits_all=True,
-                          n_threads=1, verbose=False)
+                          n_threads=1, flash_attn=True, verbose=False)
     try:
         theirs = llm.create_completion(PROMPT, max_tokens=8, temperature=0, logprobs=3)
     finally:

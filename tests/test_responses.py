@@ -16,6 +16,7 @@ and through Responses.
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import gguf
@@ -76,6 +77,16 @@ CODEX_TOOLS = [_function("exec_command", "Runs a command in a PTY.", cmd=TEXT, w
                {"type": "web_search", "external_web_access": False},
                MULTI_AGENT]
 AGENT_SCHEMAS = {t["name"]: t["parameters"] for t in MULTI_AGENT["tools"]}
+# Codex's freeform apply_patch, as it sends it for the models it gives a grammar: a custom
+# tool, whose calls carry free text.
+PATCH_GRAMMAR = 'start: begin_patch hunk+ end_patch\nbegin_patch: "*** Begin Patch" LF'
+APPLY_PATCH = {"type": "custom", "name": "apply_patch",
+               "description": "Use the apply_patch tool to edit files.",
+               "format": {"type": "grammar", "syntax": "lark", "definition": PATCH_GRAMMAR}}
+PATCH = "*** Begin Patch\n*** Add File: hi.txt\n+hi\n*** End Patch"
+# What "patcher" always writes: a Hermes call of apply_patch's function, with the text.
+PATCHING = ["<tool_call>", json.dumps({"name": "apply_patch", "arguments": {"input": PATCH}}),
+            "</tool_call>"]
 # What "caller" always writes: a Hermes call of spawn_agent, named as localrt shows it.
 SPAWN = ["<tool_call>", '{"name": "multi_agent_v1__spawn_agent", ',
          '"arguments": {"message": "Find the bug"}}', "</tool_call>"]
@@ -91,7 +102,11 @@ def weights(tmp_path_factory):
             "caller": write_gguf(root / "caller.gguf", name="caller", vocab_size=400,
                                  context_length=8192, chat_template=TEMPLATES["qwen25"],
                                  added_tokens=[(t, gguf.TokenType.USER_DEFINED)
-                                               for t in SPAWN], script=SPAWN)}
+                                               for t in SPAWN], script=SPAWN),
+            "patcher": write_gguf(root / "patcher.gguf", name="patcher", vocab_size=400,
+                                  context_length=4096, chat_template=TEMPLATES["qwen25"],
+                                  added_tokens=[(t, gguf.TokenType.USER_DEFINED)
+                                                for t in PATCHING], script=PATCHING)}
 
 
 @pytest.fixture
@@ -352,6 +367,58 @@ def test_hosted_tools_stay_out_of_the_prompt_and_namespaces_show_their_functions
     assert namespaced != prompt([MULTI_AGENT], history({"name": "spawn_agent"}))
 
 
+@pytest.mark.live
+def test_a_custom_tools_call_comes_back_as_a_custom_tool_call_with_its_text(app, api):
+    """Codex's freeform apply_patch: the model is offered a function of one string, input
+    (the grammar in its description), and its call comes back as a custom_tool_call item
+    holding the text, whole and streamed; the call and its output go back into the prompt
+    as the function's call and a tool message; tool_choice may force it."""
+    body = {"model": "patcher", "input": "Add hi.txt.", "tools": [TIME, APPLY_PATCH],
+            "tool_choice": "auto", "max_output_tokens": 60}
+    out = respond(api, **body).json
+    call, = out["output"]
+    assert {k: call[k] for k in ("type", "name", "input", "status")} == {
+        "type": "custom_tool_call", "name": "apply_patch", "input": PATCH,
+        "status": "completed"}
+    assert call["id"].startswith("ctc_") and out["tools"] == body["tools"]
+    assert not app.validators.reply_errors("response", out)
+
+    got = events(app, respond(api, **body, stream=True))
+    kinds = [e["type"] for e in got]
+    assert kinds[2:] == ["response.output_item.added", "response.custom_tool_call_input.delta",
+                         "response.custom_tool_call_input.done", "response.output_item.done",
+                         "response.completed"]
+    assert got[2]["item"]["input"] == "" and got[3]["delta"] == got[4]["input"] == PATCH
+    assert got[-2]["item"]["input"] == PATCH and got[-1]["response"]["output"] == [got[-2]["item"]]
+
+    # Forced, the grammar makes the scripted weights write the call of apply_patch's
+    # function (not their script, so its text never ends within max_output_tokens).
+    forced = respond(api, **{**body, "tool_choice": {"type": "custom", "name": "apply_patch"},
+                             "max_output_tokens": 40})
+    assert forced.status == 200, forced.body
+    assert re.search(r'"name"\s*:\s*"apply_patch"', text_of(forced.json)), forced.json
+
+    def prompt(tools, items):
+        r = respond(api, model="qwen25", input=items, tools=tools, tool_choice="none",
+                    max_output_tokens=1)
+        assert r.status == 200, r.body
+        return r.json["usage"]["input_tokens"]
+
+    user = {"role": "user", "content": "Add hi.txt."}
+    as_function = {"type": "function", "name": "apply_patch",
+                   "description": APPLY_PATCH["description"],
+                   "parameters": responses.custom_parameters(APPLY_PATCH["format"])}
+    assert prompt([APPLY_PATCH], [user]) == prompt([as_function], [user])
+    custom = [user, {"type": "custom_tool_call", "call_id": "call_1", "name": "apply_patch",
+                     "input": PATCH},
+              {"type": "custom_tool_call_output", "call_id": "call_1", "output": "Done"}]
+    plain = [user, {"type": "function_call", "call_id": "call_1", "name": "apply_patch",
+                    "arguments": json.dumps({"input": PATCH})},
+             {"type": "function_call_output", "call_id": "call_1", "output": "Done"}]
+    assert prompt([APPLY_PATCH], custom) == prompt([as_function], plain) > \
+        prompt([APPLY_PATCH], [user])
+
+
 def test_hosted_tools_are_the_schemas_and_the_man_pages():
     """responses.HOSTED, the hosted types response-create.json takes (in tools and in
     tool_choice) and those localrt-api(7) lists are the same."""
@@ -361,7 +428,7 @@ def test_hosted_tools_are_the_schemas_and_the_man_pages():
 
     schema = load("response-create.json")["properties"]
     in_tools = schema["tools"]["items"]["properties"]["type"]["enum"]
-    assert in_tools == ["function", "namespace", *responses.HOSTED]
+    assert in_tools == ["function", "namespace", "custom", *responses.HOSTED]
     assert schema["tool_choice"]["anyOf"][2]["properties"]["type"]["enum"] == \
         list(responses.HOSTED)
     man = (Path(__file__).resolve().parent.parent / "man" / "localrt-api.7").read_text()
@@ -447,7 +514,10 @@ def test_the_store_keeps_the_most_recently_used_within_its_bounds():
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]},
      "input[0].output"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
-    ({"input": "x", "tools": [{"type": "custom", "name": "apply_patch"}]}, "tools[0].type"),
+    ({"input": "x", "tools": [{"type": "custom"}]}, "tools[0].name"),
+    ({"input": "x", "tools": [{"type": "custom", "name": "p", "format": {"type": "xml"}}]},
+     "tools[0].format.type"),
+    ({"input": [{"type": "custom_tool_call", "call_id": "c", "name": "p"}]}, "input[0].input"),
     ({"input": "x", "tools": [{"type": "namespace", "name": "n", "tools": [
         {"type": "custom", "name": "f"}]}]}, "tools[0].tools[0].type"),
     ({"input": "x", "tools": [{"type": "namespace", "name": "n.s", "tools": []}]},
@@ -462,7 +532,8 @@ def test_the_store_keeps_the_most_recently_used_within_its_bounds():
      "tool_choice.name"),
     ({"input": "x", "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}},
      "tool_choice"),
-    ({"input": "x", "tool_choice": {"type": "custom", "name": "apply_patch"}}, "tool_choice"),
+    ({"input": "x", "tool_choice": {"type": "custom", "name": "apply_patch"}},
+     "tool_choice.name"),
     ({"input": "x", "tools": [{"type": "function"}]}, "tools[0].name"),
     ({"input": "x", "tools": [{"type": "function", "name": "a b"}]}, "tools[0].name"),
     ({"input": "x", "tools": [WEATHER, WEATHER]}, "tools[1].name"),

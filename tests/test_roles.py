@@ -8,6 +8,7 @@ tests/test_vision_models.py's, tests/test_pull_layout.py's and tests/test_vision
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -19,14 +20,15 @@ from localrt.cli.parser import build_parser
 from localrt.errors import InvalidField
 from localrt.models import roles
 from localrt.models.hub import HubFile
-from localrt.models.roles import BESIDE, PROJECTOR, ROLES, WEIGHTS
+from localrt.models.roles import ADAPTER, BESIDE, PROJECTOR, ROLES, WEIGHTS
 
 PACKAGE = Path(roles.__file__).resolve().parent.parent
 
 
-def test_the_table_has_the_weights_and_the_projector():
-    assert [r.name for r in ROLES] == ["weights", "projector"]
-    assert BESIDE == (PROJECTOR,) and roles.KEYS == ("mmproj",)
+def test_the_table_has_the_weights_the_projector_and_the_adapters():
+    assert [r.name for r in ROLES] == ["weights", "projector", "adapter"]
+    assert BESIDE == (PROJECTOR, ADAPTER) and roles.KEYS == ("mmproj", "lora")
+    assert [r.many for r in ROLES] == [False, False, True]
     assert WEIGHTS.key is None and WEIGHTS.prefix is None and WEIGHTS.pick is None
     assert len({r.name for r in ROLES}) == len(ROLES)
     assert len(set(roles.KEYS)) == len(roles.KEYS)
@@ -34,17 +36,20 @@ def test_the_table_has_the_weights_and_the_projector():
 
 @pytest.mark.parametrize("role", BESIDE, ids=lambda r: r.name)
 def test_each_role_beside_the_weights_is_whole(role):
-    # What a row promises: a name to find its files by, a pick, a check, and its key
-    # taken by an import body, a PATCH (model-yml.json, which model-update.json takes)
-    # and the CLI's import and update.
-    assert role.prefix and callable(role.pick) and callable(role.check)
+    # What a row promises: a name to find its files by, a check, and its key taken by
+    # an import body, a PATCH (model-yml.json, which model-update.json takes) and the
+    # CLI's import and update (repeated, for a role of many files); a pick, unless
+    # its files are never pulled (the adapters).
+    assert role.prefix and callable(role.check)
+    assert callable(role.pick) or role is ADAPTER
     assert role.key in schemas.load("model-import.json")["properties"]
     assert role.key in schemas.load("model-yml.json")["properties"]
     parser = build_parser()
     flag = f"--{role.key}"
     imported = parser.parse_args(["models", "import", "--path", "/m.gguf", flag, "/p.gguf"])
     updated = parser.parse_args(["models", "update", "m", flag, "/p.gguf"])
-    assert getattr(imported, role.key) == getattr(updated, role.key) == "/p.gguf"
+    given = ["/p.gguf"] if role.many else "/p.gguf"
+    assert getattr(imported, role.key) == getattr(updated, role.key) == given
 
 
 @pytest.mark.parametrize("path, role", [
@@ -55,6 +60,9 @@ def test_each_role_beside_the_weights_is_whole(role):
     ("model-mmproj.gguf", WEIGHTS),   # the prefix starts the name
     ("mmproj-notes.txt", WEIGHTS),    # a projector is a GGUF
     ("mmproj/model.gguf", WEIGHTS),   # a folder's name says nothing
+    ("lora-first.gguf", ADAPTER),
+    ("LoRA-x.GGUF", ADAPTER),
+    ("model-lora.gguf", WEIGHTS),
 ])
 def test_a_files_name_says_its_role(path, role):
     assert roles.role_of(path) is role
@@ -106,6 +114,20 @@ def test_a_body_gives_files_by_role():
     assert roles.given({"path": "/m.gguf", "mmproj": "/p.gguf", "top_k": 2}) == \
         {PROJECTOR: "/p.gguf"}
     assert roles.given({"mmproj": None, "top_k": 2}) == {}
+    # adapters with their scales (1.0 when left out); an empty list drops them
+    assert roles.given({"lora": [{"path": "/a.gguf"}, {"path": "/b.gguf", "scale": 0}]}) == \
+        {ADAPTER: [{"path": "/a.gguf", "scale": 1.0}, {"path": "/b.gguf", "scale": 0.0}]}
+    assert roles.given({"lora": []}) == {ADAPTER: []}
+
+
+def test_a_record_names_its_adapters_in_order_with_absolute_paths(tmp_path):
+    record = {"path": str(tmp_path), "files": [{"path": "m.gguf"}, {"path": "lora-a.gguf"},
+                                                {"path": "lora-b.gguf"}],
+              "lora": [{"path": "lora-b.gguf", "scale": 0.5}, {"path": "lora-a.gguf"}]}
+    assert ADAPTER.names(record) == ["lora-b.gguf", "lora-a.gguf"]
+    assert roles.beside(record) == {"lora": [
+        {"path": str(tmp_path / "lora-b.gguf"), "scale": 0.5},
+        {"path": str(tmp_path / "lora-a.gguf"), "scale": 1.0}]}
 
 
 def test_the_check_takes_a_pair_and_names_the_key(tmp_path):
@@ -121,6 +143,8 @@ def test_the_check_takes_a_pair_and_names_the_key(tmp_path):
 def test_an_update_of_a_running_model_says_it_keeps_its_file():
     assert PROJECTOR.running_note == ("; it is running with the projector it started with, "
                                       "and loads this one when it is started again")
+    assert ADAPTER.running_note == ("; it is running with the adapters it started with, "
+                                    "and loads these when it is started again")
 
 
 # The modules that take a model's files to pieces; each asks the table for a role's key.
@@ -138,5 +162,11 @@ def test_no_module_but_the_table_spells_a_roles_key(module):
     spelled = [node.lineno for node in ast.walk(tree)
                if isinstance(node, ast.Constant) and isinstance(node.value, str)
                and id(node) not in docstrings
-               and any(key in node.value for key in roles.KEYS)]
+               and any(_spells(node.value, key) for key in roles.KEYS)]
     assert spelled == []
+
+
+def _spells(text: str, key: str) -> bool:
+    """Whether `text` names the key as a field would ("lora", "'lora'", "lora[0]"), not
+    inside a route's path or a name ("/lora-adapters", "lora-adapters.json")."""
+    return re.search(rf"(?<![\w/-]){re.escape(key)}(?![\w-])", text) is not None

@@ -4,7 +4,8 @@ until a click opens it, its text shown as text; the conversation sends each answ
 thinking back (`reasoning_content`), and keeps it across a reload.
 
 Headless Chromium (support.browser) against `localrt start --foreground`, with the
-remote model `thinker` (support.thinker): its upstream thinks, pauses, then answers.
+remote model `thinker` (support.thinker): its upstream thinks, pauses, then answers;
+and a local scripted model with QwQ's template, `qwq`, for the page's thinking switch.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import re
 import pytest
 from support.browser import require_chromium, start_chromium
 from support.servers import run_foreground_server
-from support.thinker import ANSWER, THINKING, add_thinker, thinking_upstream
+from support.models import add_model
+from support.thinker import ANSWER, THINKING, add_thinker, thinking_upstream, write_qwq
 from test_web import last_reply, open_page, pick, say, wait
 
 pytestmark = [pytest.mark.browser, pytest.mark.live]
@@ -36,6 +38,9 @@ def upstream():
 def server(tmp_path_factory, upstream):
     srv = run_foreground_server(tmp_path_factory.mktemp("web-thinking-home"))
     add_thinker(srv.url, upstream)
+    qwq = write_qwq(tmp_path_factory.mktemp("qwq") / "qwq.gguf")
+    add_model(srv.url, qwq, "qwq", stored={"temperature": 0, "cpu_threads": 1,
+                                           "max_tokens": 16})
     yield srv
     srv.stop()
 
@@ -90,3 +95,30 @@ def test_thinking_is_a_collapsed_block_above_the_answer(browser, server, upstrea
     assert first.get_attribute("open") is None
     # A remote model's capabilities do not say it reasons: no thinking switch.
     assert not browser.find_element(By.ID, "think-label").is_displayed()
+
+
+def test_the_thinking_switch_of_a_model_that_reasons(browser, server):
+    find = browser.find_element
+    browser.find_element(By.ID, "new-chat").click()
+    pick(browser, "qwq")
+    switch = find(By.ID, "think")
+    assert find(By.ID, "think-label").is_displayed() and switch.is_selected()
+    say(browser, "Which is larger, 7 or 9?")
+    reply = last_reply(browser, ("done",), 60)
+    block = reply.find_element(By.CSS_SELECTOR, "details.thinking")
+    block.find_element(By.TAG_NAME, "summary").click()
+    assert block.find_element(By.CSS_SELECTOR, ".thinking-text").text == "so we"
+    assert reply.find_element(By.CSS_SELECTOR, ".body").text == "ok"
+
+    switch.click()  # off: the template's own switch, no thinking
+    assert not switch.is_selected()
+    say(browser, "And 3 or 2?")
+    wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR,
+                                                '[data-role="assistant"]')) == 2,
+         30, "a second reply")
+    reply = last_reply(browser, ("done",), 60)
+    assert not reply.find_elements(By.CSS_SELECTOR, "details.thinking")
+    assert reply.find_element(By.CSS_SELECTOR, ".body").text == "ok"
+    # The conversation keeps the switch: a reload shows it off.
+    open_page(browser, server.url)
+    assert not find(By.ID, "think").is_selected()

@@ -13,6 +13,9 @@ import sys
 from localrt import __version__
 from localrt.cli.flags import config_options, model_update_options, port, positive_int
 
+# The clients `launch` knows (localrt.cli.commands.launch.CLIENTS, which is imported only
+# once the arguments are parsed): change both together.
+LAUNCH_CLIENTS = ("claude", "codex", "opencode", "aider", "llm")
 # Other names `models` subcommands answer to.
 MODEL_ALIASES = {"rm": "remove", "delete": "remove"}
 
@@ -34,6 +37,10 @@ class _Parser(argparse.ArgumentParser):
         if extra and isinstance(getattr(args, "prompt", None), list) \
                 and not any(word.startswith("-") for word in extra):
             args.prompt.extend(extra)
+        elif extra[:1] == ["--"] and isinstance(getattr(args, "client_args", None), list):
+            # `launch claude --model ID -- -p hi`: argparse leaves what follows `--` over
+            # once an option came between the positionals.
+            args.client_args.extend(extra[1:])
         elif extra:
             self.error(f"unrecognized arguments: {' '.join(extra)}")
         return args
@@ -119,6 +126,23 @@ def build_parser(stdout=None, stderr=None) -> argparse.ArgumentParser:
     p.add_argument("--prompt", metavar="TEXT", help="text that came before the clip")
     p.add_argument("--translate", action="store_true",
                    help="translate into English instead")
+    p = sub.add_parser("launch", help="run a coding agent or chat client pointed at localrt",
+                       description="Start the server if needed, make the model ready and "
+                       "start it with a context that holds the client's prompt (restarting "
+                       "it if it runs with less), then run CLIENT pointed at localrt with "
+                       "ARGS, and exit with its exit status. Without --model: the one "
+                       "running model, else the one launched last. The user's own "
+                       "configuration of the client is never edited.")
+    p.add_argument("client", metavar="CLIENT", nargs="?", choices=LAUNCH_CLIENTS,
+                   help=f"the client: {', '.join(LAUNCH_CLIENTS)}")
+    p.add_argument("client_args", metavar="ARGS", nargs="*",
+                   help="the client's own arguments, after --")
+    p.add_argument("--model", metavar="ID", help="the model's id, or the path of a GGUF "
+                   "file to import (pulled if it is not local yet)")
+    p.add_argument("--print", action="store_true", help="print the environment, options "
+                   "and files the client would get, and start nothing")
+    p.add_argument("--list", action="store_true", help="list the clients launch knows and "
+                   "whether each is installed")
     sub.add_parser("ps", help="show the running models and the hardware",
                    description="Print the running models (engine, RAM, VRAM, up time, "
                    "context length) and this machine's CPU, memory and GPU.")
@@ -142,6 +166,10 @@ def build_parser(stdout=None, stderr=None) -> argparse.ArgumentParser:
     p.add_argument("model", metavar="ID", help="the model's id")
     p.add_argument("--mmproj", metavar="PATH", help="a vision projector (mmproj GGUF) to "
                    "link in, as the GGUF model's projector; it replaces the one it has")
+    p.add_argument("--lora", metavar="PATH[:SCALE]", action="append", help="a LoRA adapter "
+                   "GGUF to apply at start, with its scale (default 1.0); repeat it for "
+                   "several: they replace the adapters the model has (--lora '' drops "
+                   "them all)")
     _add_schema_options(p, model_update_options(), "parameters")
     p = models.add_parser("import", help="register a local GGUF file or ONNX folder",
                           description="Register a local GGUF file, or an ONNX model folder "
@@ -154,6 +182,10 @@ def build_parser(stdout=None, stderr=None) -> argparse.ArgumentParser:
                    "(default: the file name without .gguf)")
     p.add_argument("--mmproj", metavar="PATH", help="the GGUF model's vision projector "
                    "(mmproj GGUF), linked or copied as the model is")
+    p.add_argument("--lora", metavar="PATH[:SCALE]", action="append", help="a LoRA adapter "
+                   "GGUF of the model, linked or copied as the model is and applied at "
+                   "start with its scale (default 1.0); repeat it for several (a request's "
+                   "lora[].id counts them in this order)")
     p.add_argument("--copy", action="store_true", help="copy the file into the models "
                    "folder instead of linking to it")
     p = models.add_parser("add-remote", help="add a model served by other servers",

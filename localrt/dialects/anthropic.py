@@ -6,8 +6,10 @@ Messages request (schemas/anthropic-messages.json) into a native request
 `message(whole, body)` writes a whole reply as a Message, and `MessageStream` writes
 the reply's events as Anthropic's Server-Sent Events. There is no second generation
 path: models, starting them, tools (localrt.engines.toolcalls), stop sequences and
-usage are chat's, for local and remote models alike; a remote model's reasoning
-becomes thinking blocks (with an empty signature, as llama-server writes them).
+usage are chat's, for local and remote models alike; a model's thinking (a local
+reasoning model's, or a remote model's reasoning) becomes thinking blocks before the
+text (with an empty signature, as llama-server writes them: streamed, thinking_delta
+pieces then one signature_delta).
 `error_body(err)` is the error shape of these routes (api.DIALECTS). Pure functions
 over plain data; nothing here sees an engine or the WSGI environ.
 
@@ -25,11 +27,18 @@ over plain data; nothing here sees an engine or the WSGI environ.
   output_config.format (a json_schema)       response_format (a grammar keeps to it)
   max_tokens, temperature, top_p, top_k, stream   the same
   seed (localrt's, as llama-server takes it)   the same
+  thinking {"type": "enabled", budget_tokens}  think true, reasoning_budget (any N >= 1:
+                                             localrt has no minimum of 1,024)
+  thinking {"type": "disabled"}              think false
+  thinking {"type": "adaptive"}              the model's default, no budget
+  output_config.effort                       effort
+  thinking blocks (assistant)                Message.reasoning (redacted_thinking
+                                             blocks, encrypted, are left out)
 
-Refused with a 400: document blocks, server tools, and a
-last message from the assistant (a prefill: chat cannot continue a reply). thinking
-blocks in the history are left out; other unknown fields are ignored (README.rst
-lists them).
+Refused with a 400: document and audio blocks, server tools, and a
+last message from the assistant (a prefill: chat cannot continue a reply).
+redacted_thinking blocks in the history are left out; other unknown fields are
+ignored (README.rst lists them).
 
 Tool-call ids: a call the model makes goes out as "toolu_" + chat's id. An id that
 comes back reaches the chat template as 9 letters and digits, the strictest form a
@@ -71,7 +80,7 @@ _NO_AUDIO = ("the Messages API has no audio block: send audio to /v1/chat/comple
 UNSUPPORTED_BLOCKS = {
     "document": "document blocks are not supported: send the text as a text block",
     "audio": _NO_AUDIO, "input_audio": _NO_AUDIO}
-SKIPPED_BLOCKS = ("thinking", "redacted_thinking")  # a history's reasoning, not shown
+SKIPPED_BLOCKS = ("redacted_thinking",)  # encrypted thinking: nothing a template can read
 _TEMPLATE_ID = re.compile(r"[A-Za-z0-9]{9}")
 
 
@@ -117,6 +126,7 @@ def read(body: dict) -> native.Request:
     choice = body.get("tool_choice") or {"type": "auto"}
     mode = {"auto": "auto", "any": "required", "none": "none"}.get(choice["type"])
     fmt = (body.get("output_config") or {}).get("format")
+    effort = (body.get("output_config") or {}).get("effort")
     return native.Request(
         model=body["model"], messages=messages,
         sampling={k: body[k] for k in SAMPLING if body.get(k) is not None},
@@ -126,13 +136,26 @@ def read(body: dict) -> native.Request:
         parallel_tool_calls=not choice.get("disable_parallel_tool_use"),
         response_format={"type": "json_schema", "schema": fmt["schema"], "name": "output"}
         if fmt else None,
-        stream=bool(body.get("stream")), include_usage=bool(body.get("stream")))
+        stream=bool(body.get("stream")), include_usage=bool(body.get("stream")),
+        **({"effort": effort} if effort else {}), **_thinking(body.get("thinking")))
+
+
+def _thinking(thinking: dict | None) -> dict:
+    """The native think and reasoning_budget of Anthropic's `thinking`: enabled (with
+    its budget_tokens), disabled, or adaptive (the model's default, no budget)."""
+    kind = (thinking or {}).get("type")
+    if kind == "enabled":
+        return {"think": True, "reasoning_budget": thinking.get("budget_tokens")}
+    if kind == "disabled":
+        return {"think": False}
+    return {}
 
 
 def read_count(body: dict) -> native.Request:
     """The native request whose prompt a count_tokens request counts (its model, system,
     messages and tools; any other field is ignored)."""
-    return read({k: body[k] for k in ("model", "system", "messages", "tools", "tool_choice")
+    return read({k: body[k] for k in ("model", "system", "messages", "tools", "tool_choice",
+                                      "thinking")
                  if k in body})
 
 
@@ -154,7 +177,7 @@ def _messages(index: int, message: dict, last: bool) -> list:
                            f"with a user message", param=f"messages[{index}]")
     if isinstance(content, str):
         return [native.Message(role, [native.Text(content)] if content else [])]
-    parts, calls, results = [], [], []
+    parts, calls, results, thought = [], [], [], []
     for j, block in enumerate(content):
         field = f"messages[{index}].content[{j}]"
         kind = block["type"]
@@ -168,6 +191,8 @@ def _messages(index: int, message: dict, last: bool) -> list:
         elif kind == "tool_result" and role == "user":
             results.append(native.Message("tool", _result_parts(block.get("content"), field),
                                           tool_call_id=call_id(block["tool_use_id"])))
+        elif kind == "thinking" and role == "assistant":
+            thought.append(block["thinking"])
         elif kind in SKIPPED_BLOCKS and role == "assistant":
             continue
         elif kind in UNSUPPORTED_BLOCKS:
@@ -180,7 +205,7 @@ def _messages(index: int, message: dict, last: bool) -> list:
                                f"{', tool_result' if role == 'user' else ''})",
                                param=f"{field}.type")
     if role == "assistant":
-        return [native.Message("assistant", parts, calls)]
+        return [native.Message("assistant", parts, calls, reasoning="".join(thought))]
     # The user's own message comes after its tool results.
     if results:
         return results + ([native.Message(role, parts)] if parts else [])
@@ -374,7 +399,10 @@ class _Blocks:
             yield self._delta({"type": "input_json_delta", "partial_json": event.text})
 
     def close(self) -> Iterator[dict]:
-        """The stop of the block still open, if one is."""
+        """The stop of the block still open, if one is; a thinking block's signature
+        comes first, empty (Anthropic's streams end each thinking block with one)."""
+        if self.open == ("thinking",):
+            yield self._delta({"type": "signature_delta", "signature": ""})
         if self.open is not None:
             self.open = None
             yield {"type": "content_block_stop", "index": self.index}

@@ -7,6 +7,10 @@ format (`write`: streamed, or whole through native.collect). A 400 from the nati
 (`tools[0].function.parameters`); `Fields` renames it to the dialect's own
 (`tools[0].input_schema`), so a client reads the name it sent. A media part carries
 the dialect's own path (`where`), which its errors name as it is.
+
+Thinking is asked for in each dialect's words and read into the native request's
+think, effort and reasoning_budget: OpenAI's reasoning_effort (and the Responses API's
+reasoning.effort) through `thinking`, llama-server's budget fields through `budget`.
 """
 
 from __future__ import annotations
@@ -19,6 +23,41 @@ from localrt import native
 from localrt.errors import HTTPError
 from localrt.routing import stream_error
 from localrt.routing import sse
+
+
+# OpenAI's reasoning_effort levels beside "none" (which turns thinking off): each turns
+# it on, and a template that takes an effort is given it. If you change this, also
+# change reasoning_effort in schemas/chat-completion.json and response-create.json.
+EFFORTS = ("minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def thinking(effort: str | None = None, template_kwargs: dict | None = None) -> dict:
+    """The native think and effort of OpenAI's reasoning_effort and a chat template's
+    enable_thinking (chat_template_kwargs), as llama-server reads them: a boolean
+    enable_thinking turns thinking on or off, reasoning_effort "none" turns it off
+    whatever that says, and a level is the effort (thinking on, unless enable_thinking
+    false turned it off). {} when neither is given: the model's default."""
+    out: dict = {}
+    enable = (template_kwargs or {}).get("enable_thinking")
+    if isinstance(enable, bool):
+        out["think"] = enable
+    if effort == "none":
+        out["think"] = False
+    elif effort is not None:
+        out["effort"] = effort
+        out.setdefault("think", True)
+    return out
+
+
+def budget(body: dict) -> int | None:
+    """The thinking budget of a request's reasoning_budget_tokens, else its
+    thinking_budget_tokens (llama-server's two names); None (the model's default) for
+    neither, or for -1, as llama-server reads it."""
+    for name in ("reasoning_budget_tokens", "thinking_budget_tokens"):
+        value = body.get(name)
+        if value is not None:
+            return None if value < 0 else int(value)
+    return None
 
 
 class Fields:

@@ -32,9 +32,20 @@ it starts, and an error about one names it as Ollama's request does
 Replies carry Ollama's statistics in nanoseconds (`Timer`): measured around the reply,
 so total_duration includes waiting for the model; load_duration is the start of a
 model that was not running; prompt_eval_duration runs from the model's turn to the
-first piece, eval_duration from there to the end. A model's thinking (a remote
-model's reasoning) is `thinking`. Tool calls come whole, their arguments an object;
-one whose arguments are not a JSON object (cut short by num_predict) is left out.
+first piece, eval_duration from there to the end. Tool calls come whole, their
+arguments an object; one whose arguments are not a JSON object (cut short by
+num_predict) is left out.
+
+Thinking: `think` false turns a reasoning model's thinking off, true or a level
+("low", "medium", "high": the effort a template that takes one is given) on; left
+out, the model's default. `think` true or a level on a model that does not reason (its
+record's capabilities have no "reasoning") is a 400 naming think and the model, as
+Ollama answers it; false there is accepted. A remote model's upstream is asked as it
+is (localrt.remote.wire), since localrt cannot know whether it reasons. The model's
+thinking (a remote model's reasoning) is /api/chat's `message.thinking` and
+/api/generate's `thinking`, apart from the answer, streamed and whole; a history
+message's `thinking` is given back to the template (Message.reasoning). A raw or
+fill-in-the-middle prompt is a text completion: no thinking is parsed out of it.
 """
 
 from __future__ import annotations
@@ -53,6 +64,7 @@ from localrt.dialects.ollama_models import FOREVER, SAMPLING, Lines, Names, now
 from localrt.errors import HTTPError, InternalError, InvalidField, shown
 from localrt.inference.media import data_url
 from localrt.inference.running import ModelStopped
+from localrt.models.registry import capabilities
 
 log = logging.getLogger(__name__)
 
@@ -143,13 +155,29 @@ def response_format(fmt) -> dict | None:
     return {"type": "json_schema", "schema": fmt, "name": "format"}
 
 
-def chat_request(model_id: str, body: dict) -> native.Request:
-    """POST /api/chat's body as a streamed native chat request."""
+def think(body: dict, record: dict, remote: bool = False) -> dict:
+    """The native think and effort of a body's `think` (see the module docstring): a
+    400 naming think and the model when it turns thinking on for a model that does not
+    reason (`remote`: an upstream's model, which is asked as it is)."""
+    value = body.get("think")
+    if value is None:
+        return {}
+    if value is False:
+        return {"think": False}
+    if not remote and "reasoning" not in capabilities(record):
+        raise InvalidField(f"Invalid field 'think': {json.dumps(body['model'])} does not "
+                           f"support thinking", param="think")
+    return {"think": True} if value is True else {"think": True, "effort": value}
+
+
+def chat_request(model_id: str, body: dict, thinking: dict | None = None) -> native.Request:
+    """POST /api/chat's body as a streamed native chat request; `thinking` its think
+    and effort (`think`)."""
     fields, stop = sampling(body.get("options"))
     return native.Request(model=model_id, messages=messages(body.get("messages") or []),
                           sampling=fields, stop=stop, tools=list(body.get("tools") or []),
                           response_format=response_format(body.get("format")),
-                          stream=True, include_usage=True)
+                          stream=True, include_usage=True, **(thinking or {}))
 
 
 def messages(given: list) -> list:
@@ -178,7 +206,8 @@ def messages(given: list) -> list:
             unanswered = [c for c in unanswered if c[0] != call_id]
         out.append(native.Message(m["role"], parts(m.get("content"), m.get("images"),
                                                    f"messages[{i}].images"),
-                                  calls, call_id, name))
+                                  calls, call_id, name,
+                                  (m.get("thinking") or "") if m["role"] == "assistant" else ""))
     return out
 
 
@@ -195,9 +224,10 @@ def parts(text: str | None, images: list | None, field: str) -> list:
     return out + ([native.Text(text)] if text else [])
 
 
-def generate_request(model_id: str, body: dict, record: dict):
-    """POST /api/generate's body as a streamed native request: a chat, or with raw or a
-    suffix a text completion (native.TextRequest)."""
+def generate_request(model_id: str, body: dict, record: dict, thinking: dict | None = None):
+    """POST /api/generate's body as a streamed native request: a chat (`thinking` its
+    think and effort), or with raw or a suffix a text completion (native.TextRequest),
+    whose text is never parsed for thinking."""
     if body.get("images") and (body.get("raw") or body.get("suffix")):
         raise InvalidField("Invalid field 'images': a raw or fill-in-the-middle prompt is a "
                            "text completion, which takes no images; leave out raw and "
@@ -222,7 +252,7 @@ def generate_request(model_id: str, body: dict, record: dict):
     turns.append(native.Message("user", parts(prompt, body.get("images"), "images")))
     return native.Request(model=model_id, messages=turns, sampling=fields, stop=stop,
                           response_format=response_format(body.get("format")),
-                          stream=True, include_usage=True)
+                          stream=True, include_usage=True, **(thinking or {}))
 
 
 # --- replies -----------------------------------------------------------------------
@@ -394,7 +424,7 @@ def chat(chats, path, names: Names, body: dict, disconnected: Disconnected = nev
     translation = Translation(name, timer, True)
     if not body.get("messages"):
         return _load(path, record, body, keep, translation)
-    request = chat_request(record["id"], body)
+    request = chat_request(record["id"], body, think(body, record, path.is_remote(record)))
     with FIELDS.named(request):  # images the model cannot take: a 400 before it starts
         read = chats.read_media(request)
     return _run(path, record, body, keep, translation, FIELDS.named(request),
@@ -408,7 +438,9 @@ def generate(chats, completions, path, names: Names, body: dict,
     translation = Translation(name, timer, False)
     if not body.get("prompt"):
         return _load(path, record, body, keep, translation)
-    request = generate_request(record["id"], body, record)
+    raw = body.get("raw") or body.get("suffix")
+    request = generate_request(record["id"], body, record,
+                               None if raw else think(body, record, path.is_remote(record)))
     named = GENERATE_FIELDS.named(request if isinstance(request, native.Request) else None)
     if isinstance(request, native.TextRequest):
         create = lambda: completions.create(request, disconnected)  # noqa: E731

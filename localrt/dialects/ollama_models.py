@@ -361,8 +361,10 @@ def capabilities(info: dict, template: str, own: list = ()) -> list:
     localrt.engines.ggufinfo.is_rerank: it answers POST /v1/rerank), embedding (a GGUF
     header that makes it an embedding model, localrt.engines.ggufinfo.is_embedding, or
     what localrt.models.registry.capabilities, `own`, calls one), else completion, vision
-    and audio when `own` says so (a projector's encoders), tools when its template calls tools in a family
-    localrt reads, insert when its vocabulary has fill-in-the-middle tokens."""
+    and audio when `own` says so (a projector's encoders), tools when its template calls
+    tools in a family localrt reads, insert when its vocabulary has fill-in-the-middle
+    tokens, thinking when `own` says it reasons (its template marks its thinking: it takes
+    `think`)."""
     if ggufinfo.is_rerank(info) or "rerank" in own:
         return ["rerank"]
     if ggufinfo.is_embedding(info) or ("embedding" in own and "chat" not in own):
@@ -373,4 +375,6 @@ def capabilities(info: dict, template: str, own: list = ()) -> list:
         out.append("tools")
     if "tokenizer.ggml.fim_pre_token_id" in info:
         out.append("insert")
+    if "reasoning" in own:
+        out.append("thinking")
     return out

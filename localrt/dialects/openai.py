@@ -28,6 +28,19 @@ fields localrt does not know (vLLM's) reach the client.
   response_format                               {"type", "schema", "name"}
   prediction.content (text or text parts)       prediction (text)
   stream_options.include_usage                  include_usage
+  reasoning_effort: "none", or a level          think false; think true and effort
+  chat_template_kwargs                          template_kwargs (a boolean
+                                                  enable_thinking is think too)
+  reasoning_format: "none"                      reasoning_format "none" (raw)
+  reasoning_budget_tokens,                      reasoning_budget (-1: the model's)
+    thinking_budget_tokens
+  an assistant's reasoning_content or           Message.reasoning
+    reasoning
+
+A reply's thinking (Reasoning events) is written twice, as `reasoning_content`
+(llama-server's and DeepSeek's name) and `reasoning` (vLLM's, Ollama's and LM
+Studio's), on the message and on each chunk's delta, since clients read one or the
+other; usage.completion_tokens_details.reasoning_tokens counts its tokens.
 
 A reply's choice that a stop sequence ended names it as `stop_reason` (vLLM's field).
 Log-probabilities (the entries of localrt.engines.logprobs) are written here in
@@ -49,13 +62,16 @@ from typing import Iterator
 
 from localrt import native
 from localrt.admission import Disconnected, never
-from localrt.dialects.common import write
+from localrt.dialects.common import budget, thinking, write
 from localrt.errors import InvalidField, shown
 from localrt.inference.audio import MEDIA_TYPES
 from localrt.inference.completions import read_prompt
 from localrt.routing import EventStream, stream_error
 
 UNLIKELY = -9999.0  # OpenAI's stand-in for a log-probability too small to write
+# The names of a reply's thinking, on a message and on a delta: both are written, the
+# first read first (localrt.remote.wire.REASONING_FIELDS reads an upstream's the same).
+REASONING = ("reasoning_content", "reasoning")
 
 
 # --- chat -----------------------------------------------------------------------------
@@ -79,7 +95,7 @@ def read_chat(body: dict) -> native.Request:
     if body.get("n") not in (None, 1):
         raise InvalidField("Invalid field 'n': only n=1 is supported", param="n")
     return native.Request(
-        model=body["model"],
+        model=body["model"], **reasoning(body),
         messages=[_message(i, m) for i, m in enumerate(body["messages"])],
         sampling=sampling(body), stop=stops(body.get("stop")),
         tools=list(body.get("tools") or []), **_tool_choice(body.get("tool_choice")),
@@ -87,8 +103,20 @@ def read_chat(body: dict) -> native.Request:
         response_format=response_format(body.get("response_format")),
         logprobs=_top_logprobs(body), logit_bias=body.get("logit_bias") or None,
         prediction=_prediction(body.get("prediction")),
-        speculative=body.get("speculative"), stream=bool(body.get("stream")),
-        include_usage=include_usage(body))
+        speculative=body.get("speculative"), lora=body.get("lora"),
+        stream=bool(body.get("stream")), include_usage=include_usage(body))
+
+
+def reasoning(body: dict) -> dict:
+    """The native request's thinking fields of a chat body: think and effort
+    (reasoning_effort, chat_template_kwargs: common.thinking), reasoning_budget,
+    reasoning_format and template_kwargs. A model that does not reason ignores them:
+    clients send reasoning_effort to every model."""
+    kwargs = dict(body.get("chat_template_kwargs") or {})
+    return {**thinking(body.get("reasoning_effort"), kwargs),
+            "reasoning_budget": budget(body), "template_kwargs": kwargs,
+            # llama-server's other formats (auto, deepseek, ...) all parse thinking out.
+            "reasoning_format": "none" if body.get("reasoning_format") == "none" else None}
 
 
 def sampling(body: dict) -> dict:
@@ -152,7 +180,17 @@ def _message(index: int, message: dict) -> native.Message:
              for call in message.get("tool_calls") or ()] if role == "assistant" else []
     return native.Message(role, parts, calls,
                           message.get("tool_call_id") if role == "tool" else None,
-                          message.get("name") if role == "tool" else None)
+                          message.get("name") if role == "tool" else None,
+                          _reasoning(message) if role == "assistant" else "")
+
+
+def _reasoning(message: dict) -> str:
+    """An assistant message's thinking: its reasoning_content, else its reasoning (the
+    names clients give it back under)."""
+    for name in REASONING:
+        if isinstance(message.get(name), str) and message[name]:
+            return message[name]
+    return ""
 
 
 def _tool_choice(choice) -> dict:
@@ -202,7 +240,7 @@ def chat_completion(whole: native.Whole, request: native.Request) -> dict:
     message = {"role": "assistant",
                "content": whole.text if whole.text or not whole.calls else None}
     if whole.reasoning:
-        message["reasoning_content"] = whole.reasoning
+        message.update(dict.fromkeys(REASONING, whole.reasoning))
     if whole.calls:
         message["tool_calls"] = [{"id": call.id, "type": "function",
                                   "function": {"name": call.name,
@@ -290,7 +328,7 @@ class ChatChunks(_Chunks):
             elif isinstance(event, native.Text):
                 yield self._event({"content": event.text})
             elif isinstance(event, native.Reasoning):
-                yield self._event({"reasoning_content": event.text})
+                yield self._event(dict.fromkeys(REASONING, event.text))
             elif isinstance(event, native.CallStart):
                 yield self._event({"tool_calls": [
                     {"index": event.index, "id": event.id, "type": "function",
@@ -346,7 +384,8 @@ def read_text(body: dict) -> native.TextRequest:
         echo=bool(body.get("echo")), sampling=sampling(body), stop=stops(body.get("stop")),
         logprobs=None if body.get("logprobs") is None else int(body["logprobs"]),
         logit_bias=body.get("logit_bias") or None, speculative=body.get("speculative"),
-        stream=bool(body.get("stream")), include_usage=include_usage(body))
+        lora=body.get("lora"), stream=bool(body.get("stream")),
+        include_usage=include_usage(body))
 
 
 def text_completion(events, request: native.TextRequest) -> dict:

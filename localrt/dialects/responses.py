@@ -5,16 +5,24 @@ into a native request (localrt.native): `instructions` become a system message, 
 input items messages (a `function_call` an assistant's tool call, a
 `function_call_output` a tool message, an `input_image` part a Media part named by
 its path in `input`), function tools tools, `max_output_tokens` max_tokens and
-`text.format` the response format. A `namespace` tool's functions are tools named
+`text.format` the response format, `reasoning.effort` the thinking's (as OpenAI chat's
+reasoning_effort: "none" turns it off), and a `reasoning` input item the thinking of
+the assistant message or call after it. A `namespace` tool's functions are tools named
 NAMESPACE__FUNCTION (SEPARATOR), and a call of one comes back as a `function_call` with
-the function's own `name` and its `namespace`; OpenAI's hosted tools (HOSTED: web
+the function's own `name` and its `namespace`; a `custom` tool (free text in, as Codex's
+freeform apply_patch) is a function of one string, `input` (its grammar, if any, is in
+the description the model reads; it is not enforced), and a call of one comes back as a
+`custom_tool_call` item holding that text; OpenAI's hosted tools (HOSTED: web
 search, file search, ...) are accepted, echoed in the response's `tools`, left out of
 the prompt and so never called. `Chats.create` runs it (for a remote model through
 its upstreams), and its events are written as a `response` object (a `reasoning`
 item when the model's thinking came apart, a `message` output item with
-`output_text`, one `function_call` item per tool call, `status`, `usage`), or as the
+`output_text`, one `function_call` or `custom_tool_call` item per tool call, `status`,
+`usage`), or as the
 Responses API's typed Server-Sent Events (`ResponseStream`). Nothing here generates,
-or sees a model.
+or sees a model. A reasoning item is {"type": "reasoning", "id", "summary": [],
+"content": [{"type": "reasoning_text", "text"}], "encrypted_content": null}: localrt
+writes the thinking as the model wrote it, never a summary, and encrypts nothing.
 
 Stored responses (`store: true`; the default is false) live in memory in a `Store`,
 for `GET /v1/responses/{id}`, `DELETE` and `previous_response_id`, which puts the
@@ -41,7 +49,7 @@ from typing import Iterator
 
 from localrt import native
 from localrt.admission import Disconnected, never
-from localrt.dialects.common import Fields, NamedEvents, failure, write
+from localrt.dialects.common import Fields, NamedEvents, failure, thinking, write
 from localrt.errors import InvalidField, NotFound, shown
 
 # The store's bounds: responses, and the bytes of their conversations as JSON (each
@@ -105,7 +113,7 @@ def create(chats, store: "Store", body: dict, disconnected: Disconnected = never
     conversation = history + items
     keep = store.put if body.get("store") else None
     def whole(whole: native.Whole) -> dict:
-        response = finished(shell, *output_of(whole, tools.named))
+        response = finished(shell, *output_of(whole, tools.named, tools.custom))
         if keep:
             keep(response, conversation + output_items(response["output"]))
         return response
@@ -113,7 +121,7 @@ def create(chats, store: "Store", body: dict, disconnected: Disconnected = never
     with tools.fields().named(request):
         return write(chats.create(request, disconnected), request.stream,
                      lambda reply: ResponseStream(reply, shell, conversation, keep,
-                                                  tools.named), whole)
+                                                  tools.named, tools.custom), whole)
 
 
 def get(store: "Store", response_id: str) -> dict:
@@ -190,6 +198,7 @@ class Tools:
     native: list = field(default_factory=list)
     where: list = field(default_factory=list)
     named: dict = field(default_factory=dict)
+    custom: set = field(default_factory=set)  # the custom tools' names
 
     @classmethod
     def read(cls, given) -> "Tools":
@@ -201,6 +210,11 @@ class Tools:
             elif tool["type"] == "namespace":
                 for j, function in enumerate(tool["tools"]):
                     tools._add(function, f"tools[{i}].tools[{j}]", tool["name"])
+            elif tool["type"] == "custom":
+                tools.custom.add(tool["name"])
+                tools._add({"name": tool["name"], "description": tool.get("description"),
+                            "parameters": custom_parameters(tool.get("format"))},
+                           f"tools[{i}]")
             # A hosted tool (HOSTED): nothing for the model to see or call.
         return tools
 
@@ -218,6 +232,12 @@ class Tools:
         400 for one that forces a hosted tool, or a function no namespace holds."""
         if not isinstance(choice, dict):
             return choice or "auto", None
+        if choice["type"] == "custom":
+            if choice["name"] not in self.custom:
+                raise InvalidField(f"Invalid field 'tool_choice.name': no custom tool "
+                                   f"{shown(choice['name'])} in tools",
+                                   param="tool_choice.name")
+            return "function", choice["name"]
         if choice["type"] != "function":
             raise InvalidField(f"Invalid field 'tool_choice': {shown(choice['type'])} is a "
                                f"hosted tool, which localrt accepts in tools but never "
@@ -241,6 +261,29 @@ class Tools:
         """FIELDS, with this request's paths for the native tools first."""
         return Fields(*((rf"tools\[{k}\]\.function\.", where + ".")
                         for k, where in enumerate(self.where)), *RULES)
+
+
+def custom_parameters(fmt: dict | None) -> dict:
+    """The arguments a custom tool takes as a function: its free text, as `input`; the
+    grammar a `format` gives it is shown to the model in the description."""
+    about = "The tool's input, as free text"
+    if (fmt or {}).get("type") == "grammar" and fmt.get("definition"):
+        grammar = f"{fmt['syntax']} grammar" if fmt.get("syntax") else "grammar"
+        about += f", following this {grammar}:\n{fmt['definition']}"
+    return {"type": "object", "properties": {"input": {"type": "string", "description": about}},
+            "required": ["input"], "additionalProperties": False}
+
+
+def custom_input(arguments: str) -> str:
+    """A custom tool's text, from the arguments its function was called with (the text
+    as written when it is not the JSON object custom_parameters asks for)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    if isinstance(value, dict) and isinstance(value.get("input"), str):
+        return value["input"]
+    return arguments
 
 
 def read(body: dict, history: list, items: list, tools: Tools | None = None) -> native.Request:
@@ -271,15 +314,22 @@ def read(body: dict, history: list, items: list, tools: Tools | None = None) -> 
         tools=tools.native, tool_choice=choice, tool_function=function,
         parallel_tool_calls=body.get("parallel_tool_calls") is not False,
         response_format=response_format,
-        stream=bool(body.get("stream")), include_usage=bool(body.get("stream")))
+        stream=bool(body.get("stream")), include_usage=bool(body.get("stream")),
+        **thinking((body.get("reasoning") or {}).get("effort")))
 
 
 def input_messages(items: list, field: str) -> list:
     """Native messages from input items, in order, an assistant's function_call items
-    joined to its message as tool calls; `field` names the items in errors."""
+    joined to its message as tool calls, and a reasoning item's thinking to the
+    assistant message or call that follows it (a reasoning item nothing of the
+    assistant's follows is left out); `field` names the items in errors."""
     messages: list = []
+    thought = ""  # a reasoning item's text, until the assistant's item it came before
     for i, item in enumerate(items):
         kind = item.get("type", "message")
+        if kind == "reasoning":
+            thought += reasoning_text(item)
+            continue
         if kind == "message":
             role = "system" if item["role"] == "developer" else item["role"]
             messages.append(native.Message(role, _parts(item["content"],
@@ -289,17 +339,36 @@ def input_messages(items: list, field: str) -> list:
                 item["namespace"] + SEPARATOR + item["name"]
             call = native.ToolCall(item["call_id"], name, item["arguments"])
             last = messages[-1] if messages else None
+            if last is not None and last.role == "assistant" and not thought:
+                last.tool_calls.append(call)
+            else:
+                messages.append(native.Message("assistant", [], [call]))
+        elif kind == "custom_tool_call":  # as the model called its function
+            call = native.ToolCall(item["call_id"], item["name"],
+                                   json.dumps({"input": item["input"]}, ensure_ascii=False))
+            last = messages[-1] if messages else None
             if last is not None and last.role == "assistant":
                 last.tool_calls.append(call)
             else:
                 messages.append(native.Message("assistant", [], [call]))
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             messages.append(native.Message("tool", _parts(item["output"],
                                                           f"{field}[{i}].output"),
                                            tool_call_id=item["call_id"]))
-        # "reasoning" items: the model's thinking of an earlier turn; chat templates
-        # leave it out of the prompt, so it is left out here.
+        if messages and messages[-1].role == "assistant" and thought:
+            messages[-1].reasoning += thought
+        thought = ""
     return messages
+
+
+def reasoning_text(item: dict) -> str:
+    """The thinking a reasoning input item carries: its reasoning_text parts (localrt's
+    and llama-server's), else its summary (what OpenAI's models give)."""
+    parts = [p.get("text") for p in item.get("content") or ()
+             if p.get("type") == "reasoning_text"]
+    if not any(parts):
+        parts = [p.get("text") for p in item.get("summary") or ()]
+    return "".join(p for p in parts if isinstance(p, str))
 
 
 def _parts(content, field: str) -> list:
@@ -331,7 +400,9 @@ def response_shell(body: dict) -> dict:
             "model": body["model"], "output": [],
             "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
             "previous_response_id": body.get("previous_response_id"),
-            "reasoning": {"effort": None, "summary": None}, "service_tier": "default",
+            "reasoning": {"effort": (body.get("reasoning") or {}).get("effort"),
+                          "summary": (body.get("reasoning") or {}).get("summary")},
+            "service_tier": "default",
             "store": bool(body.get("store")),
             "temperature": body.get("temperature"),
             "text": body.get("text") or {"format": {"type": "text"}},
@@ -376,9 +447,12 @@ def message_item(text: str, status: str = "completed", item_id: str | None = Non
 
 
 def call_item(call_id: str, name: str, arguments: str, status: str = "completed",
-              item_id: str | None = None, named: dict | None = None) -> dict:
+              item_id: str | None = None, named: dict | None = None, custom=()) -> dict:
     """A `function_call` output item; a call of a namespace's function (`named`:
-    Tools.named) has the function's own name and its `namespace`."""
+    Tools.named) has the function's own name and its `namespace`, and one of a custom
+    tool (its name in `custom`, Tools.custom) is a `custom_tool_call` item."""
+    if name in custom:
+        return custom_call_item(call_id, name, custom_input(arguments), status, item_id)
     item = {"id": item_id or new_id("fc"), "type": "function_call", "status": status,
             "call_id": call_id, "name": name, "arguments": arguments}
     if named and name in named:
@@ -386,17 +460,24 @@ def call_item(call_id: str, name: str, arguments: str, status: str = "completed"
     return item
 
 
+def custom_call_item(call_id: str, name: str, text: str, status: str = "completed",
+                     item_id: str | None = None) -> dict:
+    """A `custom_tool_call` output item: the custom tool's name and its free text, `input`."""
+    return {"id": item_id or new_id("ctc"), "type": "custom_tool_call", "status": status,
+            "call_id": call_id, "name": name, "input": text}
+
+
 def reasoning_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
     """A `reasoning` output item holding the model's thinking as one reasoning_text."""
     return {"id": item_id or new_id("rs"), "type": "reasoning", "status": status,
-            "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+            "summary": [], "content": [_reasoning_part(text)], "encrypted_content": None}
 
 
-def output_of(whole: native.Whole, named: dict | None = None
+def output_of(whole: native.Whole, named: dict | None = None, custom=()
               ) -> tuple[list, str | None, native.Usage | None]:
     """(output items, finish reason, usage) of a whole reply: its reasoning, its text as
     a message (also when it is empty and there are no calls), then its tool calls (of
-    namespaces' functions by `named`, Tools.named)."""
+    namespaces' functions by `named`, Tools.named; custom tools' by `custom`)."""
     status = "incomplete" if whole.finish == "length" else "completed"
     output = []
     if whole.reasoning:
@@ -405,7 +486,7 @@ def output_of(whole: native.Whole, named: dict | None = None
         output.append(message_item(whole.text, status))
     for call in whole.calls:
         output.append(call_item(call.id or new_id("call"), call.name, call.arguments or "",
-                                status, named=named))
+                                status, named=named, custom=custom))
     return output, whole.finish, whole.usage
 
 
@@ -426,16 +507,21 @@ class ResponseStream(NamedEvents):
     The order, as OpenAI sends it: response.created, response.in_progress; for each
     output item, response.output_item.added, then a message's response.content_part.added,
     response.output_text.delta... response.output_text.done, response.content_part.done,
-    a reasoning item's response.reasoning_text.delta... .done, or a call's
-    response.function_call_arguments.delta... .done; response.output_item.done;
+    a reasoning item's response.content_part.added (a reasoning_text part),
+    response.reasoning_text.delta... .done, response.content_part.done, a call's
+    response.function_call_arguments.delta... .done, or a custom tool's call's
+    response.custom_tool_call_input.delta and .done (its text is read out of the
+    arguments once they are whole, so it comes in one delta); response.output_item.done;
     last response.completed, or response.incomplete, or an `error` event and
     response.failed when generation broke part way.
     """
 
     def __init__(self, reply: native.Reply, shell: dict, conversation: list, keep=None,
-                 named: dict | None = None):
+                 named: dict | None = None, custom=()):
         super().__init__(reply)
         self._named = named          # Tools.named: the namespaces' functions
+        self._custom = custom        # Tools.custom: the custom tools' names
+        self._custom_args: dict = {}  # a custom tool call's item id -> its arguments so far
         self._shell = shell
         self._conversation = conversation
         self._keep = keep            # Store.put, when the response is to be stored
@@ -492,7 +578,12 @@ class ResponseStream(NamedEvents):
     def _reasoning(self, piece: str) -> Iterator[tuple[str, dict]]:
         if self._open is None or self._open["type"] != "reasoning":
             yield from self._close("completed")
-            yield from self._added(reasoning_item("", "in_progress"))
+            item = reasoning_item("", "in_progress")
+            item["content"] = []  # as OpenAI's: the part comes in its own event
+            yield from self._added(item)
+            item["content"].append(_reasoning_part(""))
+            yield self._event("response.content_part.added", **self._at(),
+                              content_index=0, part=_reasoning_part(""))
         self._open["content"][0]["text"] += piece
         yield self._event("response.reasoning_text.delta", **self._at(), content_index=0,
                           delta=piece)
@@ -503,8 +594,12 @@ class ResponseStream(NamedEvents):
         if item is None:
             yield from self._close("completed")
             item = self._calls[index] = call_item(call_id or new_id("call"), name, "",
-                                                  "in_progress", named=self._named)
+                                                  "in_progress", named=self._named,
+                                                  custom=self._custom)
             yield from self._added(item)
+        if item["type"] == "custom_tool_call":
+            self._custom_args[item["id"]] = self._custom_args.get(item["id"], "") + arguments
+            return
         if arguments:
             item["arguments"] += arguments
         if arguments and item is self._open:  # an upstream may interleave
@@ -530,8 +625,18 @@ class ResponseStream(NamedEvents):
             yield self._event("response.content_part.done", **at, content_index=0,
                               part=_part(text))
         elif item["type"] == "reasoning":
+            text = item["content"][0]["text"]
             yield self._event("response.reasoning_text.done", **at, content_index=0,
-                              text=item["content"][0]["text"])
+                              text=text)
+            yield self._event("response.content_part.done", **at, content_index=0,
+                              part=_reasoning_part(text))
+        elif item["type"] == "custom_tool_call":
+            item["input"] = custom_input(self._custom_args.pop(item["id"], ""))
+            if item["input"]:
+                yield self._event("response.custom_tool_call_input.delta", **at,
+                                  delta=item["input"])
+            yield self._event("response.custom_tool_call_input.done", **at,
+                              input=item["input"])
         else:
             yield self._event("response.function_call_arguments.done", **at,
                               name=item["name"], arguments=item["arguments"])
@@ -559,6 +664,10 @@ class ResponseStream(NamedEvents):
 
 def _part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": []}
+
+
+def _reasoning_part(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
 
 
 def _copy(item: dict) -> dict:

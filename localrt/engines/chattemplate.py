@@ -424,22 +424,27 @@ class ChatTemplate:
         except Exception as exc:  # a syntax error, an unknown filter or tag
             raise TemplateRefused(f"it does not compile: {_said(exc)}") from None
 
-    def render(self, messages: list, tools: list | None = None) -> str:
-        """The prompt for `messages` and `tools`, with the generation prompt."""
+    def render(self, messages: list, tools: list | None = None, *,
+               generation: bool = True, kwargs: dict | None = None) -> str:
+        """The prompt for `messages` and `tools`, with the generation prompt unless
+        `generation` is false; `kwargs` are more variables for the template
+        (chat_template_kwargs: enable_thinking, reasoning_effort, ...), never in place
+        of those it is always given."""
         def raise_exception(message: str):
             raise MessagesRefused(message)
 
         # A template may fairly render the request's own text more than once.
-        max_bytes = self.max_bytes + 2 * _text_size([messages, tools])
+        max_bytes = self.max_bytes + 2 * _text_size([messages, tools, kwargs])
+        given = dict(messages=messages, eos_token=self.eos_token, bos_token=self.bos_token,
+                     raise_exception=raise_exception, add_generation_prompt=generation,
+                     functions=None, function_call=None, tools=tools, tool_choice=None,
+                     strftime_now=_strftime_now)
+        given = {**{k: v for k, v in (kwargs or {}).items() if k not in given}, **given}
         env = self._env
         with env.budget(max_bytes):
             try:
                 out, size = [], 0
-                for chunk in self._template.generate(
-                        messages=messages, eos_token=self.eos_token,
-                        bos_token=self.bos_token, raise_exception=raise_exception,
-                        add_generation_prompt=True, functions=None, function_call=None,
-                        tools=tools, tool_choice=None, strftime_now=_strftime_now):
+                for chunk in self._template.generate(**given):
                     env.tick()
                     size += len(chunk)
                     if size > max_bytes:

@@ -11,7 +11,7 @@ nowhere else:
     `generating` wraps into one (localrt.engines.generation.ChatOnlyModel);
   * what else a model can do (`OPTIONAL`: `Batched`, `Measured`, `Tokenizing`,
     `Counting`, `Embedding`, `Reranking`, `Templated`, `Reporting`, and for llama-server's
-    utility routes `Vocabulary`, `Rendering` and `Slotted`) is found once, by
+    utility routes `Vocabulary`, `Rendering`, `Slotted` and `Adapted`) is found once, by
     `capabilities`, when localrt.inference.scheduler loads it, and recorded in its
     Running record; the inference modules ask that record (Lease.can), never the model.
 
@@ -131,7 +131,12 @@ class Model(Protocol):
     probabilities (localrt.engines.logprobs): `logprobs` (how many alternatives each
     token's comes with, 0 to 20; absent or None: none) and `prompt_logprobs` (score
     the prompt's tokens too: a completion's echo). A Tokenizing model's generate()
-    also takes `prompt_tokens` (a completion's own tokens).
+    also takes `prompt_tokens` (a completion's own tokens). For a reasoning model
+    (localrt.engines.reasoning): `template_kwargs` (more variables for the chat
+    template: enable_thinking, reasoning_effort, chat_template_kwargs) and `reasoning`
+    (the request's reasoning.Plan: an engine that follows it prepares the rendered
+    prompt with it, sets the Generation's `thinking` to the state it gives, and
+    counts `reasoning_tokens` in its usage; one that does not may ignore both).
     """
 
     def generate(self, messages: list, params: dict) -> Generation:
@@ -300,9 +305,25 @@ class Slotted(Protocol):
         (the tokens its KV cache holds)}; read without calling the engine."""
 
 
+@runtime_checkable
+class Adapted(Protocol):
+    """A model that applies LoRA adapters (the start option `lora`: localrt.models.roles),
+    each request with its own scales (params["lora"], llama-server's [{"id", "scale"}];
+    generate() raises InvalidField naming lora[i].id for an adapter it does not have)."""
+
+    def lora_adapters(self) -> list:
+        """GET /lora-adapters: {"id", "path", "scale"} per adapter, in the option's
+        order; the scale is the one a request that names none gets."""
+
+    def set_lora_scales(self, entries: list) -> None:
+        """POST /lora-adapters: llama-server's [{"id", "scale"}] become the scales of
+        the requests that name none (an adapter left out: 0); InvalidField naming
+        `[i].id` for one it does not have."""
+
+
 # What a loaded model may have besides Model's: `capabilities` finds these.
 OPTIONAL = (Batched, Measured, Tokenizing, Counting, Embedding, Reranking, Templated,
-            Reporting, Vocabulary, Rendering, Slotted)
+            Reporting, Vocabulary, Rendering, Slotted, Adapted)
 
 
 def missing(obj, protocol: type) -> list[str]:

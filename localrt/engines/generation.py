@@ -42,6 +42,9 @@ class Generation:
                  on_close: Callable[[], None] | None = None, logprobs=None):
         self.finish_reason: str | None = None
         self.stop_sequence: str | None = None  # the stop sequence that ended it, if one did
+        # A reasoning reply's state where it starts, as its engine rendered the prompt
+        # (localrt.engines.reasoning: "before", "thinking" or "answer"); None: unknown.
+        self.thinking: str | None = None
         self.usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0}
         self.logprobs = logprobs
         self._on_close = on_close

@@ -148,11 +148,13 @@ class ToolRequest:
         return [(i, t) for i, t in enumerate(self.tools)
                 if self.choice == "required" or t["function"]["name"] == self.function]
 
-    def plan(self, template: str | None) -> "ToolPlan":
+    def plan(self, template: str | None, own: bool = False) -> "ToolPlan":
         """The plan for a model with this chat template; a 400 when tools would be called
-        and the template writes no calls localrt can read."""
-        family = family_of(template)
-        if family is None and self.calling:
+        and the template writes no calls localrt can read. `own`: the model's reasoning
+        syntax reads its calls itself (gpt-oss's harmony: localrt.engines.reasoning), so
+        the template gets the tools and the reply no parser here."""
+        family = None if own else family_of(template)
+        if family is None and self.calling and not own:
             known = ", ".join(f.name for f in FAMILIES)
             raise InvalidField("Invalid field 'tools': the model's chat template does not "
                                f"call tools in a format localrt reads ({known}); use "

@@ -35,7 +35,7 @@ from typing import Iterator
 
 from localrt import native
 from localrt.admission import LIMITS, Disconnected, never
-from localrt.engines import contract, toolcalls
+from localrt.engines import contract, reasoning, toolcalls
 from localrt.engines.generation import render_template
 from localrt.errors import InvalidField
 from localrt.inference import media as media_mod
@@ -124,6 +124,7 @@ class Chats:
         try:
             params, plan = _prompt_params(request, local.record, lease, messages, tools)
             params["response_format"], params["logprobs"] = response_format, top
+            params.update(lease.lora(request.lora))
             generation = lease.generate(messages, params)
             if top is not None and generation.logprobs is None:
                 generation.close()
@@ -133,7 +134,8 @@ class Chats:
             lease.release()
             raise
         completion = Completion(local.model_id, generation, lease,
-                                plan and plan.parser(), local.clock)
+                                plan and plan.parser(), local.clock,
+                                thinking=params.get("reasoning"))
         return native.Reply(completion.events(request.stream), completion.close,
                             completion.prompt_tokens)
 
@@ -190,10 +192,18 @@ def _prompt_params(request: native.Request, record: dict, lease: Lease, messages
     ones and the leased model's template, and the tool plan (None without tools).
     `lease` may be a running.Use too: only its model, options and can() are read."""
     params = _params(request, record, lease.options)
-    plan = tools and tools.plan(lease.model.chat_template if lease.can(contract.Templated)
-                                else None)
+    chat_template = lease.model.chat_template if lease.can(contract.Templated) else None
+    thinking = _thinking(request, record, lease.options, chat_template)
+    plan = tools and tools.plan(chat_template,
+                                own=thinking is not None and thinking.syntax.harmony)
     if plan:
         params.update(plan.params())
+    if thinking is not None:
+        params["reasoning"] = thinking
+        params["template_kwargs"] = thinking.kwargs()
+        params["preserved_tokens"] = [*params.get("preserved_tokens", ()), *thinking.tokens()]
+    elif request.template_kwargs:
+        params["template_kwargs"] = dict(request.template_kwargs)
     template = lease.options.get("prompt_template")
     # A prompt_template cannot show tools: calls need the model's own template.
     if template and not (plan and plan.parses):
@@ -204,7 +214,27 @@ def _prompt_params(request: native.Request, record: dict, lease: Lease, messages
             params["prompt_template"] = template
         else:
             params["prompt"] = render_template(template, messages)
+        params.pop("reasoning", None)  # the model's own template is not used
     return params, plan
+
+
+def _thinking(request: native.Request, record: dict, options: dict, template: str | None):
+    """The request's reasoning.Plan for a model whose chat template thinks (None for
+    one that does not): thinking on or off as the request says, else as the model's
+    `reasoning` (a start option or stored parameter: on, off or auto, which thinks),
+    the budget the request gives, else the model's `reasoning_budget`."""
+    markers = reasoning.markers_of(template)
+    if markers is None:
+        return None
+    think = request.think
+    if think is None:
+        think = (options.get("reasoning") or record.get("reasoning") or "auto") != "off"
+    budget = request.reasoning_budget
+    if budget is None:
+        budget = options.get("reasoning_budget", record.get("reasoning_budget"))
+    return reasoning.Plan(markers, think=think, effort=request.effort, budget=budget,
+                          raw=request.reasoning_format == "none",
+                          template_kwargs=dict(request.template_kwargs or {}))
 
 
 def _message(message: native.Message, read) -> dict:
@@ -220,6 +250,10 @@ def _message(message: native.Message, read) -> dict:
     else:
         content = message.text
     out = {"role": message.role, "content": content or ""}
+    thought = message.reasoning
+    if message.role == "assistant" and thought:
+        # Under the names templates read it: Qwen3's and DeepSeek's, and gpt-oss's.
+        out["reasoning_content"] = out["thinking"] = thought
     if message.role == "assistant" and message.tool_calls:
         out["tool_calls"] = [_call_of(call) for call in message.tool_calls]
     elif message.role == "tool":
@@ -270,16 +304,28 @@ def _params(request: native.Request, record: dict, options: dict) -> dict:
 
 class Completion:
     """One chat completion: its generation, the lease it holds, the parser of its tool
-    calls (None when the request offers none), and the `Clock` it is timed on."""
+    calls (None when the request offers none), the `Clock` it is timed on, and the
+    reasoning.Plan of a model that thinks (None: one that does not).
+
+    A reasoning reply's text is split (reasoning.Splitter) before calls are read:
+    thinking becomes Reasoning events, and calls are read from the answer only (a call
+    written inside the thinking is thinking); gpt-oss's calls come from its
+    commentary channel, read by the splitter. With reasoning_format "none" the text
+    goes out as the model wrote it, markers and all."""
 
     def __init__(self, model_id: str, generation, lease: Lease, parser=None,
-                 clock: Clock | None = None):
+                 clock: Clock | None = None, thinking: reasoning.Plan | None = None):
         self.model_id = model_id
         self.generation = generation
         self.parser = parser
         self._lease = lease
         self._clock = clock or Clock(None, model_id)
         self._called: bool | None = None  # a whole reply's: whether it holds calls
+        self._splitter = None
+        if thinking is not None and not thinking.raw:
+            self._splitter = thinking.splitter(getattr(generation, "thinking", None)
+                                               or "before")
+        self._thought = 0  # pieces that carried thinking (an engine that counts none)
 
     def prompt_tokens(self) -> int:
         """The prompt's tokens, known before the first event."""
@@ -308,7 +354,7 @@ class Completion:
             if entries or not streamed:
                 yield native.Logprobs(entries)
         called = self._called if self._called is not None else \
-            bool(self.parser and self.parser.calls)
+            bool(self.parser and self.parser.calls) or self._own_calls()
         reason = self.generation.finish_reason or "stop"
         matched = getattr(self.generation, "stop_sequence", None)  # custom engines lack it
         yield native.Finish("tool_calls" if called and reason == "stop" else reason,
@@ -316,30 +362,67 @@ class Completion:
         u = self.generation.usage
         yield native.Usage(u["prompt_tokens"], u["completion_tokens"],
                            cached_tokens=u.get("cached_tokens", 0),
+                           reasoning_tokens=u.get("reasoning_tokens", self._thought),
                            accepted_prediction_tokens=u.get("accepted_prediction_tokens", 0),
                            rejected_prediction_tokens=u.get("rejected_prediction_tokens", 0),
                            audio_tokens=u.get("audio_tokens", 0))
 
+    def _own_calls(self) -> bool:
+        """Whether the splitter read calls (harmony's commentary channel)."""
+        return bool(getattr(self._splitter, "calls", 0))
+
+    def _answer(self, piece: str) -> Iterator:
+        """Events of a piece of the answer: text, or calls the parser reads."""
+        if self.parser is None:
+            yield native.Text(piece)
+        else:
+            yield from _events(self.parser.feed(piece))
+
+    def _split(self, parts: list) -> Iterator:
+        """Events of a splitter's parts: thinking, the answer, harmony's own calls."""
+        for part in parts:
+            if part[0] == "reasoning":
+                yield native.Reasoning(part[1])
+            elif part[0] == "answer":
+                yield from self._answer(part[1])
+            elif part[0] == "call":
+                yield native.CallStart(part[1], part[2], part[3])
+            else:
+                yield native.CallArgs(part[1], part[2])
+
     def _streamed(self, log) -> Iterator:
-        parser = self.parser
+        parser, splitter = self.parser, self._splitter
         for piece in self.pieces():
             entries = log.take() if log is not None else None
             if entries:
                 yield native.Logprobs(entries)
-            if parser is None:
-                yield native.Text(piece)
-            else:
-                yield from _events(parser.feed(piece))
+            if splitter is None:
+                yield from self._answer(piece)
+                continue
+            parts = splitter.feed(piece)
+            self._thought += any(p[0] == "reasoning" for p in parts) or \
+                splitter.state == "thinking"
+            yield from self._split(parts)
+        if splitter is not None:
+            yield from self._split(splitter.close())
         if parser is not None:
             yield from _events(parser.close())
 
     def _whole(self) -> Iterator:
         text = "".join(self.pieces())
+        if self._splitter is not None:
+            parts = self._splitter.feed(text) + self._splitter.close()
+            thought = "".join(p[1] for p in parts if p[0] == "reasoning")
+            if thought:
+                self._thought = 1
+                yield native.Reasoning(thought)
+            yield from self._split([p for p in parts if p[0] in ("call", "args")])
+            text = "".join(p[1] for p in parts if p[0] == "answer")
         if self.parser is None:
             yield native.Text(text)
             return
         text, calls = toolcalls.read_reply(self.parser, text)
-        self._called = bool(calls)  # a call that broke is text again: not a call
+        self._called = bool(calls) or self._own_calls()  # a call that broke is text again
         yield native.Text(text)
         for index, (call_id, name, arguments) in enumerate(calls):
             yield native.CallStart(index, call_id, name)

@@ -90,6 +90,7 @@ class Completions:
         choices: list = []
         try:
             params = _params(request, local.record, lease.options)
+            params.update(lease.lora(request.lora))
             for i, prompt in enumerate(prompts):
                 field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
                 choices.append(_choice(lease, model_id, field, prompt, request, params))

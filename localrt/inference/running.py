@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 
 from localrt.admission import ClientGone, Disconnected, never
 from localrt.engines import contract
-from localrt.errors import Conflict
+from localrt.errors import Conflict, InvalidField
 from localrt.inference.lanes import ComputeLanes, FairLock, Stepper
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,19 @@ class Lease:
         """Whether the model has one of localrt.engines.contract's OPTIONAL protocols
         (contract.Tokenizing, contract.Embedding, ...), as found when it loaded."""
         return protocol in self.running.capabilities
+
+    def lora(self, lora: list | None) -> dict:
+        """The generation parameters of a request's `lora` (llama-server's [{"id",
+        "scale"}]: {"lora": ...}, which the engine checks against its adapters), or {}
+        when it has none; a 400 naming `lora` for adapters on a model whose engine has
+        none (contract.Adapted)."""
+        if lora is None:
+            return {}
+        if lora and not self.can(contract.Adapted):
+            raise InvalidField(f"Invalid field 'lora': model {self.running.model_id}'s "
+                               f"engine ({self.running.engine}) takes no LoRA adapters",
+                               param="lora")
+        return {"lora": [dict(e) for e in lora]}
 
     def generate(self, messages: list, params: dict):
         """The model's Generation of a reply (contract.Model.generate); a batched

@@ -460,7 +460,10 @@ class Scheduler:
         path, ram = self._model_path(record), free_ram()
         if path.suffix.lower() != ".gguf" or options.get("rpc_servers") or ram is None:
             return
-        beside = [Path(p) for p in roles.beside(record).values()]
+        beside = []  # a projector's path, and each adapter's (a list of {path, scale})
+        for value in roles.beside(record).values():
+            beside += [Path(e["path"]) for e in value] if isinstance(value, list) \
+                else [Path(value)]
         try:
             needed = memory.need(memory.parts_of(path), beside, options)
         except (OSError, ValueError, TypeError) as exc:  # GGUFError is a ValueError
@@ -489,7 +492,8 @@ class Scheduler:
     def _loading(record: dict, options: dict) -> dict:
         """What the engine loads a model with: its start options, the files it loads
         beside the weights, each under its role's key (a vision model's projector:
-        localrt.engines.llama.media), and its id as `model`, for its messages; never
+        localrt.engines.llama.media; its LoRA adapters: localrt.engines.llama.adapters),
+        and its id as `model`, for its messages; never
         the options a status row shows."""
         return {**options, **roles.beside(record), "model": record["id"]}
 

@@ -11,6 +11,9 @@ own shape:
                     rendered as chat renders it (Chats.prompt_text)
     props           the model's context, slots, chat template, modalities and build
     slots           one row per slot: {id, state, n_ctx, prompt_tokens, cached_tokens}
+    lora_adapters   one row per LoRA adapter: {id, path, scale}; POST sets the scales
+                    of the requests that give none (llama-server's global scales,
+                    until the model stops)
 
 Each names its model (`model`; when it is left out, the one running model); a model
 that is not running is a 409 model_not_running (none is started for a look at it),
@@ -132,6 +135,29 @@ class Utility:
         if fail_on_no_slot and all(row["state"] == "processing" for row in rows):
             raise ServiceUnavailable(f"No slot of model {model_id} is idle")
         return rows
+
+    def lora_adapters(self, model: str | None) -> list[dict]:
+        """GET /lora-adapters: the model's LoRA adapters, {id, path, scale} each, in the
+        order a request's lora[].id counts them (none for an engine without them)."""
+        model_id = self.model_of(model)
+        with self._path.scheduler.using(model_id) as use:
+            if not use.can(contract.Adapted):
+                return []
+            return use.model.lora_adapters()
+
+    def set_lora_adapters(self, model: str | None, entries: list) -> dict:
+        """POST /lora-adapters: llama-server's [{id, scale}] become the scales of the
+        model's requests that give none (an adapter left out: 0) until it stops; a 400
+        naming [i].id for an adapter it does not have. It changes only what the next
+        requests decode with: nothing is computed."""
+        model_id = self.model_of(model)
+        with self._path.scheduler.using(model_id) as use:
+            if entries and not use.can(contract.Adapted):
+                raise InvalidField(f"Invalid field '[0].id': model {model_id} has no LoRA "
+                                   f"adapters", param="[0].id")
+            if use.can(contract.Adapted):
+                use.model.set_lora_scales(entries)
+        return {"success": True}
 
     def model_of(self, given: str | None) -> str:
         """The model a request names (a 400 for an id no model can have, a 404 for one

@@ -1,6 +1,6 @@
 """Imports: registering a local GGUF file or ONNX model folder, linked or copied in,
-and a GGUF model's files beside its weights (a vision projector: localrt.models.roles),
-given with the import or later.
+and a GGUF model's files beside its weights (a vision projector, LoRA adapters:
+localrt.models.roles), given with the import or later.
 
 An imported model's folder is `<dataFolderPath>/models/imported/<quoted id>`. A link
 points at the file or folder as it is; a copy goes through a part file, is fsynced
@@ -11,7 +11,8 @@ disk filled meanwhile, a read-only models folder) is a 507 that names the folder
 and the import's folder goes with whatever it held. A file beside the weights is
 brought in the same way, under a name its role knows (Role.file_name), once its role's
 check passes (a projector's: a vision projector GGUF whose output fits the model's
-embeddings).
+embeddings; an adapter's: a LoRA GGUF whose tensors fit the model's). A PATCH's
+adapters replace the model's list: the ones it has stay, without a second link.
 
 Before a model is registered, a child process loads its files (`vet`: the scheduler's
 vet_new, localrt.engines.vetting): a file the child could not load is refused with 400
@@ -37,7 +38,7 @@ from localrt.errors import Conflict, InvalidField, InvalidModelFile
 from localrt.fsutil import MOVE_DATA, private_dir, storage_error
 from localrt.models.ids import check_new_id, folder_name
 from localrt.models.registry import ONNX_CONFIG, Registry, new_definition, weights_path
-from localrt.models.roles import BadSource, Role, check_file
+from localrt.models.roles import LORA_SCALE, BadSource, Role, check_file
 
 
 class Imports:
@@ -94,7 +95,11 @@ class Imports:
             if src.is_dir():
                 raise role.invalid(f"a {role.label} goes with a GGUF model file, not an "
                                    f"ONNX folder")
-            checked[role] = role.check(given, src)
+            if role.many:  # [(path, scale)]
+                checked[role] = [(_check_entry(role, i, e["path"], src), e["scale"])
+                                 for i, e in enumerate(given)]
+            else:
+                checked[role] = role.check(given, src)
         if model_id is None:
             model_id = src.name[:-5] if src.name.lower().endswith(".gguf") else src.name
         check_new_id(model_id, id_field)
@@ -129,13 +134,22 @@ class Imports:
             except ValueError as exc:
                 raise BadSource(str(exc)) from None
             taken = {src.name}
-            for role, path in beside.items():
-                kept = role.file_name(path, taken)
-                taken.add(kept)
-                entry = _import_file(path, folder / kept, model_id, option)[0][0]
-                definition["files"].append({**entry, "path": kept})
-                definition[role.key] = kept
-                definition["source"][role.key] = str(path)
+            for role, given in beside.items():
+                entries = []
+                for path, scale in (given if role.many else [(given, None)]):
+                    kept = role.file_name(path, taken)
+                    taken.add(kept)
+                    entry = _import_file(path, folder / kept, model_id, option)[0][0]
+                    definition["files"].append({**entry, "path": kept})
+                    entries.append((kept, path, scale))
+                if role.many:
+                    if entries:
+                        definition[role.key] = [{"path": k, "scale": sc}
+                                                for k, _, sc in entries]
+                        definition["source"][role.key] = [str(p) for _, p, _ in entries]
+                else:
+                    definition[role.key] = entries[0][0]
+                    definition["source"][role.key] = str(entries[0][1])
             if name:
                 definition["name"] = name
             self.registry.check(definition)  # a bad definition never reaches a child
@@ -161,30 +175,77 @@ class Imports:
         ones it started with until it is started again.
         """
         record = self.registry.get(model_id)
+        folder = Path(record["path"])
         checked = {}
-        for role, path in beside.items():
-            current = role.path(record)
-            if path == record.get(role.key) or (current is not None and path == str(current)):
+        for role, given in beside.items():
+            if role.many:
+                # [(name it has, or None, path to check, scale)]; the list replaces its own
+                have = set(role.names(record))
+                wanted = [(_kept_name(e["path"], have, folder), e["path"], e["scale"])
+                          for e in given]
+                same = [(name, scale) for name, _, scale in wanted] == \
+                    [(e["path"], e.get("scale", LORA_SCALE)) for e in record.get(role.key) or ()]
+                if same:
+                    continue
+                if any(name is None for name, _, _ in wanted):
+                    weights = self._gguf_weights(model_id, record, role)
+                checked[role] = [(name, path if name is not None else
+                                  _check_entry(role, i, path, weights), scale)
+                                 for i, (name, path, scale) in enumerate(wanted)]
                 continue
-            weights = weights_path(record)
-            if weights is None or not weights.name.lower().endswith(".gguf"):
-                raise role.invalid(f"model {model_id} has no GGUF weights; a {role.label} "
-                                   f"goes with a GGUF model")
-            checked[role] = role.check(path, weights)
+            current = role.path(record)
+            if given == record.get(role.key) or (current is not None and given == str(current)):
+                continue
+            checked[role] = role.check(given, self._gguf_weights(model_id, record, role))
         if not checked:
             return self.registry.update(model_id, changes)
         if changes:
             self.registry.update(model_id, changes)
-        folder = Path(record["path"])
         # Never the old file's name either: its file goes only once the definition names
         # the new one, so a crash part-way leaves a whole model.
         taken = {f["path"] for f in record["files"]}
-        for role, path in checked.items():
-            name = role.file_name(path, taken)
-            taken.add(name)
-            entry = _import_file(path, folder / name, model_id, "symlink")[0][0]
-            record = self.registry.set_file(model_id, role, name, {**entry, "path": name})
+        for role, given in checked.items():
+            entries, names = [], []
+            for name, path, scale in (given if role.many else [(None, given, None)]):
+                if name is None:
+                    name = role.file_name(path, taken)
+                    taken.add(name)
+                    entry = _import_file(path, folder / name, model_id, "symlink")[0][0]
+                    entries.append({**entry, "path": name})
+                names.append({"path": name, "scale": scale})
+            record = self.registry.set_file(model_id, role,
+                                            names if role.many else names[0]["path"], entries)
         return record
+
+    @staticmethod
+    def _gguf_weights(model_id: str, record: dict, role: Role) -> Path:
+        """The model's GGUF weights, which a file of `role` goes with; else a 400."""
+        weights = weights_path(record)
+        if weights is None or not weights.name.lower().endswith(".gguf"):
+            raise role.invalid(f"model {model_id} has no GGUF weights; a {role.label} "
+                               f"goes with a GGUF model")
+        return weights
+
+
+def _check_entry(role: Role, index: int, path: str, weights: Path) -> Path:
+    """One file of a role of `many`'s list, checked: its errors name `key[index].path`."""
+    return role.check(path, weights, field=f"{role.key}[{index}].path")
+
+
+def _kept_name(path: str, have: set, folder: Path) -> str | None:
+    """The name of the model's own file that `path` gives (its name in the folder, its
+    path there, or the file a link of it points at), or None: a file to check and
+    bring in."""
+    for name in have:
+        if path == name or path == str(folder / name):
+            return name
+    target = Path(path)
+    if target.is_absolute():
+        for name in sorted(have):
+            link = folder / name
+            if link.is_symlink() and os.path.realpath(link) == os.path.realpath(target):
+                return name
+    return None
 
 
 def _check_source(src: Path, path: str) -> None:

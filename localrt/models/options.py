@@ -24,7 +24,7 @@ from localrt.models.registry import DEFAULT_CTX_LEN
 START_OPTIONS = ("prompt_template", "stop", "ngl", "ctx_len", "cpu_threads", "n_batch",
                  "n_parallel", "caching_enabled", "grp_attn_n", "grp_attn_w", "mlock",
                  "flash_attn", "cache_type", "use_mmap", "speculative", "draft_max",
-                 "rpc_servers", "engine")
+                 "rpc_servers", "reasoning", "reasoning_budget", "engine")
 DEFAULT_PARALLEL = 4  # n_parallel (a gguf-cpp model's slots) when nothing says
 
 

@@ -33,7 +33,7 @@ from localrt.engines.catalog import engine_alias, engine_for_files, weights_file
 from localrt.errors import (Conflict, HTTPError, InvalidField, InvalidModelFile,
                             ModelFileMissing, NotFound)
 from localrt.fsutil import MOVE_DATA, atomic_write, remove_stale_temps, storage_error
-from localrt.engines import ggufcheck, ggufinfo
+from localrt.engines import ggufcheck, ggufinfo, reasoning
 from localrt.models import roles
 
 log = logging.getLogger(__name__)
@@ -198,21 +198,28 @@ class Registry:
             self._write(folder, updated)
         return self._record(folder, updated)
 
-    def set_file(self, model_id: str, role: roles.Role, name: str, entry: dict) -> dict:
-        """Record `name`, a file now in the model's folder (its files entry `entry`), as
-        the model's file in `role` (under the role's key); the file of the one it
-        replaces is deleted from the folder (a link's target never is)."""
+    def set_file(self, model_id: str, role: roles.Role, value, entries: list) -> dict:
+        """Record `value` under the role's key: the name of a file now in the model's
+        folder (its files entry in `entries`), or for a role of `many` the list of
+        {"path", "scale"} (the new files' entries in `entries`; an empty list drops the
+        key). The files of the ones it replaces are deleted from the folder (a link's
+        target never is)."""
         with self._lock:
             folder, d = self._find(model_id)
-            old = d.get(role.key)
-            files = [f for f in d["files"] if f["path"] not in (old, name)] + [entry]
-            updated = {**d, "files": files, role.key: name}
+            old = set(role.names(d))
+            new = {e["path"] for e in value} if role.many else {value}
+            added = {e["path"] for e in entries}
+            files = [f for f in d["files"] if f["path"] not in old | added] + \
+                [f for f in d["files"] if f["path"] in old & new - added] + entries
+            updated = {**d, "files": files, role.key: value}
+            if role.many and not value:
+                del updated[role.key]
             self._write(folder, updated)
             # A definition's paths are relative (schemas/model.json); a hand-edited one
             # that leaves the folder is left alone.
-            if old and old != name and not Path(old).is_absolute() \
-                    and ".." not in Path(old).parts:
-                (folder / old).unlink(missing_ok=True)
+            for gone in old - new:
+                if not Path(gone).is_absolute() and ".." not in Path(gone).parts:
+                    (folder / gone).unlink(missing_ok=True)
         return self._record(folder, updated)
 
     def set_vetting(self, model_id: str, state: dict) -> dict:
@@ -328,7 +335,8 @@ class Registry:
                                   if k not in LIST_OMITS}
         record["size"] = sum(f["size"] for f in d["files"])
         record["path"] = str(folder)
-        record["capabilities"] = capabilities(record)
+        # Read from the whole metadata: a listing's leaves out the chat template.
+        record["capabilities"] = capabilities({**record, "metadata": d.get("metadata")})
         signature, status, problem = _files_now(folder, d["files"])
         with self._lock:
             invalid = self._invalid.get(d["id"])
@@ -423,18 +431,23 @@ def capabilities(record: dict) -> list[str]:
     import records both), ["chat", "vision"] for a GGUF with an image projector,
     ["chat", "audio"] with an audio one, ["chat", "vision", "audio"] with one that has
     both encoders (the capabilities of each file it has beside its weights:
-    localrt.models.roles), else ["chat"]."""
+    localrt.models.roles), else ["chat"]; a chat model whose chat template thinks
+    (localrt.engines.reasoning) has "reasoning" too, last."""
     meta = record.get("metadata") or {}
     if meta.get("rerank") is True:
         return ["rerank"]
     if meta.get("embedding") is True:
         return ["embedding"]
+    out = ["chat"]
     added = [c for r in roles.BESIDE if record.get(r.key) for c in r.capabilities(record)]
     if added:  # files that go with GGUF weights, which llama.cpp loads beside them
         weights = _weights_name(record)
         if weights is not None and weights.lower().endswith(".gguf"):
-            return ["chat", *added]
-    return ["chat"]
+            out += added
+    template = meta.get("chat_template")
+    if isinstance(template, str) and reasoning.markers_of(template) is not None:
+        out.append("reasoning")
+    return out
 
 
 def weights_path(record: dict) -> Path | None:
@@ -446,7 +459,7 @@ def weights_path(record: dict) -> Path | None:
 
 def _weights_name(definition: dict) -> str | None:
     """The path, in a model's folder, of the file an engine loads (weights_path)."""
-    beside = {definition.get(k) for k in roles.KEYS}
+    beside = {name for r in roles.BESIDE for name in r.names(definition)}
     return weights_file(f["path"] for f in definition.get("files", ())
                         if roles.role_of(f["path"]) is roles.WEIGHTS
                         and f["path"] not in beside)

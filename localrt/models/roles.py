@@ -3,8 +3,8 @@ each kind, in one table (ROLES).
 
 A model has its weights (the file an engine loads as the model: a GGUF, a split GGUF's
 first part, an ONNX folder's model) and may have files beside them, each in one role:
-today the projector, through which llama.cpp's mtmd reads images and audio. For each role, its
-row says how such a file is
+today the projector (through which llama.cpp's mtmd reads images and audio) and the
+adapters. For each role, its row says how such a file is
   * stored:   `key`, the field of the record (and model.json) that names the file in
               the model's folder; the same name is the field of an import body and of
               a PATCH that give one (schemas/model-import.json, model-yml.json), the
@@ -37,13 +37,19 @@ The weights have a row too, without a key: they are the files no other role clai
 import checks them (localrt.models.imports, with `check_file`), and only a pull or an
 import sets them (FIXED_FIELDS' files, localrt.models.registry).
 
-A role to come is one more row: a LoRA adapter would be
-`Role("adapter", key="lora", label="LoRA adapter", noun="adapter", prefix="lora",
-pick=<its file on the hub>, check=<a GGUF whose general.type is adapter, of the
-model's architecture>)`, and the engine would read options["lora"]; a draft model for
-speculative decoding another, with its own pick (the smallest GGUF of a draft repo)
-and check (the same vocabulary as the weights). The CLI's flag, the schemas' fields and
-the engine's use of the option are what such a row needs besides.
+A role may hold several files: the adapters (LoRA adapter GGUFs, `many`), a list
+under `lora` of {"path", "scale"}: each file's name in the folder (or, in an import or a
+PATCH, its absolute path) and the scale llama.cpp applies it with when the model starts
+(1.0 when left out). A PATCH's list replaces the model's whole list (an empty one drops
+them all); an adapter it keeps (its name, or its path in the folder) is not brought in
+again. The engine gets them as options["lora"], each with its absolute path, in the
+list's order: a request's `lora: [{"id", "scale"}]` names them by their index there
+(localrt.engines.llama.adapters). They are never pulled.
+
+A role to come is one more row: a draft model for speculative decoding, with its own
+pick (the smallest GGUF of a draft repo) and check (the same vocabulary as the weights).
+The CLI's flag, the schemas' fields and the engine's use of the option are what such a
+row needs besides.
 """
 
 from __future__ import annotations
@@ -66,7 +72,7 @@ class Role:
 
     name: str                        # "weights", "projector"
     key: Optional[str]               # the record's field naming its file; None: the weights
-    label: str                       # how a message names such a file: "vision projector"
+    label: str                       # how a message names such a file: "projector"
     noun: str                        # and for short: "projector"
     prefix: Optional[str] = None     # <prefix>*.gguf is this role's file, never the weights
     capability: Optional[str] = None  # what it adds to a record's capabilities
@@ -76,8 +82,10 @@ class Role:
     # Which of a hub revision's files comes along with the model, or None.
     pick: Optional[Callable[[list], Optional["HubFile"]]] = None
     # The file at a path given for this role, checked against the model's weights
-    # (path, weights) -> Path; an InvalidField naming `key` says why not.
+    # (path, weights) -> Path; an InvalidField naming `key` says why not (a role of
+    # `many` takes field=, the entry's own field, lora[1].path, for its errors).
     check: Optional[Callable[[str, Path], Path]] = None
+    many: bool = False  # a list of {"path", "scale"} under `key`, not one file's name
 
     def claims(self, path: str) -> bool:
         """Whether a file's name says it is this role's (mmproj*.gguf a projector's)."""
@@ -96,9 +104,20 @@ class Role:
         return (self.capability,) if self.capability else ()
 
     def path(self, record: dict) -> Path | None:
-        """The file of this role a model record names, or None."""
-        name = record.get(self.key) if self.key else None
-        return Path(record["path"]) / name if name else None
+        """The file of this role a model record names, or None (the first, for a role
+        of `many`)."""
+        names = self.names(record)
+        return Path(record["path"]) / names[0] if names else None
+
+    def names(self, record: dict) -> list[str]:
+        """The names, in the model's folder, of the files of this role a record (or a
+        definition) names, in order."""
+        value = record.get(self.key) if self.key else None
+        if not value:
+            return []
+        if self.many:
+            return [e["path"] for e in value if isinstance(e, dict) and e.get("path")]
+        return [value]
 
     def file_name(self, src: Path, taken: set) -> str:
         """The name a file of this role gets in a model's folder: one that `claims`
@@ -111,15 +130,17 @@ class Role:
             candidate, n = f"{self.prefix}-{n}-{name}", n + 1
         return candidate
 
-    def invalid(self, reason: str) -> InvalidField:
-        """A 400 naming this role's field."""
-        return InvalidField(f"Invalid field '{self.key}': {reason}", param=self.key)
+    def invalid(self, reason: str, field: str | None = None) -> InvalidField:
+        """A 400 naming this role's field (or `field`, one of its list's: lora[1].path)."""
+        field = field or self.key
+        return InvalidField(f"Invalid field '{field}': {reason}", param=field)
 
     @property
     def running_note(self) -> str:
         """What an update that gives a running model a new file of this role adds."""
-        return (f"; it is running with the {self.noun} it started with, and loads this "
-                f"one when it is started again")
+        these = "these" if self.many else "this one"
+        return (f"; it is running with the {self.noun} it started with, and loads {these} "
+                f"when it is started again")
 
 
 # --- the weights -------------------------------------------------------------------------
@@ -239,6 +260,91 @@ def projector_capabilities(path: Path) -> tuple:
             _SEEN.clear()
         _SEEN[key] = said
     return _SEEN[key]
+# --- the adapters ----------------------------------------------------------------------
+
+LORA_SCALE = 1.0  # an adapter's scale when an import or a PATCH gives none, as llama-server's
+
+
+def check_adapter(path: str, model: Path, field: str = "lora") -> Path:
+    """The LoRA adapter GGUF at `path`, once its header says it is one (general.type
+    "adapter", adapter.type "lora") for the model GGUF's architecture, and each of its
+    lora_a/lora_b pairs fits a tensor of the model as llama.cpp's loader demands (it
+    refuses the adapter otherwise); else an InvalidField naming `lora` that says why.
+
+    An adapter whose header breaks a rule of localrt.engines.ggufcheck is a 400
+    InvalidModelFile naming `lora`. `field` is the one errors name (lora[0].path).
+    """
+    def bad(reason: str) -> InvalidField:
+        return ADAPTER.invalid(reason, field)
+
+    src = Path(path)
+    if src.is_absolute() and src.is_dir():
+        raise bad(f"{path} is a folder, not a LoRA adapter GGUF file")
+    try:
+        check_file(src, path)
+    except BadSource as exc:
+        raise bad(str(exc)) from None
+    try:  # its header whole: llama.cpp reads it in the server's process
+        ggufcheck.check(src, param=field)
+        meta, tensors = ggufinfo.read_tensor_shapes(src)
+    except OSError as exc:
+        raise bad(f"{path} cannot be read: {exc.strerror or exc}") from None
+    except ggufinfo.GGUFError as exc:
+        raise bad(f"{path} cannot be read as GGUF: {exc}") from None
+    kind, adapter = meta.get("general.type"), meta.get("adapter.type")
+    if kind != "adapter" or adapter != "lora":
+        said = f"general.type is {kind!r}" if kind != "adapter" else \
+            f"adapter.type is {adapter!r}"
+        raise bad(f"{path} is not a LoRA adapter GGUF ({said}; a LoRA adapter has "
+                  f"general.type 'adapter' and adapter.type 'lora')")
+    if not isinstance(meta.get("adapter.lora.alpha"), (int, float)):
+        raise bad(f"{path} has no adapter.lora.alpha, which llama.cpp reads")
+    try:
+        model_meta, weights = ggufinfo.read_tensor_shapes(model)
+    except (OSError, ggufinfo.GGUFError) as exc:
+        raise bad(f"the model's GGUF header cannot be read: {exc}") from None
+    arch, wanted = meta.get("general.architecture"), model_meta.get("general.architecture")
+    if arch != wanted:
+        raise bad(f"the adapter {path} is for the {arch} architecture, but the model "
+                  f"{model.name} is {wanted} (general.architecture); they are not a pair")
+    problem = _adapter_shapes(tensors, weights)
+    if problem:
+        raise bad(f"the adapter {path} does not fit the model {model.name}: {problem}")
+    return src
+
+
+def _adapter_shapes(tensors: dict, weights: dict) -> str | None:
+    """Why an adapter's tensors do not fit the model's, as llama.cpp's adapter loader
+    checks them (llama_adapter_lora_init), or None: each tensor is a lora_a or lora_b
+    (or a norm, which it skips), in pairs, of a tensor the model has, the pair's shapes
+    those of that tensor (ggml order: a is {n_in, rank}, b {rank, n_out}; a token
+    embedding's pair the other way round)."""
+    pairs: dict[str, dict] = {}
+    for name, dims in tensors.items():
+        base, dot, part = name.rpartition(".")
+        if part in ("lora_a", "lora_b"):
+            pairs.setdefault(base, {})[part] = dims
+        elif not name.endswith("_norm.weight"):
+            return f"its tensor {name} is neither a lora_a nor a lora_b"
+    if not pairs:
+        return "it has no lora_a/lora_b tensors"
+    for base, pair in sorted(pairs.items()):
+        if len(pair) < 2:
+            return f"{base} has only its {next(iter(pair))}"
+        target = weights.get(base)
+        if target is None:
+            return f"the model has no tensor {base}"
+        a, b = pair["lora_a"], pair["lora_b"]
+        if len(a) < 2 or len(b) < 2 or len(target) < 2:
+            return f"{base}'s lora_a and lora_b are not matrices"
+        if base.endswith("token_embd.weight"):
+            fits = target[0] == b[1] and target[1] == a[1]
+        else:
+            fits = target[0] == a[0] and target[1] == b[1] and a[1] == b[0]
+        if not fits:
+            return (f"{base} is {list(target)} in the model, and its lora_a {list(a)} and "
+                    f"lora_b {list(b)} do not make that shape")
+    return None
 
 
 # --- the table -------------------------------------------------------------------------
@@ -247,9 +353,11 @@ WEIGHTS = Role("weights", key=None, label="model", noun="model")
 PROJECTOR = Role("projector", key="mmproj", label="projector", noun="projector",
                  prefix="mmproj", capability="vision", pick=pick_projector,
                  check=check_projector, capabilities_of=projector_capabilities)
+ADAPTER = Role("adapter", key="lora", label="LoRA adapter", noun="adapters", prefix="lora",
+               check=check_adapter, many=True)
 # If you add a row, give its key a field in schemas/model-import.json and
 # model-yml.json, a flag in localrt.cli.parser, and its use to the engine.
-ROLES = (WEIGHTS, PROJECTOR)
+ROLES = (WEIGHTS, PROJECTOR, ADAPTER)
 BESIDE = tuple(r for r in ROLES if r.key is not None)  # the files beside the weights
 KEYS = tuple(r.key for r in BESIDE)
 
@@ -260,12 +368,35 @@ def role_of(path: str) -> Role:
     return next((r for r in BESIDE if r.claims(path)), WEIGHTS)
 
 
-def given(body: dict) -> dict[Role, str]:
-    """The files an import body or a PATCH gives beside the weights: role -> path."""
-    return {r: body[r.key] for r in BESIDE if body.get(r.key) is not None}
+def given(body: dict) -> dict[Role, object]:
+    """The files an import body or a PATCH gives beside the weights: role -> path (for a
+    role of `many`, its list of {"path", "scale"}, each scale filled in: an empty list
+    is given too, and drops the role's files)."""
+    out = {}
+    for r in BESIDE:
+        value = body.get(r.key)
+        if value is None:
+            continue
+        if r.many:
+            value = [{"path": e["path"], "scale": float(e.get("scale", LORA_SCALE))}
+                     for e in value]
+        out[r] = value
+    return out
 
 
-def beside(record: dict) -> dict[str, str]:
+def beside(record: dict) -> dict[str, object]:
     """The files a model record names beside its weights, as an engine's start options
-    take them: key -> absolute path."""
-    return {r.key: str(r.path(record)) for r in BESIDE if r.path(record) is not None}
+    take them: key -> absolute path (for a role of `many`, a list of {"path", "scale"}
+    with absolute paths, none when it has none)."""
+    out: dict[str, object] = {}
+    for r in BESIDE:
+        if r.many:
+            folder = Path(record["path"])
+            entries = [{"path": str(folder / e["path"]),
+                        "scale": float(e.get("scale", LORA_SCALE))}
+                       for e in record.get(r.key) or () if isinstance(e, dict)]
+            if entries:
+                out[r.key] = entries
+        elif r.path(record) is not None:
+            out[r.key] = str(r.path(record))
+    return out

@@ -5,10 +5,18 @@ A remote model (localrt.inference.remote) is served by OpenAI-compatible servers
 chat that reaches it through any dialect but OpenAI's own (which passes the client's
 body and the upstream's chunks through untouched: localrt.dialects.openai) is written
 here (`chat_body`) and its reply, whole or streamed, read here (`reply`): content is
-Text, `reasoning_content` (or `reasoning`, as vLLM and Ollama write it) Reasoning,
-tool calls CallStart and CallArgs, finish_reason and vLLM's stop_reason Finish, usage
-Usage, and an error event Failed (`UpstreamFailed`, which keeps the upstream's error
-as it came). So a remote model's reasoning reaches every dialect.
+Text, `reasoning_content` (or `reasoning`, as vLLM and Ollama write it, or `thinking`)
+Reasoning, tool calls CallStart and CallArgs, finish_reason and vLLM's stop_reason
+Finish, usage Usage, and an error event Failed (`UpstreamFailed`, which keeps the
+upstream's error as it came). So a remote model's reasoning reaches every dialect.
+
+What a request asks of the model's thinking goes upstream in the fields
+OpenAI-compatible servers read (`_thinking`), each only when the request asked:
+thinking off is reasoning_effort "none" (llama-server, vLLM, Ollama and OpenAI read
+it), a level is that reasoning_effort, the budget llama-server's
+thinking_budget_tokens, and chat_template_kwargs and reasoning_format go as they
+came; thinking on at no level is the upstream's default, which no portable field
+says. An assistant's earlier thinking goes back as reasoning_content and reasoning.
 """
 
 from __future__ import annotations
@@ -20,7 +28,10 @@ from localrt import native
 from localrt.errors import HTTPError, UpstreamError
 
 # The names a reply's reasoning has, in the order they are looked for.
-REASONING_FIELDS = ("reasoning_content", "reasoning")
+REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
+# The names an assistant's earlier thinking is sent back under: llama-server reads the
+# first, Ollama the second, vLLM either.
+HISTORY_FIELDS = ("reasoning_content", "reasoning")
 
 
 class UpstreamFailed(HTTPError):
@@ -79,7 +90,25 @@ def chat_body(request: native.Request) -> dict:
         body["stream"] = True
         if request.include_usage:
             body["stream_options"] = {"include_usage": True}
+    body.update(_thinking(request))
     return body
+
+
+def _thinking(request: native.Request) -> dict:
+    """The thinking controls of a request, as an upstream's body takes them (see the
+    module docstring)."""
+    out: dict = {}
+    if request.think is False:
+        out["reasoning_effort"] = "none"
+    elif request.effort is not None:
+        out["reasoning_effort"] = request.effort
+    if request.reasoning_budget is not None:
+        out["thinking_budget_tokens"] = request.reasoning_budget
+    if request.reasoning_format is not None:
+        out["reasoning_format"] = request.reasoning_format
+    if request.template_kwargs:
+        out["chat_template_kwargs"] = dict(request.template_kwargs)
+    return out
 
 
 def _message(message: native.Message) -> dict:
@@ -93,6 +122,8 @@ def _message(message: native.Message) -> dict:
         out["tool_calls"] = [{"id": c.id, "type": "function",
                               "function": {"name": c.name, "arguments": c.arguments}}
                              for c in message.tool_calls]
+    if message.role == "assistant" and message.reasoning:
+        out.update(dict.fromkeys(HISTORY_FIELDS, message.reasoning))
     if message.role == "tool":
         out["tool_call_id"] = message.tool_call_id
         if message.name:

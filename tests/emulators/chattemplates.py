@@ -10,10 +10,24 @@ byte for byte so the prompts the tests check are the ones the real models get:
   message unless tools_in_user_message is false)
 * MISTRAL_NEMO: mistralai/Mistral-Nemo-Instruct-2407 ([TOOL_CALLS] with 9-character ids)
 
+`template(name)` reads a template of tests/emulators/templates/, which llama.cpp keeps
+in its models/templates/ (the reasoning families' among them: Qwen3, Qwen3.5, QwQ,
+DeepSeek-R1's distills, SmolLM3, GLM-4.7, Ministral reasoning, gpt-oss, Gemma 4).
+
 `TOKENS` are the added tokens each family's vocabulary has, as (text, kind) pairs for
 ggufgen.write_gguf's `added_tokens`: kind "control" for special tokens (llama.cpp does
 not print them unless asked), "user" for added tokens printed as text.
 """
+
+from pathlib import Path
+
+KEPT = Path(__file__).resolve().parent / "templates"  # llama.cpp's models/templates
+
+
+def template(name: str) -> str:
+    """The chat template tests/emulators/templates/<name>.jinja, as llama.cpp keeps it."""
+    return (KEPT / f"{name}.jinja").read_text(encoding="utf-8")
+
 
 QWEN25 = r"""{%- if tools %}
     {{- '<|im_start|>system\n' }}

@@ -119,6 +119,7 @@ def write_gguf(
     script=(),
     weight_scale: float = 0.02,
     loop: bool = False,
+    branches=(),
 ) -> Path:
     """Write a tiny random-weight llama model to `path` and return it as a Path.
 
@@ -137,7 +138,9 @@ def write_gguf(
     the first). Real llama.cpp then answers with known text, e.g. a tool call. With
     `loop` the script starts again after its last token instead of ending: a model that
     never ends a reply (its tokens must be distinct), under any sampling that keeps
-    min_p.
+    min_p. `branches`, (trigger, tokens) pairs beside a `script`, make the model write
+    those tokens instead, then its end token, when the text so far ends with the
+    trigger token (a template can end a prompt with one: a reply after a tool's result).
 
     `weight_scale` is the standard deviation of the random weights; a larger one makes
     the context (e.g. an image's embeddings) weigh more on what the model writes.
@@ -197,7 +200,7 @@ def write_gguf(
     T = gguf.TENSOR_NAMES
     M = gguf.MODEL_TENSOR
     if script:
-        embd, output = _scripted(tokens, list(script), n_embd, loop)
+        embd, output = _scripted(tokens, list(script), n_embd, loop, branches)
     else:
         embd, output = weight(vocab_size, n_embd), weight(vocab_size, n_embd)
     writer.add_tensor(T[M.TOKEN_EMBD] + ".weight", embd.astype(wdtype))
@@ -223,23 +226,30 @@ def write_gguf(
     return path
 
 
-def _scripted(tokens: list, script: list, n_embd: int, loop: bool = False):
+def _scripted(tokens: list, script: list, n_embd: int, loop: bool = False, branches=()):
     """(token embeddings, output weights) of a model that writes `script` then EOS (with
-    `loop`, its first token again): any token not in the script points along dimension
-    0, the k-th script token along k+1, and the output row of the token that follows
-    has a large weight on that dimension."""
+    `loop`, its first token again), or a branch's tokens after its trigger: each token
+    that leads somewhere (a script or branch token, a trigger) points along a dimension
+    of its own, any other token along dimension 0, and the output row of the token that
+    follows has a large weight on that dimension."""
     ids = [tokens.index(text) for text in script]
-    ids.append(ids[0] if loop else EOS_ID)
-    if len(ids) > n_embd:
-        raise ValueError("a script needs n_embd above its length")
+    # (the token, the token written after it); None: any token that leads nowhere else.
+    steps = [(None, ids[0])] + list(zip(ids, ids[1:] + [ids[0] if loop else EOS_ID]))
+    for trigger, branch in branches:
+        chain = [tokens.index(trigger)] + [tokens.index(text) for text in branch]
+        steps += zip(chain, chain[1:] + [EOS_ID])
+    if len(steps) > n_embd:
+        raise ValueError("a script and its branches need n_embd above their length")
+    if len({token for token, _ in steps}) < len(steps):
+        raise ValueError("a script's and its branches' tokens must be distinct")
     embd = np.zeros((len(tokens), n_embd), dtype=np.float32)
     output = np.zeros((len(tokens), n_embd), dtype=np.float32)
     embd[:, 0] = 1.0
-    for k, token in enumerate(ids):
-        if k < len(script):
+    for dim, (token, after) in enumerate(steps):
+        if token is not None:
             embd[token] = 0.0
-            embd[token, k + 1] = 1.0
-        output[token, k] = 10.0
+            embd[token, dim] = 1.0
+        output[after, dim] = 10.0
     return embd, output
 
 

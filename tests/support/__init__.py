@@ -10,6 +10,8 @@
 - `config`: the Config fields for outbound requests (`outbound_config`);
 - `browser`: headless Chromium through Selenium (`require_chromium`, `start_chromium`).
 - `disks`: a small tmpfs to fill up or make read-only (the `small_disk` fixture).
+- `agents`: the real Claude Code and Codex from npm's registry (`require_agents`), and
+  the environment they run in (`agent_env`).
 
 Tests import them (`from support.apps import call`). tests/conftest.py holds the
 fixtures and builds them from these modules. The generators and emulators

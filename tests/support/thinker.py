@@ -1,6 +1,7 @@
-"""Test support: a remote model that thinks, as an OpenAI-compatible server on loopback.
+"""Test support: models that think. A remote one, as an OpenAI-compatible server on
+loopback, and a local one, a scripted GGUF with QwQ's chat template (`write_qwq`).
 
-Not a test module. Its chat completions stream the thinking as servers write it
+Not a test module. The remote one's chat completions stream the thinking as servers write it
 (`reasoning_content` in one chunk, `reasoning` in the next, as vLLM's releases do),
 after `pause` seconds the answer, and record every body they get (`bodies`).
 """
@@ -75,3 +76,18 @@ def add_thinker(url: str, upstream) -> None:
     """Register the remote model `thinker` on the localrt at `url`, served by `upstream`."""
     Client(url)._request("POST", "/v1/models/remote", {
         "id": "thinker", "upstreams": [{"url": f"http://127.0.0.1:{upstream.server_port}/v1"}]})
+
+
+def write_qwq(path):
+    """A scripted model with QwQ's template: its prompt opens the thinking, so its reply
+    "so we</think> ok" is the thinking "so we" and the answer "ok"; with thinking off,
+    the template ends the prompt with "</think>" and the script answers "ok" at once."""
+    import gguf
+    from emulators.chattemplates import template
+    from emulators.ggufgen import write_gguf
+
+    user = gguf.TokenType.USER_DEFINED
+    return write_gguf(path, name="qwq", vocab_size=1600, context_length=1024,
+                      chat_template=template("Qwen-QwQ-32B"),
+                      added_tokens=[(t, user) for t in ("<think>", "</think>")],
+                      script=["▁so", "▁we", "</think>", "▁ok"])

@@ -4,7 +4,7 @@ A handler takes the Context, reaches the server only through `ctx.client()`, and
 returns an ExitCode; it raises CliError (or lets the client's errors rise) to fail.
 `models` and `engines` dispatch again on their subcommand. One module per group:
 `server` (start, stop), `config`, `pull`, `models` (and ps), `run`, `embed`, `rerank`,
-`transcribe`, `engines`.
+`transcribe`, `engines`, `launch`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from localrt.cli.commands.embed import cmd_embed
 from localrt.cli.commands.engines import (cmd_engines_get, cmd_engines_install,
                                           cmd_engines_list, cmd_engines_uninstall,
                                           cmd_engines_use)
+from localrt.cli.commands.launch import cmd_launch
 from localrt.cli.commands.models import (cmd_models_add_remote, cmd_models_get,
                                          cmd_models_import, cmd_models_list,
                                          cmd_models_remove, cmd_models_start, cmd_models_stop,
@@ -40,7 +41,8 @@ def cmd_engines(ctx: Context) -> int:
 
 COMMANDS = {"start": cmd_start, "stop": cmd_stop, "config": cmd_config, "pull": cmd_pull,
             "run": cmd_run, "embed": cmd_embed, "ps": cmd_ps, "models": cmd_models,
-            "engines": cmd_engines, "rerank": cmd_rerank, "transcribe": cmd_transcribe}
+            "engines": cmd_engines, "rerank": cmd_rerank, "transcribe": cmd_transcribe,
+            "launch": cmd_launch}
 ENGINE_COMMANDS = {"list": cmd_engines_list, "get": cmd_engines_get,
                    "install": cmd_engines_install, "uninstall": cmd_engines_uninstall,
                    "use": cmd_engines_use}

@@ -49,6 +49,8 @@ def cmd_models_update(ctx: Context) -> int:
     changes = flag_values(ctx.args, ctx.args.parameters)
     if ctx.args.mmproj is not None:
         changes["mmproj"] = _absolute(ctx.args.mmproj)
+    if ctx.args.lora is not None:
+        changes["lora"] = [_adapter(given) for given in ctx.args.lora if given]
     if not changes:
         raise CliError("Nothing to update: give at least one option (see "
                        "`localrt models update -h`)", ExitCode.USAGE)
@@ -69,11 +71,25 @@ def cmd_models_import(ctx: Context) -> int:
     path = _absolute(ctx.args.path)
     option = "copy" if ctx.args.copy else "symlink"
     mmproj = _absolute(ctx.args.mmproj) if ctx.args.mmproj is not None else None
-    reply = ctx.client().import_model(path, ctx.args.id, option, mmproj)
+    lora = [_adapter(given) for given in ctx.args.lora] if ctx.args.lora else None
+    reply = ctx.client().import_model(path, ctx.args.id, option, mmproj, lora)
     # cortex's words, which its scripts look for.
     ctx.out(f"Successfully import model from '{path}' for modelID "
             f"'{reply['model']['id']}'.")
     return ExitCode.OK
+
+
+def _adapter(given: str) -> dict:
+    """A --lora PATH[:SCALE] as the API's {"path", "scale"} (a path may hold colons: only
+    a number after the last one is a scale)."""
+    path, colon, scale = given.rpartition(":")
+    try:
+        value = float(scale) if colon and path else None
+    except ValueError:
+        value = None
+    if value is None:
+        return {"path": _absolute(given)}
+    return {"path": _absolute(path), "scale": value}
 
 
 def _absolute(path: str) -> str:
@@ -115,6 +131,15 @@ def cmd_models_start(ctx: Context) -> int:
 def start_options(ctx: Context) -> dict:
     """The start options given as flags (`models start`, `run`)."""
     return flag_values(ctx.args, ctx.args.start_options)
+
+
+def context_for(record: dict, need: int) -> int:
+    """The ctx_len to start a model with so that `need` tokens fit (`launch`, `run`): the
+    stored ctx_len or `need`, whichever is more, but never past the context it was
+    trained on."""
+    wanted = max(need, record.get("ctx_len") or 0)
+    trained = (record.get("metadata") or {}).get("context_length")
+    return min(wanted, trained) if isinstance(trained, int) and trained > 0 else wanted
 
 
 def cmd_models_stop(ctx: Context) -> int:

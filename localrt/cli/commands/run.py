@@ -3,7 +3,9 @@ it names, start it, and chat with it, or answer one prompt and exit as `ollama r
 
 A prompt comes from the PROMPT words and, when stdin is not a terminal, from stdin
 (before them): `localrt run ID "a prompt"`, `echo a prompt | localrt run ID`. Without
-one, the session reads messages (localrt.cli.chat).
+one, the session reads messages (localrt.cli.chat). A prompt longer than the model's
+stored ctx_len holds starts it with a longer one, when it was trained on more and no
+--ctx_len is given (`_fitting`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import os
 
 from localrt.cli.chat import Chat, reasons_of
-from localrt.cli.commands.models import start_options
+from localrt.cli.commands.models import context_for, start_options
 from localrt.cli.commands.pull import download
 from localrt.cli.context import CliError, Context, ExitCode
 from localrt.cli.follow import open_events
@@ -22,22 +24,43 @@ def cmd_run(ctx: Context) -> int:
     """Make the model ready, then chat with it in the terminal or answer one prompt."""
     prompt = _prompt(ctx)
     client = ctx.client()
-    model_id = _ready(ctx, client, ctx.args.model, pull=True)
+    model_id = ready(ctx, client, ctx.args.model, pull=True)
     think = ctx.args.think
     if think not in (None, False) and not reasons_of(client, model_id):
         raise CliError(f"Model '{model_id}' does not support thinking; run it without "
                        f"--think", ExitCode.USAGE)
-    reply = client.start_model(model_id, start_options(ctx))
+    reply = client.start_model(model_id, {**_fitting(client, model_id, prompt),
+                                          **start_options(ctx)})
     ctx.err(reply["message"])
 
     def load(given: str) -> str:  # /load: a local model, or a file imported, started
-        loaded = _ready(ctx, client, given, pull=False)
+        loaded = ready(ctx, client, given, pull=False)
         ctx.err(client.start_model(loaded)["message"])
         return loaded
 
     chat = Chat(ctx, client, model_id, load=load, verbose=ctx.args.verbose, think=think,
                 hide_thinking=ctx.args.hidethinking)
     return chat.loop() if prompt is None else chat.once(prompt)
+
+
+# Tokens of context kept for the reply when a prompt sizes it.
+REPLY_ROOM = 2048
+# The bytes of text a token is counted as when a prompt sizes the context: fewer than
+# most tokenizers put in one (about 4 in English), so the estimate errs long.
+BYTES_PER_TOKEN = 3
+
+
+def _fitting(client, model_id: str, prompt: str | None) -> dict:
+    """The start options that make room for a one-shot prompt and its reply: a ctx_len
+    (within what the model was trained on) when its stored one is too short; {} for a
+    session, a prompt that fits, or a remote model."""
+    if prompt is None:
+        return {}
+    need = len(prompt.encode("utf-8")) // BYTES_PER_TOKEN + REPLY_ROOM
+    record = client.get_model(model_id)
+    if record.get("upstreams") or need <= (record.get("ctx_len") or 0):
+        return {}
+    return {"ctx_len": context_for(record, -(-need // 1024) * 1024)}
 
 
 def _prompt(ctx: Context) -> str | None:
@@ -54,7 +77,7 @@ def _prompt(ctx: Context) -> str | None:
     return prompt
 
 
-def _ready(ctx: Context, client, given: str, pull: bool) -> str:
+def ready(ctx: Context, client, given: str, pull: bool) -> str:
     """The id of the model `given` names, imported if it is a file on disk, pulled
     (when `pull`) if it is not local yet."""
     path = _path(given)

@@ -5,7 +5,8 @@
 decode step of a model's sequences computes (continuous batching), and `decode`
 computes it on the model's llama.cpp context; `drafting` proposes the drafts a step
 verifies (speculative decoding), `promptcache` keeps slots' states in RAM, and `media`
-reads a prompt's images through the projector (mtmd). `embedding` is llama.cpp's
+reads a prompt's images through the projector (mtmd); `adapters` loads a model's LoRA
+adapters and applies each request's scales. `embedding` is llama.cpp's
 embedding mode, and `grammar` turns a JSON Schema into GBNF. llama_cpp is imported
 only when a model loads.
 """

@@ -43,6 +43,19 @@ step computes; `LlamaBatch` (localrt.engines.llama.decode) computes it with llam
     and keeps the draft as far as it agrees, so one step may give several tokens. The
     rejected draft tokens' KV is cut off at once. Drafts come after every sequence's
     next token in the batch's room, before prompt chunks.
+  * Thinking (localrt.engines.reasoning): a reasoning reply's sequence has a Tracker,
+    which each of its tokens passes through as the step records it. At its budget the
+    tracker gives the end-of-thinking marker's tokens: they go to the reply as if the
+    model wrote them, into its sampler chain, and into the next step's decode after the
+    sampled token, and the model answers from there. A sequence whose answer a grammar
+    constrains (a JSON schema, a forced call) thinks freely: its sampler chain is
+    swapped for the grammar's where its answer starts. Such a sequence does not draft.
+  * LoRA adapters (localrt.engines.llama.adapters): a sequence's `adapters` are the
+    (id, scale) pairs it decodes with, and the context applies one such set at a
+    time, so a step carries only the sequences of one set; when several sets have
+    work, the steps take them in turn (the one after the last step's, in arrival
+    order). A slot's cache, and a state in the RAM cache, serve only a prompt of the
+    set they were computed with.
   * A sequence ends at an end-of-generation token or max_tokens. One that is left
     (`leave`: its reply is done, or its client hung up) frees its slot at the end of
     the step under way, or at once when none is.
@@ -78,12 +91,19 @@ class Sequence:
 
     def __init__(self, prompt: list, max_tokens: int, sampler=None,
                  top_logprobs: int | None = None, prompt_logprobs: bool = False,
-                 images: dict | None = None, drafter=None):
+                 images: dict | None = None, drafter=None, adapters: tuple = (),
+                 thinking=None, after_thinking=None):
         self.prompt = prompt  # text tokens, and ("image", digest, k) per image position
         self.images = images or {}  # the engine's chunk of each image, by its first index
         self.drafter = drafter  # drafting.Drafter, when this sequence speculates
+        self.adapters = adapters  # the (id, scale) LoRA adapters it decodes with
         self.max_tokens = max_tokens
         self.sampler = sampler  # the engine's, handed to its decode(); freed by release()
+        # A reasoning reply's reasoning.Tracker (None: none), and the sampler chain that
+        # takes over where its answer starts (a grammar's; None: the same chain goes on).
+        self.thinking = thinking
+        self.after_thinking = after_thinking
+        self.forced: list = []  # tokens localrt writes itself, fed after `next`
         # Log-probabilities (localrt.engines.logprobs), for a request that asks: each sampled
         # token's, with this many alternatives (None: none computed), and with
         # prompt_logprobs the prompt's too, which is then read whole (no cached
@@ -114,6 +134,7 @@ class Slot:
     seq: Sequence | None = None
     used: int = 0  # when its last sequence left (a step count): least recently used first
     prompt: int = 0  # the prompt positions of its sequence, or of its last one (GET /slots)
+    adapters: tuple = ()  # the LoRA adapters its KV was computed with
 
 
 @dataclass
@@ -140,7 +161,8 @@ class Batcher:
     decode(entries) -> for each entry with `sample`, in order, its sampled tokens (a
     list: one, or with a draft those the samples kept and one more; a lone int is
     taken as one), is_end(token) and release(sequence) (free what the engine made for
-    it); with an image entry, decode marks it `failed` when it cannot evaluate it.
+    it), accept(sequence, tokens) (tokens written for it, into its sampler chain) and
+    constrain(sequence) (its after_thinking chain takes over); with an image entry, decode marks it `failed` when it cannot evaluate it.
     `_lock` guards the slots, `_waiting`, `_active` and the sequences' state;
     `_stepping` lets one step run at a time and is held while it decodes.
     """
@@ -163,6 +185,7 @@ class Batcher:
         self._active: list[Sequence] = []  # in a slot, in the order they took it
         self._in_flight: set = set()  # the sequences the decode under way carries
         self._clock = itertools.count(1)
+        self._adapters: tuple = ()  # the adapter set the last step carried
 
     # --- the generations' side ------------------------------------------------------
 
@@ -241,9 +264,9 @@ class Batcher:
             if not free:
                 break
             seq = self._waiting.popleft()
-            slot, keep = self._choose(free, seq.prompt)
+            slot, keep = self._choose(free, seq)
             if self.cache is not None:
-                keep = self._through_cache(slot, keep, seq.prompt)
+                keep = self._through_cache(slot, keep, seq)
             keep = min(keep, len(seq.prompt) - 1)  # the last prompt token gives the logits
             keep = whole_images(seq.prompt, keep)
             if seq.prompt_logprobs:  # every prompt token's logits are needed
@@ -252,14 +275,16 @@ class Batcher:
                 keep = 0
                 self._engine.trim(slot.id, 0)
             slot.seq, slot.tokens, slot.prompt = seq, slot.tokens[:keep], len(seq.prompt)
+            slot.adapters = seq.adapters
             seq.slot, seq.cached, seq.read = slot, keep, keep
             self._active.append(seq)
 
-    def _through_cache(self, slot: Slot, keep: int, prompt: list) -> int:
-        """Save what the slot would lose; restore a saved state that serves `prompt`
-        better than the slot does. How many of the slot's tokens the prompt reuses."""
-        cache = self.cache
-        state, shared = cache.find(prompt)
+    def _through_cache(self, slot: Slot, keep: int, seq: Sequence) -> int:
+        """Save what the slot would lose; restore a saved state that serves the
+        sequence's prompt better than the slot does. How many of the slot's tokens the
+        prompt reuses."""
+        cache, prompt = self.cache, seq.prompt
+        state, shared = cache.find(prompt, seq.adapters)
         shared = whole_images(prompt, min(shared, len(prompt) - 1))
         if state is not None and shared > keep:
             self._save(slot)
@@ -274,17 +299,20 @@ class Batcher:
         return keep
 
     def _save(self, slot: Slot) -> None:
-        if self.cache.wants(slot.tokens):
+        if self.cache.wants(slot.tokens, slot.adapters):
             data, size = self._engine.save(slot.id)
             if size:
-                self.cache.put(slot.tokens, data, size)
+                self.cache.put(slot.tokens, data, size, slot.adapters)
 
-    def _choose(self, free: list[Slot], prompt: list[int]) -> tuple[Slot, int]:
-        """The slot for a prompt, and how many of its cached tokens the prompt reuses."""
+    def _choose(self, free: list[Slot], seq: Sequence) -> tuple[Slot, int]:
+        """The slot for a sequence's prompt, and how many of its cached tokens the
+        prompt reuses (none of a cache computed with other LoRA adapters)."""
         oldest = min(free, key=lambda s: s.used)
         if not self.caching:
             return oldest, 0
-        shared = {s.id: common_prefix(s.tokens, prompt) for s in free}
+        prompt = seq.prompt
+        shared = {s.id: common_prefix(s.tokens, prompt) if s.adapters == seq.adapters else 0
+                  for s in free}
         # A slot the prompt continues (most of its cache is reused), or one whose cache
         # is most of the prompt (a long shared system prompt, a turn whose reply the
         # template rewrote): else the least recently used, so conversations keep theirs.
@@ -293,21 +321,43 @@ class Batcher:
         best = max(fits, key=lambda s: (shared[s.id], -s.used), default=oldest)
         return best, shared[best.id]
 
+    def _turn(self) -> tuple:
+        """The LoRA adapter set this step carries: of the sets of the sequences with
+        something to compute, in arrival order, the one after the last step's."""
+        sets: list[tuple] = []
+        for seq in self._active:
+            if not seq.ended and (seq.next is not None or seq.read < len(seq.prompt)) \
+                    and seq.adapters not in sets:
+                sets.append(seq.adapters)
+        if len(sets) <= 1:
+            return sets[0] if sets else ()
+        if self._adapters in sets:
+            return sets[(sets.index(self._adapters) + 1) % len(sets)]
+        return sets[0]
+
     def _plan(self) -> list[Entry]:
-        """This step's entries: each generating sequence's token, then prompt chunks."""
-        generating = [seq for seq in self._active if seq.next is not None and not seq.ended]
+        """This step's entries: each generating sequence's token, then prompt chunks,
+        of the sequences whose adapter set is this step's."""
+        self._adapters = turn = self._turn()
+        active = [seq for seq in self._active if seq.adapters == turn]
+        generating = [seq for seq in active if seq.next is not None and not seq.ended]
         room = self.n_batch - len(generating)
         plan = []
         for seq in generating:
             draft = []
-            if seq.drafter is not None and room > 0:
+            if seq.drafter is not None and room > 0 and not seq.forced:
                 # no more than it may still say: its KV stays inside its context
                 draft = seq.drafter.propose(min(room, seq.max_tokens - seq.generated - 1))
                 room -= len(draft)
-            plan.append(Entry(seq, seq.slot.id, [seq.next] + draft, len(seq.slot.tokens),
-                              True, False, draft=len(draft)))
+            # Tokens localrt writes go in as the batch has room; the sequence samples
+            # again once the last of them is in.
+            written = seq.forced[:max(room, 0)]
+            room -= len(written)
+            plan.append(Entry(seq, seq.slot.id, [seq.next, *written] + draft,
+                              len(seq.slot.tokens), len(written) == len(seq.forced), False,
+                              draft=len(draft)))
         reach = {}  # where each sequence's KV will end after this step's text
-        for seq in self._active:
+        for seq in active:
             if room <= 0:
                 break
             if seq.ended or seq.read >= len(seq.prompt) or seq.read in seq.images:
@@ -323,7 +373,7 @@ class Batcher:
             room -= len(chunk)
         # One image a step, the first waiting in arrival order: one whose text before it
         # this step reads comes right after that text (the engine decodes text first).
-        for seq in self._active:
+        for seq in active:
             start = reach.get(seq, seq.read)
             if not seq.ended and start in seq.images:
                 end = _next_text(seq.prompt, start)
@@ -362,8 +412,9 @@ class Batcher:
             if entry.reading:
                 seq.read += len(entry.tokens)
                 self.prompt_read += len(entry.tokens)
-            else:
-                seq.next = None
+            else:  # what of its token and the tokens localrt writes is still to feed
+                left = [seq.next, *seq.forced][len(kept):] if not entry.draft else []
+                seq.next, seq.forced = (left[0], left[1:]) if left else (None, [])
             if seq.left:
                 continue
             for token in got:
@@ -371,7 +422,12 @@ class Batcher:
                 seq.generated += 1
                 if seq.drafter is not None:
                     seq.drafter.extend((token,))
-                if self._engine.is_end(token) or seq.generated >= seq.max_tokens:
+                if self._engine.is_end(token):
+                    seq.ended = True
+                    break
+                if seq.thinking is not None and self._think(seq, token):
+                    break
+                if seq.generated >= seq.max_tokens:
                     seq.ended = True
                     break
             else:
@@ -380,6 +436,26 @@ class Batcher:
         self._in_flight = set()
         for seq in [s for s in self._active if s.left]:
             self._free(seq)
+
+    def _think(self, seq: Sequence, token: int) -> bool:
+        """Follow a token of a reasoning reply (see the module docstring); True when
+        localrt writes the end of its thinking after it."""
+        forced = seq.thinking.step(token)
+        if forced and seq.generated < seq.max_tokens:
+            seq.thinking.forced(forced)
+            self._engine.accept(seq, forced)
+            seq.next, seq.forced = token, list(forced)
+            for written in forced:
+                seq.ready.append(written)
+                seq.generated += 1
+                if seq.generated >= seq.max_tokens:
+                    seq.ended = True
+                    break
+        else:
+            forced = []
+        if seq.thinking.answering and seq.after_thinking is not None:
+            self._engine.constrain(seq)
+        return bool(forced)
 
     def _fail(self, plan: list[Entry], exc: Exception) -> None:
         """A decode failed: its sequences end with the error, their slots forget their KV."""

@@ -47,9 +47,10 @@ class LlamaBatch:
     """The Batcher's engine on llama.cpp: one context holding a sequence per slot, the
     llama_batch each step fills, and each sequence's sampler chain."""
 
-    def __init__(self, llama_cpp, model, params, projector=None):
+    def __init__(self, llama_cpp, model, params, projector=None, adapters=None):
         self._ll = llama_cpp
         self.projector = projector  # a vision model's (localrt.engines.llama.media.Projector)
+        self.adapters = adapters  # a model's LoRA adapters (localrt.engines.llama.adapters)
         self.ctx = llama_cpp.llama_init_from_model(model, params)
         if self.ctx is None:
             raise ValueError("llama.cpp could not make the context (not enough memory for "
@@ -122,7 +123,10 @@ class LlamaBatch:
 
     def decode(self, entries: list[Entry]) -> list[list[int]]:
         """One llama_decode of every text entry, the sampled tokens of each that samples
-        (_decode's), then each image entry's image (one that fails is marked `failed`)."""
+        (_decode's), then each image entry's image (one that fails is marked `failed`),
+        with the LoRA adapters of the entries' sequences (one set a step)."""
+        if self.adapters is not None and entries:  # the Batcher's step has one set
+            self.adapters.apply(self.ctx, entries[0].seq.adapters)
         images = [e for e in entries if e.image is not None]
         sampled: list = self._decode([e for e in entries if e.image is None])
         for entry in images:  # after sampling: an image's decode overwrites the logits
@@ -208,11 +212,23 @@ class LlamaBatch:
         """Whether a token ends a generation (end of sequence, end of turn, ...)."""
         return bool(self._ll.llama_vocab_is_eog(self._vocab, token))
 
+    def accept(self, seq: Sequence, tokens: list) -> None:
+        """Tokens written for a sequence (the end of its thinking), into its sampler chain
+        as if it had sampled them."""
+        for token in tokens:
+            self._ll.llama_sampler_accept(seq.sampler, token)
+
+    def constrain(self, seq: Sequence) -> None:
+        """The sequence's answer starts: its grammar's chain takes over from the free one."""
+        self._ll.llama_sampler_free(seq.sampler)
+        seq.sampler, seq.after_thinking = seq.after_thinking, None
+
     def release(self, seq: Sequence) -> None:
-        """Free a sequence's sampler chain, and its image chunks."""
-        if seq.sampler is not None:
-            self._ll.llama_sampler_free(seq.sampler)
-            seq.sampler = None
+        """Free a sequence's sampler chains, and its image chunks."""
+        for chain in (seq.sampler, seq.after_thinking):
+            if chain is not None:
+                self._ll.llama_sampler_free(chain)
+        seq.sampler = seq.after_thinking = None
         if seq.images:
             self.projector.free_chunks(seq.images)
 

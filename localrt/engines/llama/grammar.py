@@ -62,7 +62,9 @@ def json_grammar(response_format: dict | None) -> str | None:
     Budget().spend(schema, "response_format.json_schema.schema" if kind == "json_schema"
                    else "response_format.schema")
     try:
-        return _schema_grammar(json.dumps(schema, sort_keys=True))
+        # Not sorted: the reply's properties come in the schema's order, as OpenAI's,
+        # Ollama's and llama-server's do.
+        return _schema_grammar(json.dumps(schema))
     except Exception as exc:  # the converter raises bare Exceptions for what it cannot do
         raise InvalidField(f"Invalid field 'response_format': the JSON Schema cannot be "
                            f"turned into a grammar: {reason(exc)}",

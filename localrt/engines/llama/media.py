@@ -109,6 +109,7 @@ class Prompt:
     chunks: dict = field(default_factory=dict)
     n_tokens: int = 0
     audio_tokens: int = 0  # of n_tokens, those of audio chunks (a transcription's usage)
+    thinking: str | None = None  # a reasoning reply's state at its start (reasoning.Plan)
 
 
 class Projector:

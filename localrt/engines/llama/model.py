@@ -11,7 +11,9 @@ started with the start option `embedding`, loads in llama.cpp's embedding mode i
 (localrt.engines.llama.embedding), and a reranker so too (localrt.engines.llama.rerank).
 A model with a projector (the option `mmproj`, its role's key, which
 localrt.inference.scheduler sets from the record: localrt.models.roles) loads it
-through llama.cpp's mtmd and reads chats with images (localrt.engines.llama.media). A JSON response_format becomes a grammar
+through llama.cpp's mtmd and reads chats with images (localrt.engines.llama.media). One
+with LoRA adapters (the option `lora`, their role's key) loads them onto the model and
+applies each request's scales (localrt.engines.llama.adapters). A JSON response_format becomes a grammar
 (localrt.engines.llama.grammar); log probabilities (localrt.engines.logprobs) are read
 from the logits before sampling, in LlamaBatch.decode, for the prompt too. llama_cpp is
 imported only when a model loads.
@@ -26,6 +28,7 @@ import os
 from pathlib import Path
 from typing import Callable, Iterator
 
+from localrt.engines.llama.adapters import Adapters
 from localrt.engines.llama.batch import Batcher, Sequence
 from localrt.engines.llama.decode import LlamaBatch, Sampling
 from localrt.engines.llama.drafting import DRAFT_MAX, Drafter, prediction_counts
@@ -164,10 +167,13 @@ class LlamaModel(GeneratingModel):
             self.context = options.get("ctx_len") or self._model.n_ctx_train()
             params = context_params(llama_cpp, options, self.slots * self.context,
                                     self.slots)
+            # freed with the model (llama.cpp frees a model's adapters with it)
+            self.adapters = Adapters(llama_cpp, self._model.model, options.get("lora"))
             if self._mmproj:
                 projector = Projector(llama_cpp, self._mmproj, self._model.model, options)
             # The batch owns the projector from here: its close() frees it.
-            self._batch = LlamaBatch(llama_cpp, self._model.model, params, projector)
+            self._batch = LlamaBatch(llama_cpp, self._model.model, params, projector,
+                                     self.adapters if len(self.adapters) else None)
         except BaseException:
             if projector is not None:
                 projector.close()
@@ -209,6 +215,8 @@ class LlamaModel(GeneratingModel):
         when None)."""
         prompt = self._prompt(messages, params)
         tokens = prompt.items
+        thinking, after = None, None  # a reasoning reply's Tracker, its grammar's chain
+        sampler = None
         try:
             if not tokens:
                 raise InvalidField("Invalid field 'messages': the prompt is empty",
@@ -216,18 +224,30 @@ class LlamaModel(GeneratingModel):
             room = check_room(len(tokens), self.context)
             max_tokens = min(params.get("max_tokens") or room, room)
             keep = self._preserved(params.get("preserved_tokens"))
+            adapters = self.adapters.key(params.get("lora"))
             top, echo = params.get("logprobs"), bool(params.get("prompt_logprobs"))
             sampler = self._sampler(params, tokens)
+            plan = params.get("reasoning")
+            if plan is not None and prompt.thinking is not None:
+                thinking = plan.tracker(prompt.thinking, lambda t: self._piece(t, True),
+                                        self._special_tokens)
+                if prompt.thinking != "answer" and self._grammar(params)[0]:
+                    # The thinking is free; the grammar constrains the answer after it.
+                    after, sampler = sampler, None
+                    sampler = self._sampler(params, tokens, grammar=False)
         except BaseException:
+            self._batch.release(Sequence([], 0, sampler, after_thinking=after))
             if prompt.chunks:
                 self._batch.projector.free(prompt)
             raise
         predicted = None  # the prediction's tokens, when the request has one
         if params.get("prediction"):
             predicted = self._text_tokens(params["prediction"])
+        forcing = after is not None or (thinking is not None and thinking.may_force)
         seq = Sequence(tokens, max_tokens, sampler, top_logprobs=top,
                        prompt_logprobs=echo and top is not None, images=prompt.chunks,
-                       drafter=self._drafter(params, tokens, predicted))
+                       drafter=None if forcing else self._drafter(params, tokens, predicted),
+                       adapters=adapters, thinking=thinking, after_thinking=after)
         batcher, wait = self._batcher, wait or self.step
         made: list[int] = []  # the reply's tokens, for the prediction's counts
 
@@ -249,6 +269,8 @@ class LlamaModel(GeneratingModel):
             finally:
                 batcher.leave(seq)
                 gen.usage["cached_tokens"] = seq.cached
+                if thinking is not None:
+                    gen.usage["reasoning_tokens"] = thinking.count
                 if predicted is not None:  # OpenAI's counts, drafted or not
                     (gen.usage["accepted_prediction_tokens"],
                      gen.usage["rejected_prediction_tokens"]) = \
@@ -261,11 +283,12 @@ class LlamaModel(GeneratingModel):
             log = Log(self._piece, prompt=(
                 (lambda: [TokenLogprob(tokens[0], None), *seq.prompt_scores])
                 if seq.prompt_logprobs else None))
-        gen = Generation(prompt.n_tokens, run, on_close=lambda: batcher.leave(seq),
-                         logprobs=log)
+        generation = Generation(prompt.n_tokens, run, on_close=lambda: batcher.leave(seq),
+                                logprobs=log)
+        generation.thinking = prompt.thinking
         if prompt.audio_tokens:
-            gen.usage["audio_tokens"] = prompt.audio_tokens
-        return gen
+            generation.usage["audio_tokens"] = prompt.audio_tokens
+        return generation
 
     def _drafter(self, params: dict, tokens: list, predicted: list | None):
         """The sequence's Drafter, or None: speculation off for the model or the request
@@ -291,6 +314,7 @@ class LlamaModel(GeneratingModel):
         if params.get("prompt_tokens") is not None:  # a completion's own tokens
             tokens = list(params["prompt_tokens"])
             return Prompt(tokens, n_tokens=len(tokens))
+        thinking = None  # the state a reasoning reply starts in (reasoning.Plan.prepare)
         if params.get("prompt") is not None:
             text, bos = params["prompt"], model.add_bos_token()
         elif has_images(messages):
@@ -301,19 +325,40 @@ class LlamaModel(GeneratingModel):
             if params.get("prompt_template"):  # a cortex-style template: markers in {prompt}
                 text = render_template(params["prompt_template"], messages)
             else:
-                text, _ = self._format(messages, params.get("tools"))
+                text, _ = self._format(messages, params.get("tools"),
+                                       params.get("template_kwargs"))
+                text, thinking = self._thinking(text, params)
             # With the model's BOS unless the template wrote it, as llama-server and
             # llama-cpp-python's own mtmd handlers read a prompt with images.
             bos = model.token_bos()
             bos_text = self._piece(bos, True).decode("utf-8", "replace") if bos >= 0 else ""
             self._fits(text.encode("utf-8"), "messages")
-            return projector.tokenize(text, images, not (bos_text and text.startswith(bos_text)))
+            prompt = projector.tokenize(text, images,
+                                        not (bos_text and text.startswith(bos_text)))
+            prompt.thinking = thinking
+            return prompt
         else:
-            text, bos = self._format(messages, params.get("tools"))
+            text, bos = self._format(messages, params.get("tools"),
+                                     params.get("template_kwargs"))
+            text, thinking = self._thinking(text, params)
         data = text.encode("utf-8")
         self._fits(data, "messages")
         tokens = model.tokenize(data, add_bos=bos, special=True)
-        return Prompt(tokens, n_tokens=len(tokens))
+        return Prompt(tokens, n_tokens=len(tokens), thinking=thinking)
+
+    @staticmethod
+    def _thinking(text: str, params: dict) -> tuple[str, str | None]:
+        """A rendered chat prompt as a reasoning plan leaves it (closed when thinking is
+        off and the template did not close it), and the state the reply starts in
+        (localrt.engines.reasoning.Plan.prepare); None without a plan."""
+        plan = params.get("reasoning")
+        if plan is None:
+            return text, None
+        return plan.prepare(text)
+
+    def _special_tokens(self, text: str) -> list[int]:
+        """A text's tokens, special tokens read from their text (an end marker's)."""
+        return self._model.tokenize(text.encode("utf-8"), add_bos=False, special=True)
 
     def _fits(self, data: bytes, field: str) -> None:
         """A 400 for a prompt text that cannot fit the context, before it is tokenized."""
@@ -346,9 +391,18 @@ class LlamaModel(GeneratingModel):
                 "prompt_evaluated": self._batch.prompt_evaluated(),
                 "drafted": self._batcher.drafted, "accepted": self._batcher.accepted}
 
-    def _sampler(self, params: dict, tokens: list[int]):
-        """The request's sampler chain; a 400 for a logit_bias token not in the
-        vocabulary, or a grammar llama.cpp cannot parse."""
+    def _grammar(self, params: dict) -> tuple[str | None, str]:
+        """(GBNF, the field it comes from): a grammar of the caller's own (a forced tool
+        call's) before response_format's; None when the reply is free."""
+        grammar, source = params.get("grammar"), "grammar"
+        if not grammar:
+            grammar, source = json_grammar(params.get("response_format")), "response_format"
+        return grammar, source
+
+    def _sampler(self, params: dict, tokens: list[int], grammar: bool = True):
+        """The request's sampler chain (without its grammar, if any, when not `grammar`);
+        a 400 for a logit_bias token not in the vocabulary, or a grammar llama.cpp
+        cannot parse."""
         n_vocab = self._model.n_vocab()
         bias = []
         for key, value in (params.get("logit_bias") or {}).items():
@@ -357,13 +411,9 @@ class LlamaModel(GeneratingModel):
                 raise InvalidField(f"Invalid field 'logit_bias': token {key} is not in the "
                                    f"model's vocabulary of {n_vocab}", param="logit_bias")
             bias.append((token, float(value)))
-        # A grammar of the caller's own (GBNF: a forced tool call's) goes before
-        # response_format's.
-        grammar, source = params.get("grammar"), "grammar"
-        if not grammar:
-            grammar, source = json_grammar(params.get("response_format")), "response_format"
-        if grammar:
-            check_gbnf(grammar, source)  # llama.cpp's parser recurses once a group
+        rules, source = self._grammar(params) if grammar else (None, "grammar")
+        if rules:
+            check_gbnf(rules, source)  # llama.cpp's parser recurses once a group
         def value(name: str) -> float:
             return sampling_value(params, name)
 
@@ -372,7 +422,7 @@ class LlamaModel(GeneratingModel):
             min_p=value("min_p"), repeat_penalty=value("repeat_penalty"),
             frequency_penalty=value("frequency_penalty"),
             presence_penalty=value("presence_penalty"),
-            seed=seed_of(params, 32), bias=tuple(bias), grammar=grammar)
+            seed=seed_of(params, 32), bias=tuple(bias), grammar=rules)
         try:
             return self._batch.sampler(sampling, tokens)
         except ValueError as exc:
@@ -442,7 +492,18 @@ class LlamaModel(GeneratingModel):
             messages, _ = texts_and_images(messages, projector.marker)
             if params.get("prompt_template"):
                 return render_template(params["prompt_template"], messages)
-        return self._format(messages, params.get("tools"))[0]
+        text = self._format(messages, params.get("tools"), params.get("template_kwargs"))[0]
+        return self._thinking(text, params)[0]
+
+    def lora_adapters(self) -> list[dict]:
+        """Its LoRA adapters as GET /lora-adapters lists them (contract.Adapted):
+        {"id", "path", "scale"} each."""
+        return self.adapters.listing()
+
+    def set_lora_scales(self, entries: list) -> None:
+        """POST /lora-adapters: the scales of the requests that name none
+        (contract.Adapted); a 400 naming an unknown id."""
+        self.adapters.set_scales(entries)
 
     def slot_states(self) -> list[dict]:
         """Each slot's state (contract.Slotted: localrt.engines.llama.batch.Batcher's)."""
@@ -499,6 +560,8 @@ class LlamaModel(GeneratingModel):
         weights = llama_cpp.llama_model_size(model.model)
         if self._mmproj:  # the projector's weights, counted with the model's
             weights += Path(self._mmproj).stat().st_size
+        for path in self.adapters.paths:  # and so are the adapters'
+            weights += Path(path).stat().st_size
         kv = self.kv_bytes()
         layers = llama_cpp.llama_model_n_layer(model.model)
         offloaded = 0
@@ -525,11 +588,13 @@ class LlamaModel(GeneratingModel):
         return int(llama_cpp.llama_model_n_layer(model) * cells * width
                    * CACHE_TYPE_BYTES[self._cache_type])
 
-    def _format(self, messages: list, tools: list | None = None) -> tuple[str, bool]:
+    def _format(self, messages: list, tools: list | None = None,
+                kwargs: dict | None = None) -> tuple[str, bool]:
         """The prompt from the GGUF's chat template, rendered within bounds
         (localrt.engines.chattemplate; llama-2's format if it has none), given `tools`
-        as Hugging Face's apply_chat_template gives them, and whether llama.cpp adds
-        the BOS. A template past its bounds, or that fails, is InvalidChatTemplate; its
+        as Hugging Face's apply_chat_template gives them, and `kwargs` (chat_template_kwargs,
+        a reasoning plan's enable_thinking and reasoning_effort), and whether llama.cpp
+        adds the BOS. A template past its bounds, or that fails, is InvalidChatTemplate; its
         own raise_exception() is InvalidField on 'messages'."""
         from llama_cpp import llama_chat_format
 
@@ -557,7 +622,7 @@ class LlamaModel(GeneratingModel):
             if isinstance(formatter, chattemplate.TemplateRefused):
                 raise formatter
             if isinstance(formatter, chattemplate.ChatTemplate):
-                return formatter.render(messages, tools), False  # it writes the BOS
+                return formatter.render(messages, tools, kwargs=kwargs), False  # it writes the BOS
             out = formatter(messages=messages, tools=tools)
         except chattemplate.TemplateRefused as exc:
             raise InvalidChatTemplate(f"Model {self.name}'s chat template is refused: {exc}; "

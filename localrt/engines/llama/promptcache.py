@@ -12,7 +12,8 @@ that state restored into its slot, and reads only the rest (as llama-server's
 The cache holds at most `limit` bytes (the setting promptCacheMiB), evicting the
 least recently used state. Tokens are the Batcher's prompt items, so an image's
 positions (localrt.engines.llama.media) match by the image's hash. States shorter than
-MIN_TOKENS are not worth a copy. It lives and dies with its model: stopping or
+MIN_TOKENS are not worth a copy. A state serves only a prompt of the LoRA adapters
+it was computed with (its `adapters`: localrt.engines.llama.adapters). It lives and dies with its model: stopping or
 unloading the model drops it.
 """
 
@@ -29,6 +30,11 @@ class State:
     tokens: tuple  # the prompt items its KV holds, from position 0
     data: object  # the bytes llama.cpp gave (a bytes-like object)
     size: int
+    adapters: tuple = ()  # the LoRA adapters (id, scale) its KV was computed with
+
+    @property
+    def key(self) -> tuple:
+        return self.adapters, self.tokens
 
 
 class PromptCache:
@@ -40,37 +46,43 @@ class PromptCache:
         self.bytes = 0
         self.lookups = self.hits = 0  # prompts looked up, and those a state served
         self.restored = 0  # tokens restored, all hits together
+        # (adapters, tokens) -> State
         self._states: collections.OrderedDict[tuple, State] = collections.OrderedDict()
 
     def __len__(self) -> int:
         return len(self._states)
 
-    def wants(self, tokens: list) -> bool:
+    def wants(self, tokens: list, adapters: tuple = ()) -> bool:
         """Whether a state of these tokens is worth saving: long enough, and not held
-        already (by a state of these tokens or more)."""
+        already (by a state of these tokens or more, of the same adapters)."""
         if len(tokens) < MIN_TOKENS or self.limit <= 0:
             return False
         key = tuple(tokens)
-        return not any(s.tokens[:len(key)] == key for s in self._states.values())
+        return not any(s.tokens[:len(key)] == key and s.adapters == adapters
+                       for s in self._states.values())
 
-    def put(self, tokens: list, data, size: int) -> None:
+    def put(self, tokens: list, data, size: int, adapters: tuple = ()) -> None:
         """Keep a state; states it extends go, then the least recently used until the
         cache fits its limit (a state larger than the limit is not kept)."""
         if size > self.limit:
             return
-        key = tuple(tokens)
-        for old in [k for k in self._states if key[:len(k)] == k]:
+        state = State(tuple(tokens), data, size, adapters)
+        for old in [s.key for s in self._states.values()
+                    if s.adapters == adapters and state.tokens[:len(s.tokens)] == s.tokens]:
             self._drop(old)
-        self._states[key] = State(key, data, size)
+        self._states[state.key] = state
         self.bytes += size
         while self.bytes > self.limit:
             self._drop(next(iter(self._states)))
 
-    def find(self, prompt: list) -> tuple[State | None, int]:
-        """The state sharing the longest prefix with `prompt`, and how long it is."""
+    def find(self, prompt: list, adapters: tuple = ()) -> tuple[State | None, int]:
+        """The state of `adapters` sharing the longest prefix with `prompt`, and how
+        long it is."""
         self.lookups += 1
         best, shared = None, 0
         for state in self._states.values():
+            if state.adapters != adapters:
+                continue
             n = common_prefix(state.tokens, prompt)
             if n > shared:
                 best, shared = state, n
@@ -80,7 +92,7 @@ class PromptCache:
         """A state served a prompt with `tokens` of its tokens: it is the most recent."""
         self.hits += 1
         self.restored += tokens
-        self._states.move_to_end(state.tokens)
+        self._states.move_to_end(state.key)
 
     def clear(self) -> None:
         self._states.clear()
