@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 
-from localrt import __version__, web
+from localrt import __version__, multipart, web
 from localrt.dialects import anthropic, ollama, ollama_models, openai, responses
 from localrt.errors import Conflict, InvalidField, NotFound
 from localrt.metrics import CONTENT_TYPE
@@ -286,6 +286,27 @@ def rerank(services: Services, request: Request):
     return services.reranks.create(request.body, request.disconnected)
 
 
+def audio_transcriptions(services: Services, request: Request):
+    """OpenAI's transcription: a multipart audio file as text, json, verbose_json, srt or vtt.
+
+    A chat with the clip and the model family's instruction; stream=true gives
+    transcript.text.delta events."""
+    from localrt.inference import transcriptions
+
+    return transcriptions.streamed(transcriptions.create(
+        services.chats, services.registry.get, request.body, "transcribe",
+        request.disconnected))
+
+
+def audio_translations(services: Services, request: Request):
+    """OpenAI's translation: a multipart audio file as English text, in any response_format."""
+    from localrt.inference import transcriptions
+
+    return transcriptions.streamed(transcriptions.create(
+        services.chats, services.registry.get, request.body, "translate",
+        request.disconnected))
+
+
 # --- Anthropic's Messages API (localrt.dialects.anthropic, on chat) ------------------------------
 
 
@@ -499,6 +520,18 @@ def _streamed(result):
 # The body a route that takes images may have: base64 makes 20 MiB (the most one image
 # may be, localrt.inference.media) 27 MiB, and a few smaller ones fit beside it.
 IMAGE_BODY = 64 * 1024 * 1024
+# An audio route's multipart body: one clip (25 MiB) and its text fields.
+AUDIO_BODY = 26 * 1024 * 1024
+
+
+def _audio_file(name: str, size: int):
+    """The 413 of an audio form's file past 25 MiB (localrt.multipart.Limits.file)."""
+    from localrt.inference.media import AUDIO_MAX_BYTES, audio_too_large
+
+    return audio_too_large(name, size) if size > AUDIO_MAX_BYTES else None
+
+
+AUDIO_FORM = multipart.Limits(file=_audio_file)
 
 # Fixed paths come before `{model_id:path}` ones: model ids hold "/" and ":".
 ROUTES = (
@@ -554,6 +587,10 @@ ROUTES = (
           "chat-completion", max_body=IMAGE_BODY),
     Route("POST", "/v1/completions", completions, "completion.json", "text-completion"),
     Route("POST", "/v1/embeddings", embeddings, "embedding.json", "embedding-list"),
+    Route("POST", "/v1/audio/transcriptions", audio_transcriptions,
+          "audio-transcription.json", "transcription", max_body=AUDIO_BODY, form=AUDIO_FORM),
+    Route("POST", "/v1/audio/translations", audio_translations,
+          "audio-transcription.json", "transcription", max_body=AUDIO_BODY, form=AUDIO_FORM),
     # llama.cpp's server's names for reranking (localrt.inference.rerank)
     Route("POST", "/v1/rerank", rerank, "rerank.json", "rerank"),
     Route("POST", "/rerank", rerank, "rerank.json", "rerank"),

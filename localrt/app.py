@@ -134,14 +134,17 @@ class App:
             # the browser would hide the answer, but the request would still act.
             raise Forbidden(f"Cross-origin {method} from {shown(origin)} refused; add the "
                             f"origin to allowed_origins and turn cors on")
-        body = _read_body(environ, method, route.max_body or MAX_BODY)
-        if route.schema is not None:
-            body = {} if body is _NO_BODY else body
-            self.validators.validate(route.schema, body)
-        elif body is _NO_BODY or body == {}:
-            body = None
+        if route.form is not None:  # read, and its fields validated, there
+            body = _read_form(environ, route, self.validators)
         else:
-            raise BadRequest(f"{route.method} {path} takes no request body")
+            body = _read_body(environ, method, route.max_body or MAX_BODY)
+            if route.schema is not None:
+                body = {} if body is _NO_BODY else body
+                self.validators.validate(route.schema, body)
+            elif body is _NO_BODY or body == {}:
+                body = None
+            else:
+                raise BadRequest(f"{route.method} {path} takes no request body")
         # waitress's look at the connection (localrt.connections reads ahead for it);
         # another server's request cannot be seen to end early.
         disconnected = environ.get("waitress.client_disconnected") or never
@@ -240,6 +243,37 @@ def _headers(environ) -> dict:
 
 
 _NO_BODY = object()  # no request body at all, as opposed to a JSON null
+
+
+def _read_form(environ, route, validators) -> dict:
+    """A multipart/form-data body (localrt.multipart) within the route's max_body, its
+    fields (and each file as {filename, content_type, size}) checked against the
+    route's schema: the fields, each file an Upload."""
+    from localrt import multipart
+
+    ctype = environ.get("CONTENT_TYPE", "")
+    if ctype.split(";", 1)[0].strip().lower() != "multipart/form-data":
+        raise UnsupportedMediaType(f"{route.method} {route.pattern} takes a "
+                                   f"multipart/form-data body (got "
+                                   f"{shown(ctype.split(';', 1)[0]) if ctype else 'none'})")
+    limit = route.max_body or MAX_BODY
+    raw_length = environ.get("CONTENT_LENGTH", "")
+    try:
+        length = int(raw_length) if raw_length else 0
+    except ValueError:
+        raise BadRequest(f"Invalid Content-Length: {shown(raw_length)}") from None
+    if length > limit:
+        raise PayloadTooLarge(f"Request body is {length} bytes; the limit is {limit}")
+    stream = environ["wsgi.input"]
+    data = stream.read(length) if length else stream.read(limit + 1)
+    if len(data) > limit:
+        raise PayloadTooLarge(f"Request body is over the limit of {limit} bytes")
+    form = multipart.read(data, ctype, route.form)
+    shown_files = {name: {"filename": f.filename, "content_type": f.content_type,
+                          "size": len(f.data)} for name, f in form.files.items()}
+    if route.schema is not None:
+        validators.validate(route.schema, {**form.fields, **shown_files})
+    return {**form.fields, **form.files}
 
 
 def _read_body(environ, method: str, limit: int = MAX_BODY):

@@ -209,6 +209,32 @@ class Client:
             body["top_n"] = top_n
         return self._request("POST", "/v1/rerank", body, timeout=LOAD_TIMEOUT)
 
+    def transcribe(self, model_id: str, data: bytes, filename: str,
+                   response_format: str = "text", stream: bool = False,
+                   language: str | None = None, prompt: str | None = None,
+                   translate: bool = False):
+        """POST /v1/audio/transcriptions (or /translations) of a clip's bytes, sent as a
+        multipart/form-data body: the text (text, srt, vtt), the reply dict (json,
+        verbose_json), or with `stream` an EventStream of transcript.text.* events."""
+        fields = {"model": model_id, "response_format": response_format}
+        if stream:
+            fields["stream"] = "true"
+        if language:
+            fields["language"] = language
+        if prompt:
+            fields["prompt"] = prompt
+        body, ctype = multipart_body(fields, "file", filename, data)
+        path = "/v1/audio/translations" if translate else "/v1/audio/transcriptions"
+        if stream:
+            return EventStream(self._open("POST", path, (body, ctype),
+                                          timeout=STREAM_TIMEOUT), self.base_url)
+        with self._open("POST", path, (body, ctype), timeout=LOAD_TIMEOUT) as resp:
+            raw = resp.read()
+            kind = resp.headers.get("Content-Type", "")
+        if kind.startswith("application/json"):
+            return json.loads(raw)
+        return raw.decode("utf-8")
+
     # --- plumbing ------------------------------------------------------------
 
     def _open(self, method: str, path: str, body: Any = None, timeout: float | None = None):
@@ -228,12 +254,15 @@ class Client:
         headers = {"Accept": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        if body is not None:
+        ctype = "application/json"
+        if isinstance(body, tuple):  # a body already encoded: (bytes, its Content-Type)
+            data, ctype = body
+        elif body is not None:
             data = json.dumps(body).encode("utf-8")
         if body is not None or method not in ("GET", "HEAD"):
             # Also without a body: some WSGI servers (wsgiref) report a missing
             # Content-Type as text/plain, which the server refuses on unsafe methods.
-            headers["Content-Type"] = "application/json"
+            headers["Content-Type"] = ctype
         # "%" is safe: ids in paths arrive already quoted (see _model_path).
         url = self.base_url + quote(path, safe="/:?=&%")
         req = urllib.request.Request(url, data=data, headers=headers, method=method)
@@ -301,6 +330,22 @@ class EventStream:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def multipart_body(fields: dict, file_field: str, filename: str,
+                   data: bytes) -> tuple[bytes, str]:
+    """A multipart/form-data body of text fields and one file: (bytes, Content-Type)."""
+    import secrets
+
+    boundary = f"localrt-{secrets.token_hex(12)}"
+    name = filename.replace('"', "%22").replace("\r", "").replace("\n", "")
+    parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="{key}"\r\n\r\n'
+             f'{value}\r\n'.encode("utf-8") for key, value in fields.items()]
+    parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{file_field}"; '
+                 f'filename="{name}"\r\nContent-Type: application/octet-stream\r\n\r\n'
+                 .encode("utf-8") + data + b"\r\n")
+    parts.append(f"--{boundary}--\r\n".encode())
+    return b"".join(parts), f"multipart/form-data; boundary={boundary}"
 
 
 def _model_path(model_id: str) -> str:

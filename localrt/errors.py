@@ -55,6 +55,26 @@ class ImagesNotSupported(BadRequest):
     code = "images_not_supported"
 
 
+class InvalidAudio(InvalidField):
+    """An audio part whose bytes are not a WAV, MP3 or FLAC llama.cpp's mtmd decodes, or
+    a malformed one; the message and `param` name the part."""
+
+    code = "invalid_audio"
+
+
+class AudioTooLong(InvalidField):
+    """A clip longer than maxAudioSeconds; the message names the part and the limit."""
+
+    code = "audio_too_long"
+
+
+class AudioNotSupported(BadRequest):
+    """A request with audio for a model without an audio projector (a vision-only one,
+    an ONNX model)."""
+
+    code = "audio_not_supported"
+
+
 class InvalidJSON(BadRequest):
     code = "invalid_json"
 
@@ -126,6 +146,12 @@ class ImageTooLarge(PayloadTooLarge):
     """One image of more than the 20 MiB a request may carry (localrt.inference.media)."""
 
     code = "image_too_large"
+
+
+class AudioTooLarge(PayloadTooLarge):
+    """One clip of more than the 25 MiB a request may carry (localrt.inference.media)."""
+
+    code = "audio_too_large"
 
 
 class UnsupportedMediaType(HTTPError):

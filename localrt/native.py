@@ -247,6 +247,7 @@ class Usage:
     reasoning_tokens: int = 0
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    audio_tokens: int = 0  # of prompt_tokens, those of audio clips
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,8 @@ def document(routes, dialects=()) -> dict:
             # A body may be left out when the schema requires nothing of it (it reads as {}).
             operation["requestBody"] = {
                 "required": _needs_body(schemas.load(route.schema)),
-                "content": {"application/json": {"schema": _ref(route.schema)}}}
+                "content": {"multipart/form-data" if route.form is not None
+                            else "application/json": {"schema": _ref(route.schema)}}}
         paths.setdefault(path, {})[route.method.lower()] = operation
     components = {_component(name): _local(schemas.load(name), name)
                   for name in schemas.names()}

@@ -25,8 +25,11 @@ class Route:
     """One endpoint: method, path pattern, handler, the request body's schema file, the
     name of its 200 reply's schema in schemas/replies.json (`$defs`), the largest
     body it takes (None: the app's MAX_BODY; the routes that take images take more),
-    and the query parameters its handler reads (`Request.query`: each optional, a
-    string)."""
+    the query parameters its handler reads (`Request.query`: each optional, a
+    string), and for a route whose body is multipart/form-data instead of JSON, the
+    `form`'s bounds (localrt.multipart.Limits): its schema then checks the text fields
+    and each file as {filename, content_type, size}, and the handler gets the fields
+    with each file as a localrt.multipart.Upload."""
 
     method: str
     pattern: str
@@ -35,6 +38,7 @@ class Route:
     reply: str | None = None
     max_body: int | None = None
     query: tuple[str, ...] = ()
+    form: Any = None
     regex: re.Pattern = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):

@@ -242,7 +242,14 @@ KEYS: tuple[Key, ...] = (
     Key("imageUrlHosts", _hosts, [],
         "hosts (names, addresses or CIDR ranges) on loopback, link-local or private "
         "networks that image URLs may be fetched from"),
-    Key("maxImagesPerRequest", _positive_int, 8, "images one chat request may carry"),
+    Key("maxImagesPerRequest", _positive_int, 8,
+        "the old name of maxMediaPerRequest, which follows it unless set itself"),
+    # None: maxImagesPerRequest's value (localrt.inference.media.Policy), so that a file
+    # that sets only the old name keeps working.
+    Key("maxMediaPerRequest", _positive_int, None,
+        "images and audio clips one chat request may carry, together"),
+    Key("maxAudioSeconds", _positive_int, 600,
+        "the longest audio clip a request may carry, in seconds"),
     Key("apiKeys", _api_keys, [],
         "bearer keys that clients must send; required to bind other than loopback",
         env="LOCALRT_API_KEY", secret=True),

@@ -26,7 +26,8 @@ from support.servers import send
 from support.vision import bmp, gif, jpeg, png, write_vision_pair
 
 from localrt.engines.contract import Image
-from localrt.errors import ImagesNotSupported, ImageTooLarge, InvalidField, InvalidImage
+from localrt.errors import (AudioNotSupported, ImagesNotSupported, ImageTooLarge, InvalidField,
+                            InvalidImage)
 from localrt.inference import media as images
 from localrt.dialects.openai import read_chat
 from localrt.inference.chat import Chats
@@ -547,7 +548,12 @@ def test_media_of_a_kind_the_model_does_not_take_is_refused_naming_the_part():
     assert images.check("seer", {"image"}, [image], images.Policy()) == 1
     with pytest.raises(ImagesNotSupported):
         images.check("plain", set(), [image], images.Policy())
-    with pytest.raises(InvalidField) as err:
+    with pytest.raises(AudioNotSupported) as err:  # issue 36: a kind of its own now
         images.check("seer", {"image"}, [image, sound], images.Policy())
-    assert err.value.param == "messages[0].content[1]" and "audio/wav" in err.value.message
-    assert images.KINDS == {"image": "vision"}  # a record says "vision" for images
+    assert err.value.param == "model" and "seer does not take audio" in err.value.message
+    video = native.Media(b"\0\0\0\x18ftyp", "video/mp4", "messages[0].content[2]")
+    with pytest.raises(InvalidField) as err:
+        images.check("seer", {"image", "audio"}, [image, sound, video], images.Policy())
+    assert err.value.param == "messages[0].content[2]" and "video/mp4" in err.value.message
+    # a record says "vision" for images, "audio" for clips
+    assert images.KINDS == {"image": "vision", "audio": "audio"}

@@ -42,7 +42,8 @@ def test_every_route_is_in_the_document(app):
         operation = doc["paths"][path][route.method.lower()]
         assert operation["summary"] and "default" in operation["responses"]
         if route.schema:
-            body = operation["requestBody"]["content"]["application/json"]["schema"]
+            kind = "multipart/form-data" if route.form is not None else "application/json"
+            body = operation["requestBody"]["content"][kind]["schema"]
             assert resolve(doc, body["$ref"])["title"]
         names = re.findall(r"\{(\w+)", route.pattern)
         # The path's parameters, then the query's the route reads (Route.query).

@@ -226,8 +226,8 @@ def test_a_split_gguf_pulls_every_part_and_loads_the_first(api, hub):
 def test_a_builtin_branch_with_a_projector_records_it(api, hub):
     reply = pull(api, "vision")
     assert reply["model"] == "vision:4b"
-    assert reply["message"] == "Model vision:4b starts downloading, with its vision " \
-                               "projector mmproj.gguf"
+    assert reply["message"] == "Model vision:4b starts downloading, with its projector " \
+                               "mmproj.gguf"
     assert "4b/mmproj.gguf" in fetched(hub)
     model = api("GET", "/v1/models/vision:4b").json
     assert model["mmproj"] == "mmproj.gguf" and model["metadata"]["name"] == "a"
@@ -244,7 +244,7 @@ def test_a_builtin_branch_with_a_projector_records_it(api, hub):
 def test_a_repo_with_several_projectors_pulls_one_by_its_quantization(api, hub, repo,
                                                                        chosen):
     reply = pull(api, repo)
-    assert reply["message"].endswith(f", with its vision projector {chosen}")
+    assert reply["message"].endswith(f", with its projector {chosen}")
     assert fetched(hub) == sorted([f"main/{chosen}", "main/m.Q4_K_M.gguf"])
     model = api("GET", f"/v1/models/{reply['model']}").json
     assert model["mmproj"] == chosen and model["capabilities"] == ["chat", "vision"]

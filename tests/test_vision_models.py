@@ -128,8 +128,8 @@ def test_import_by_copy_copies_the_projector_under_a_projector_name(api, files):
 @pytest.mark.parametrize("which, words", [
     ("proj96", "gives embeddings of size 96, but the model tiny.gguf takes embeddings of "
                "size 64 (llama.embedding_length)"),
-    ("model", "not a vision projector GGUF (mmproj): it has no clip.projector_type"),
-    ("audio", "without a vision encoder"),
+    ("model", "not a projector GGUF (mmproj): it has no clip.projector_type"),
+    ("audio", "without a vision or an audio encoder"),
     ("/etc/hostname", "not a GGUF file"),
     ("relative.gguf", "not an absolute path"),
     ("/nonexistent/mmproj.gguf", "not a readable file"),
@@ -197,7 +197,7 @@ def test_patch_with_a_projector_of_the_same_name_keeps_a_whole_model(api, files,
 
 @pytest.mark.parametrize("which, words", [
     ("proj96", "gives embeddings of size 96"),
-    ("model", "not a vision projector GGUF"),
+    ("model", "not a projector GGUF"),
     ("relative.gguf", "not an absolute path"),
 ])
 def test_a_bad_patch_projector_changes_nothing(api, files, which, words):

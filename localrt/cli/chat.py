@@ -30,7 +30,7 @@ import sys
 import time
 
 from localrt.cli.context import CliError, Context, ExitCode, isatty
-from localrt.cli.images import find_images, image_part
+from localrt.cli.images import find_images, image_part, is_audio
 from localrt.client import ApiError
 from localrt.fsutil import human_size
 
@@ -197,14 +197,15 @@ class Chat:
         return ctx.ask(prompt)
 
     def _content(self, line: str):
-        """A user message's content: the line, or, when it names image files, their
-        image_url parts and then the rest of the line, as Ollama's CLI attaches them."""
+        """A user message's content: the line, or, when it names image or audio files,
+        their image_url and input_audio parts and then the rest of the line, as
+        Ollama's CLI attaches them."""
         text, paths = find_images(line)
         if not paths:
             return line
         parts = [image_part(path) for path in paths]
         for path in paths:
-            self.ctx.err(f"Added image '{path}'")
+            self.ctx.err(f"Added {'audio' if is_audio(path) else 'image'} '{path}'")
         return parts + ([{"type": "text", "text": text}] if text else [])
 
     # --- the session's commands ---------------------------------------------------

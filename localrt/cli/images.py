@@ -1,12 +1,13 @@
-"""Images typed into `localrt run`: a path to an image file in a line attaches it, as
-Ollama's CLI does.
+"""Images and audio clips typed into `localrt run`: a path to an image or audio file
+in a line attaches it, as Ollama's CLI does.
 
 A path is absolute, or starts with ./, ../ or ~/, and ends in .png, .jpg, .jpeg,
-.bmp or .gif (the formats llama.cpp reads; WebP is not one); a space in it is
-escaped with a backslash, or the whole path is quoted ('...' or "..."). Only a path
-to a file that exists attaches; the text sent is the line without it. Each image goes
-as an OpenAI `image_url` part holding a data URL, before the text, as vision models'
-templates put images before the question.
+.bmp or .gif (the formats llama.cpp reads; WebP is not one), or .wav, .mp3 or .flac
+(the clips an audio projector's decoder reads); a space in it is escaped with a
+backslash, or the whole path is quoted ('...' or "..."). Only a path to a file that
+exists attaches; the text sent is the line without it. Each image goes as an OpenAI
+`image_url` part holding a data URL, each clip as an `input_audio` part (base64 and
+its format), before the text, as multimodal templates put media before the question.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import base64
 import os
 import re
 
-EXTENSIONS = ("png", "jpg", "jpeg", "bmp", "gif")
+AUDIO = {"wav": "wav", "mp3": "mp3", "flac": "flac"}  # extension -> input_audio format
+EXTENSIONS = ("png", "jpg", "jpeg", "bmp", "gif", *AUDIO)
 _EXT = "|".join(EXTENSIONS)
 _START = r"(?:~|\.{1,2})?/"  # /abs, ./rel, ../rel, ~/home
 # A quoted path (any characters but its quote), or an unquoted one: no blanks unless
@@ -48,11 +50,21 @@ def find_images(line: str) -> tuple[str, list[str]]:
     return re.sub(r"\s+([?!.,;:])", r"\1", " ".join(text.split())), paths
 
 
+def is_audio(path: str) -> bool:
+    """Whether a path found in a line is an audio clip's (by its extension)."""
+    return path.rsplit(".", 1)[-1].lower() in AUDIO
+
+
 def image_part(path: str) -> dict:
-    """An OpenAI chat content part for the image file at `path`: a data URL of its bytes.
-    Raises OSError when the file cannot be read."""
+    """An OpenAI chat content part for the image (or audio) file at `path`: a data URL
+    of an image's bytes, or an input_audio part of a clip's. Raises OSError when the
+    file cannot be read."""
     with open(path, "rb") as f:
         data = f.read()
+    if is_audio(path):
+        return {"type": "input_audio", "input_audio": {
+            "data": base64.b64encode(data).decode("ascii"),
+            "format": AUDIO[path.rsplit(".", 1)[-1].lower()]}}
     mime = _BY_EXTENSION[path.rsplit(".", 1)[-1].lower()]
     url = f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
     return {"type": "image_url", "image_url": {"url": url}}

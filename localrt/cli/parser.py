@@ -112,6 +112,20 @@ def build_parser(stdout=None, stderr=None) -> argparse.ArgumentParser:
     p.add_argument("query", metavar="QUERY", help="what the documents are scored against")
     p.add_argument("documents", metavar="DOC", nargs="+", help="a document to score")
     p.add_argument("--top-n", type=positive_int, metavar="N", help="print only the N best")
+    p = sub.add_parser("transcribe", help="print the text of an audio file",
+                       description="Transcribe FILE (WAV, MP3 or FLAC) with the audio model "
+                       "ID and print the text, or subtitles (srt, vtt), or the reply as "
+                       "JSON. A long clip (1 MiB or more) in text or json streams, with a "
+                       "progress line on stderr. The server starts the model if it is not "
+                       "running.")
+    p.add_argument("file", metavar="FILE", help="the audio file")
+    p.add_argument("--model", required=True, metavar="ID", help="an audio model's id")
+    p.add_argument("--format", choices=("text", "srt", "vtt", "json"), default="text",
+                   help="what to print (default: text)")
+    p.add_argument("--language", metavar="LANG", help="the clip's language (en, de, ...)")
+    p.add_argument("--prompt", metavar="TEXT", help="text that came before the clip")
+    p.add_argument("--translate", action="store_true",
+                   help="translate into English instead")
     p = sub.add_parser("launch", help="run a coding agent or chat client pointed at localrt",
                        description="Start the server if needed, make the model ready and "
                        "start it with a context that holds the client's prompt (restarting "

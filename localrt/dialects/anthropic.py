@@ -35,7 +35,7 @@ over plain data; nothing here sees an engine or the WSGI environ.
   thinking blocks (assistant)                Message.reasoning (redacted_thinking
                                              blocks, encrypted, are left out)
 
-Refused with a 400: document blocks, server tools, and a
+Refused with a 400: document and audio blocks, server tools, and a
 last message from the assistant (a prefill: chat cannot continue a reply).
 redacted_thinking blocks in the history are left out; other unknown fields are
 ignored (README.rst lists them).
@@ -75,8 +75,11 @@ STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use",
                 "function_call": "tool_use", "content_filter": "refusal"}
 SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed")  # the same name in both
 # Blocks a message may carry that localrt cannot show a model, and why.
+_NO_AUDIO = ("the Messages API has no audio block: send audio to /v1/chat/completions "
+             "(input_audio parts) or /v1/audio/transcriptions")
 UNSUPPORTED_BLOCKS = {
-    "document": "document blocks are not supported: send the text as a text block"}
+    "document": "document blocks are not supported: send the text as a text block",
+    "audio": _NO_AUDIO, "input_audio": _NO_AUDIO}
 SKIPPED_BLOCKS = ("redacted_thinking",)  # encrypted thinking: nothing a template can read
 _TEMPLATE_ID = re.compile(r"[A-Za-z0-9]{9}")
 
@@ -213,6 +216,10 @@ def _media(block: dict, field: str) -> native.Media:
     """An image block as a Media part: a base64 source as a data: URL, a url source as
     its URL (both read by localrt.inference.media)."""
     source = block["source"]
+    if str(source.get("media_type", "")).lower().startswith("audio/"):
+        raise InvalidField(f"Invalid field '{field}.source.media_type': an image block "
+                           f"cannot carry audio; {_NO_AUDIO}",
+                           param=f"{field}.source.media_type")
     if source["type"] == "base64":
         return native.Media(f"data:{source['media_type']};base64,{source['data']}",
                             source["media_type"], field)

@@ -213,9 +213,14 @@ def messages(given: list) -> list:
 
 def parts(text: str | None, images: list | None, field: str) -> list:
     """A message's parts: its images (base64) first, as Ollama puts them before the
-    text, each named `field`[n], then its text."""
-    out = [native.Media(data_url(b64), "image/*", f"{field}[{n}]")
-           for n, b64 in enumerate(images or ())]
+    text, each named `field`[n], then its text. An audio file given in `images` (as
+    Ollama takes them) is told apart by its first bytes and becomes an audio part."""
+    out = []
+    for n, b64 in enumerate(images or ()):
+        url = data_url(b64)
+        kind = url[len("data:"):].split(";", 1)[0]
+        out.append(native.Media(url, kind if kind.startswith("audio/") else "image/*",
+                                f"{field}[{n}]"))
     return out + ([native.Text(text)] if text else [])
 
 

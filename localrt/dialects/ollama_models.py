@@ -361,16 +361,16 @@ def capabilities(info: dict, template: str, own: list = ()) -> list:
     localrt.engines.ggufinfo.is_rerank: it answers POST /v1/rerank), embedding (a GGUF
     header that makes it an embedding model, localrt.engines.ggufinfo.is_embedding, or
     what localrt.models.registry.capabilities, `own`, calls one), else completion, vision
-    when `own` says so (a projector), tools when its template calls tools in a family
-    localrt reads, insert when its vocabulary has fill-in-the-middle tokens, thinking
-    when `own` says it reasons (its template marks its thinking: it takes `think`)."""
+    and audio when `own` says so (a projector's encoders), tools when its template calls
+    tools in a family localrt reads, insert when its vocabulary has fill-in-the-middle
+    tokens, thinking when `own` says it reasons (its template marks its thinking: it takes
+    `think`)."""
     if ggufinfo.is_rerank(info) or "rerank" in own:
         return ["rerank"]
     if ggufinfo.is_embedding(info) or ("embedding" in own and "chat" not in own):
         return ["embedding"]
     out = ["completion"]
-    if "vision" in own:
-        out.append("vision")
+    out.extend(c for c in ("vision", "audio") if c in own)
     if template and toolcalls.family_of(template) is not None:
         out.append("tools")
     if "tokenizer.ggml.fim_pre_token_id" in info:

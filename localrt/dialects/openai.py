@@ -15,6 +15,8 @@ fields localrt does not know (vLLM's) reach the client.
   messages[i].content: a string, or text and    Message.parts: Text, and Media
     image_url parts                               (the URL, read later), `where`
                                                   messages[i].content[j]
+    input_audio parts {data, format}              Media of audio/wav|mpeg|flac (a data:
+                                                  URL of the base64, read later)
   developer messages                            system messages (chat templates know
                                                   system, user and assistant)
   tool_calls, tool_call_id, name                Message.tool_calls (ToolCall), ...
@@ -61,7 +63,8 @@ from typing import Iterator
 from localrt import native
 from localrt.admission import Disconnected, never
 from localrt.dialects.common import budget, thinking, write
-from localrt.errors import InvalidField
+from localrt.errors import InvalidField, shown
+from localrt.inference.audio import MEDIA_TYPES
 from localrt.inference.completions import read_prompt
 from localrt.routing import EventStream, stream_error
 
@@ -135,6 +138,20 @@ def include_usage(body: dict) -> bool:
     return bool((body.get("stream_options") or {}).get("include_usage"))
 
 
+def _audio(given, where: str) -> native.Media:
+    """An input_audio part ({data: base64, format: wav|mp3|flac}) as a Media part, its
+    data a data: URL (localrt.inference.media decodes and checks it, naming `where`)."""
+    fmt = given.get("format") if isinstance(given, dict) else None
+    if fmt not in MEDIA_TYPES:
+        raise InvalidField(f"Invalid field '{where}.input_audio.format': expected wav, mp3 "
+                           f"or flac, got {shown(fmt)}", param=f"{where}.input_audio.format")
+    data = given.get("data")
+    if not isinstance(data, str):
+        raise InvalidField(f"Invalid field '{where}.input_audio.data': expected the clip "
+                           f"as base64 text", param=f"{where}.input_audio.data")
+    return native.Media(f"data:{MEDIA_TYPES[fmt]};base64,{data}", MEDIA_TYPES[fmt], where)
+
+
 def _message(index: int, message: dict) -> native.Message:
     content = message.get("content")
     parts: list = []
@@ -147,9 +164,12 @@ def _message(index: int, message: dict) -> native.Message:
                 given = part.get("image_url")
                 url = given.get("url") if isinstance(given, dict) else given
                 parts.append(native.Media(url, "image/*", where))
+            elif part.get("type") == "input_audio":
+                parts.append(_audio(part.get("input_audio"), where))
             else:
-                raise InvalidField(f"Invalid field '{where}': only text and image_url parts "
-                                   f"are supported, got {part.get('type')!r}", param=where)
+                raise InvalidField(f"Invalid field '{where}': only text, image_url and "
+                                   f"input_audio parts are supported, got "
+                                   f"{part.get('type')!r}", param=where)
     elif content:
         parts.append(native.Text(content))
     # Chat templates know system, user and assistant; OpenAI's newer "developer"

@@ -54,6 +54,28 @@ class Image:
         return hashlib.sha256(self.data).hexdigest()
 
 
+@dataclass(frozen=True)
+class Audio:
+    """An audio clip of a request, as its bytes (WAV, MP3 or FLAC, checked by signature
+    and length), its `format` ("wav", "mp3", "flac"), its length in `seconds` (read from
+    the header, or estimated for an MP3), and `where` the request had it.
+
+    It reaches an audio model's generate() as a part {"type": "audio", "audio": Audio}
+    of a message's content, beside text and image parts; the projector's own decoder
+    (llama.cpp's mtmd) decodes it.
+    """
+
+    data: bytes = field(repr=False)
+    where: str
+    format: str = "wav"
+    seconds: float = 0.0
+
+    @property
+    def digest(self) -> str:
+        """The SHA-256 of the bytes: the prompt cache's key for the clip's tokens."""
+        return hashlib.sha256(self.data).hexdigest()
+
+
 # --- engines ---------------------------------------------------------------------------
 
 

@@ -444,6 +444,9 @@ class Projector:
     type: str                # clip.projector_type (or clip.vision.projector_type)
     vision: bool             # clip.has_vision_encoder
     output_size: int | None  # the embeddings it gives the text model; None: not known here
+    audio: bool = False      # clip.has_audio_encoder
+    audio_type: str = ""     # clip.projector_type (or clip.audio.projector_type)
+    audio_output_size: int | None = None  # its audio encoder's, as output_size
 
 
 # Where each vision projector type's output size is, as llama.cpp's clip_n_mmproj_embd
@@ -469,24 +472,44 @@ _PROJECTOR_OUTPUT = {
     "lfm2": _MLP2, "kimivl": _MLP2, "paddleocr": _MLP2, "kimik25": _MLP2,
     "internvl": (("mm.3.weight", 1),), "nemotron_v2_vl": (("mm.3.weight", 1),),
 }
+# The same for audio projector types (clip_n_mmproj_embd's audio cases); "qwen2.5o" is
+# Qwen2.5-Omni's file with both encoders, whose audio half llama.cpp reads as qwen2a.
+_AUDIO_MLP2 = (("mm.a.mlp.2.weight", 1),)
+_AUDIO_OUTPUT = {
+    "qwen2a": (("mm.a.fc.weight", 1),), "qwen2.5o": (("mm.a.fc.weight", 1),),
+    "ultravox": _AUDIO_MLP2, "voxtral": _AUDIO_MLP2, "qwen3a": _AUDIO_MLP2,
+    "musicflamingo": _AUDIO_MLP2, "meralion": (("mm.a.mlp.3.weight", 1),),
+}
+
+
+def _output_size(table: dict, kind: str, shapes: dict) -> int | None:
+    for tensor, dim in table.get(kind, ()):
+        shape = shapes.get(tensor)
+        if shape is not None and len(shape) > dim:
+            return int(shape[dim])
+    return None
 
 
 def projector(path) -> Projector:
-    """A projector GGUF's type, whether it encodes images, and its output size.
+    """A projector GGUF's type, whether it encodes images and audio, and the output
+    size of each encoder.
 
     Raises GGUFError when the file is not a GGUF, or is one without a projector type
     (a text model, say): the message says which.
     """
     md, shapes = read_tensor_shapes(path)
-    kind = md.get("clip.projector_type") or md.get("clip.vision.projector_type")
+    common = md.get("clip.projector_type")
+    kind = common or md.get("clip.vision.projector_type")
+    audio_kind = common or md.get("clip.audio.projector_type")
     if not isinstance(kind, str) or not kind:
-        raise GGUFError(f"{os.fspath(path)}: not a vision projector GGUF (it has no "
+        kind = audio_kind
+    if not isinstance(kind, str) or not kind:
+        raise GGUFError(f"{os.fspath(path)}: not a projector GGUF (it has no "
                         f"clip.projector_type)")
     vision = md.get("clip.has_vision_encoder") is True
-    size = None
-    for tensor, dim in _PROJECTOR_OUTPUT.get(kind, ()) if vision else ():
-        shape = shapes.get(tensor)
-        if shape is not None and len(shape) > dim:
-            size = int(shape[dim])
-            break
-    return Projector(kind, vision, size)
+    audio = md.get("clip.has_audio_encoder") is True
+    audio_kind = audio_kind if isinstance(audio_kind, str) and audio_kind else kind
+    return Projector(kind, vision,
+                     _output_size(_PROJECTOR_OUTPUT, kind, shapes) if vision else None,
+                     audio, audio_kind if audio else "",
+                     _output_size(_AUDIO_OUTPUT, audio_kind, shapes) if audio else None)

@@ -240,12 +240,13 @@ def _thinking(request: native.Request, record: dict, options: dict, template: st
 def _message(message: native.Message, read) -> dict:
     """A native message as chat templates take it: its content as one string (text
     parts joined), or with media a list of parts in order ({"type": "text"} and
-    {"type": "image", "image": contract.Image}, each medium read by `read(media)`); an
+    {"type": "image", "image": contract.Image} or {"type": "audio", "audio":
+    contract.Audio}, each medium read by `read(media)`); an
     assistant's tool_calls with their arguments as objects, a tool reply's
     tool_call_id."""
     if message.media:
         content = [{"type": "text", "text": part.text} if isinstance(part, native.Text)
-                   else {"type": "image", "image": read(part)} for part in message.parts]
+                   else {"type": part.kind, part.kind: read(part)} for part in message.parts]
     else:
         content = message.text
     out = {"role": message.role, "content": content or ""}
@@ -363,7 +364,8 @@ class Completion:
                            cached_tokens=u.get("cached_tokens", 0),
                            reasoning_tokens=u.get("reasoning_tokens", self._thought),
                            accepted_prediction_tokens=u.get("accepted_prediction_tokens", 0),
-                           rejected_prediction_tokens=u.get("rejected_prediction_tokens", 0))
+                           rejected_prediction_tokens=u.get("rejected_prediction_tokens", 0),
+                           audio_tokens=u.get("audio_tokens", 0))
 
     def _own_calls(self) -> bool:
         """Whether the splitter read calls (harmony's commentary channel)."""

@@ -5,16 +5,22 @@ Every dialect turns its own shapes into Media parts (bytes, or a data: or http(s
 with the dialect's own path of the part, `where`), so one place reads them all:
 
   KINDS     each kind of media a model may take, with the capability its record names
-            it by (localrt.models.registry.capabilities): an image is "vision", as the
-            records and Ollama's /api/show say it. Audio will be one more row.
+            it by (localrt.models.registry.capabilities): an image is "vision", a clip
+            "audio", as the records and Ollama's /api/show say them.
   check     before anything else (before a model starts): a part of a kind the model
             does not take is refused, naming the model (images_not_supported for an
-            image); more than maxImagesPerRequest images is a 400 naming the first one
-            too many
+            image, audio_not_supported for a clip); more than maxMediaPerRequest
+            images and clips together (maxImagesPerRequest is its old name) is a 400
+            naming the first one too many
   Images    an image part as a contract.Image: bytes as they are; a data: URL is
             decoded; an http(s) URL is fetched (imageUrlFetch), in the request's own
             thread, before the model's turn; the bytes must start as PNG, JPEG, BMP or
             GIF do (llama.cpp decodes them later, and says invalid_image if it cannot)
+  clip      an audio part as a contract.Audio: bytes, or a data: URL of them; at most
+            AUDIO_MAX_BYTES (413 audio_too_large); WAV, MP3 or FLAC by signature
+            (localrt.inference.audio) with a header that says how long it plays, or
+            invalid_audio; no longer than maxAudioSeconds (400 audio_too_long naming
+            the limit). The projector's own decoder (mtmd's) reads the samples later.
 
 Fetches go through localrt.outbound, so the Config's proxy, no_proxy and TLS flags
 apply, with at most MAX_BYTES an image and FETCH_TIMEOUT seconds all told. An address
@@ -34,18 +40,22 @@ import base64
 import binascii
 import ipaddress
 import socket
+import struct
 import time
 import urllib.error
 from dataclasses import dataclass
 from typing import Callable, Mapping
 from urllib.parse import unquote_to_bytes, urljoin, urlsplit, urlunsplit
 
-from localrt.engines.contract import Image
-from localrt.engines.llama.media import image_format, refuse_images
-from localrt.errors import HTTPError, ImageTooLarge, InvalidField, InvalidImage
+from localrt.engines.contract import Audio, Image
+from localrt.engines.llama.media import image_format, refuse_audio, refuse_images
+from localrt.errors import (AudioTooLarge, AudioTooLong, HTTPError, ImageTooLarge,
+                            InvalidAudio, InvalidField, InvalidImage)
+from localrt.inference import audio as clips
 from localrt.models.registry import capabilities
 
 MAX_BYTES = 20 * 1024 * 1024  # one image; what Anthropic and OpenAI take, about
+AUDIO_MAX_BYTES = 25 * 1024 * 1024  # one clip; what OpenAI's transcriptions take
 FETCH_TIMEOUT = 30.0          # seconds for one image's fetch, redirects included
 MAX_REDIRECTS = 5
 _CHUNK = 64 * 1024
@@ -67,19 +77,21 @@ class ImageFetchFailed(InvalidField):
 
 @dataclass(frozen=True)
 class Policy:
-    """The settings images are read under (localrtrc(5)): imageUrlFetch, imageUrlHosts
-    and maxImagesPerRequest."""
+    """The settings media are read under (localrtrc(5)): imageUrlFetch, imageUrlHosts,
+    maxMediaPerRequest (images and clips together) and maxAudioSeconds."""
 
     fetch: bool = True
     hosts: tuple = ()
-    max_images: int = 8
+    max_media: int = 8
+    max_audio_seconds: int = 600
 
     @classmethod
     def of(cls, settings) -> "Policy":
         """The policy the settings give now (read for each request: a change applies to
         the next one)."""
+        most = settings["maxMediaPerRequest"] or settings["maxImagesPerRequest"]
         return cls(bool(settings["imageUrlFetch"]), tuple(settings["imageUrlHosts"]),
-                   int(settings["maxImagesPerRequest"]))
+                   int(most), int(settings["maxAudioSeconds"]))
 
 
 # --- the parts of a request -----------------------------------------------------------
@@ -87,8 +99,9 @@ class Policy:
 
 # The kinds of media a model may take, each with the capability that says it takes them
 # (a record's capabilities: localrt.models.registry, from its files' roles). If you add
-# a kind, also give it a reader (`read` of Images' kind) and a refusal in `check`.
-KINDS = {"image": "vision"}
+# a kind, also give it a reader (Images.read_media) and a refusal in `check`.
+KINDS = {"image": "vision", "audio": "audio"}
+REFUSALS = {"image": refuse_images, "audio": refuse_audio}
 
 
 def kinds(record: dict) -> set:
@@ -98,22 +111,23 @@ def kinds(record: dict) -> set:
 
 
 def check(model_id: str, takes: set, media: list, policy: Policy) -> int:
-    """How many images the request's Media parts are, once the model takes each part's
-    kind (`takes`, from `kinds`) and they are not too many: ImagesNotSupported for an
-    image a model cannot take, a 400 naming a part of a kind no model takes here, or a
-    400 naming the first image past the limit."""
+    """How many images and clips the request's Media parts are, once the model takes
+    each part's kind (`takes`, from `kinds`) and they are not too many:
+    ImagesNotSupported (AudioNotSupported) for an image (a clip) a model cannot take, a
+    400 naming a part of a kind no model takes here, or a 400 naming the first part
+    past the limit."""
     for part in media:
         if part.kind not in takes:
-            if part.kind == "image":
-                raise refuse_images(model_id)
+            if part.kind in REFUSALS:
+                raise REFUSALS[part.kind](model_id)
             raise InvalidField(f"Invalid field '{part.where}': localrt reads no "
                                f"{part.media_type} media", param=part.where)
-    found = [m.where for m in media if m.kind == "image"]
-    if len(found) > policy.max_images:
-        where = found[policy.max_images]
-        raise InvalidField(f"Invalid field '{where}': the request has {len(found)} images; "
-                           f"at most {policy.max_images} are taken (maxImagesPerRequest)",
-                           param=where)
+    found = [m.where for m in media if m.kind in KINDS]
+    if len(found) > policy.max_media:
+        where = found[policy.max_media]
+        raise InvalidField(f"Invalid field '{where}': the request has {len(found)} images "
+                           f"and audio clips; at most {policy.max_media} are taken "
+                           f"(maxMediaPerRequest)", param=where)
     return len(found)
 
 
@@ -136,6 +150,55 @@ def image(data: bytes, where: str) -> Image:
         raise InvalidImage(f"Invalid field '{where}': not an image llama.cpp reads (PNG, "
                            f"JPEG, BMP or GIF): {shown}", param=where)
     return Image(data=data, where=where)
+
+
+def clip(data: bytes, where: str, max_seconds: float) -> Audio:
+    """`data` as an Audio clip, once its size, signature and length are a clip's that
+    may be taken: AudioTooLarge, InvalidAudio or AudioTooLong naming the part."""
+    if len(data) > AUDIO_MAX_BYTES:
+        raise audio_too_large(where, len(data))
+    kind = clips.format_of(data)
+    if kind is None:
+        shown = "no bytes" if not data else f"bytes starting {data[:8].hex(' ')}"
+        raise InvalidAudio(f"Invalid field '{where}': not audio llama.cpp reads (WAV, MP3 "
+                           f"or FLAC): {shown}", param=where)
+    try:
+        length = clips.seconds(data, kind, limit=max_seconds)
+    except (ValueError, struct.error) as exc:
+        raise InvalidAudio(f"Invalid field '{where}': a malformed {kind.upper()} clip: {exc}",
+                           param=where) from None
+    if length > max_seconds:
+        raise AudioTooLong(f"Invalid field '{where}': the clip is {length:.1f} seconds "
+                           f"long; at most {max_seconds} seconds are taken "
+                           f"(maxAudioSeconds)", param=where)
+    return Audio(data=data, where=where, format=kind, seconds=length)
+
+
+def audio_too_large(where: str, size: int | None = None) -> AudioTooLarge:
+    """The 413 of a clip past AUDIO_MAX_BYTES."""
+    said = f"is {size} bytes" if size is not None else "is larger than that"
+    return AudioTooLarge(f"Audio '{where}' {said}; the limit is {AUDIO_MAX_BYTES} bytes "
+                         f"(25 MiB) a clip", param=where)
+
+
+def audio_from_base64(text: str, where: str) -> bytes:
+    """The bytes of a clip's base64 text (whitespace and missing padding forgiven),
+    within AUDIO_MAX_BYTES; InvalidAudio naming the part when it is not base64."""
+    if not isinstance(text, str):
+        raise InvalidAudio(f"Invalid field '{where}': expected the clip as base64 text",
+                           param=where)
+    text = "".join(text.split())
+    if len(text) // 4 * 3 > AUDIO_MAX_BYTES + 2:  # before decoding, as from_base64
+        raise audio_too_large(where, len(text) // 4 * 3)
+    text += "=" * (-len(text) % 4)
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        try:
+            return base64.b64decode(text.replace("-", "+").replace("_", "/"), validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidAudio(f"Invalid field '{where}': the audio is not valid base64",
+                               param=where) from None
 
 
 def too_large(where: str, size: int | None = None) -> ImageTooLarge:
@@ -184,15 +247,18 @@ def from_data_url(url: str, where: str) -> bytes:
 
 
 def data_url(b64: str) -> str:
-    """A data: URL for base64 image bytes (Ollama's `images`), typed by their first
-    bytes, so that an upstream that wants a media type gets one."""
+    """A data: URL for base64 image or audio bytes (Ollama's `images`), typed by their
+    first bytes, so that an upstream that wants a media type gets one, and an audio
+    clip is told from an image."""
     if b64.startswith("data:"):
         return b64
     try:
-        head = base64.b64decode("".join(b64[:64].split())[:16] + "==", validate=False)
+        head = base64.b64decode("".join(b64[:64].split())[:48], validate=False)
     except (binascii.Error, ValueError):
         head = b""
-    return f"data:{media_type(head) or 'application/octet-stream'};base64,{b64}"
+    kind = clips.format_of(head) if head[:3] != b"\xff\xd8\xff" else None
+    typed = clips.MEDIA_TYPES[kind] if kind else media_type(head)
+    return f"data:{typed or 'application/octet-stream'};base64,{b64}"
 
 
 # --- URLs -----------------------------------------------------------------------------
@@ -249,12 +315,29 @@ class Images:
         self.policy = policy
         self._resolve = resolve or _resolve
 
-    def read_media(self, media) -> Image:
-        """The image of a Media part (localrt.native.Media): its bytes, or what its URL
-        holds, checked; a 400 (or a 413) naming the part's `where` otherwise."""
+    def read_media(self, media) -> Image | Audio:
+        """The image or clip of a Media part (localrt.native.Media): its bytes, or what
+        its URL holds, checked; a 400 (or a 413) naming the part's `where` otherwise."""
+        if media.kind == "audio":
+            return self.read_audio(media)
         if isinstance(media.data, bytes):
             return image(media.data, media.where)
         return self.read(media.data, media.where)
+
+    def read_audio(self, media) -> Audio:
+        """The clip of an audio Media part: its bytes, or a data: URL's (base64), checked
+        under the policy's maxAudioSeconds."""
+        data, where = media.data, media.where
+        if isinstance(data, str):
+            if not data.startswith("data:"):
+                raise InvalidAudio(f"Invalid field '{where}': audio is taken as base64 "
+                                   f"data, not a URL", param=where)
+            head, comma, payload = data[len("data:"):].partition(",")
+            if not comma or "base64" not in head.lower().split(";")[1:]:
+                raise InvalidAudio(f"Invalid field '{where}': a malformed data URL; "
+                                   f"expected data:audio/wav;base64,...", param=where)
+            data = audio_from_base64(payload, where)
+        return clip(data, where, self.policy().max_audio_seconds)
 
     def read(self, url, where: str) -> Image:
         """The image a URL (data: or http(s)) holds, checked; a 400 (or a 413) naming

@@ -101,6 +101,7 @@ class Utility:
             marker = use.model.media_marker if use.can(contract.Rendering) else None
             context = _context(use)
         params = {k: record[k] for k in native.SAMPLING if record.get(k) is not None}
+        own = capabilities(record)
         params["stop"] = list(use.options.get("stop") or [])
         build = self._build(running.engine)
         path = weights_path(record)
@@ -110,7 +111,7 @@ class Utility:
                 "total_slots": running.slots,
                 "model_path": str(path) if path is not None else "",
                 "chat_template": template or "",
-                "modalities": {"vision": "vision" in capabilities(record), "audio": False},
+                "modalities": {"vision": "vision" in own, "audio": "audio" in own},
                 "build_info": f"localrt {__version__}" + (f", {build}" if build else ""),
                 "is_sleeping": False, **extra}
 

@@ -428,17 +428,18 @@ def capabilities(record: dict) -> list[str]:
     """What a model can be asked for, as GET /v1/models and Ollama's /api/show say:
     ["rerank"] for a reranker (its GGUF pools by rank: metadata.rerank), ["embedding"]
     for another embedding model (its GGUF says so: metadata.embedding; a pull or an
-    import records both), ["chat", "vision"] for a GGUF with a projector (the
-    capability of each file it has beside its weights: localrt.models.roles), else
-    ["chat"]; a chat model whose chat template thinks (localrt.engines.reasoning)
-    has "reasoning" too."""
+    import records both), ["chat", "vision"] for a GGUF with an image projector,
+    ["chat", "audio"] with an audio one, ["chat", "vision", "audio"] with one that has
+    both encoders (the capabilities of each file it has beside its weights:
+    localrt.models.roles), else ["chat"]; a chat model whose chat template thinks
+    (localrt.engines.reasoning) has "reasoning" too, last."""
     meta = record.get("metadata") or {}
     if meta.get("rerank") is True:
         return ["rerank"]
     if meta.get("embedding") is True:
         return ["embedding"]
     out = ["chat"]
-    added = [r.capability for r in roles.BESIDE if r.capability and record.get(r.key)]
+    added = [c for r in roles.BESIDE if record.get(r.key) for c in r.capabilities(record)]
     if added:  # files that go with GGUF weights, which llama.cpp loads beside them
         weights = _weights_name(record)
         if weights is not None and weights.lower().endswith(".gguf"):

@@ -3,8 +3,8 @@ each kind, in one table (ROLES).
 
 A model has its weights (the file an engine loads as the model: a GGUF, a split GGUF's
 first part, an ONNX folder's model) and may have files beside them, each in one role:
-today the projector, through which llama.cpp's mtmd reads images. For each role, its
-row says how such a file is
+today the projector (through which llama.cpp's mtmd reads images and audio) and the
+adapters. For each role, its row says how such a file is
   * stored:   `key`, the field of the record (and model.json) that names the file in
               the model's folder; the same name is the field of an import body and of
               a PATCH that give one (schemas/model-import.json, model-yml.json), the
@@ -25,7 +25,8 @@ row says how such a file is
   * deleted:  with the model's folder; the one a PATCH replaces is deleted at once
               (Registry.set_file; a link's target never is);
   * shown:    the record's `key` field and its `capability` in the record's
-              capabilities; in ps (GET /v1/models/status) its bytes count in the
+              capabilities (`capabilities_of` reads them from the file itself: a
+              projector adds "vision", "audio" or both, by its header); in ps (GET /v1/models/status) its bytes count in the
               running model's memory (the engine's memory(), gguf-cpp's counts them),
               and the row names no file, as it names none of the weights either.
 Every role beside the weights goes with GGUF weights (llama.cpp's files); an ONNX
@@ -71,10 +72,13 @@ class Role:
 
     name: str                        # "weights", "projector"
     key: Optional[str]               # the record's field naming its file; None: the weights
-    label: str                       # how a message names such a file: "vision projector"
+    label: str                       # how a message names such a file: "projector"
     noun: str                        # and for short: "projector"
     prefix: Optional[str] = None     # <prefix>*.gguf is this role's file, never the weights
     capability: Optional[str] = None  # what it adds to a record's capabilities
+    # What a file of this role adds, by its contents (path -> capabilities); where it
+    # is None, `capability` is what any such file adds.
+    capabilities_of: Optional[Callable[[Path], tuple]] = None
     # Which of a hub revision's files comes along with the model, or None.
     pick: Optional[Callable[[list], Optional["HubFile"]]] = None
     # The file at a path given for this role, checked against the model's weights
@@ -89,6 +93,15 @@ class Role:
             return False
         name = path.lower().rsplit("/", 1)[-1]
         return name.startswith(self.prefix) and name.endswith(".gguf")
+
+    def capabilities(self, record: dict) -> tuple:
+        """What the file of this role a record names adds to its capabilities (by the
+        file's contents where the role reads them and the record has its folder)."""
+        if not self.key or not record.get(self.key):
+            return ()
+        if self.capabilities_of is not None and record.get("path"):
+            return self.capabilities_of(self.path(record))
+        return (self.capability,) if self.capability else ()
 
     def path(self, record: dict) -> Path | None:
         """The file of this role a model record names, or None (the first, for a role
@@ -175,14 +188,16 @@ def pick_projector(files: list) -> HubFile | None:
 
 
 def check_projector(path: str, model: Path) -> Path:
-    """The projector GGUF at `path`, once it is one for images whose output size is the
-    model GGUF's embedding size; else an InvalidField naming `mmproj` that says why.
+    """The projector GGUF at `path`, once it is one for images or audio (or both) whose
+    output size is the model GGUF's embedding size; else an InvalidField naming
+    `mmproj` that says why.
 
     A projector whose header breaks a rule of localrt.engines.ggufcheck is a 400
     InvalidModelFile naming `mmproj`.
     The sizes are read from both headers, as llama.cpp's mtmd compares them when it
-    loads the pair (clip_n_mmproj_embd against the model's input embedding size); a
-    projector type whose output localrt cannot read is left to that check at start.
+    loads the pair (clip_n_mmproj_embd against the model's input embedding size), for
+    each encoder the projector has; a projector type whose output localrt cannot read
+    is left to that check at start.
     """
     bad = PROJECTOR.invalid
     src = Path(path)
@@ -195,28 +210,56 @@ def check_projector(path: str, model: Path) -> Path:
     try:
         found = ggufinfo.projector(src)
     except (OSError, ggufinfo.GGUFError):
-        raise bad(f"{path} is not a vision projector GGUF (mmproj): it has no "
+        raise bad(f"{path} is not a projector GGUF (mmproj): it has no "
                   f"clip.projector_type") from None
     try:  # its header whole: llama.cpp's mtmd reads it in the server's process
         ggufcheck.check(src, param=PROJECTOR.key)
     except OSError as exc:
         raise bad(f"{path} cannot be read: {exc.strerror or exc}") from None
-    if not found.vision:
-        raise bad(f"{path} is a {found.type} projector without a vision encoder "
-                  f"(clip.has_vision_encoder); localrt takes images only")
+    if not found.vision and not found.audio:
+        raise bad(f"{path} is a {found.type} projector without a vision or an audio "
+                  f"encoder (clip.has_vision_encoder, clip.has_audio_encoder); localrt "
+                  f"takes images and audio only")
     try:
         meta = ggufinfo.read_metadata(model)
     except (OSError, ggufinfo.GGUFError) as exc:
         raise bad(f"the model's GGUF header cannot be read: {exc}") from None
     wanted = ggufinfo.model_input_size(meta)
-    if found.output_size is not None and wanted is not None and found.output_size != wanted:
-        arch = meta.get("general.architecture", "")
-        raise bad(f"the projector {path} gives embeddings of size {found.output_size}, but "
-                  f"the model {model.name} takes embeddings of size {wanted} "
-                  f"({arch}.embedding_length); they are not a pair")
+    for size, which in ((found.output_size, ""), (found.audio_output_size, "audio ")):
+        if size is not None and wanted is not None and size != wanted:
+            arch = meta.get("general.architecture", "")
+            raise bad(f"the projector {path} gives {which}embeddings of size {size}, "
+                      f"but the model {model.name} takes embeddings of size {wanted} "
+                      f"({arch}.embedding_length); they are not a pair")
     return src
 
 
+# Each projector file's header, read once while it stays the same file: (path, size,
+# mtime) -> capabilities; a record's capabilities are asked for on every listing.
+_SEEN: dict = {}
+
+
+def projector_capabilities(path: Path) -> tuple:
+    """What a projector adds to its model's capabilities, by its header: "vision" for
+    an image encoder, "audio" for an audio one (clip.has_audio_encoder), both where it
+    has both; "vision" where the header cannot be read (what a projector was before
+    audio, left to the model's start to refuse)."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return ("vision",)
+    key = (str(path), stat.st_size, stat.st_mtime_ns)
+    if key not in _SEEN:
+        try:
+            found = ggufinfo.projector(path)
+            said = tuple(c for c, has in (("vision", found.vision), ("audio", found.audio))
+                         if has) or ("vision",)
+        except (OSError, ggufinfo.GGUFError):
+            said = ("vision",)
+        if len(_SEEN) > 256:  # a bound, not a cache policy: headers are cheap to read
+            _SEEN.clear()
+        _SEEN[key] = said
+    return _SEEN[key]
 # --- the adapters ----------------------------------------------------------------------
 
 LORA_SCALE = 1.0  # an adapter's scale when an import or a PATCH gives none, as llama-server's
@@ -307,9 +350,9 @@ def _adapter_shapes(tensors: dict, weights: dict) -> str | None:
 # --- the table -------------------------------------------------------------------------
 
 WEIGHTS = Role("weights", key=None, label="model", noun="model")
-PROJECTOR = Role("projector", key="mmproj", label="vision projector", noun="projector",
+PROJECTOR = Role("projector", key="mmproj", label="projector", noun="projector",
                  prefix="mmproj", capability="vision", pick=pick_projector,
-                 check=check_projector)
+                 check=check_projector, capabilities_of=projector_capabilities)
 ADAPTER = Role("adapter", key="lora", label="LoRA adapter", noun="adapters", prefix="lora",
                check=check_adapter, many=True)
 # If you add a row, give its key a field in schemas/model-import.json and

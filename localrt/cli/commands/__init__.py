@@ -4,7 +4,7 @@ A handler takes the Context, reaches the server only through `ctx.client()`, and
 returns an ExitCode; it raises CliError (or lets the client's errors rise) to fail.
 `models` and `engines` dispatch again on their subcommand. One module per group:
 `server` (start, stop), `config`, `pull`, `models` (and ps), `run`, `embed`, `rerank`,
-`engines`, `launch`.
+`transcribe`, `engines`, `launch`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from localrt.cli.commands.pull import cmd_pull
 from localrt.cli.commands.rerank import cmd_rerank
 from localrt.cli.commands.run import cmd_run
 from localrt.cli.commands.server import cmd_start, cmd_stop
+from localrt.cli.commands.transcribe import cmd_transcribe
 from localrt.cli.context import Context
 from localrt.cli.parser import MODEL_ALIASES
 
@@ -40,7 +41,8 @@ def cmd_engines(ctx: Context) -> int:
 
 COMMANDS = {"start": cmd_start, "stop": cmd_stop, "config": cmd_config, "pull": cmd_pull,
             "run": cmd_run, "embed": cmd_embed, "ps": cmd_ps, "models": cmd_models,
-            "engines": cmd_engines, "rerank": cmd_rerank, "launch": cmd_launch}
+            "engines": cmd_engines, "rerank": cmd_rerank, "transcribe": cmd_transcribe,
+            "launch": cmd_launch}
 ENGINE_COMMANDS = {"list": cmd_engines_list, "get": cmd_engines_get,
                    "install": cmd_engines_install, "uninstall": cmd_engines_uninstall,
                    "use": cmd_engines_use}

@@ -1,4 +1,5 @@
-"""Images into a gguf-cpp model: its projector (mmproj) through llama.cpp's mtmd.
+"""Images and audio into a gguf-cpp model: its projector (mmproj) through llama.cpp's
+mtmd.
 
 A model whose record names a projector (localrt.models.roles.PROJECTOR) loads
 it as a `Projector` beside the text model, on the GPU when the text model uses one.
@@ -13,6 +14,10 @@ A chat with images (localrt.engines.contract.Image parts) becomes one prompt:
     with the same image at the same place share those items, so the slots' prompt
     cache reuses an image's KV as it reuses text, and never half an image
     (`whole_images`).
+  * An audio clip (a contract.Audio part, {"type": "audio"}) goes the same way: a
+    marker in the text, a bitmap mtmd's helper decodes from the clip's bytes (WAV, MP3,
+    FLAC, by miniaudio, resampled to the projector's rate), and chunks whose positions
+    are items ("image", its SHA-256, k) too: "image" names any media chunk's position.
   * The batcher evaluates an image chunk (`evaluate`: mtmd's encode, then its
     embeddings decoded into the sequence's own KV) as one step's work for one
     sequence, beside the text the other sequences decode in that step.
@@ -26,8 +31,9 @@ import ctypes
 import secrets
 from dataclasses import dataclass, field
 
-from localrt.engines.contract import Image
-from localrt.errors import ImagesNotSupported, InvalidField, InvalidImage
+from localrt.engines.contract import Audio, Image
+from localrt.errors import (AudioNotSupported, ImagesNotSupported, InvalidAudio,
+                            InvalidField, InvalidImage)
 
 IMAGE = "image"  # the first item of an image position in a prompt
 # The formats llama.cpp reads (stb_image, as mtmd builds it), by their first bytes.
@@ -35,6 +41,14 @@ IMAGE = "image"  # the first item of an image position in a prompt
 # as video through an ffprobe child process.
 FORMATS = ((b"\x89PNG\r\n\x1a\n", "png"), (b"\xff\xd8\xff", "jpeg"), (b"BM", "bmp"),
            (b"GIF87a", "gif"), (b"GIF89a", "gif"))
+
+
+def audio_format(data: bytes) -> str | None:
+    """"wav", "mp3" or "flac" by the bytes' signature (as mtmd's helper tells a clip
+    from an image); None for anything else."""
+    from localrt.inference.audio import format_of
+
+    return format_of(data)
 
 
 def image_format(data: bytes) -> str | None:
@@ -57,23 +71,26 @@ def whole_images(prompt: list, keep: int) -> int:
     return keep
 
 
+MEDIA = ("image", "audio")  # the content parts that become a media marker
+
+
 def has_images(messages: list) -> bool:
-    """Whether any message's content holds an image part."""
+    """Whether any message's content holds an image or audio part."""
     return any(isinstance(m.get("content"), list)
-               and any(p.get("type") == "image" for p in m["content"]) for m in messages)
+               and any(p.get("type") in MEDIA for p in m["content"]) for m in messages)
 
 
-def texts_and_images(messages: list, marker: str) -> tuple[list, list[Image]]:
-    """The messages with each image part as `marker` in its content's text, and the
-    images in prompt order."""
+def texts_and_images(messages: list, marker: str) -> tuple[list, list]:
+    """The messages with each image or audio part as `marker` in its content's text,
+    and the media (Image, Audio) in prompt order."""
     images, out = [], []
     for message in messages:
         content = message.get("content")
         if isinstance(content, list):
             pieces = []
             for part in content:
-                if part.get("type") == "image":
-                    images.append(part["image"])
+                if part.get("type") in MEDIA:
+                    images.append(part[part["type"]])
                     pieces.append(marker)
                 else:
                     pieces.append(part.get("text", ""))
@@ -91,6 +108,7 @@ class Prompt:
     items: list
     chunks: dict = field(default_factory=dict)
     n_tokens: int = 0
+    audio_tokens: int = 0  # of n_tokens, those of audio chunks (a transcription's usage)
     thinking: str | None = None  # a reasoning reply's state at its start (reasoning.Plan)
 
 
@@ -120,19 +138,40 @@ class Projector:
         self.ctx = mtmd_cpp.mtmd_init_from_file(path.encode(), text_model, params)
         if not self.ctx:
             raise ValueError(f"llama.cpp's mtmd could not load the projector {path}")
-        if not mtmd_cpp.mtmd_support_vision(self.ctx):
+        self.vision = bool(mtmd_cpp.mtmd_support_vision(self.ctx))
+        self.audio = bool(mtmd_cpp.mtmd_support_audio(self.ctx))
+        if not self.vision and not self.audio:
             self.close()
-            raise ValueError(f"the projector {path} has no vision encoder")
+            raise ValueError(f"the projector {path} has no vision or audio encoder")
 
-    def tokenize(self, text: str, images: list[Image], add_special: bool) -> Prompt:
-        """The prompt of a rendered text holding one marker per image; a 400
-        invalid_image naming the part for bytes llama.cpp cannot read as an image."""
+    def tokenize(self, text: str, images: list, add_special: bool) -> Prompt:
+        """The prompt of a rendered text holding one marker per image or clip; a 400
+        invalid_image (invalid_audio) naming the part for bytes llama.cpp cannot read as
+        an image (a clip), images_not_supported (audio_not_supported) where the
+        projector has no encoder for it."""
         mtmd = self._mtmd
         bitmaps = []
         try:
             for image in images:
                 buf = (ctypes.c_uint8 * len(image.data)).from_buffer_copy(image.data)
                 bitmap = None
+                if isinstance(image, Audio):
+                    if not self.audio:
+                        raise refuse_audio()
+                    # only bytes whose signature is a clip's: mtmd's helper would try
+                    # others as an image, then as video through a child process
+                    if audio_format(image.data) is not None:
+                        bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(
+                            self.ctx, buf, len(image.data), False)
+                    if not bitmap:
+                        raise InvalidAudio(f"Invalid field '{image.where}': llama.cpp "
+                                           f"cannot decode it as audio (WAV, MP3 or FLAC)",
+                                           param=image.where)
+                    bitmaps.append(bitmap)
+                    mtmd.mtmd_bitmap_set_id(bitmap, image.digest.encode())
+                    continue
+                if not self.vision:
+                    raise refuse_images()
                 if image_format(image.data) is not None:
                     bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self.ctx, buf,
                                                                   len(image.data), False)
@@ -169,15 +208,19 @@ class Projector:
                     prompt.items.extend(tokens[:n.value])
                     prompt.n_tokens += n.value
                     continue
-                if mtmd.mtmd_input_chunk_get_type(chunk) != mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
-                    raise InvalidField("Invalid field 'messages': only images and text are "
-                                       "read", param="messages")
+                if mtmd.mtmd_input_chunk_get_type(chunk) not in (
+                        mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE, mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO):
+                    raise InvalidField("Invalid field 'messages': only images, audio and "
+                                       "text are read", param="messages")
                 digest = (mtmd.mtmd_input_chunk_get_id(chunk) or b"").decode()
                 start = len(prompt.items)
                 prompt.chunks[start] = mtmd.mtmd_input_chunk_copy(chunk)
                 prompt.items.extend((IMAGE, digest, k)
                                     for k in range(mtmd.mtmd_input_chunk_get_n_pos(chunk)))
-                prompt.n_tokens += mtmd.mtmd_input_chunk_get_n_tokens(chunk)
+                n = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
+                prompt.n_tokens += n
+                if mtmd.mtmd_input_chunk_get_type(chunk) == mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO:
+                    prompt.audio_tokens += n
         except BaseException:
             self.free(prompt)
             raise
@@ -185,8 +228,9 @@ class Projector:
             mtmd.mtmd_input_chunks_free(chunks)
         if prompt.items and image_item(prompt.items[-1]) is not None:
             self.free(prompt)  # the last prompt position gives the first reply token
-            raise InvalidField("Invalid field 'messages': the prompt ends with an image; "
-                               "the chat template must put text after it", param="messages")
+            raise InvalidField("Invalid field 'messages': the prompt ends with an image or "
+                               "a clip; the chat template must put text after it",
+                               param="messages")
         return prompt
 
     def evaluate(self, chunk, lctx, pos: int, seq: int, n_batch: int) -> None:
@@ -221,3 +265,20 @@ def refuse_images(model_id: str | None = None) -> ImagesNotSupported:
     return ImagesNotSupported(f"{name} does not take images: it has no vision projector "
                               f"(mmproj); send text only, or use a vision model",
                               param="model")
+
+
+def refuse_media(messages: list):
+    """The error for a model without a projector given media: audio_not_supported where
+    the messages hold a clip, else images_not_supported."""
+    audio = any(isinstance(m.get("content"), list)
+                and any(p.get("type") == "audio" for p in m["content"]) for m in messages)
+    return refuse_audio() if audio else refuse_images()
+
+
+def refuse_audio(model_id: str | None = None) -> AudioNotSupported:
+    """The error for audio sent to a model without an audio projector (a vision-only
+    projector, or none; an ONNX model)."""
+    name = f"Model {model_id}" if model_id else "This model"
+    return AudioNotSupported(f"{name} does not take audio: it has no audio projector "
+                             f"(an mmproj with an audio encoder); send text only, or use "
+                             f"an audio model", param="model")

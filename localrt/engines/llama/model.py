@@ -40,7 +40,7 @@ from localrt.engines.generation import (GeneratingModel, Generation, check_room,
                                         token_loop)
 from localrt.engines.llama.grammar import check_gbnf, json_grammar
 from localrt.engines.llama.measure import Measure, token_piece
-from localrt.engines.llama.media import (Projector, Prompt, has_images, refuse_images,
+from localrt.engines.llama.media import (Projector, Prompt, has_images, refuse_media,
                                          texts_and_images)
 from localrt.engines.llama.params import (CACHE_TYPE_BYTES, QUANTIZED_CACHE, context_params,
                                           engine_dir, llama_arguments, model_params,
@@ -286,6 +286,8 @@ class LlamaModel(GeneratingModel):
         generation = Generation(prompt.n_tokens, run, on_close=lambda: batcher.leave(seq),
                                 logprobs=log)
         generation.thinking = prompt.thinking
+        if prompt.audio_tokens:
+            generation.usage["audio_tokens"] = prompt.audio_tokens
         return generation
 
     def _drafter(self, params: dict, tokens: list, predicted: list | None):
@@ -318,7 +320,7 @@ class LlamaModel(GeneratingModel):
         elif has_images(messages):
             projector = self._batch.projector
             if projector is None:
-                raise refuse_images()
+                raise refuse_media(messages)
             messages, images = texts_and_images(messages, projector.marker)
             if params.get("prompt_template"):  # a cortex-style template: markers in {prompt}
                 text = render_template(params["prompt_template"], messages)
@@ -486,7 +488,7 @@ class LlamaModel(GeneratingModel):
         if has_images(messages):
             projector = self._batch.projector
             if projector is None:
-                raise refuse_images()
+                raise refuse_media(messages)
             messages, _ = texts_and_images(messages, projector.marker)
             if params.get("prompt_template"):
                 return render_template(params["prompt_template"], messages)

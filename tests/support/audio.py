@@ -1,0 +1,237 @@
+"""Audio test support: a tiny random-weight audio model pair (a llama text model and its
+Qwen2-Audio style "qwen2a" projector, ``mmproj-*.gguf``), and the clips tests send it
+(WAV written with the standard library's wave module, FLAC and MP3 written by hand).
+
+The projector is what llama.cpp's clip loader (tools/mtmd/clip.cpp) reads for
+``clip.projector_type = "qwen2a"``: a Whisper encoder (two 1-D convolutions, the second
+of stride 2, position embeddings, pre-norm transformer blocks whose key has no bias, a
+post-norm), an average pool of 2 and one linear layer ``mm.a.fc`` to the text model's
+embedding size. mtmd's Whisper preprocessor turns a clip into 30-second chunks of 3000
+mel frames (a clip is padded by 30 s of silence first, and the last, partial chunk is
+dropped), so a clip of s seconds is ``floor((16000 s + 480000) / 160 + 1) // 3000``
+chunks of 3000 / 2 / 2 = 750 tokens each. Qwen2-Audio has no stack factor, so the
+"expected output N tokens" abort of an Ultravox projector (issue 36, item 6) cannot
+happen with it.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import struct
+import wave
+from pathlib import Path
+
+import numpy as np
+
+import gguf
+from emulators.ggufgen import write_gguf, write_out
+
+__all__ = ["AUDIO_TOKENS_PER_CHUNK", "write_audio_pair", "write_audio_projector",
+           "write_audio_header", "samples", "wav", "flac", "mp3_silence", "audio_chunks"]
+
+SAMPLE_RATE = 16000           # mtmd's Whisper preprocessor resamples every clip to this
+AUDIO_TOKENS_PER_CHUNK = 750  # 3000 mel frames / 2 (conv stride) / 2 (average pool)
+
+
+def audio_chunks(seconds: float) -> int:
+    """How many 30-second chunks mtmd's Whisper preprocessor makes of a clip."""
+    n = int(round(seconds * SAMPLE_RATE))
+    frames = (n + SAMPLE_RATE * 30) // 160 + 1
+    return frames // 3000
+
+
+# ---------------------------------------------------------------------------
+# The model pair
+# ---------------------------------------------------------------------------
+
+def write_audio_pair(folder: Path, *, seed: int = 0, n_embd: int = 64,
+                     context_length: int = 2048, name: str = "tiny-audio",
+                     vision: bool = False, **text_options) -> tuple[Path, Path]:
+    """Write a tiny text model and its audio projector into `folder`: (model, mmproj).
+
+    The text model is ggufgen's llama (ChatML) with weights scaled up so that what a
+    clip adds changes the greedy reply; its context holds a clip's 750 tokens.
+    """
+    folder = Path(folder)
+    text_options.setdefault("weight_scale", 0.2)
+    model = write_gguf(folder / f"{name}.gguf", name=name, seed=seed, n_embd=n_embd,
+                       context_length=context_length, **text_options)
+    mmproj = write_audio_projector(folder / f"mmproj-{name}.gguf", n_embd=n_embd,
+                                   seed=seed)
+    return model, mmproj
+
+
+def write_audio_projector(path: Path, *, n_embd: int = 64, seed: int = 0,
+                          a_embd: int = 32, a_head: int = 4, a_ff: int = 64,
+                          a_layer: int = 1, n_mel: int = 16,
+                          n_pos: int = 1500, fc_scale: float = 2.0) -> Path:
+    """Write a tiny random-weight "qwen2a" audio projector (F32) whose output is `n_embd`
+    wide; return its path."""
+    path = Path(path)
+    rng = np.random.default_rng(20_000 + seed)
+
+    def weight(*shape, scale=0.2):  # numpy shape: ggml ne reversed
+        return (rng.standard_normal(shape, dtype=np.float32) * scale).astype(np.float32)
+
+    ones = lambda *n: np.ones(n, dtype=np.float32)  # noqa: E731
+    zeros = lambda *n: np.zeros(n, dtype=np.float32)  # noqa: E731
+
+    writer = gguf.GGUFWriter(path, "clip")
+    writer.add_name(path.stem)
+    writer.add_file_type(int(gguf.LlamaFileType.ALL_F32))
+    writer.add_bool("clip.has_vision_encoder", False)
+    writer.add_bool("clip.has_audio_encoder", True)
+    writer.add_string("clip.projector_type", "qwen2a")
+    writer.add_uint32("clip.audio.num_mel_bins", n_mel)
+    writer.add_uint32("clip.audio.embedding_length", a_embd)
+    writer.add_uint32("clip.audio.feed_forward_length", a_ff)
+    writer.add_uint32("clip.audio.projection_dim", n_embd)
+    writer.add_uint32("clip.audio.attention.head_count", a_head)
+    writer.add_float32("clip.audio.attention.layer_norm_epsilon", 1e-5)
+    writer.add_uint32("clip.audio.block_count", a_layer)
+
+    # conv kernels: ggml ne {kernel, in, out}; biases ne {1, out}, as the converter
+    # writes them (a bias broadcast over the frames)
+    writer.add_tensor("a.conv1d.1.weight", weight(a_embd, n_mel, 3, scale=0.5))
+    writer.add_tensor("a.conv1d.1.bias", zeros(a_embd, 1))
+    writer.add_tensor("a.conv1d.2.weight", weight(a_embd, a_embd, 3, scale=0.3))
+    writer.add_tensor("a.conv1d.2.bias", zeros(a_embd, 1))
+    writer.add_tensor("a.position_embd.weight", weight(n_pos, a_embd, scale=0.1))
+    for il in range(a_layer):
+        def add(what, array):
+            writer.add_tensor(f"a.blk.{il}.{what}", array)
+
+        add("attn_q.weight", weight(a_embd, a_embd))
+        add("attn_q.bias", zeros(a_embd))
+        add("attn_k.weight", weight(a_embd, a_embd))  # Whisper's key has no bias
+        add("attn_v.weight", weight(a_embd, a_embd))
+        add("attn_v.bias", zeros(a_embd))
+        add("attn_out.weight", weight(a_embd, a_embd))
+        add("attn_out.bias", zeros(a_embd))
+        add("ln1.weight", ones(a_embd))
+        add("ln1.bias", zeros(a_embd))
+        add("ln2.weight", ones(a_embd))
+        add("ln2.bias", zeros(a_embd))
+        add("ffn_up.weight", weight(a_ff, a_embd))
+        add("ffn_up.bias", zeros(a_ff))
+        add("ffn_down.weight", weight(a_embd, a_ff))
+        add("ffn_down.bias", zeros(a_embd))
+    writer.add_tensor("a.post_ln.weight", ones(a_embd))
+    writer.add_tensor("a.post_ln.bias", zeros(a_embd))
+    writer.add_tensor("mm.a.fc.weight", weight(n_embd, a_embd, scale=fc_scale))
+    writer.add_tensor("mm.a.fc.bias", zeros(n_embd))
+    write_out(writer, path)
+    return path
+
+
+def write_audio_header(path, n_embd: int = 64, kind: str = "qwen2a",
+                       vision: bool = False) -> Path:
+    """A projector GGUF header that declares an audio encoder (and a vision one with
+    `vision`) whose output is `n_embd`, with tiny zero data: for the import, pull and
+    capability checks (mtmd could not run it)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(path, "clip")
+    writer.add_string("clip.projector_type", kind)
+    writer.add_bool("clip.has_audio_encoder", True)
+    writer.add_bool("clip.has_vision_encoder", vision)
+    writer.add_uint32("clip.audio.num_mel_bins", 16)
+    writer.add_uint32("clip.audio.embedding_length", 8)
+    writer.add_tensor("a.conv1d.1.weight", np.zeros((8, 16, 3), dtype=np.float32))
+    writer.add_tensor("mm.a.fc.weight", np.zeros((n_embd, 8), dtype=np.float32))
+    if vision:
+        writer.add_uint32("clip.vision.embedding_length", 8)
+        writer.add_tensor("v.patch_embd.weight", np.zeros((8, 3, 2, 2), dtype=np.float32))
+        writer.add_tensor("mm.2.weight", np.zeros((n_embd, 8), dtype=np.float32))
+    write_out(writer, path)
+    return path
+
+
+# ---------------------------------------------------------------------------
+# Clips
+# ---------------------------------------------------------------------------
+
+def samples(seconds: float, seed: int, rate: int = SAMPLE_RATE) -> list[int]:
+    """Deterministic 16-bit mono samples: a tone whose pitch the seed picks, with noise."""
+    import random
+
+    rnd = random.Random(seed)
+    pitch = 150 + 450 * (seed % 13)  # seeds far apart in pitch, so mels differ
+    n = int(round(seconds * rate))
+    return [max(-32768, min(32767, int(12000 * math.sin(2 * math.pi * pitch * i / rate)
+                                       + rnd.randint(-3000, 3000))))
+            for i in range(n)]
+
+
+def wav(seconds: float, seed: int = 0, rate: int = SAMPLE_RATE, channels: int = 1) -> bytes:
+    """A 16-bit PCM WAV of samples(seconds, seed) (each channel the same)."""
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        data = samples(seconds, seed, rate)
+        w.writeframes(b"".join(struct.pack("<h", s) * channels for s in data))
+    return out.getvalue()
+
+
+def _crc8(data: bytes) -> int:
+    crc = 0
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x07) & 0xFF if crc & 0x80 else (crc << 1) & 0xFF
+    return crc
+
+
+def _crc16(data: bytes) -> int:
+    crc = 0
+    for byte in data:
+        crc ^= byte << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x8005) & 0xFFFF if crc & 0x8000 else (crc << 1) & 0xFFFF
+    return crc
+
+
+def flac(seconds: float, seed: int = 0, rate: int = SAMPLE_RATE) -> bytes:
+    """A mono 16-bit FLAC of samples(seconds, seed): STREAMINFO, then frames of 4096
+    samples, each one VERBATIM subframe (valid FLAC, only not compressed)."""
+    data = samples(seconds, seed, rate)
+    block = 4096
+    total = len(data)
+    info = struct.pack(">HH", block, block)
+    info += (0).to_bytes(3, "big") + (0).to_bytes(3, "big")  # min/max frame size unknown
+    # sample rate (20 bits), channels-1 (3), bits-1 (5), total samples (36)
+    packed = (rate << 44) | (0 << 41) | (15 << 36) | total
+    info += packed.to_bytes(8, "big") + bytes(16)  # MD5 left zero: unknown
+    out = [b"fLaC", bytes([0x80]) + len(info).to_bytes(3, "big"), info]
+    for number, start in enumerate(range(0, total, block)):
+        chunk = data[start:start + block]
+        # sync 0xFFF8 (fixed block size), block size code 7 (16-bit size-1 at the end),
+        # sample rate from STREAMINFO (0), mono (0), 16 bits (4)
+        head = bytearray(b"\xff\xf8")
+        head.append((7 << 4) | 0)
+        head.append((0 << 4) | (4 << 1))
+        head += _utf8_number(number)
+        head += struct.pack(">H", len(chunk) - 1)
+        head.append(_crc8(bytes(head)))
+        body = bytes([0x02]) + b"".join(struct.pack(">h", s) for s in chunk)  # VERBATIM
+        frame = bytes(head) + body
+        out.append(frame + struct.pack(">H", _crc16(frame)))
+    return b"".join(out)
+
+
+def _utf8_number(n: int) -> bytes:
+    if n < 0x80:
+        return bytes([n])
+    return chr(n).encode("utf-8")
+
+
+def mp3_silence(seconds: float) -> bytes:
+    """An MPEG-1 Layer III stream of silent frames (44.1 kHz, 128 kbit/s, mono): each a
+    header and an all-zero side info and main data, which a decoder reads as silence."""
+    frames = max(1, int(seconds * 44100 / 1152))
+    size = 144 * 128000 // 44100  # 417 bytes a frame, no padding
+    frame = b"\xff\xfb\x90\xc4" + bytes(size - 4)
+    return frame * frames
