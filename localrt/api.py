@@ -291,7 +291,7 @@ def audio_transcriptions(services: Services, request: Request):
 
     A chat with the clip and the model family's instruction; stream=true gives
     transcript.text.delta events."""
-    from localrt.inference import transcriptions
+    from localrt.dialects import transcriptions
 
     return transcriptions.streamed(transcriptions.create(
         services.chats, services.registry.get, request.body, "transcribe",
@@ -300,7 +300,7 @@ def audio_transcriptions(services: Services, request: Request):
 
 def audio_translations(services: Services, request: Request):
     """OpenAI's translation: a multipart audio file as English text, in any response_format."""
-    from localrt.inference import transcriptions
+    from localrt.dialects import transcriptions
 
     return transcriptions.streamed(transcriptions.create(
         services.chats, services.registry.get, request.body, "translate",
@@ -526,9 +526,9 @@ AUDIO_BODY = 26 * 1024 * 1024
 
 def _audio_file(name: str, size: int):
     """The 413 of an audio form's file past 25 MiB (localrt.multipart.Limits.file)."""
-    from localrt.inference.media import AUDIO_MAX_BYTES, audio_too_large
+    from localrt.dialects import transcriptions
 
-    return audio_too_large(name, size) if size > AUDIO_MAX_BYTES else None
+    return transcriptions.file_too_large(name, size)
 
 
 AUDIO_FORM = multipart.Limits(file=_audio_file)

@@ -1,5 +1,5 @@
 """Audio in chat requests (issue 36, item 2): clips read and checked by signature and
-header (localrt.inference.audio), the limits (maxAudioSeconds, 25 MiB a clip,
+header (localrt.engines.audio), the limits (maxAudioSeconds, 25 MiB a clip,
 maxMediaPerRequest with images), and every dialect's shape: OpenAI's input_audio parts,
 Ollama's audio in `images`, and the 400s of Anthropic's Messages and the Responses API,
 which have no audio part. The models here are imported with projector headers
@@ -18,7 +18,7 @@ from support.projectors import write_projector
 from support.vision import png
 
 from localrt.errors import AudioTooLarge, AudioTooLong, InvalidAudio
-from localrt.inference import audio as clips
+from localrt.engines import audio as clips
 from localrt.inference import media
 from localrt.native import Media
 

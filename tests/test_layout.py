@@ -31,8 +31,8 @@ ENGINE_CONSTANTS = ("GGUF_ENGINE", "ONNX_ENGINE")
 # through the client (it may start the server). If an arrow is new, decide it here.
 CORE = {"localrt", "localrt.native", "localrt.errors", "localrt.outbound", "localrt.web", "localrt.admission",
         "localrt.fsutil", "localrt.settings", "localrt.security", "localrt.config",
-        "localrt.routing", "localrt.schemas", "localrt.events", "localrt.metrics",
-        "localrt.bootstrap"}
+        "localrt.routing", "localrt.schemas", "localrt.multipart", "localrt.events",
+        "localrt.metrics", "localrt.bootstrap"}
 LAYERS = {
     "localrt.__main__": {"localrt.cli"},
     "localrt.cli": {"localrt.client", "localrt.server"} | CORE,
@@ -55,8 +55,8 @@ LAYERS = {
 # The core's leaves, bottom up: each may import those before it.
 CORE_ORDER = ("localrt.native", "localrt.errors", "localrt.outbound", "localrt.web", "localrt.admission",
               "localrt.fsutil", "localrt.settings", "localrt.security", "localrt.config",
-              "localrt.routing", "localrt.schemas", "localrt.events", "localrt.metrics",
-              "localrt.bootstrap")
+              "localrt.routing", "localrt.schemas", "localrt.multipart", "localrt.events",
+              "localrt.metrics", "localrt.bootstrap")
 
 
 def part_of(name: str) -> str:

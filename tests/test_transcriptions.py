@@ -18,7 +18,7 @@ from support.vision import MARKER, raw_mtmd_reply
 
 from localrt import multipart
 from localrt.errors import HTTPError
-from localrt.inference import transcriptions
+from localrt.dialects import transcriptions
 
 BOUNDARY = "xYzZY"
 

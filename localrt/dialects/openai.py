@@ -64,7 +64,7 @@ from localrt import native
 from localrt.admission import Disconnected, never
 from localrt.dialects.common import budget, thinking, write
 from localrt.errors import InvalidField, shown
-from localrt.inference.audio import MEDIA_TYPES
+from localrt.engines.audio import MEDIA_TYPES
 from localrt.inference.completions import read_prompt
 from localrt.routing import EventStream, stream_error
 

@@ -18,7 +18,7 @@ with the dialect's own path of the part, `where`), so one place reads them all:
             GIF do (llama.cpp decodes them later, and says invalid_image if it cannot)
   clip      an audio part as a contract.Audio: bytes, or a data: URL of them; at most
             AUDIO_MAX_BYTES (413 audio_too_large); WAV, MP3 or FLAC by signature
-            (localrt.inference.audio) with a header that says how long it plays, or
+            (localrt.engines.audio) with a header that says how long it plays, or
             invalid_audio; no longer than maxAudioSeconds (400 audio_too_long naming
             the limit). The projector's own decoder (mtmd's) reads the samples later.
 
@@ -51,7 +51,7 @@ from localrt.engines.contract import Audio, Image
 from localrt.engines.llama.media import image_format, refuse_audio, refuse_images
 from localrt.errors import (AudioTooLarge, AudioTooLong, HTTPError, ImageTooLarge,
                             InvalidAudio, InvalidField, InvalidImage)
-from localrt.inference import audio as clips
+from localrt.engines import audio as clips
 from localrt.models.registry import capabilities
 
 MAX_BYTES = 20 * 1024 * 1024  # one image; what Anthropic and OpenAI take, about

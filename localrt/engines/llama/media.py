@@ -46,7 +46,7 @@ FORMATS = ((b"\x89PNG\r\n\x1a\n", "png"), (b"\xff\xd8\xff", "jpeg"), (b"BM", "bm
 def audio_format(data: bytes) -> str | None:
     """"wav", "mp3" or "flac" by the bytes' signature (as mtmd's helper tells a clip
     from an image); None for anything else."""
-    from localrt.inference.audio import format_of
+    from localrt.engines.audio import format_of
 
     return format_of(data)
 

@@ -264,3 +264,9 @@ def streamed(result):
         return Reply(result, content_type=result.content_type, headers=list(STREAM_HEADERS))
     return result
 
+
+def file_too_large(name: str, size: int):
+    """The 413 audio_too_large of a form's file past one clip's limit, else None."""
+    if size > media_mod.AUDIO_MAX_BYTES:
+        return media_mod.audio_too_large(name, size)
+    return None
