@@ -257,17 +257,7 @@ def _read_form(environ, route, validators) -> dict:
                                    f"multipart/form-data body (got "
                                    f"{shown(ctype.split(';', 1)[0]) if ctype else 'none'})")
     limit = route.max_body or MAX_BODY
-    raw_length = environ.get("CONTENT_LENGTH", "")
-    try:
-        length = int(raw_length) if raw_length else 0
-    except ValueError:
-        raise BadRequest(f"Invalid Content-Length: {shown(raw_length)}") from None
-    if length > limit:
-        raise PayloadTooLarge(f"Request body is {length} bytes; the limit is {limit}")
-    stream = environ["wsgi.input"]
-    data = stream.read(length) if length else stream.read(limit + 1)
-    if len(data) > limit:
-        raise PayloadTooLarge(f"Request body is over the limit of {limit} bytes")
+    data = _read_bytes(environ, _content_length(environ), limit)
     form = multipart.read(data, ctype, route.form)
     shown_files = {name: {"filename": f.filename, "content_type": f.content_type,
                           "size": len(f.data)} for name, f in form.files.items()}
@@ -276,16 +266,33 @@ def _read_form(environ, route, validators) -> dict:
     return {**form.fields, **form.files}
 
 
+def _content_length(environ) -> int:
+    """The request's Content-Length (0 when absent); a 400 when it is not a number."""
+    raw_length = environ.get("CONTENT_LENGTH", "")
+    try:
+        return int(raw_length) if raw_length else 0
+    except ValueError:
+        raise BadRequest(f"Invalid Content-Length: {shown(raw_length)}") from None
+
+
+def _read_bytes(environ, length: int, limit: int) -> bytes:
+    """The body's bytes (`length` of them, or a chunked body's to its end); a 413 past
+    `limit`, said before reading when Content-Length already says so."""
+    if length > limit:
+        raise PayloadTooLarge(f"Request body is {length} bytes; the limit is {limit}")
+    stream = environ["wsgi.input"]
+    data = stream.read(length) if length else stream.read(limit + 1)
+    if len(data) > limit:
+        raise PayloadTooLarge(f"Request body is over the limit of {limit} bytes")
+    return data
+
+
 def _read_body(environ, method: str, limit: int = MAX_BODY):
     """The parsed JSON body, or _NO_BODY; a 413 past `limit` bytes, a 400 for arrays and
     objects nested deeper than MAX_DEPTH."""
     ctype = environ.get("CONTENT_TYPE", "")
     media = ctype.split(";", 1)[0].strip().lower()
-    raw_length = environ.get("CONTENT_LENGTH", "")
-    try:
-        length = int(raw_length) if raw_length else 0
-    except ValueError:
-        raise BadRequest(f"Invalid Content-Length: {shown(raw_length)}") from None
+    length = _content_length(environ)
     chunked = "chunked" in environ.get("HTTP_TRANSFER_ENCODING", "").lower()
     has_body = length > 0 or chunked
     # A body, or any Content-Type on an unsafe method, must be JSON: this also
@@ -302,12 +309,7 @@ def _read_body(environ, method: str, limit: int = MAX_BODY):
             f"{shown_media})")
     if not has_body:
         return _NO_BODY
-    if length > limit:
-        raise PayloadTooLarge(f"Request body is {length} bytes; the limit is {limit}")
-    stream = environ["wsgi.input"]
-    data = stream.read(length) if length else stream.read(limit + 1)
-    if len(data) > limit:
-        raise PayloadTooLarge(f"Request body is over the limit of {limit} bytes")
+    data = _read_bytes(environ, length, limit)
     if not data:
         return _NO_BODY
     try:
