@@ -13,7 +13,8 @@ import threading
 import ollama
 import openai
 import pytest
-from support.audio import AUDIO_TOKENS_PER_CHUNK, flac, mp3_silence, wav, write_audio_pair
+from support.audio import (AUDIO_TOKENS_PER_CHUNK, flac, mp3_silence, start_ear, wav,
+                           write_audio_pair)
 from support.vision import MARKER, raw_mtmd_reply
 
 pytestmark = pytest.mark.live
@@ -35,12 +36,7 @@ def pair(tmp_path_factory):
 
 @pytest.fixture
 def server(thread_server, pair):
-    client = openai.OpenAI(base_url=thread_server.url + "/v1", api_key="unused")
-    client.post("/models/import", cast_to=object,
-                body={"path": str(pair[0]), "mmproj": str(pair[1]), "id": "ear"})
-    # flash attention as the reference's llama.cpp default has it on a CPU
-    client.post("/models/ear/start", cast_to=object,
-                body={"flash_attn": True, "cpu_threads": 1})
+    start_ear(thread_server.url, pair, cpu_threads=1)
     return thread_server
 
 

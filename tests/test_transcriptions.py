@@ -13,7 +13,8 @@ import openai
 import pytest
 from emulators.ggufgen import write_gguf
 from support.apps import bind
-from support.audio import AUDIO_TOKENS_PER_CHUNK, wav, write_audio_header, write_audio_pair
+from support.audio import (AUDIO_TOKENS_PER_CHUNK, start_ear, wav, write_audio_header,
+                           write_audio_pair)
 from support.vision import MARKER, raw_mtmd_reply
 
 from localrt import multipart
@@ -184,13 +185,7 @@ def pair(tmp_path_factory):
 
 @pytest.fixture
 def server(thread_server, pair):
-    client = openai.OpenAI(base_url=thread_server.url + "/v1", api_key="unused")
-    client.post("/models/import", cast_to=object,
-                body={"path": str(pair[0]), "mmproj": str(pair[1]), "id": "ear"})
-    # two threads, as the reference runs: llama.cpp's CPU sums differ in their last
-    # bits with another count, and this random model's near ties show it
-    client.post("/models/ear/start", cast_to=object,
-                body={"flash_attn": True, "cpu_threads": 2})
+    start_ear(thread_server.url, pair, cpu_threads=2)  # two threads, as the reference runs
     return thread_server
 
 

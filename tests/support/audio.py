@@ -34,6 +34,20 @@ SAMPLE_RATE = 16000           # mtmd's Whisper preprocessor resamples every clip
 AUDIO_TOKENS_PER_CHUNK = 750  # 3000 mel frames / 2 (conv stride) / 2 (average pool)
 
 
+def start_ear(url: str, pair, cpu_threads: int) -> None:
+    """Import the audio pair as model `ear` on the server at `url` and start it with
+    flash attention (as the reference's llama.cpp default has it on a CPU) and
+    `cpu_threads` threads (llama.cpp's CPU sums differ in their last bits with another
+    count, and the random model's near ties show it)."""
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    client.post("/models/import", cast_to=object,
+                body={"path": str(pair[0]), "mmproj": str(pair[1]), "id": "ear"})
+    client.post("/models/ear/start", cast_to=object,
+                body={"flash_attn": True, "cpu_threads": cpu_threads})
+
+
 def audio_chunks(seconds: float) -> int:
     """How many 30-second chunks mtmd's Whisper preprocessor makes of a clip."""
     n = int(round(seconds * SAMPLE_RATE))
