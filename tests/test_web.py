@@ -600,7 +600,7 @@ def test_a_vision_model_takes_an_attached_image(browser, server, tmp_path):
     settings_of(browser, temperature=0, max_tokens=4)
     picture = tmp_path / "picture.png"
     picture.write_bytes(png(64, 64, 8))
-    chooser = find(browser, "#image-file")
+    chooser = find(browser, "#attach-file")
     browser.execute_script("arguments[0].hidden = false; arguments[0].style.display = 'block'",
                            chooser)
     chooser.send_keys(str(picture))

@@ -1,0 +1,268 @@
+"""The chat page with a model that hears (issue 36, item 5): its microphone records
+in the browser, the page encodes the WAV itself and sends it as an OpenAI input_audio
+part, the clip shows as a player in the message and stays in the stored conversation;
+its attach button takes .wav files; a model that does not hear shows no microphone and
+refuses audio files with a note.
+
+Headless Chromium (support.browser) with a fake microphone that plays a clip of
+support.audio (`--use-file-for-fake-audio-capture`) and grants itself
+(`--use-fake-ui-for-media-stream`), against the app in this process on a real socket,
+with a recorder in front of it that keeps each chat request's body as the server got
+it; the models are support.audio's tiny qwen2a pair (`ear`, and its text model alone
+as `deaf`) and support.vision's pair (`eye`), all on real llama.cpp.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+import urllib.request
+import wave
+from wsgiref.simple_server import make_server
+
+import numpy as np
+import pytest
+from support.audio import AUDIO_TOKENS_PER_CHUNK, start_ear, wav, write_audio_pair
+from support.browser import require_chromium, start_chromium
+from support.servers import QuietHandler, ThreadingWSGIServer, send
+from test_web import (find, labelled, last_reply, open_page, pick, prompt_tokens_of, say,
+                      settings_of, wait)
+
+from localrt import settings as settings_mod
+from localrt import web
+from localrt.app import create_app
+
+pytestmark = [pytest.mark.browser, pytest.mark.live]
+
+require_chromium()
+
+from selenium.webdriver.common.by import By  # noqa: E402
+
+SEED = 2                          # support.audio's clip 2: a 1050 Hz tone with noise
+PITCH = 150 + 450 * (SEED % 13)   # as support.audio.samples picks it
+# The page's policy before audio, directive by directive; audio adds media-src alone.
+BEFORE = {"default-src": "'self'", "script-src": "'self'", "style-src": "'self'",
+          "img-src": "'self' data: blob:", "connect-src": "'self'",
+          "frame-ancestors": "'none'", "base-uri": "'none'", "form-action": "'none'",
+          "object-src": "'none'"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The app on a real socket in this process; `bodies` keeps every chat request's
+    JSON body as the server read it."""
+    home = tmp_path_factory.mktemp("web-audio-home")
+    settings = settings_mod.load(environ={"HOME": str(home)})
+    app = create_app(settings)
+    bodies = []
+
+    def recording(environ, start_response):
+        if environ["PATH_INFO"] == "/v1/chat/completions":
+            body = environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
+            bodies.append(json.loads(body))
+            environ["wsgi.input"] = io.BytesIO(body)
+        return app(environ, start_response)
+
+    httpd = make_server("127.0.0.1", 0, recording, server_class=ThreadingWSGIServer,
+                        handler_class=QuietHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    pair = write_audio_pair(tmp_path_factory.mktemp("ear"))
+    start_ear(url, pair, cpu_threads=1)
+    assert send(url, "POST", "/v1/models/import",
+                {"path": str(pair[0]), "id": "deaf"})[0] == 200  # the text model alone
+    yield type("Server", (), {"url": url, "bodies": bodies})
+    httpd.shutdown()
+    httpd.server_close()
+    app.close()
+
+
+@pytest.fixture(scope="module")
+def clip_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("clips") / "clip.wav"
+    path.write_bytes(wav(2.0, SEED))
+    return path
+
+
+@pytest.fixture(scope="module")
+def chromium(tmp_path_factory, clip_file):
+    driver = start_chromium(tmp_path_factory.mktemp("chromium-profile"), logs=True, flags=(
+        "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
+        f"--use-file-for-fake-audio-capture={clip_file}"))
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture
+def browser(chromium, server):
+    """The page, with nothing stored from earlier tests."""
+    chromium.get(server.url + "/web/icon.svg")
+    chromium.execute_script("localStorage.clear(); sessionStorage.clear();")
+    chromium.get_log("browser")
+    open_page(chromium, server.url)
+    return chromium
+
+
+def audio_parts(body) -> list[dict]:
+    """The input_audio parts of a chat request's messages, in order."""
+    return [part["input_audio"] for message in body["messages"]
+            if isinstance(message["content"], list)
+            for part in message["content"] if part.get("type") == "input_audio"]
+
+
+def decoded(part) -> tuple[wave.Wave_read, np.ndarray]:
+    """An input_audio part's WAV, opened, and its samples."""
+    clip = wave.open(io.BytesIO(base64.b64decode(part["data"])))
+    data = np.frombuffer(clip.readframes(clip.getnframes()), dtype="<i2")
+    return clip, data
+
+
+def loudest_hz(data: np.ndarray, rate: int) -> float:
+    spectrum = np.abs(np.fft.rfft(data.astype(np.float64)))
+    return float(np.argmax(spectrum[1:]) + 1) * rate / len(data)
+
+
+def players(driver):
+    return driver.find_elements(By.CSS_SELECTOR, '[data-role="user"] audio.clip')
+
+
+def duration_of(driver, element) -> float:
+    """Seconds of the clip an <audio> element plays, once it has read its header (it
+    could not under a policy that forbade its blob: URL)."""
+    return wait(driver, lambda d: d.execute_script(
+        "const a = arguments[0]; return a.readyState >= 1 && a.duration", element),
+        10, "the player reads its clip")
+
+
+def test_the_policy_is_widened_by_media_from_blob_urls_alone(server):
+    with urllib.request.urlopen(server.url + "/") as resp:
+        csp = resp.headers["Content-Security-Policy"]
+    assert csp == web.CSP
+    directives = dict(d.strip().split(" ", 1) for d in csp.split(";"))
+    assert directives == {**BEFORE, "media-src": "'self' blob:"}
+
+
+def test_record_with_the_microphone_and_send(browser, server):
+    """The microphone records the fake device's clip; the request carries it as a 16-bit
+    PCM WAV at 16 kHz whose loudest pitch is the clip's; its 750 tokens reach the
+    prompt; the message shows a player, and the clip stays across a reload."""
+    pick(browser, "ear")
+    mic = labelled(browser, "Record audio")
+    assert mic.is_displayed() and mic.get_attribute("aria-pressed") == "false"
+    assert labelled(browser, "Attach audio").is_displayed()
+    settings_of(browser, temperature=0, max_tokens=4)
+    mic.click()
+    status = find(browser, "#recording")
+    wait(browser, lambda d: status.text in ("Recording 0:01", "Recording 0:02"), 20,
+         "a second recorded")
+    assert mic.get_attribute("aria-pressed") == "true"
+    assert mic.get_attribute("aria-label") == "Stop recording"
+    mic.click()
+    wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#attached audio"), 20,
+         "the recording attached")
+    assert not status.is_displayed() and mic.get_attribute("aria-pressed") == "false"
+
+    before = prompt_tokens_of(server.url, "ear")
+    sent = len(server.bodies)
+    say(browser, "What is said?")
+    last_reply(browser)
+    assert len(server.bodies) == sent + 1
+    body = server.bodies[-1]
+    (part,) = audio_parts(body)
+    assert part["format"] == "wav"
+    clip, data = decoded(part)
+    assert (clip.getnchannels(), clip.getsampwidth(), clip.getframerate()) == (1, 2, 16000)
+    assert clip.getnframes() >= 16000  # a second at least
+    assert abs(loudest_hz(data, 16000) - PITCH) < 20  # the fake device's clip
+    text = [p for p in body["messages"][-1]["content"] if p["type"] == "text"]
+    assert text == [{"type": "text", "text": "What is said?"}]
+    added = prompt_tokens_of(server.url, "ear") - before
+    print(f"recorded {clip.getnframes() / 16000:.2f} s, loudest at "
+          f"{loudest_hz(data, 16000):.0f} Hz (the clip's {PITCH}); {added:.0f} prompt tokens")
+    assert added > AUDIO_TOKENS_PER_CHUNK
+
+    (shown,) = players(browser)
+    assert shown.get_attribute("src").startswith("blob:")
+    assert duration_of(browser, shown) >= 1.0
+    problems = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert problems == [], problems  # no CSP violation, no script error
+
+    # A reload shows the stored clip, and the next message sends it again.
+    open_page(browser, server.url)
+    (shown,) = players(browser)
+    assert duration_of(browser, shown) >= 1.0
+    settings_of(browser, max_tokens=2)
+    say(browser, "Again")
+    wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR,
+                                                '[data-role="assistant"]')) == 2,
+         30, "a second reply")
+    last_reply(browser)
+    assert audio_parts(server.bodies[-1]) == [part]
+
+
+def test_attach_a_wav_file(browser, server, tmp_path):
+    """The attach button takes a .wav file: its bytes go unchanged as input_audio."""
+    pick(browser, "ear")
+    settings_of(browser, temperature=0, max_tokens=4)
+    chooser = find(browser, "#attach-file")
+    assert ".wav" in chooser.get_attribute("accept").split(",")
+    clip = tmp_path / "spoken.wav"
+    clip.write_bytes(wav(1.0, 4))
+    browser.execute_script("arguments[0].hidden = false", chooser)
+    chooser.send_keys(str(clip))
+    wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#attached audio"), 10,
+         "the clip attached")
+    before = prompt_tokens_of(server.url, "ear")
+    say(browser, "What is said?")
+    last_reply(browser)
+    (part,) = audio_parts(server.bodies[-1])
+    assert part == {"data": base64.b64encode(clip.read_bytes()).decode(), "format": "wav"}
+    assert prompt_tokens_of(server.url, "ear") - before > AUDIO_TOKENS_PER_CHUNK
+    assert duration_of(browser, players(browser)[-1]) == pytest.approx(1.0, abs=0.01)
+    assert browser.find_element(By.CSS_SELECTOR, "#conversations .current .title").text \
+        == "What is said?"
+
+
+def test_a_model_that_does_not_hear_has_no_microphone(browser, server, tmp_path):
+    """A text model shows neither button; a vision model's attach button refuses a clip
+    with a note, and picking it drops a clip attached for a model that hears."""
+    from support.vision import write_vision_pair
+
+    model, mmproj = write_vision_pair(tmp_path / "pair")
+    assert send(server.url, "POST", "/v1/models/import",
+                {"path": str(model), "mmproj": str(mmproj), "id": "eye"})[0] == 200
+    send(server.url, "PATCH", "/v1/models/eye", {"cpu_threads": 1, "n_parallel": 1})
+    open_page(browser, server.url)
+    pick(browser, "deaf")
+    assert not labelled(browser, "Record audio").is_displayed()
+    assert not find(browser, "#attach").is_displayed()
+
+    clip = tmp_path / "clip.wav"
+    clip.write_bytes(wav(1.0, 4))
+    pick(browser, "ear")
+    chooser = find(browser, "#attach-file")
+    browser.execute_script("arguments[0].hidden = false", chooser)
+    chooser.send_keys(str(clip))
+    wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#attached audio"), 10,
+         "the clip attached")
+    pick(browser, "eye")
+    assert labelled(browser, "Attach image").is_displayed()
+    assert not labelled(browser, "Record audio").is_displayed()
+    assert not find(browser, "#attached").is_displayed()
+    assert find(browser, "#error-text").text == \
+        "eye takes no audio: the attached clip was removed"
+
+    find(browser, "#error-close").click()
+    assert "image/*" == chooser.get_attribute("accept")
+    chooser.send_keys(str(clip))  # past the chooser's filter, as "All files" can
+    wait(browser, lambda d: find(d, "#error").is_displayed(), 10, "the note")
+    assert find(browser, "#error-text").text == \
+        "clip.wav is audio, and eye takes no audio: pick a model whose capabilities " \
+        "include audio"
+    assert not find(browser, "#attached").is_displayed()
+    sent = len(server.bodies)
+    say(browser, "Hello")
+    last_reply(browser)
+    assert audio_parts(server.bodies[sent]) == []
