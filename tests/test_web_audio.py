@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import threading
 import urllib.request
 import wave
@@ -91,8 +92,23 @@ def chromium(tmp_path_factory, clip_file):
     driver = start_chromium(tmp_path_factory.mktemp("chromium-profile"), logs=True, flags=(
         "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
         f"--use-file-for-fake-audio-capture={clip_file}"))
+    # Every page counts its calls of getUserMedia and keeps the streams they give.
+    driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": COUNT_ASKS})
     yield driver
     driver.quit()
+
+
+COUNT_ASKS = """
+window.asks = [];
+const ask = navigator.mediaDevices.getUserMedia.bind(navigator.mediaDevices);
+navigator.mediaDevices.getUserMedia = async (constraints) => {
+  const stream = await ask(constraints);
+  window.asks.push(stream);
+  return stream;
+};
+"""
+# Whether the page holds the microphone: a track of a stream it was given still live.
+LIVE = "return window.asks.some(s => s.getTracks().some(t => t.readyState === 'live'))"
 
 
 @pytest.fixture
@@ -133,7 +149,7 @@ def duration_of(driver, element) -> float:
     could not under a policy that forbade its blob: URL)."""
     return wait(driver, lambda d: d.execute_script(
         "const a = arguments[0]; return a.readyState >= 1 && a.duration", element),
-        10, "the player reads its clip")
+        30, "the player reads its clip")
 
 
 def test_the_policy_is_widened_by_media_from_blob_urls_alone(server):
@@ -145,17 +161,19 @@ def test_the_policy_is_widened_by_media_from_blob_urls_alone(server):
 
 
 def test_record_with_the_microphone_and_send(browser, server):
-    """The microphone records the fake device's clip; the request carries it as a 16-bit
-    PCM WAV at 16 kHz whose loudest pitch is the clip's; its 750 tokens reach the
-    prompt; the message shows a player, and the clip stays across a reload."""
+    """The page asks for the microphone only when its button is pressed, and lets it go
+    when pressed again; the fake device's clip goes as a 16-bit PCM WAV at 16 kHz whose
+    loudest pitch is the clip's, and its 750 tokens reach the prompt; the message shows
+    a player; the clip stays across a reload and goes again with the next message."""
     pick(browser, "ear")
     mic = labelled(browser, "Record audio")
     assert mic.is_displayed() and mic.get_attribute("aria-pressed") == "false"
     assert labelled(browser, "Attach audio").is_displayed()
     settings_of(browser, temperature=0, max_tokens=4)
+    assert browser.execute_script("return window.asks.length") == 0  # not before the press
     mic.click()
     status = find(browser, "#recording")
-    wait(browser, lambda d: status.text in ("Recording 0:01", "Recording 0:02"), 20,
+    wait(browser, lambda d: re.fullmatch(r"Recording 0:0[1-9]", status.text), 20,
          "a second recorded")
     assert mic.get_attribute("aria-pressed") == "true"
     assert mic.get_attribute("aria-label") == "Stop recording"
@@ -163,6 +181,8 @@ def test_record_with_the_microphone_and_send(browser, server):
     wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#attached audio"), 20,
          "the recording attached")
     assert not status.is_displayed() and mic.get_attribute("aria-pressed") == "false"
+    assert browser.execute_script("return window.asks.length") == 1
+    assert not browser.execute_script(LIVE)  # the microphone is let go
 
     before = prompt_tokens_of(server.url, "ear")
     sent = len(server.bodies)
@@ -189,21 +209,28 @@ def test_record_with_the_microphone_and_send(browser, server):
     problems = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert problems == [], problems  # no CSP violation, no script error
 
-    # A reload shows the stored clip, and the next message sends it again.
+    # A reload shows the stored clip, and the next message sends it again; Enter while
+    # the microphone records ends the recording and sends it too.
     open_page(browser, server.url)
     (shown,) = players(browser)
     assert duration_of(browser, shown) >= 1.0
     settings_of(browser, max_tokens=2)
+    labelled(browser, "Record audio").click()
+    wait(browser, lambda d: re.fullmatch(r"Recording 0:0[1-9]", find(d, "#recording").text),
+         20, "a second recorded")
     say(browser, "Again")
     wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR,
                                                 '[data-role="assistant"]')) == 2,
          30, "a second reply")
     last_reply(browser)
-    assert audio_parts(server.bodies[-1]) == [part]
+    first, second = audio_parts(server.bodies[-1])
+    assert first == part and decoded(second)[0].getnframes() >= 16000
+    assert len(players(browser)) == 2 and not browser.execute_script(LIVE)
 
 
 def test_attach_a_wav_file(browser, server, tmp_path):
-    """The attach button takes a .wav file: its bytes go unchanged as input_audio."""
+    """The attach button takes a .wav file: its bytes go unchanged as an input_audio
+    part, alone in a message without text."""
     pick(browser, "ear")
     settings_of(browser, temperature=0, max_tokens=4)
     chooser = find(browser, "#attach-file")
@@ -215,14 +242,15 @@ def test_attach_a_wav_file(browser, server, tmp_path):
     wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#attached audio"), 10,
          "the clip attached")
     before = prompt_tokens_of(server.url, "ear")
-    say(browser, "What is said?")
+    say(browser, "")  # the clip alone
     last_reply(browser)
-    (part,) = audio_parts(server.bodies[-1])
-    assert part == {"data": base64.b64encode(clip.read_bytes()).decode(), "format": "wav"}
+    (message,) = server.bodies[-1]["messages"]
+    assert message["content"] == [{"type": "input_audio", "input_audio": {
+        "data": base64.b64encode(clip.read_bytes()).decode(), "format": "wav"}}]
     assert prompt_tokens_of(server.url, "ear") - before > AUDIO_TOKENS_PER_CHUNK
     assert duration_of(browser, players(browser)[-1]) == pytest.approx(1.0, abs=0.01)
     assert browser.find_element(By.CSS_SELECTOR, "#conversations .current .title").text \
-        == "What is said?"
+        == "Audio clip"
 
 
 def test_a_model_that_does_not_hear_has_no_microphone(browser, server, tmp_path):
