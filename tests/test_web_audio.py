@@ -251,6 +251,7 @@ def test_attach_a_wav_file(browser, server, tmp_path):
     assert duration_of(browser, players(browser)[-1]) == pytest.approx(1.0, abs=0.01)
     assert browser.find_element(By.CSS_SELECTOR, "#conversations .current .title").text \
         == "Audio clip"
+    browser.save_screenshot(str(tmp_path / "audio.png"))
 
 
 def test_a_model_that_does_not_hear_has_no_microphone(browser, server, tmp_path):
@@ -294,3 +295,23 @@ def test_a_model_that_does_not_hear_has_no_microphone(browser, server, tmp_path)
     say(browser, "Hello")
     last_reply(browser)
     assert audio_parts(server.bodies[sent]) == []
+
+
+def test_a_refused_microphone_is_a_note(server, clip_file, tmp_path):
+    """A browser that does not let the page have the microphone (headless Chromium
+    without the fake prompt refuses it) gives a note, and nothing is recorded."""
+    driver = start_chromium(tmp_path / "profile", flags=(
+        "--use-fake-device-for-media-stream", f"--use-file-for-fake-audio-capture={clip_file}"))
+    try:
+        open_page(driver, server.url)
+        pick(driver, "ear")
+        mic = labelled(driver, "Record audio")
+        mic.click()
+        wait(driver, lambda d: find(d, "#error").is_displayed(), 20, "the note")
+        assert find(driver, "#error-text").text == \
+            "The browser was not allowed to use the microphone"
+        assert mic.get_attribute("aria-pressed") == "false" and mic.is_enabled()
+        assert not find(driver, "#recording").is_displayed()
+        assert not find(driver, "#attached").is_displayed()
+    finally:
+        driver.quit()
