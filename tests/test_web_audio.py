@@ -1,8 +1,8 @@
 """The chat page with a model that hears (issue 36, item 5): its microphone records
 in the browser, the page encodes the WAV itself and sends it as an OpenAI input_audio
 part, the clip shows as a player in the message and stays in the stored conversation;
-its attach button takes .wav files; a model that does not hear shows no microphone and
-refuses audio files with a note.
+its attach button takes .wav and .flac files; a model that does not hear shows no
+microphone and refuses audio files with a note; a refused microphone is a note too.
 
 Headless Chromium (support.browser) with a fake microphone that plays a clip of
 support.audio (`--use-file-for-fake-audio-capture`) and grants itself
@@ -25,7 +25,7 @@ from wsgiref.simple_server import make_server
 
 import numpy as np
 import pytest
-from support.audio import AUDIO_TOKENS_PER_CHUNK, start_ear, wav, write_audio_pair
+from support.audio import AUDIO_TOKENS_PER_CHUNK, flac, start_ear, wav, write_audio_pair
 from support.browser import require_chromium, start_chromium
 from support.servers import QuietHandler, ThreadingWSGIServer, send
 from test_web import (find, labelled, last_reply, open_page, pick, prompt_tokens_of, say,
@@ -228,27 +228,42 @@ def test_record_with_the_microphone_and_send(browser, server):
     assert len(players(browser)) == 2 and not browser.execute_script(LIVE)
 
 
-def test_attach_a_wav_file(browser, server, tmp_path):
-    """The attach button takes a .wav file: its bytes go unchanged as an input_audio
-    part, alone in a message without text."""
+def test_attach_a_wav_and_a_flac_file(browser, server, tmp_path):
+    """The attach button takes a .wav file and a .flac file: their bytes go unchanged as
+    input_audio parts of their formats, alone in a message without text, and the
+    tokens of both reach the prompt; a file that is not audio is refused."""
     pick(browser, "ear")
     settings_of(browser, temperature=0, max_tokens=4)
     chooser = find(browser, "#attach-file")
-    assert ".wav" in chooser.get_attribute("accept").split(",")
-    clip = tmp_path / "spoken.wav"
-    clip.write_bytes(wav(1.0, 4))
+    assert {".wav", ".mp3", ".flac"} <= set(chooser.get_attribute("accept").split(","))
+    assert labelled(browser, "Attach audio").is_displayed()
+    spoken, sung = tmp_path / "spoken.wav", tmp_path / "sung.flac"
+    spoken.write_bytes(wav(1.0, 4))
+    sung.write_bytes(flac(1.0, 6))
     browser.execute_script("arguments[0].hidden = false", chooser)
-    chooser.send_keys(str(clip))
-    wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#attached audio"), 10,
-         "the clip attached")
+    for n, clip in enumerate((spoken, sung), 1):
+        chooser.send_keys(str(clip))
+        wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#attached audio")) == n,
+             10, f"{clip.name} attached")
+    notes = tmp_path / "notes.wav"  # by its name audio, by its bytes not
+    notes.write_bytes(b"not a RIFF file at all")
+    chooser.send_keys(str(notes))
+    wait(browser, lambda d: find(d, "#error").is_displayed(), 10, "the note")
+    assert find(browser, "#error-text").text == \
+        "notes.wav is not a WAV, MP3 or FLAC file (by its bytes)"
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#attached audio")) == 2
+
     before = prompt_tokens_of(server.url, "ear")
-    say(browser, "")  # the clip alone
+    say(browser, "")  # the clips alone
     last_reply(browser)
     (message,) = server.bodies[-1]["messages"]
-    assert message["content"] == [{"type": "input_audio", "input_audio": {
-        "data": base64.b64encode(clip.read_bytes()).decode(), "format": "wav"}}]
-    assert prompt_tokens_of(server.url, "ear") - before > AUDIO_TOKENS_PER_CHUNK
-    assert duration_of(browser, players(browser)[-1]) == pytest.approx(1.0, abs=0.01)
+    assert message["content"] == [
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(clip.read_bytes())
+                                                .decode(), "format": fmt}}
+        for clip, fmt in ((spoken, "wav"), (sung, "flac"))]
+    assert prompt_tokens_of(server.url, "ear") - before > 2 * AUDIO_TOKENS_PER_CHUNK
+    assert len(players(browser)) == 2
+    assert duration_of(browser, players(browser)[0]) == pytest.approx(1.0, abs=0.01)
     assert browser.find_element(By.CSS_SELECTOR, "#conversations .current .title").text \
         == "Audio clip"
     browser.save_screenshot(str(tmp_path / "audio.png"))
