@@ -637,6 +637,7 @@ function setRecording(on) {
 }
 
 function microphoneError(e) {
+  if (!(e instanceof DOMException)) return e.message;  // the page's own (an insecure page)
   if (e.name === "NotAllowedError") return "The browser was not allowed to use the microphone";
   if (e.name === "NotFoundError") return "The browser found no microphone";
   return `The microphone could not start (${e.message})`;

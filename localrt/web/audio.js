@@ -94,12 +94,13 @@ export class Recorder {
       throw new Error("This browser gives the microphone only to a secure page: " +
                       "open the page as http://127.0.0.1 or localhost, or over https");
     }
-    // The signal as the microphone hears it: the processing meant for calls (noise
-    // suppression, gain control, echo cancelling) alters what a speech model hears.
-    this.stream = await navigator.mediaDevices.getUserMedia({ audio: {
-      noiseSuppression: false, autoGainControl: false, echoCancellation: false } });
     try {
+      // Made in the press's own turn, where the browser lets a page start its audio.
       this.context = new AudioContext();
+      // The signal as the microphone hears it: the processing meant for calls (noise
+      // suppression, gain control, echo cancelling) alters what a speech model hears.
+      this.stream = await navigator.mediaDevices.getUserMedia({ audio: {
+        noiseSuppression: false, autoGainControl: false, echoCancellation: false } });
       await this.context.audioWorklet.addModule("/web/capture.js");
       this.node = new AudioWorkletNode(this.context, "localrt-capture");
       this.done = new Promise((resolve) => {
@@ -130,7 +131,9 @@ export class Recorder {
   async stop() {
     this.stream.getTracks().forEach((t) => t.stop());
     this.node.port.postMessage("flush");
-    await this.done;
+    // A worklet that never answers (a context that could not run) must not keep the
+    // button waiting: what came so far is the recording.
+    await Promise.race([this.done, new Promise((resolve) => setTimeout(resolve, 2000))]);
     const rate = this.context.sampleRate;
     this.release();
     if (!this.frames) return null;
