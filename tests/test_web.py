@@ -391,8 +391,8 @@ def test_the_csp_header_and_no_request_to_another_origin(browser, server):
         assert resp.headers["X-Content-Type-Options"] == "nosniff"
         assert resp.headers["Referrer-Policy"] == "no-referrer"
     for part in ("default-src 'self'", "script-src 'self'", "style-src 'self'",
-                 "img-src 'self' data: blob:", "connect-src 'self'", "frame-ancestors 'none'",
-                 "base-uri 'none'", "form-action 'none'"):
+                 "img-src 'self' data: blob:", "media-src 'self' blob:", "connect-src 'self'",
+                 "frame-ancestors 'none'", "base-uri 'none'", "form-action 'none'"):
         assert part in csp
     browser.get_log("performance")
     open_page(browser, server.url)
@@ -484,9 +484,9 @@ def test_a_model_id_with_markup_is_shown_as_text(browser, server, ggufs):
         options = "return [...document.querySelectorAll('#model option')].map(o => o.textContent)"
         wait(browser, lambda d: HOSTILE_ID in d.execute_script(options), 30,
              "the hostile id among the models")
-        assert browser.execute_script(  # none but the page's own paperclip icon
-            "return [...document.querySelectorAll('svg')].filter(s => !s.closest('#attach'))"
-            ".length") == 0
+        assert browser.execute_script(  # none but the page's own paperclip and microphone
+            "return [...document.querySelectorAll('svg')]"
+            ".filter(s => !s.closest('#attach, #mic')).length") == 0
         assert browser.title == TITLE
     finally:
         send(server.url, "DELETE", "/v1/models/" + urllib.request.quote(HOSTILE_ID, safe=""))
@@ -600,7 +600,7 @@ def test_a_vision_model_takes_an_attached_image(browser, server, tmp_path):
     settings_of(browser, temperature=0, max_tokens=4)
     picture = tmp_path / "picture.png"
     picture.write_bytes(png(64, 64, 8))
-    chooser = find(browser, "#image-file")
+    chooser = find(browser, "#attach-file")
     browser.execute_script("arguments[0].hidden = false; arguments[0].style.display = 'block'",
                            chooser)
     chooser.send_keys(str(picture))

@@ -18,9 +18,13 @@ INDEX = "index.html"
 MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
                ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml"}
 # Images are the page's own, or data: and blob: URLs of pictures the user attaches.
+# Media is widened by blob: alone, for the <audio> players of clips (recorded or
+# attached): the page makes a blob: URL of each clip, which only its own script can do.
+# The microphone needs nothing more: getUserMedia is not under the policy, and the
+# AudioWorklet that records (capture.js) loads from 'self' under script-src.
 CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; "
-       "img-src 'self' data: blob:; connect-src 'self'; frame-ancestors 'none'; "
-       "base-uri 'none'; form-action 'none'; object-src 'none'")
+       "img-src 'self' data: blob:; media-src 'self' blob:; connect-src 'self'; "
+       "frame-ancestors 'none'; base-uri 'none'; form-action 'none'; object-src 'none'")
 # On every page response. no-cache: a browser asks again (cheaply) after an upgrade.
 HEADERS = (("Content-Security-Policy", CSP), ("X-Content-Type-Options", "nosniff"),
            ("Referrer-Policy", "no-referrer"), ("X-Frame-Options", "DENY"),

@@ -1,8 +1,9 @@
-// The chat page: the model picker, the conversation, the composer, the sidebar and the
-// pull panel. Every text from the server or a model goes in as textContent or through
-// markdown.js, never as HTML.
+// The chat page: the model picker, the conversation, the composer (with its attached
+// pictures and clips, and the microphone), the sidebar and the pull panel. Every text
+// from the server or a model goes in as textContent or through markdown.js, never as HTML.
 
 import * as api from "./api.js";
+import * as audio from "./audio.js";
 import { render } from "./markdown.js";
 import { Store, UNTITLED } from "./store.js";
 
@@ -10,8 +11,8 @@ const $ = (id) => document.getElementById(id);
 const ui = {
   models: $("model"), modelState: $("model-state"), messages: $("messages"),
   message: $("message"), send: $("send"), stop: $("stop"), attach: $("attach"),
-  imageFile: $("image-file"), attached: $("attached"), attachedImage: $("attached-image"),
-  attachedRemove: $("attached-remove"), conversations: $("conversations"),
+  attachFile: $("attach-file"), attached: $("attached"), mic: $("mic"),
+  recording: $("recording"), conversations: $("conversations"),
   newChat: $("new-chat"), settings: $("settings"), settingsToggle: $("settings-toggle"),
   system: $("system"), temperature: $("temperature"), maxTokens: $("max-tokens"),
   error: $("error"), errorText: $("error-text"), errorClose: $("error-close"),
@@ -24,7 +25,10 @@ const ui = {
 const store = new Store();
 let models = [];          // GET /v1/models' records
 let streaming = null;     // the AbortController of the reply being streamed
-let image = null;         // the data: URL of the picture to send with the next message
+let pending = [];         // data: URLs of the pictures and clips the next message sends
+let recorder = null;      // the microphone's audio.Recorder while it records
+let recordTimer = 0;
+const players = new Map();  // a clip's data: URL -> the blob: URL its <audio> plays
 let renderTimer = 0;
 
 // --- errors and the API key ---------------------------------------------------------
@@ -108,17 +112,34 @@ function fillModels() {
 function showModelState(text) {
   const m = selected();
   ui.modelState.textContent = text || (m ? (isRunning(m) ? "running" : "not running") : "");
-  const vision = Boolean(m && Array.isArray(m.capabilities) &&
-                         m.capabilities.includes("vision"));
-  ui.attach.hidden = !vision;
-  if (!vision) setImage(null);
-  ui.thinkLabel.hidden = !reasons(m);
+  const sees = can(m, "vision");
+  const hears = can(m, "audio");
+  ui.attach.hidden = !sees && !hears;
+  const what = sees && hears ? "image or audio" : hears ? "audio" : "image";
+  ui.attach.setAttribute("aria-label", "Attach " + what);
+  ui.attach.title = "Attach " + what;
+  ui.attachFile.accept = [sees ? "image/*" : "", hears ? AUDIO_FILES : ""]
+    .filter(Boolean).join(",");
+  ui.mic.hidden = !hears;
+  if (!hears && recorder) cancelRecording();
+  const kept = pending.filter((url) => (url.startsWith("data:audio/") ? hears : sees));
+  if (kept.length !== pending.length) {
+    const clip = pending.some((url) => url.startsWith("data:audio/") && !hears);
+    showError(`${m ? m.id : "No model"} takes no ${clip ? "audio" : "images"}: ` +
+              `the attached ${clip ? "clip" : "image"} was removed`);
+    setPending(kept);
+  }
+  ui.thinkLabel.hidden = !can(m, "reasoning");
   ui.think.checked = store.current.think !== false;
 }
 
-// Whether a model thinks before it answers (its capabilities say "reasoning").
-function reasons(m) {
-  return Boolean(m && Array.isArray(m.capabilities) && m.capabilities.includes("reasoning"));
+// What the file chooser offers for a model that hears: the formats the server reads.
+const AUDIO_FILES = ".wav,.mp3,.flac,audio/wav,audio/x-wav,audio/mpeg,audio/flac,audio/x-flac";
+
+// Whether a model's capabilities include `what`: "vision" (it takes pictures), "audio"
+// (clips), "reasoning" (it thinks before it answers).
+function can(m, what) {
+  return Boolean(m && Array.isArray(m.capabilities) && m.capabilities.includes(what));
 }
 
 async function pickModel() {
@@ -228,6 +249,12 @@ function showConversation() {
   ui.system.value = c.system || "";
   ui.temperature.value = c.temperature ?? "";
   ui.maxTokens.value = c.maxTokens ?? "";
+  for (const [data, url] of players) {  // the last conversation's players
+    if (!pending.includes(data)) {
+      URL.revokeObjectURL(url);
+      players.delete(data);
+    }
+  }
   performance.mark("render-start");
   const items = c.messages.map((msg) => messageItem(msg.role, msg));
   ui.messages.replaceChildren(...items);
@@ -265,6 +292,9 @@ function messageItem(role, msg) {
     img.alt = "Attached image";
     li.insertBefore(img, body);
   }
+  for (const url of msg.clips || []) {
+    if (url.startsWith("data:audio/")) li.insertBefore(player(url), body);
+  }
   if (role === "assistant" && msg.reasoning) fillThinking(li, msg);
   fillBody(li, role, msg.content || "");
   if (msg.stopped) note(li, "stopped");
@@ -289,6 +319,26 @@ function fillThinking(li, msg) {
   block.querySelector(".thinking-text").textContent = msg.reasoning;
 }
 
+// An <audio> element with controls that plays a clip's data: URL (a note instead for
+// one that damaged storage left unreadable).
+function player(url) {
+  try {
+    if (!players.has(url)) players.set(url, audio.playable(url));
+  } catch (e) {
+    const span = document.createElement("span");
+    span.className = "note";
+    span.textContent = "an audio clip the browser could not read";
+    return span;
+  }
+  const element = document.createElement("audio");
+  element.controls = true;
+  element.preload = "metadata";
+  element.className = "clip";
+  element.src = players.get(url);
+  element.setAttribute("aria-label", "Audio clip");
+  return element;
+}
+
 function fillBody(li, role, text) {
   const body = li.querySelector(".body");
   if (role === "assistant") body.replaceChildren(render(text));
@@ -306,15 +356,18 @@ function scrollDown() {
   ui.messages.scrollTop = ui.messages.scrollHeight;
 }
 
-// The messages as the API takes them: an image goes as an OpenAI image_url part.
+// The messages as the API takes them: an image goes as an OpenAI image_url part, a clip
+// as an input_audio part.
 function apiMessages(c) {
   const out = [];
   if (c.system && c.system.trim()) out.push({ role: "system", content: c.system });
   for (const m of c.messages) {
-    if (m.images && m.images.length) {
+    if ((m.images && m.images.length) || (m.clips && m.clips.length)) {
       out.push({ role: m.role, content: [
-        { type: "text", text: m.content },
-        ...m.images.map((url) => ({ type: "image_url", image_url: { url } }))] });
+        ...(m.content ? [{ type: "text", text: m.content }] : []),  // a clip may go alone
+        ...(m.images || []).map((url) => ({ type: "image_url", image_url: { url } })),
+        ...(m.clips || []).map((url) => ({ type: "input_audio", input_audio: {
+          data: audio.base64Of(url), format: audio.formatOf(url) } }))] });
     } else if (m.reasoning) {  // the template keeps or drops earlier thinking
       out.push({ role: m.role, content: m.content, reasoning_content: m.reasoning });
     } else {
@@ -325,8 +378,9 @@ function apiMessages(c) {
 }
 
 async function send() {
+  if (recorder) await finishRecording();  // what was said so far goes with the message
   const text = ui.message.value;
-  if (streaming || (!text.trim() && !image)) return;
+  if (streaming || (!text.trim() && !pending.length)) return;
   const m = selected();
   if (!m) {
     showError("Pick a model first, or pull one");
@@ -337,12 +391,17 @@ async function send() {
   const c = store.current;
   c.model = m.id;
   const user = { role: "user", content: text };
-  if (image) user.images = [image];
+  const images = pending.filter((url) => url.startsWith("data:image/"));
+  const clips = pending.filter((url) => url.startsWith("data:audio/"));
+  if (images.length) user.images = images;
+  if (clips.length) user.clips = clips;
   c.messages.push(user);
-  if (c.title === UNTITLED) c.title = text.trim().split("\n")[0].slice(0, 48) || "Image";
+  if (c.title === UNTITLED) {
+    c.title = text.trim().split("\n")[0].slice(0, 48) || (images.length ? "Image" : "Audio clip");
+  }
   store.touch(c);
   ui.message.value = "";
-  setImage(null);
+  setPending([]);
   ui.messages.append(messageItem("user", user));
   fillSidebar();
 
@@ -354,7 +413,7 @@ async function send() {
   const body = { model: m.id, messages: apiMessages(c), stream: true };
   if (c.temperature !== null) body.temperature = c.temperature;
   if (c.maxTokens !== null) body.max_tokens = c.maxTokens;
-  if (reasons(m)) body.reasoning_effort = c.think === false ? "none" : "medium";
+  if (can(m, "reasoning")) body.reasoning_effort = c.think === false ? "none" : "medium";
 
   const controller = new AbortController();
   streaming = controller;
@@ -449,25 +508,139 @@ function stop() {
   if (streaming) streaming.abort();
 }
 
-function setImage(url) {
-  image = url;
-  ui.attached.hidden = !url;
-  if (url) ui.attachedImage.src = url;
-  else ui.attachedImage.removeAttribute("src");
-  ui.imageFile.value = "";
+// --- attachments and the microphone -------------------------------------------------
+
+// Show what the next message sends: each picture or clip with a button that removes it.
+function setPending(urls) {
+  pending = urls;
+  ui.attached.replaceChildren(...pending.map((url) => {
+    const li = document.createElement("li");
+    const clip = url.startsWith("data:audio/");
+    if (clip) {
+      li.append(player(url));
+    } else {
+      const img = document.createElement("img");
+      img.src = url;
+      img.alt = "Attached image";
+      li.append(img);
+    }
+    li.append(iconButton("×", clip ? "Remove audio" : "Remove image",
+                         () => setPending(pending.filter((u) => u !== url))));
+    return li;
+  }));
+  ui.attached.hidden = !pending.length;
 }
 
-function readImage() {
-  const file = ui.imageFile.files && ui.imageFile.files[0];
+function attach(url) {
+  setPending([...pending, url]);
+}
+
+function dataUrlOf(blob) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(String(reader.result));
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(blob);
+  });
+}
+
+// A chosen file: a picture for a model that sees, a clip (told apart by its bytes, as
+// the server does) for one that hears; anything else is refused with a note.
+async function readFile() {
+  const file = ui.attachFile.files && ui.attachFile.files[0];
+  ui.attachFile.value = "";
   if (!file) return;
-  if (!file.type.startsWith("image/")) {
-    showError(`${file.name} is not an image`);
+  const m = selected();
+  const name = m ? m.id : "this model";
+  try {
+    const bytes = new Uint8Array(await file.arrayBuffer());
+    const format = audio.sniff(bytes.subarray(0, 12));
+    if (format) {
+      if (!can(m, "audio")) {
+        showError(`${file.name} is audio, and ${name} takes no audio: pick a model ` +
+                  "whose capabilities include audio");
+      } else {
+        attach(await dataUrlOf(audio.blob(bytes, format)));
+      }
+    } else if (file.type.startsWith("image/")) {
+      if (!can(m, "vision")) showError(`${file.name} is an image, and ${name} takes no images`);
+      else attach(await dataUrlOf(file));
+    } else if (file.type.startsWith("audio/") || /\.(wav|mp3|flac)$/i.test(file.name)) {
+      showError(`${file.name} is not a WAV, MP3 or FLAC file (by its bytes)`);
+    } else {
+      showError(`${file.name} is neither an image nor a WAV, MP3 or FLAC clip`);
+    }
+  } catch (e) {
+    showError(`Could not read ${file.name} (${e.message})`);
+  }
+}
+
+// The microphone button: the first press asks the browser for the microphone and
+// records, the second stops and attaches the clip as a WAV.
+async function toggleRecording() {
+  if (recorder) {
+    await finishRecording();
     return;
   }
-  const reader = new FileReader();
-  reader.onload = () => setImage(String(reader.result));
-  reader.onerror = () => showError(`Could not read ${file.name}`);
-  reader.readAsDataURL(file);
+  clearError();
+  const r = new audio.Recorder();
+  ui.mic.disabled = true;  // until the browser's prompt is answered
+  try {
+    await r.start();
+  } catch (e) {
+    ui.mic.disabled = false;
+    showError(microphoneError(e));
+    return;
+  }
+  ui.mic.disabled = false;
+  recorder = r;
+  setRecording(true);
+}
+
+async function finishRecording() {
+  const r = recorder;
+  recorder = null;
+  setRecording(false);
+  ui.mic.disabled = true;
+  try {
+    const bytes = await r.stop();
+    if (bytes) attach(await dataUrlOf(audio.blob(bytes, "wav")));
+    else showError("Nothing was recorded: the microphone gave no sound");
+  } catch (e) {
+    showError(`The recording failed (${e.message})`);
+  } finally {
+    ui.mic.disabled = false;
+  }
+}
+
+function cancelRecording() {
+  recorder.release();
+  recorder = null;
+  setRecording(false);
+}
+
+function setRecording(on) {
+  ui.mic.setAttribute("aria-pressed", String(on));
+  const label = on ? "Stop recording" : "Record audio";
+  ui.mic.setAttribute("aria-label", label);
+  ui.mic.title = label;
+  ui.recording.hidden = !on;
+  clearInterval(recordTimer);
+  recordTimer = 0;
+  if (!on) return;
+  const tick = () => {
+    const s = Math.floor(recorder ? recorder.seconds : 0);
+    ui.recording.textContent = `Recording ${Math.floor(s / 60)}:${String(s % 60).padStart(2, "0")}`;
+  };
+  tick();
+  recordTimer = setInterval(tick, 250);
+}
+
+function microphoneError(e) {
+  if (!(e instanceof DOMException)) return e.message;  // the page's own (an insecure page)
+  if (e.name === "NotAllowedError") return "The browser was not allowed to use the microphone";
+  if (e.name === "NotFoundError") return "The browser found no microphone";
+  return `The microphone could not start (${e.message})`;
 }
 
 // --- pulls --------------------------------------------------------------------------
@@ -571,9 +744,9 @@ ui.keyUse.addEventListener("click", useKey);
 ui.key.addEventListener("keydown", (e) => {
   if (e.key === "Enter") useKey();
 });
-ui.attach.addEventListener("click", () => ui.imageFile.click());
-ui.imageFile.addEventListener("change", readImage);
-ui.attachedRemove.addEventListener("click", () => setImage(null));
+ui.attach.addEventListener("click", () => ui.attachFile.click());
+ui.attachFile.addEventListener("change", readFile);
+ui.mic.addEventListener("click", toggleRecording);
 ui.pull.addEventListener("click", pull);
 ui.pullId.addEventListener("keydown", (e) => {
   if (e.key === "Enter") pull();

@@ -1,5 +1,7 @@
 // Conversations, kept in this browser's localStorage (never on the server): each with
-// its title, model, system prompt, temperature, max tokens and messages.
+// its title, model, system prompt, temperature, max tokens and messages. A message's
+// pictures (`images`) and clips (`clips`) are kept in it as data: URLs, so a reload
+// shows and sends them as before; a message without them simply has neither field.
 
 const LIST = "localrt.conversations";
 const CURRENT = "localrt.current";

@@ -27,9 +27,10 @@ def require_chromium() -> None:
     pytest.skip("chromium and chromedriver are not installed", allow_module_level=True)
 
 
-def start_chromium(profile, logs: bool = False, size=(1280, 860)):
-    """A headless Chromium with its profile in `profile`; with `logs`, its console
-    ("browser") and network ("performance") logs are kept for `driver.get_log`."""
+def start_chromium(profile, logs: bool = False, size=(1280, 860), flags=()):
+    """A headless Chromium with its profile in `profile` and the extra command-line
+    `flags`; with `logs`, its console ("browser") and network ("performance") logs are
+    kept for `driver.get_log`."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -39,7 +40,8 @@ def start_chromium(profile, logs: bool = False, size=(1280, 860)):
                  "--disable-background-networking", "--disable-component-update",
                  "--disable-default-apps", "--disable-sync", "--no-first-run",
                  "--disable-extensions", "--metrics-recording-only", "--no-default-browser-check",
-                 f"--window-size={size[0]},{size[1]}", f"--user-data-dir={profile}"):
+                 f"--window-size={size[0]},{size[1]}", f"--user-data-dir={profile}",
+                 *flags):
         options.add_argument(flag)
     if logs:
         options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
