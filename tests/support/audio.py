@@ -79,9 +79,16 @@ def write_audio_pair(folder: Path, *, seed: int = 0, n_embd: int = 64,
 def write_audio_projector(path: Path, *, n_embd: int = 64, seed: int = 0,
                           a_embd: int = 32, a_head: int = 4, a_ff: int = 64,
                           a_layer: int = 1, n_mel: int = 16,
-                          n_pos: int = 1500, fc_scale: float = 2.0) -> Path:
-    """Write a tiny random-weight "qwen2a" audio projector (F32) whose output is `n_embd`
-    wide; return its path."""
+                          n_pos: int = 1500, fc_scale: float = 2.0,
+                          kind: str = "qwen2a", stack_factor: int | None = None) -> Path:
+    """Write a tiny random-weight Whisper-encoder audio projector (F32) whose output is
+    `n_embd` wide; return its path. `kind` is its clip.projector_type: "qwen2a" (an
+    average pool and mm.a.fc), "ultravox" (frames stacked by `stack_factor`, 8 as the
+    real models have it, then norm_pre, mm.a.mlp.1, SwiGLU, norm_mid, mm.a.mlp.2) or
+    "voxtral" (an average pool, frames stacked by `stack_factor`, 4 as the real model
+    has it, then a GELU MLP mm.a.mlp.1 and .2)."""
+    if stack_factor is None:
+        stack_factor = {"ultravox": 8, "voxtral": 4}.get(kind, 0)
     path = Path(path)
     rng = np.random.default_rng(20_000 + seed)
 
@@ -96,7 +103,9 @@ def write_audio_projector(path: Path, *, n_embd: int = 64, seed: int = 0,
     writer.add_file_type(int(gguf.LlamaFileType.ALL_F32))
     writer.add_bool("clip.has_vision_encoder", False)
     writer.add_bool("clip.has_audio_encoder", True)
-    writer.add_string("clip.projector_type", "qwen2a")
+    writer.add_string("clip.projector_type", kind)
+    if stack_factor:
+        writer.add_uint32("clip.audio.projector.stack_factor", stack_factor)
     writer.add_uint32("clip.audio.num_mel_bins", n_mel)
     writer.add_uint32("clip.audio.embedding_length", a_embd)
     writer.add_uint32("clip.audio.feed_forward_length", a_ff)
@@ -133,8 +142,18 @@ def write_audio_projector(path: Path, *, n_embd: int = 64, seed: int = 0,
         add("ffn_down.bias", zeros(a_embd))
     writer.add_tensor("a.post_ln.weight", ones(a_embd))
     writer.add_tensor("a.post_ln.bias", zeros(a_embd))
-    writer.add_tensor("mm.a.fc.weight", weight(n_embd, a_embd, scale=fc_scale))
-    writer.add_tensor("mm.a.fc.bias", zeros(n_embd))
+    stacked = a_embd * max(stack_factor, 1)
+    if kind == "ultravox":  # SwiGLU halves mm.a.mlp.1's output
+        writer.add_tensor("mm.a.norm_pre.weight", ones(stacked))
+        writer.add_tensor("mm.a.mlp.1.weight", weight(2 * a_ff, stacked))
+        writer.add_tensor("mm.a.norm_mid.weight", ones(a_ff))
+        writer.add_tensor("mm.a.mlp.2.weight", weight(n_embd, a_ff, scale=fc_scale))
+    elif kind == "voxtral":
+        writer.add_tensor("mm.a.mlp.1.weight", weight(a_ff, stacked))
+        writer.add_tensor("mm.a.mlp.2.weight", weight(n_embd, a_ff, scale=fc_scale))
+    else:
+        writer.add_tensor("mm.a.fc.weight", weight(n_embd, a_embd, scale=fc_scale))
+        writer.add_tensor("mm.a.fc.bias", zeros(n_embd))
     write_out(writer, path)
     return path
 
