@@ -12,13 +12,22 @@ dropped), so a clip of s seconds is ``floor((16000 s + 480000) / 160 + 1) // 300
 chunks of 3000 / 2 / 2 = 750 tokens each. Qwen2-Audio has no stack factor, so the
 "expected output N tokens" abort of an Ultravox projector (issue 36, item 6) cannot
 happen with it.
+
+``write_audio_projector(kind="ultravox")`` (and "voxtral") writes the stacking types:
+32 wide and stacked by 8 (4 for Voxtral), as `write_ultravox_pair` does, each chunk is
+counted 187 tokens by llama.cpp and made 188 by its graph, which aborts the process;
+40 wide, 187 and 187, as the real models' 1280. `mtmd_audio_chunks` and
+`encode_in_child` ask llama-cpp-python's own mtmd bindings what they make of a clip.
 """
 
 from __future__ import annotations
 
 import io
 import math
+import os
 import struct
+import subprocess
+import sys
 import wave
 from pathlib import Path
 
@@ -28,7 +37,8 @@ import gguf
 from emulators.ggufgen import write_gguf, write_out
 
 __all__ = ["AUDIO_TOKENS_PER_CHUNK", "write_audio_pair", "write_audio_projector",
-           "write_audio_header", "samples", "wav", "flac", "mp3_silence", "audio_chunks"]
+           "write_audio_header", "write_ultravox_pair", "samples", "wav", "flac",
+           "mp3_silence", "audio_chunks", "mtmd_audio_chunks", "encode_in_child"]
 
 SAMPLE_RATE = 16000           # mtmd's Whisper preprocessor resamples every clip to this
 AUDIO_TOKENS_PER_CHUNK = 750  # 3000 mel frames / 2 (conv stride) / 2 (average pool)
@@ -158,6 +168,20 @@ def write_audio_projector(path: Path, *, n_embd: int = 64, seed: int = 0,
     return path
 
 
+def write_ultravox_pair(folder: Path, *, a_embd: int = 32, stack_factor: int = 8,
+                        name: str = "tiny-ultravox", seed: int = 0,
+                        context_length: int = 2048) -> tuple[Path, Path]:
+    """Write a tiny text model and an Ultravox projector (frames stacked by
+    `stack_factor`, the encoder `a_embd` wide) into `folder`: (model, mmproj)."""
+    folder = Path(folder)
+    model = write_gguf(folder / f"{name}.gguf", name=name, seed=seed, n_embd=64,
+                       context_length=context_length, weight_scale=0.2)
+    mmproj = write_audio_projector(folder / f"mmproj-{name}.gguf", n_embd=64, seed=seed,
+                                   kind="ultravox", stack_factor=stack_factor,
+                                   a_embd=a_embd)
+    return model, mmproj
+
+
 def write_audio_header(path, n_embd: int = 64, kind: str = "qwen2a",
                        vision: bool = False) -> Path:
     """A projector GGUF header that declares an audio encoder (and a vision one with
@@ -179,6 +203,67 @@ def write_audio_header(path, n_embd: int = 64, kind: str = "qwen2a",
         writer.add_tensor("mm.2.weight", np.zeros((n_embd, 8), dtype=np.float32))
     write_out(writer, path)
     return path
+
+
+# ---------------------------------------------------------------------------
+# The reference: llama-cpp-python's own mtmd bindings
+# ---------------------------------------------------------------------------
+
+def mtmd_audio_chunks(model, mmproj, clips: list[bytes]) -> list[tuple[int, list[int]]]:
+    """For each clip: (the samples mtmd's helper decodes from it, the tokens mtmd counts
+    for each of its audio chunks); nothing is encoded."""
+    from support.vision import MARKER, _Mtmd
+
+    out = []
+    with _Mtmd(model, mmproj, n_ctx=256) as m:
+        mtmd = m.mtmd
+        for clip in clips:
+            bitmap = m.bitmap(clip)
+            try:
+                samples = mtmd.mtmd_bitmap_get_nx(bitmap)
+            finally:
+                mtmd.mtmd_bitmap_free(bitmap)
+            chunks = m.tokenize(MARKER, [clip], add_special=False)
+            try:
+                counts = []
+                for i in range(mtmd.mtmd_input_chunks_size(chunks)):
+                    chunk = mtmd.mtmd_input_chunks_get(chunks, i)
+                    if mtmd.mtmd_input_chunk_get_type(chunk) == \
+                            mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO:
+                        counts.append(int(mtmd.mtmd_input_chunk_get_n_tokens(chunk)))
+                out.append((samples, counts))
+            finally:
+                mtmd.mtmd_input_chunks_free(chunks)
+    return out
+
+
+def encode_clip(model, mmproj, seconds: float) -> None:
+    """Encode each audio chunk of a clip of `seconds` with mtmd (llama-cpp-python's
+    bindings), printing "encoded N" per chunk: run by `encode_in_child`."""
+    from support.vision import MARKER, _Mtmd
+
+    with _Mtmd(model, mmproj, n_ctx=256) as m:
+        mtmd = m.mtmd
+        chunks = m.tokenize(MARKER, [wav(seconds, 1)], add_special=False)
+        try:
+            for i in range(mtmd.mtmd_input_chunks_size(chunks)):
+                chunk = mtmd.mtmd_input_chunks_get(chunks, i)
+                if mtmd.mtmd_input_chunk_get_type(chunk) == mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO:
+                    if mtmd.mtmd_encode_chunk(m.mctx, chunk) != 0:
+                        raise RuntimeError("mtmd_encode_chunk failed")
+                    print("encoded", mtmd.mtmd_input_chunk_get_n_tokens(chunk), flush=True)
+        finally:
+            mtmd.mtmd_input_chunks_free(chunks)
+
+
+def encode_in_child(model, mmproj, seconds: float = 1.0) -> subprocess.CompletedProcess:
+    """`encode_clip` in a child process (an abort of llama.cpp's ends the child only):
+    its return code, stdout ("encoded N" lines) and stderr (llama.cpp's log)."""
+    tests = str(Path(__file__).resolve().parent.parent)
+    code = (f"import sys; sys.path[:0] = [{tests!r}]; from support.audio import "
+            f"encode_clip; encode_clip({str(model)!r}, {str(mmproj)!r}, {seconds!r})")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "GGML_NO_BACKTRACE": "1"})
 
 
 # ---------------------------------------------------------------------------

@@ -252,3 +252,21 @@ def _stacked_rows(rows: int, width: int, factor: int) -> int:
 def test_samples() -> list[int]:
     """The samples of each test clip a projector must take (TEST_SECONDS at RATE)."""
     return [int(seconds * RATE) for seconds in TEST_SECONDS]
+
+
+def test_clip(seconds: float) -> bytes:
+    """A 16-bit mono WAV at RATE of a 440 Hz tone: the clip a child encodes."""
+    import io
+    import math
+    import struct
+    import wave
+
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(RATE)
+        w.writeframes(b"".join(struct.pack("<h", int(8000 * math.sin(2 * math.pi * 440
+                                                                     * i / RATE)))
+                               for i in range(int(seconds * RATE))))
+    return out.getvalue()
