@@ -8,7 +8,11 @@ is asked; here the plan is compared with llama-cpp-python's own mtmd bindings (t
 samples its decoder gives, the tokens it counts for each chunk, for qwen2a, ultravox
 and voxtral at several lengths, rates and formats), and its verdict with what mtmd
 really does when it encodes, in a child process: the projectors it refuses abort
-there, the others encode the counted tokens. Such a projector is refused at import
+there, the others encode the counted tokens. Qwen3-ASR's, LFM2-Audio's and Gemma 4's
+preprocessors are compared through projectors that only count (mtmd loads them, they
+cannot encode); a clip of one sample (any type) and an LFM2-Audio clip under two hops
+abort mtmd before any encoder, and the plan refuses them. Such a projector is refused
+at import
 (the child's test clips), and a model a child vetted before the check existed answers
 its clip with a 400 while the server goes on. The tokens a chat's usage reports for a
 clip are mtmd's, and a clip the context cannot hold is refused before it is decoded.
@@ -23,7 +27,8 @@ import signal
 import openai
 import pytest
 from support.audio import (encode_in_child, flac, mp3_silence, mtmd_audio_chunks, wav,
-                           write_audio_pair, write_audio_projector, write_ultravox_pair)
+                           write_audio_pair, write_audio_projector, write_counting_projector,
+                           write_ultravox_pair)
 from support.servers import run_foreground_server, send
 from support.vision import MARKER, prompt_tokens, raw_mtmd_reply
 
@@ -98,7 +103,8 @@ def test_the_plan_refuses_exactly_what_llama_cpp_aborts_on(folder, aborting):
         child = encode_in_child(aborting[0], mmproj, 1.0)
         if verdict.problem is None:
             assert child.returncode == 0, (name, child.stderr[-2000:])
-            assert child.stdout.split() == ["encoded", str(verdict.counted[0])], name
+            assert child.stdout.split() == ["tokenized", "encoded", str(verdict.counted[0])], \
+                name
         else:
             assert child.returncode == -signal.SIGABRT, (name, child.returncode)
             if name != "qwen2a-1000":
@@ -106,6 +112,34 @@ def test_the_plan_refuses_exactly_what_llama_cpp_aborts_on(folder, aborting):
     refused = {name for name, mmproj in projectors(folder).items()
                if audiotokens.plan(audiotokens.read(mmproj), 16000).problem}
     assert refused == {"ultravox-32", "voxtral-32", "qwen2a-1000"}
+
+
+def test_the_plan_counts_the_other_preprocessors_chunks_as_mtmd_does(folder, aborting):
+    # Qwen3-ASR's 8-second windows, LFM2-Audio's one chunk, Gemma 4's 30-second pieces:
+    # projectors that only count (mtmd loads them; they cannot encode)
+    clips = [wav(0.02, 1), wav(1.0, 2, rate=44100), wav(7.99, 3), wav(8.0, 4),
+             wav(30.0, 5), wav(30.01, 6), wav(45.0, 7), wav(61.0, 8, rate=22050)]
+    for kind in ("qwen3a", "lfm2a", "gemma4a"):
+        mmproj = write_counting_projector(folder / f"mmproj-count-{kind}.gguf", kind)
+        mtmd = mtmd_audio_chunks(aborting[0], mmproj, clips, warmup=False)
+        ours = [planned(mmproj, clip, "wav") for clip in clips]
+        assert [(n, list(p.counted)) for n, p in ours] == mtmd, kind
+        assert all(p.problem is None for _, p in ours), kind
+
+
+def test_the_clips_mtmd_aborts_on_before_any_encoder_are_refused(folder, aborting):
+    # One sample, for every type (mtmd.cpp: buf.size() > sizeof(float)), and an
+    # LFM2-Audio clip under two hops (its per-feature normalization asserts)
+    lfm2a = write_counting_projector(folder / "mmproj-count-lfm2a.gguf", "lfm2a")
+    qwen2a = projectors(folder)["qwen2a"]
+    for mmproj, samples in ((qwen2a, 1), (lfm2a, 1), (lfm2a, 300)):
+        verdict = audiotokens.plan(audiotokens.read(mmproj), samples)
+        assert verdict.problem is not None
+        child = encode_in_child(aborting[0], mmproj, samples / 16000, encode=False)
+        assert child.returncode == -signal.SIGABRT and "tokenized" not in child.stdout
+        assert "GGML_ASSERT" in child.stderr
+    assert audiotokens.plan(audiotokens.read(lfm2a), 320).problem is None
+    assert encode_in_child(aborting[0], lfm2a, 320 / 16000, encode=False).returncode == 0
 
 
 def test_a_projector_llama_cpp_aborts_on_is_refused_at_import(api, aborting, ultravox):
@@ -161,6 +195,15 @@ def test_a_clip_that_aborted_llama_cpp_is_a_400_and_the_server_goes_on(home, set
         assert reply["error"]["param"] == "messages[0].content[1]"
         assert "llama.cpp aborts on that" in reply["error"]["message"]
         assert send(url, "GET", "/healthz")[0] == 200
+        # A clip of one sample aborted mtmd with any audio projector.
+        one = base64.b64encode(wav(1 / 16000, 3)).decode()
+        status, reply = send(url, "POST", "/v1/chat/completions", {
+            "model": "deaf", "max_tokens": 4, "messages": [{"role": "user", "content": [
+                {"type": "input_audio", "input_audio": {"data": one, "format": "wav"}},
+                {"type": "text", "text": ASK}]}]}, timeout=60)
+        assert status == 400 and reply["error"]["code"] == "invalid_audio", reply
+        assert reply["error"]["param"] == "messages[0].content[0]"
+        assert "holds 1 sample" in reply["error"]["message"]
         status, reply = send(url, "POST", "/v1/chat/completions", {
             "model": "deaf", "max_tokens": 4,
             "messages": [{"role": "user", "content": "hi"}]}, timeout=60)

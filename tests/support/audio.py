@@ -38,7 +38,8 @@ from emulators.ggufgen import write_gguf, write_out
 
 __all__ = ["AUDIO_TOKENS_PER_CHUNK", "write_audio_pair", "write_audio_projector",
            "write_audio_header", "write_ultravox_pair", "samples", "wav", "flac",
-           "mp3_silence", "audio_chunks", "mtmd_audio_chunks", "encode_in_child"]
+           "mp3_silence", "audio_chunks", "mtmd_audio_chunks", "encode_in_child",
+           "write_counting_projector"]
 
 SAMPLE_RATE = 16000           # mtmd's Whisper preprocessor resamples every clip to this
 AUDIO_TOKENS_PER_CHUNK = 750  # 3000 mel frames / 2 (conv stride) / 2 (average pool)
@@ -182,6 +183,48 @@ def write_ultravox_pair(folder: Path, *, a_embd: int = 32, stack_factor: int = 8
     return model, mmproj
 
 
+# The tensors mtmd's loader asks of each type that has its own preprocessor, with no
+# encoder blocks: what a projector needs to be loaded and to count clips.
+_COUNTING = {
+    "qwen3a": {"a.conv2d.1.weight": (8, 1, 3, 3), "a.conv2d.1.bias": (8,),
+               "a.conv2d.2.weight": (8, 8, 3, 3), "a.conv2d.2.bias": (8,),
+               "a.conv2d.3.weight": (8, 8, 3, 3), "a.conv2d.3.bias": (8,),
+               "a.conv_out.weight": (8, 16), "a.position_embd.weight": (1500, 8),
+               "mm.a.mlp.1.weight": (8, 8), "mm.a.mlp.1.bias": (8,),
+               "mm.a.mlp.2.weight": ("n_embd", 8), "mm.a.mlp.2.bias": ("n_embd",)},
+    "lfm2a": {**{f"a.conv1d.{i}.weight": (8, 8) for i in (0, 2, 3, 5, 6)},
+              **{f"a.conv1d.{i}.bias": (8,) for i in (0, 2, 3, 5, 6)},
+              "a.pre_encode.out.weight": (8, 8), "a.pre_encode.out.bias": (8,),
+              "a.position_embd.weight": (16, "n_embd"),
+              **{f"mm.a.mlp.{i}.weight": (8, 8) for i in (0, 1, 3)},
+              **{f"mm.a.mlp.{i}.bias": (8,) for i in (0, 1, 3)}},
+    "gemma4a": {"a.conv1d.0.weight": (8, 1, 3, 3), "a.conv1d.1.weight": (8, 8, 3, 3),
+                "a.input_projection.weight": (8, 8),
+                "mm.a.input_projection.weight": ("n_embd", 8)},
+}
+
+
+def write_counting_projector(path: Path, kind: str, n_embd: int = 64) -> Path:
+    """A projector of `kind` ("qwen3a", "lfm2a", "gemma4a") with no encoder blocks and
+    zero tensors: mtmd loads it (warmup off) and counts a clip's chunks with the type's
+    own preprocessor, which is all it is for; it cannot encode."""
+    path = Path(path)
+    writer = gguf.GGUFWriter(path, "clip")
+    writer.add_string("clip.projector_type", kind)
+    writer.add_bool("clip.has_vision_encoder", False)
+    writer.add_bool("clip.has_audio_encoder", True)
+    for key, value in (("num_mel_bins", 128), ("embedding_length", 8),
+                       ("feed_forward_length", 8), ("projection_dim", n_embd),
+                       ("attention.head_count", 1), ("block_count", 0)):
+        writer.add_uint32(f"clip.audio.{key}", value)
+    writer.add_float32("clip.audio.attention.layer_norm_epsilon", 1e-5)
+    for name, shape in _COUNTING[kind].items():
+        shape = tuple(n_embd if n == "n_embd" else n for n in shape)
+        writer.add_tensor(name, np.zeros(shape, dtype=np.float32))
+    write_out(writer, path)
+    return path
+
+
 def write_audio_header(path, n_embd: int = 64, kind: str = "qwen2a",
                        vision: bool = False) -> Path:
     """A projector GGUF header that declares an audio encoder (and a vision one with
@@ -209,13 +252,15 @@ def write_audio_header(path, n_embd: int = 64, kind: str = "qwen2a",
 # The reference: llama-cpp-python's own mtmd bindings
 # ---------------------------------------------------------------------------
 
-def mtmd_audio_chunks(model, mmproj, clips: list[bytes]) -> list[tuple[int, list[int]]]:
+def mtmd_audio_chunks(model, mmproj, clips: list[bytes],
+                      warmup: bool = True) -> list[tuple[int, list[int]]]:
     """For each clip: (the samples mtmd's helper decodes from it, the tokens mtmd counts
-    for each of its audio chunks); nothing is encoded."""
+    for each of its audio chunks); nothing is encoded (`warmup` False for a
+    `write_counting_projector` one)."""
     from support.vision import MARKER, _Mtmd
 
     out = []
-    with _Mtmd(model, mmproj, n_ctx=256) as m:
+    with _Mtmd(model, mmproj, n_ctx=256, warmup=warmup) as m:
         mtmd = m.mtmd
         for clip in clips:
             bitmap = m.bitmap(clip)
@@ -237,16 +282,18 @@ def mtmd_audio_chunks(model, mmproj, clips: list[bytes]) -> list[tuple[int, list
     return out
 
 
-def encode_clip(model, mmproj, seconds: float) -> None:
-    """Encode each audio chunk of a clip of `seconds` with mtmd (llama-cpp-python's
-    bindings), printing "encoded N" per chunk: run by `encode_in_child`."""
+def encode_clip(model, mmproj, seconds: float, encode: bool = True) -> None:
+    """Tokenize a clip of `seconds` (wav(seconds, 1)) with mtmd (llama-cpp-python's
+    bindings), printing "tokenized", then with `encode` encode each audio chunk,
+    printing "encoded N" for each: run by `encode_in_child`."""
     from support.vision import MARKER, _Mtmd
 
-    with _Mtmd(model, mmproj, n_ctx=256) as m:
+    with _Mtmd(model, mmproj, n_ctx=256, warmup=encode) as m:
         mtmd = m.mtmd
         chunks = m.tokenize(MARKER, [wav(seconds, 1)], add_special=False)
+        print("tokenized", flush=True)
         try:
-            for i in range(mtmd.mtmd_input_chunks_size(chunks)):
+            for i in range(mtmd.mtmd_input_chunks_size(chunks) if encode else 0):
                 chunk = mtmd.mtmd_input_chunks_get(chunks, i)
                 if mtmd.mtmd_input_chunk_get_type(chunk) == mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO:
                     if mtmd.mtmd_encode_chunk(m.mctx, chunk) != 0:
@@ -256,12 +303,15 @@ def encode_clip(model, mmproj, seconds: float) -> None:
             mtmd.mtmd_input_chunks_free(chunks)
 
 
-def encode_in_child(model, mmproj, seconds: float = 1.0) -> subprocess.CompletedProcess:
+def encode_in_child(model, mmproj, seconds: float = 1.0,
+                    encode: bool = True) -> subprocess.CompletedProcess:
     """`encode_clip` in a child process (an abort of llama.cpp's ends the child only):
-    its return code, stdout ("encoded N" lines) and stderr (llama.cpp's log)."""
+    its return code, stdout ("tokenized", "encoded N" lines) and stderr (llama.cpp's
+    log)."""
     tests = str(Path(__file__).resolve().parent.parent)
     code = (f"import sys; sys.path[:0] = [{tests!r}]; from support.audio import "
-            f"encode_clip; encode_clip({str(model)!r}, {str(mmproj)!r}, {seconds!r})")
+            f"encode_clip; encode_clip({str(model)!r}, {str(mmproj)!r}, {seconds!r}, "
+            f"{encode!r})")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "GGML_NO_BACKTRACE": "1"})
 

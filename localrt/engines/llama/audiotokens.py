@@ -20,10 +20,10 @@ from its sample count alone:
             this module follows the graph (build_stack's padding included, which
             depends on the encoder's width); None where it only knows the count
 
-A clip whose chunks mtmd would count one way and encode another, or that a
-preprocessor or graph asserts on (a Whisper projector with fewer than 1500 positions,
-LFM2-Audio's clip under two hops, a Gemma 4 piece of one sample), is refused with a
-400 invalid_audio naming the part. The engine checks the plan twice: from the header
+A clip whose chunks mtmd would count one way and encode another, or that mtmd, a
+preprocessor or a graph asserts on (a clip of one sample, for every type; a Whisper
+projector with fewer than 1500 positions; LFM2-Audio's clip under two hops; a Gemma 4
+piece of one sample), is refused with a 400 invalid_audio naming the part. The engine checks the plan twice: from the header
 (localrt.engines.audio.frames) before anything is decoded, and from the decoded
 bitmap's sample count before mtmd tokenizes; and it encodes no chunk whose count is
 not the plan's. A projector that fails on `TEST_SECONDS` is refused at its first load
@@ -39,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 RATE = 16000  # every audio projector type here reads 16 kHz
+MIN_SAMPLES = 2  # mtmd_tokenize asserts that a clip's samples are more than one float
 HOP = 160  # samples between mel frames (10 ms), for every type here
 WHISPER_CHUNK = 3000  # mel frames in each Whisper chunk (30 s)
 WHISPER_POSITIONS = WHISPER_CHUNK // 2  # the encoder's positions one chunk needs
@@ -132,8 +133,14 @@ def _cdiv(a: int, b: int) -> int:
 
 def plan(encoder: Encoder, samples: int) -> Plan | None:
     """The Plan of a clip of `samples` samples at RATE; None for a type not planned
-    here. An empty clip has no plan (mtmd refuses it itself, cleanly)."""
-    if not encoder.known or samples <= 0:
+    here. An empty clip has no plan (mtmd refuses it itself, cleanly); one of a single
+    sample is refused for every type (mtmd asserts on it before any preprocessor)."""
+    if samples <= 0:
+        return None
+    if samples < MIN_SAMPLES:
+        return Plan((), (), f"it holds {samples} sample at {RATE} Hz, and llama.cpp's mtmd "
+                            f"aborts on fewer than {MIN_SAMPLES}")
+    if not encoder.known:
         return None
     problem = _encoder_problem(encoder)
     frames = _chunks(encoder, samples)
