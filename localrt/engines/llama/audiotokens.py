@@ -4,9 +4,9 @@
 mtmd turns a clip into chunks and counts each chunk's tokens with clip.cpp's
 clip_n_output_tokens; the encoder's graph then makes its own number of embeddings, and
 where the two differ clip_encode aborts the process (GGML_ASSERT "expected output 187
-tokens, got 188": an Ultravox projector whose frames are stacked by 8, 32 wide, on
-any 30-second chunk; the real models' 1280 give 187, as counted). So for a projector type this module knows, a clip's plan is computed
-from its sample count alone:
+tokens, got 188": an Ultravox projector 32 wide whose frames are stacked by 8, on any
+30-second chunk; the real models, 1280 wide, make 187, as counted). So for a projector
+type this module knows, a clip's plan is computed from its sample count alone:
 
   samples   what mtmd's decoder (miniaudio) gives: the clip's frames, resampled to the
             projector's rate as ma_calculate_frame_count_after_resampling counts them
@@ -23,11 +23,12 @@ from its sample count alone:
 A clip whose chunks mtmd would count one way and encode another, or that mtmd, a
 preprocessor or a graph asserts on (a clip of one sample, for every type; a Whisper
 projector with fewer than 1500 positions; LFM2-Audio's clip under two hops; a Gemma 4
-piece of one sample), is refused with a 400 invalid_audio naming the part. The engine checks the plan twice: from the header
-(localrt.engines.audio.frames) before anything is decoded, and from the decoded
-bitmap's sample count before mtmd tokenizes; and it encodes no chunk whose count is
-not the plan's. A projector that fails on `TEST_SECONDS` is refused at its first load
-in a child (localrt.engines.vetting, through LlamaModel.exercise).
+piece of one sample), is refused with a 400 invalid_audio naming the part. The engine
+checks the plan twice: from the header (localrt.engines.audio.frames) before anything
+is decoded, and from the decoded bitmap's sample count before mtmd tokenizes; and it
+encodes no chunk whose count is not the plan's. A projector that fails on
+`TEST_SECONDS` is refused at its first load in a child (localrt.engines.vetting,
+through LlamaModel.exercise_audio).
 
 A type not in `WHISPER`, or the other tables here, has no plan: mtmd counts its clips,
 and only the child's real encode of a test clip stands between it and the server. If

@@ -33,6 +33,7 @@ llama_cpp.mtmd_cpp is imported only when a projector loads.
 from __future__ import annotations
 
 import ctypes
+import os
 import secrets
 from dataclasses import dataclass, field
 
@@ -194,7 +195,7 @@ class Projector:
         for seconds, samples in zip(audiotokens.TEST_SECONDS, audiotokens.test_samples()):
             planned = audiotokens.plan(self.encoder, samples)
             if planned is not None and planned.problem is not None:
-                raise ValueError(f"its projector {self.path.rsplit('/', 1)[-1]} cannot take "
+                raise ValueError(f"its projector {os.path.basename(self.path)} cannot take "
                                  f"a {seconds:g}-second clip: {planned.problem}")
 
     def tokenize(self, text: str, images: list, add_special: bool) -> Prompt:

@@ -569,7 +569,10 @@ class LlamaModel(GeneratingModel):
         try:
             generation = self.generate(messages, {"max_tokens": 1, "temperature": 0.0,
                                                   "seed": 0})
-        except HTTPError:
+        except HTTPError as exc:
+            if exc.code == "invalid_audio":  # mtmd counted it otherwise than planned
+                raise ValueError(f"its projector cannot take a {seconds:g}-second clip: "
+                                 f"{exc.message}") from None
             return  # the context cannot hold a clip, or the template refused: not the file's
         try:
             for _ in generation:
