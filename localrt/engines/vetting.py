@@ -21,8 +21,9 @@ through the same adapter with the same start options, then:
 Only a file a child loaded this way is ever loaded by the server (Ollama loads each
 model in a runner of its own for the same reason). The child prints one JSON line per
 stage on stdout, flushing each (`{"stage": "load" | "exercise" | "chat" | "audio" |
-"done" | "error"}`), so the parent knows how far it got when a signal ends it; its stderr is
-llama.cpp's log (warnings and errors), whose last lines are the engine's own reason.
+"done" | "error"}`), so the parent knows how far it got when a signal ends it; its
+stderr is llama.cpp's log (warnings and errors), whose last lines are the engine's own
+reason.
 
 The parent's side is `Vetting`: it runs the child, bounded in time (`timeout_for`) and
 in memory (RLIMIT_DATA: the memory this machine has free, which file-backed mappings
