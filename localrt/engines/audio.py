@@ -10,6 +10,11 @@ how long they play, from the header alone.
             decoder plays, VBR included; a ValueError says why bytes of the format
             cannot be read
 
+  frames    (sample frames, sample rate): a WAV's data bytes over its block align, a
+            FLAC's STREAMINFO, an MP3's frames' samples summed at its first frame's
+            rate; what the engine plans a clip's tokens by before the decoder runs
+            (localrt.engines.llama.audiotokens)
+
 Nothing here decodes samples: the projector's decoder does, in the engine.
 """
 
@@ -49,41 +54,67 @@ def seconds(data: bytes, kind: str, limit: float | None = None) -> float:
     raise ValueError(f"not a clip of a known format ({kind})")
 
 
+def frames(data: bytes, kind: str) -> tuple[int, int]:
+    """(sample frames, sample rate) of a clip of `kind`, from its header (an MP3's
+    frames walked); a ValueError says what in the header is wrong."""
+    if kind == "wav":
+        size, (_, rate, _, align) = _wav_data(data)
+        return size // align, rate
+    if kind == "flac":
+        rate, total, channels, bits = _flac_info(data)
+        return total or len(data) * 8 // (channels * bits), rate
+    if kind == "mp3":
+        return _mp3_walk(data, None)[1:]
+    raise ValueError(f"not a clip of a known format ({kind})")
+
+
 def _wav_seconds(data: bytes) -> float:
-    at, byte_rate = 12, None
+    size, (byte_rate, _, _, _) = _wav_data(data)
+    return size / byte_rate
+
+
+def _wav_data(data: bytes) -> tuple[int, tuple[int, int, int, int]]:
+    """(the data chunk's bytes, (byte rate, sample rate, channels, block align))."""
+    at, fmt = 12, None
     while at + 8 <= len(data):
         chunk, size = data[at:at + 4], struct.unpack_from("<I", data, at + 4)[0]
         body = at + 8
         if chunk == b"fmt ":
             if size < 16 or body + 16 > len(data):
                 raise ValueError("its fmt chunk is cut short")
-            _, channels, rate, byte_rate, _, bits = struct.unpack_from("<HHIIHH", data, body)
+            _, channels, rate, byte_rate, align, bits = struct.unpack_from("<HHIIHH", data,
+                                                                           body)
             if not channels or not rate or not byte_rate or not bits:
                 raise ValueError(f"its fmt chunk says {channels} channels at {rate} Hz, "
                                  f"{bits} bits a sample")
+            fmt = (byte_rate, rate, channels, align or channels * max(bits // 8, 1))
         elif chunk == b"data":
-            if byte_rate is None:
+            if fmt is None:
                 raise ValueError("its data chunk comes before a fmt chunk")
             # a streaming writer's size (0xFFFFFFFF or 0) means: to the end of the file
             held = len(data) - body
             size = held if size in (0, 0xFFFFFFFF) else min(size, held)
-            return size / byte_rate
+            return size, fmt
         at = body + size + (size & 1)
     raise ValueError("it has no fmt and data chunks")
 
 
 def _flac_seconds(data: bytes) -> float:
+    rate, total, channels, bits = _flac_info(data)
+    if not total:  # unknown: the bytes as uncompressed samples bound it from above
+        return len(data) * 8 / (rate * channels * bits)
+    return total / rate
+
+
+def _flac_info(data: bytes) -> tuple[int, int, int, int]:
+    """STREAMINFO's (sample rate, total samples or 0, channels, bits a sample)."""
     if len(data) < 8 + 34 or data[4] & 0x7F != 0:
         raise ValueError("it does not begin with a STREAMINFO block")
     packed = int.from_bytes(data[18:26], "big")
     rate, total = packed >> 44, packed & ((1 << 36) - 1)
     if not rate:
         raise ValueError("its STREAMINFO gives a sample rate of 0")
-    if not total:  # unknown: the bytes as 16-bit mono samples bound it from above
-        channels = ((packed >> 41) & 7) + 1
-        bits = ((packed >> 36) & 31) + 1
-        return len(data) * 8 / (rate * channels * bits)
-    return total / rate
+    return rate, total, ((packed >> 41) & 7) + 1, ((packed >> 36) & 31) + 1
 
 
 # MPEG audio frame headers: bitrates (kbit/s) by (MPEG-1?, layer), sample rates by
@@ -119,13 +150,18 @@ def _frame(data: bytes, at: int) -> tuple[int, int, int] | None:
 
 
 def _mp3_seconds(data: bytes, limit: float | None) -> float:
-    at = 0
+    return _mp3_walk(data, limit)[0]
+
+
+def _mp3_walk(data: bytes, limit: float | None) -> tuple[float, int, int]:
+    """(seconds, samples, the first frame's sample rate) of an MP3's frames."""
+    at, samples_total, first_rate = 0, 0, 0
     if data[:3] == b"ID3" and len(data) >= 10:
         size = 0
         for byte in data[6:10]:  # a syncsafe integer: 7 bits a byte
             size = (size << 7) | (byte & 0x7F)
         at = 10 + size + (10 if data[5] & 0x10 else 0)
-    total, frames = 0.0, 0
+    total, walked = 0.0, 0
     while at + 4 <= len(data):
         frame = _frame(data, at)
         if frame is None:  # junk between frames: find the next sync
@@ -136,10 +172,12 @@ def _mp3_seconds(data: bytes, limit: float | None) -> float:
             continue
         length, samples, rate = frame
         total += samples / rate
-        frames += 1
+        samples_total += samples
+        first_rate = first_rate or rate
+        walked += 1
         if limit is not None and total > limit:
             break
         at += max(length, 4)
-    if not frames:
+    if not walked:
         raise ValueError("it holds no MPEG audio frame")
-    return total
+    return total, samples_total, first_rate

@@ -13,13 +13,17 @@ through the same adapter with the same start options, then:
   * renders its chat template for a short chat (a template the model refuses, or
     one localrt.engines.chattemplate bounds, is noted, and a plain prompt is used);
   * decodes a few tokens from that prompt (an embedding model embeds a text instead,
-    and a reranker scores one against another).
+    and a reranker scores one against another);
+  * with an audio projector, checks that it takes the test clips and encodes one
+    (the model's own `exercise_audio()`: localrt.engines.llama.audiotokens), so that
+    a projector llama.cpp's mtmd would abort on is refused here (issue 36, item 6).
 
 Only a file a child loaded this way is ever loaded by the server (Ollama loads each
 model in a runner of its own for the same reason). The child prints one JSON line per
-stage on stdout, flushing each (`{"stage": "load" | "exercise" | "chat" | "done" |
-"error"}`), so the parent knows how far it got when a signal ends it; its stderr is
-llama.cpp's log (warnings and errors), whose last lines are the engine's own reason.
+stage on stdout, flushing each (`{"stage": "load" | "exercise" | "chat" | "audio" |
+"done" | "error"}`), so the parent knows how far it got when a signal ends it; its
+stderr is llama.cpp's log (warnings and errors), whose last lines are the engine's own
+reason.
 
 The parent's side is `Vetting`: it runs the child, bounded in time (`timeout_for`) and
 in memory (RLIMIT_DATA: the memory this machine has free, which file-backed mappings
@@ -137,6 +141,10 @@ def main(argv: list[str]) -> int:
             exercise()
         _emit(stage="chat")
         note = _chat(model, can, contract, HTTPError)
+        hear = getattr(model, "exercise_audio", None)
+        if hear is not None:
+            _emit(stage="audio")
+            hear()
     except Exception as exc:
         _emit(stage="error", where="use", message=str(exc) or type(exc).__name__)
         return 1
@@ -267,7 +275,8 @@ def _kill(proc: subprocess.Popen) -> None:
 
 # Where in the child's check the engine was when it crashed, by the child's last stage.
 STAGES = {"load": "reading the file", "exercise": "tokenizing with its vocabulary",
-          "chat": "decoding its first tokens"}
+          "chat": "decoding its first tokens",
+          "audio": "encoding a test clip with its audio projector"}
 LOADER_ERROR = re.compile(r"error loading model:\s*(.+)")
 ASSERT = re.compile(r"([\w.-]+:\d+: GGML_ASSERT\(.*\) failed)")
 

@@ -12,13 +12,22 @@ dropped), so a clip of s seconds is ``floor((16000 s + 480000) / 160 + 1) // 300
 chunks of 3000 / 2 / 2 = 750 tokens each. Qwen2-Audio has no stack factor, so the
 "expected output N tokens" abort of an Ultravox projector (issue 36, item 6) cannot
 happen with it.
+
+``write_audio_projector(kind="ultravox")`` (and "voxtral") writes the stacking types:
+32 wide and stacked by 8 (4 for Voxtral), as `write_ultravox_pair` does, each chunk is
+counted 187 tokens by llama.cpp and made 188 by its graph, which aborts the process;
+40 wide, 187 and 187, as the real models' 1280. `mtmd_audio_chunks` and
+`encode_in_child` ask llama-cpp-python's own mtmd bindings what they make of a clip.
 """
 
 from __future__ import annotations
 
 import io
 import math
+import os
 import struct
+import subprocess
+import sys
 import wave
 from pathlib import Path
 
@@ -28,7 +37,9 @@ import gguf
 from emulators.ggufgen import write_gguf, write_out
 
 __all__ = ["AUDIO_TOKENS_PER_CHUNK", "write_audio_pair", "write_audio_projector",
-           "write_audio_header", "samples", "wav", "flac", "mp3_silence", "audio_chunks"]
+           "write_audio_header", "write_ultravox_pair", "samples", "wav", "flac",
+           "mp3_silence", "audio_chunks", "mtmd_audio_chunks", "encode_in_child",
+           "write_counting_projector"]
 
 SAMPLE_RATE = 16000           # mtmd's Whisper preprocessor resamples every clip to this
 AUDIO_TOKENS_PER_CHUNK = 750  # 3000 mel frames / 2 (conv stride) / 2 (average pool)
@@ -79,9 +90,16 @@ def write_audio_pair(folder: Path, *, seed: int = 0, n_embd: int = 64,
 def write_audio_projector(path: Path, *, n_embd: int = 64, seed: int = 0,
                           a_embd: int = 32, a_head: int = 4, a_ff: int = 64,
                           a_layer: int = 1, n_mel: int = 16,
-                          n_pos: int = 1500, fc_scale: float = 2.0) -> Path:
-    """Write a tiny random-weight "qwen2a" audio projector (F32) whose output is `n_embd`
-    wide; return its path."""
+                          n_pos: int = 1500, fc_scale: float = 2.0,
+                          kind: str = "qwen2a", stack_factor: int | None = None) -> Path:
+    """Write a tiny random-weight Whisper-encoder audio projector (F32) whose output is
+    `n_embd` wide; return its path. `kind` is its clip.projector_type: "qwen2a" (an
+    average pool and mm.a.fc), "ultravox" (frames stacked by `stack_factor`, 8 as the
+    real models have it, then norm_pre, mm.a.mlp.1, SwiGLU, norm_mid, mm.a.mlp.2) or
+    "voxtral" (an average pool, frames stacked by `stack_factor`, 4 as the real model
+    has it, then a GELU MLP mm.a.mlp.1 and .2)."""
+    if stack_factor is None:
+        stack_factor = {"ultravox": 8, "voxtral": 4}.get(kind, 0)
     path = Path(path)
     rng = np.random.default_rng(20_000 + seed)
 
@@ -96,7 +114,9 @@ def write_audio_projector(path: Path, *, n_embd: int = 64, seed: int = 0,
     writer.add_file_type(int(gguf.LlamaFileType.ALL_F32))
     writer.add_bool("clip.has_vision_encoder", False)
     writer.add_bool("clip.has_audio_encoder", True)
-    writer.add_string("clip.projector_type", "qwen2a")
+    writer.add_string("clip.projector_type", kind)
+    if stack_factor:
+        writer.add_uint32("clip.audio.projector.stack_factor", stack_factor)
     writer.add_uint32("clip.audio.num_mel_bins", n_mel)
     writer.add_uint32("clip.audio.embedding_length", a_embd)
     writer.add_uint32("clip.audio.feed_forward_length", a_ff)
@@ -133,8 +153,74 @@ def write_audio_projector(path: Path, *, n_embd: int = 64, seed: int = 0,
         add("ffn_down.bias", zeros(a_embd))
     writer.add_tensor("a.post_ln.weight", ones(a_embd))
     writer.add_tensor("a.post_ln.bias", zeros(a_embd))
-    writer.add_tensor("mm.a.fc.weight", weight(n_embd, a_embd, scale=fc_scale))
-    writer.add_tensor("mm.a.fc.bias", zeros(n_embd))
+    stacked = a_embd * max(stack_factor, 1)
+    if kind == "ultravox":  # SwiGLU halves mm.a.mlp.1's output
+        writer.add_tensor("mm.a.norm_pre.weight", ones(stacked))
+        writer.add_tensor("mm.a.mlp.1.weight", weight(2 * a_ff, stacked))
+        writer.add_tensor("mm.a.norm_mid.weight", ones(a_ff))
+        writer.add_tensor("mm.a.mlp.2.weight", weight(n_embd, a_ff, scale=fc_scale))
+    elif kind == "voxtral":
+        writer.add_tensor("mm.a.mlp.1.weight", weight(a_ff, stacked))
+        writer.add_tensor("mm.a.mlp.2.weight", weight(n_embd, a_ff, scale=fc_scale))
+    else:
+        writer.add_tensor("mm.a.fc.weight", weight(n_embd, a_embd, scale=fc_scale))
+        writer.add_tensor("mm.a.fc.bias", zeros(n_embd))
+    write_out(writer, path)
+    return path
+
+
+def write_ultravox_pair(folder: Path, *, a_embd: int = 32, stack_factor: int = 8,
+                        name: str = "tiny-ultravox", seed: int = 0,
+                        context_length: int = 2048) -> tuple[Path, Path]:
+    """Write a tiny text model and an Ultravox projector (frames stacked by
+    `stack_factor`, the encoder `a_embd` wide) into `folder`: (model, mmproj)."""
+    folder = Path(folder)
+    model = write_gguf(folder / f"{name}.gguf", name=name, seed=seed, n_embd=64,
+                       context_length=context_length, weight_scale=0.2)
+    mmproj = write_audio_projector(folder / f"mmproj-{name}.gguf", n_embd=64, seed=seed,
+                                   kind="ultravox", stack_factor=stack_factor,
+                                   a_embd=a_embd)
+    return model, mmproj
+
+
+# The tensors mtmd's loader asks of each type that has its own preprocessor, with no
+# encoder blocks: what a projector needs to be loaded and to count clips.
+_COUNTING = {
+    "qwen3a": {"a.conv2d.1.weight": (8, 1, 3, 3), "a.conv2d.1.bias": (8,),
+               "a.conv2d.2.weight": (8, 8, 3, 3), "a.conv2d.2.bias": (8,),
+               "a.conv2d.3.weight": (8, 8, 3, 3), "a.conv2d.3.bias": (8,),
+               "a.conv_out.weight": (8, 16), "a.position_embd.weight": (1500, 8),
+               "mm.a.mlp.1.weight": (8, 8), "mm.a.mlp.1.bias": (8,),
+               "mm.a.mlp.2.weight": ("n_embd", 8), "mm.a.mlp.2.bias": ("n_embd",)},
+    "lfm2a": {**{f"a.conv1d.{i}.weight": (8, 8) for i in (0, 2, 3, 5, 6)},
+              **{f"a.conv1d.{i}.bias": (8,) for i in (0, 2, 3, 5, 6)},
+              "a.pre_encode.out.weight": (8, 8), "a.pre_encode.out.bias": (8,),
+              "a.position_embd.weight": (16, "n_embd"),
+              **{f"mm.a.mlp.{i}.weight": (8, 8) for i in (0, 1, 3)},
+              **{f"mm.a.mlp.{i}.bias": (8,) for i in (0, 1, 3)}},
+    "gemma4a": {"a.conv1d.0.weight": (8, 1, 3, 3), "a.conv1d.1.weight": (8, 8, 3, 3),
+                "a.input_projection.weight": (8, 8),
+                "mm.a.input_projection.weight": ("n_embd", 8)},
+}
+
+
+def write_counting_projector(path: Path, kind: str, n_embd: int = 64) -> Path:
+    """A projector of `kind` ("qwen3a", "lfm2a", "gemma4a") with no encoder blocks and
+    zero tensors: mtmd loads it (warmup off) and counts a clip's chunks with the type's
+    own preprocessor, which is all it is for; it cannot encode."""
+    path = Path(path)
+    writer = gguf.GGUFWriter(path, "clip")
+    writer.add_string("clip.projector_type", kind)
+    writer.add_bool("clip.has_vision_encoder", False)
+    writer.add_bool("clip.has_audio_encoder", True)
+    for key, value in (("num_mel_bins", 128), ("embedding_length", 8),
+                       ("feed_forward_length", 8), ("projection_dim", n_embd),
+                       ("attention.head_count", 1), ("block_count", 0)):
+        writer.add_uint32(f"clip.audio.{key}", value)
+    writer.add_float32("clip.audio.attention.layer_norm_epsilon", 1e-5)
+    for name, shape in _COUNTING[kind].items():
+        shape = tuple(n_embd if n == "n_embd" else n for n in shape)
+        writer.add_tensor(name, np.zeros(shape, dtype=np.float32))
     write_out(writer, path)
     return path
 
@@ -160,6 +246,74 @@ def write_audio_header(path, n_embd: int = 64, kind: str = "qwen2a",
         writer.add_tensor("mm.2.weight", np.zeros((n_embd, 8), dtype=np.float32))
     write_out(writer, path)
     return path
+
+
+# ---------------------------------------------------------------------------
+# The reference: llama-cpp-python's own mtmd bindings
+# ---------------------------------------------------------------------------
+
+def mtmd_audio_chunks(model, mmproj, clips: list[bytes],
+                      warmup: bool = True) -> list[tuple[int, list[int]]]:
+    """For each clip: (the samples mtmd's helper decodes from it, the tokens mtmd counts
+    for each of its audio chunks); nothing is encoded (`warmup` False for a
+    `write_counting_projector` one)."""
+    from support.vision import MARKER, _Mtmd
+
+    out = []
+    with _Mtmd(model, mmproj, n_ctx=256, warmup=warmup) as m:
+        mtmd = m.mtmd
+        for clip in clips:
+            bitmap = m.bitmap(clip)
+            try:
+                samples = mtmd.mtmd_bitmap_get_nx(bitmap)
+            finally:
+                mtmd.mtmd_bitmap_free(bitmap)
+            chunks = m.tokenize(MARKER, [clip], add_special=False)
+            try:
+                counts = []
+                for i in range(mtmd.mtmd_input_chunks_size(chunks)):
+                    chunk = mtmd.mtmd_input_chunks_get(chunks, i)
+                    if mtmd.mtmd_input_chunk_get_type(chunk) == \
+                            mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO:
+                        counts.append(int(mtmd.mtmd_input_chunk_get_n_tokens(chunk)))
+                out.append((samples, counts))
+            finally:
+                mtmd.mtmd_input_chunks_free(chunks)
+    return out
+
+
+def encode_clip(model, mmproj, seconds: float, encode: bool = True) -> None:
+    """Tokenize a clip of `seconds` (wav(seconds, 1)) with mtmd (llama-cpp-python's
+    bindings), printing "tokenized", then with `encode` encode each audio chunk,
+    printing "encoded N" for each: run by `encode_in_child`."""
+    from support.vision import MARKER, _Mtmd
+
+    with _Mtmd(model, mmproj, n_ctx=256, warmup=encode) as m:
+        mtmd = m.mtmd
+        chunks = m.tokenize(MARKER, [wav(seconds, 1)], add_special=False)
+        print("tokenized", flush=True)
+        try:
+            for i in range(mtmd.mtmd_input_chunks_size(chunks) if encode else 0):
+                chunk = mtmd.mtmd_input_chunks_get(chunks, i)
+                if mtmd.mtmd_input_chunk_get_type(chunk) == mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO:
+                    if mtmd.mtmd_encode_chunk(m.mctx, chunk) != 0:
+                        raise RuntimeError("mtmd_encode_chunk failed")
+                    print("encoded", mtmd.mtmd_input_chunk_get_n_tokens(chunk), flush=True)
+        finally:
+            mtmd.mtmd_input_chunks_free(chunks)
+
+
+def encode_in_child(model, mmproj, seconds: float = 1.0,
+                    encode: bool = True) -> subprocess.CompletedProcess:
+    """`encode_clip` in a child process (an abort of llama.cpp's ends the child only):
+    its return code, stdout ("tokenized", "encoded N" lines) and stderr (llama.cpp's
+    log)."""
+    tests = str(Path(__file__).resolve().parent.parent)
+    code = (f"import sys; sys.path[:0] = [{tests!r}]; from support.audio import "
+            f"encode_clip; encode_clip({str(model)!r}, {str(mmproj)!r}, {seconds!r}, "
+            f"{encode!r})")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "GGML_NO_BACKTRACE": "1"})
 
 
 # ---------------------------------------------------------------------------

@@ -284,7 +284,8 @@ def jpeg(width: int, height: int, seed: int) -> bytes:
 class _Mtmd:
     """A text model, a context and an mtmd context over them, freed on exit."""
 
-    def __init__(self, model_path, mmproj_path, n_ctx=1024, n_batch=512, n_gpu_layers=0):
+    def __init__(self, model_path, mmproj_path, n_ctx=1024, n_batch=512, n_gpu_layers=0,
+                 warmup=True):
         import llama_cpp
         from llama_cpp import mtmd_cpp
 
@@ -308,6 +309,7 @@ class _Mtmd:
             params = mtmd_cpp.mtmd_context_params_default()
             params.use_gpu = n_gpu_layers != 0
             params.print_timings = False
+            params.warmup = warmup  # off: a projector that only counts (support.audio)
             params.n_threads = 2
             self.mctx = mtmd_cpp.mtmd_init_from_file(str(mmproj_path).encode(), self.model,
                                                      params)

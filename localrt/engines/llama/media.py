@@ -18,6 +18,11 @@ A chat with images (localrt.engines.contract.Image parts) becomes one prompt:
     marker in the text, a bitmap mtmd's helper decodes from the clip's bytes (WAV, MP3,
     FLAC, by miniaudio, resampled to the projector's rate), and chunks whose positions
     are items ("image", its SHA-256, k) too: "image" names any media chunk's position.
+  * Before mtmd reads a clip, its chunks and tokens are planned
+    (localrt.engines.llama.audiotokens): from its header, for the context check, and
+    from the decoded samples, before mtmd tokenizes; a clip mtmd would abort on is a
+    400 invalid_audio naming the part, and no audio chunk whose token count is not the
+    plan's is ever encoded.
   * The batcher evaluates an image chunk (`evaluate`: mtmd's encode, then its
     embeddings decoded into the sequence's own KV) as one step's work for one
     sequence, beside the text the other sequences decode in that step.
@@ -28,10 +33,12 @@ llama_cpp.mtmd_cpp is imported only when a projector loads.
 from __future__ import annotations
 
 import ctypes
+import os
 import secrets
 from dataclasses import dataclass, field
 
 from localrt.engines.contract import Audio, Image
+from localrt.engines.llama import audiotokens
 from localrt.errors import (AudioNotSupported, ImagesNotSupported, InvalidAudio,
                             InvalidField, InvalidImage)
 
@@ -143,6 +150,53 @@ class Projector:
         if not self.vision and not self.audio:
             self.close()
             raise ValueError(f"the projector {path} has no vision or audio encoder")
+        self.path = path
+        self.encoder = audiotokens.Encoder("")  # no plan: mtmd alone counts the clips
+        if self.audio and mtmd_cpp.mtmd_get_audio_sample_rate(self.ctx) == audiotokens.RATE:
+            try:
+                self.encoder = audiotokens.read(path)
+            except (OSError, ValueError):
+                pass  # mtmd read the file; the header reader is the stricter one
+
+    def plan(self, clip: Audio, samples: int | None = None):
+        """The audiotokens.Plan of a clip: from `samples` (the decoded count), else from
+        its header; None where the projector's type has no plan. A 400 invalid_audio
+        naming the part for a clip mtmd cannot take."""
+        if samples is None:
+            from localrt.engines.audio import frames
+
+            try:
+                count, rate = frames(clip.data, clip.format)
+            except ValueError:
+                return None  # the decoder says what is wrong with it
+            samples = audiotokens.resampled(count, rate)
+        planned = audiotokens.plan(self.encoder, samples)
+        if planned is not None and planned.problem is not None:
+            raise InvalidAudio(f"Invalid field '{clip.where}': llama.cpp's mtmd cannot take "
+                               f"this clip: {planned.problem}", param=clip.where)
+        return planned
+
+    def audio_tokens(self, images: list) -> int:
+        """The tokens the clips among `images` take, planned from their headers before
+        anything is decoded (0 for a clip without a plan); invalid_audio as plan()."""
+        total = 0
+        for clip in images:
+            if isinstance(clip, Audio) and self.audio:
+                planned = self.plan(clip)
+                total += planned.tokens if planned is not None else 0
+        return total
+
+    def test_clips(self) -> None:
+        """For a projector's first load in a child (localrt.engines.vetting): a
+        ValueError naming the projector when its plan refuses a test clip
+        (audiotokens.TEST_SECONDS)."""
+        if not self.audio:
+            return
+        for seconds, samples in zip(audiotokens.TEST_SECONDS, audiotokens.test_samples()):
+            planned = audiotokens.plan(self.encoder, samples)
+            if planned is not None and planned.problem is not None:
+                raise ValueError(f"its projector {os.path.basename(self.path)} cannot take "
+                                 f"a {seconds:g}-second clip: {planned.problem}")
 
     def tokenize(self, text: str, images: list, add_special: bool) -> Prompt:
         """The prompt of a rendered text holding one marker per image or clip; a 400
@@ -150,7 +204,7 @@ class Projector:
         an image (a clip), images_not_supported (audio_not_supported) where the
         projector has no encoder for it."""
         mtmd = self._mtmd
-        bitmaps = []
+        bitmaps, expected = [], []  # expected: (part, tokens) of each planned audio chunk
         try:
             for image in images:
                 buf = (ctypes.c_uint8 * len(image.data)).from_buffer_copy(image.data)
@@ -169,6 +223,8 @@ class Projector:
                                            param=image.where)
                     bitmaps.append(bitmap)
                     mtmd.mtmd_bitmap_set_id(bitmap, image.digest.encode())
+                    planned = self.plan(image, mtmd.mtmd_bitmap_get_nx(bitmap))
+                    expected.append((image.where, planned and planned.counted))
                     continue
                 if not self.vision:
                     raise refuse_images()
@@ -181,13 +237,22 @@ class Projector:
                                        param=image.where)
                 bitmaps.append(bitmap)
                 mtmd.mtmd_bitmap_set_id(bitmap, image.digest.encode())
-            return self._chunks(text, bitmaps, add_special)
+            return self._chunks(text, bitmaps, add_special, expected)
         finally:
             for bitmap in bitmaps:
                 mtmd.mtmd_bitmap_free(bitmap)
 
-    def _chunks(self, text: str, bitmaps: list, add_special: bool) -> Prompt:
+    def _chunks(self, text: str, bitmaps: list, add_special: bool,
+                expected: list) -> Prompt:
+        """The Prompt of mtmd's chunks; `expected` holds (part, planned counts or None)
+        for each clip in order, and an audio chunk mtmd counts otherwise is refused
+        before anything encodes it."""
         mtmd = self._mtmd
+        clips = iter(expected)
+        # The clip whose chunks come now and its planned counts not yet met (None: no
+        # plan); a clip's chunks come together, text (its marker's newline, or the
+        # template's) between two clips.
+        where, counts, in_clip = None, None, False
         data = text.encode("utf-8")
         source = mtmd.mtmd_input_text(data, len(data), add_special, True)
         array = (mtmd.mtmd_bitmap_p_ctypes * max(len(bitmaps), 1))(*bitmaps)
@@ -202,6 +267,8 @@ class Projector:
                                    param="messages")
             for i in range(mtmd.mtmd_input_chunks_size(chunks)):
                 chunk = mtmd.mtmd_input_chunks_get(chunks, i)
+                if mtmd.mtmd_input_chunk_get_type(chunk) != mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO:
+                    in_clip = False
                 if mtmd.mtmd_input_chunk_get_type(chunk) == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
                     n = ctypes.c_size_t()
                     tokens = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
@@ -221,6 +288,14 @@ class Projector:
                 prompt.n_tokens += n
                 if mtmd.mtmd_input_chunk_get_type(chunk) == mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO:
                     prompt.audio_tokens += n
+                    if not in_clip:  # this chunk begins the next clip
+                        where, counts = next(clips, (None, None))
+                        counts, in_clip = None if counts is None else list(counts), True
+                    if counts is not None and (not counts or counts.pop(0) != n):
+                        raise InvalidAudio(f"Invalid field '{where}': llama.cpp's mtmd "
+                                           f"counts {n} tokens for a chunk of this clip "
+                                           f"where localrt planned otherwise; localrt "
+                                           f"does not encode it", param=where)
         except BaseException:
             self.free(prompt)
             raise

@@ -333,6 +333,13 @@ class LlamaModel(GeneratingModel):
             bos = model.token_bos()
             bos_text = self._piece(bos, True).decode("utf-8", "replace") if bos >= 0 else ""
             self._fits(text.encode("utf-8"), "messages")
+            heard = projector.audio_tokens(images)  # planned before any clip is decoded
+            if heard >= self.context:
+                raise InvalidField(f"Invalid field 'messages': the prompt's audio is {heard} "
+                                   f"tokens (as llama.cpp's mtmd counts its clips) and the "
+                                   f"model's context (ctx_len) holds {self.context}; send "
+                                   f"shorter clips or start the model with a larger ctx_len",
+                                   param="messages")
             prompt = projector.tokenize(text, images,
                                         not (bos_text and text.startswith(bos_text)))
             prompt.thinking = thinking
@@ -540,6 +547,38 @@ class LlamaModel(GeneratingModel):
         self._pieces.clear()
         self._special_pieces.clear()
         self._model.tokenize(b" ".join(texts), add_bos=True, special=True)
+
+    def exercise_audio(self) -> None:
+        """For a file's first load in a child (localrt.engines.vetting), with an audio
+        projector: a ValueError when its plan refuses a test clip
+        (localrt.engines.llama.audiotokens), then one test clip through mtmd and a
+        decode, so that a crash of mtmd's happens there, never in the server."""
+        from localrt.engines.contract import Audio
+        from localrt.engines.llama import audiotokens
+        from localrt.errors import HTTPError
+
+        projector = self._batch.projector
+        if projector is None or not projector.audio:
+            return
+        projector.test_clips()
+        seconds = audiotokens.TEST_SECONDS[0]
+        clip = Audio(data=audiotokens.test_clip(seconds), where="the test clip",
+                     format="wav", seconds=seconds)
+        messages = [{"role": "user", "content": [
+            {"type": "audio", "audio": clip}, {"type": "text", "text": "What is said?"}]}]
+        try:
+            generation = self.generate(messages, {"max_tokens": 1, "temperature": 0.0,
+                                                  "seed": 0})
+        except HTTPError as exc:
+            if exc.code == "invalid_audio":  # mtmd counted it otherwise than planned
+                raise ValueError(f"its projector cannot take a {seconds:g}-second clip: "
+                                 f"{exc.message}") from None
+            return  # the context cannot hold a clip, or the template refused: not the file's
+        try:
+            for _ in generation:
+                pass
+        finally:
+            generation.close()
 
     def _preserved(self, texts) -> frozenset:
         """The ids of the special tokens spelled `texts`, to print as text."""
