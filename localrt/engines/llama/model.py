@@ -106,7 +106,8 @@ class GgufEngine:
                 os.write(log_fd, text)
 
         _CHILD_LOG = write  # ctypes calls it for as long as the process lives
-        llama_cpp.llama_log_set(write, ctypes.c_void_p(0))
+        # through offload's callback, which also reads where the model's buffers went
+        offload.install(llama_cpp, forward=write)
         devnull = getattr(_utils, "errnull_file", None)
         if devnull is not None:  # its "null" for fd 2 is our log instead
             os.dup2(log_fd, devnull.fileno())

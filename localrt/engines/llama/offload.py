@@ -39,6 +39,7 @@ MIB = 1 << 20
 
 _lock = threading.Lock()   # guards _callback: installed once per process
 _callback = None           # ours, kept alive for as long as llama.cpp may call it
+_forward = None            # the callback every line is handed on to (`install`)
 _local = threading.local()  # .lines: the capturing thread's list, or None
 
 
@@ -94,23 +95,27 @@ def read(text: str) -> Placement:
     return placement
 
 
-def install(llama_cpp) -> None:
-    """Route llama.cpp's log through `_log` (once per process), which gives every line
-    to llama-cpp-python's callback as before."""
-    global _callback
+def install(llama_cpp, forward=None) -> None:
+    """Route llama.cpp's log through `_log` (once per process), which hands every line
+    on to `forward` (a llama_log_callback: a vetting child's, GgufEngine.in_child), else
+    to llama-cpp-python's own callback, as before."""
+    global _callback, _forward
     with _lock:
+        if forward is not None:
+            _forward = forward
         if _callback is not None:
             return
-        from llama_cpp import _logger
+        if _forward is None:
+            from llama_cpp import _logger
 
-        before = _logger.llama_log_callback
+            _forward = _logger.llama_log_callback
 
         @llama_cpp.llama_log_callback
         def log(level, text, user_data):
             lines = getattr(_local, "lines", None)
             if lines is not None and text:
                 lines.append(text)
-            before(level, text, user_data)
+            _forward(level, text, user_data)
 
         _callback = log
         llama_cpp.llama_log_set(log, ctypes.c_void_p(0))
