@@ -175,10 +175,11 @@ def complete(root: Path) -> Path:
 
 def add_to_wheel(wheel: Path, files: Mapping[str, Path]) -> None:
     """Add `files` ({path in the wheel: file}) to `wheel`, with their RECORD lines, by
-    writing a new wheel beside it and renaming it over the old one."""
+    writing a new wheel beside it and renaming it over the old one (compressed fast:
+    the CUDA libraries are 600 MB)."""
     partial = wheel.with_name(wheel.name + ".partial")
     with zipfile.ZipFile(wheel) as old, \
-            zipfile.ZipFile(partial, "w", zipfile.ZIP_DEFLATED) as new:
+            zipfile.ZipFile(partial, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as new:
         record_name = next(n for n in old.namelist() if n.endswith(".dist-info/RECORD"))
         rows = list(csv.reader(io.StringIO(old.read(record_name).decode())))
         for info in old.infolist():
