@@ -55,6 +55,11 @@ WHEEL_DIR = Path("tests") / ".engine-wheels"
 RPC_SDIST = "llama-cpp-python==0.3.36"
 RPC_BUILD_WHEELS = ("scikit-build-core", "cmake", "ninja")
 RPC_SOURCES = Path("tests") / ".rpc-build" / "sources"
+# The CUDA toolkit tests/test_cuda.py installs through its package index and configures
+# the CUDA variant's CMake with (localrt.engines.cuda.TOOLKITS["13"] and what they need:
+# about 650 MB, once).
+CUDA_TOOLKIT = ("nvidia-cuda-nvcc", "nvidia-cuda-runtime", "nvidia-cublas", "nvidia-cuda-cccl")
+CUDA_SOURCES = Path("tests") / ".cuda-build" / "toolkit"
 
 # Commands the tests use when present, and the Debian packages that bring them.
 # Without them test_man.py, test_cors_browser.py, the tinyproxy tests
@@ -232,6 +237,8 @@ def setup(args: argparse.Namespace, shell: Shell, host: Host, err: TextIO) -> in
                        "-d", RPC_SOURCES, RPC_SDIST], {}))
         steps.append(([python, "-m", "pip", "download", "--only-binary=:all:",
                        "-d", RPC_SOURCES, *RPC_BUILD_WHEELS], {}))
+        steps.append(([python, "-m", "pip", "download", "--only-binary=:all:",
+                       "-d", CUDA_SOURCES, *CUDA_TOOLKIT], {}))
         steps.append(([python, "-m", "pytest", *args.rest], {}))
     else:
         steps.append(([venv / "bin" / "localrt", "start", *args.rest], {}))

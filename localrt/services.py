@@ -148,7 +148,8 @@ def build_services(settings: Settings, *, shutdown: Callable[[], None] | None = 
                           max_models=settings["maxRunningModels"],
                           keep_alive=settings["keepAlive"] * 60,
                           lanes=settings["computeLanes"],
-                          vetting=Vetting(settings.data_dir / "engines"))
+                          vetting=Vetting(settings.data_dir / "engines"),
+                          gpu_overhead=settings["gpuOverheadMiB"] << 20)
     # Both have a child load a model's files before they register it.
     pulls = Pulls(settings, config, downloads, registry, vet=scheduler.vet_new)
     imports = Imports(registry, vet=scheduler.vet_new)

@@ -209,6 +209,10 @@ KEYS: tuple[Key, ...] = (
     Key("promptCacheMiB", _mebibytes, 2048,
         "RAM each running gguf-cpp model may keep of prompt states its slots gave up, "
         "to restore for a prompt that continues one (0: none)"),
+    # 512: Ollama's OLLAMA_GPU_OVERHEAD is 0, but a desktop's own windows take about that.
+    Key("gpuOverheadMiB", _mebibytes, 512,
+        "MiB of each GPU's free memory that fitting a model's layers (a GPU build started "
+        "without ngl) leaves to other programs"),
     Key("computeLanes", _positive_int, 1,
         "generations that compute at once, across all models; raise it only with cores "
         "for each (cpu_threads x lanes <= cores)"),

@@ -97,6 +97,8 @@ def test_test_installs_the_extras_and_engine_wheels_then_runs_pytest(tmp_path):
         "tests/.rpc-build/sources llama-cpp-python==0.3.36",
         f"{venv}/bin/python -m pip download --only-binary=:all: -d tests/.rpc-build/sources "
         "scikit-build-core cmake ninja",
+        f"{venv}/bin/python -m pip download --only-binary=:all: -d tests/.cuda-build/toolkit "
+        "nvidia-cuda-nvcc nvidia-cuda-runtime nvidia-cublas nvidia-cuda-cccl",
         f"{venv}/bin/python -m pytest -x",
     ]
 

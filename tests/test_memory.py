@@ -38,6 +38,9 @@ def test_the_estimate_is_what_llama_cpp_accounts(api, quantized):
     assert needed.kv == row["kvCache"] > 0  # llama.cpp's context: n_ctx cells
     assert needed.slots == 2 and needed.ctx_len == 256
     assert sum(needed.layers.values()) < needed.weights <= row["ram"]
+    # a CPU build puts no layer on a device, whatever ngl says (its RAM holds them all)
+    assert row["offload"] == {"ngl": "fit", "layers": 0, "of": len(needed.layers) + 1,
+                              "devices": []} and row["vram"] == 0
     # the gauge is the status row's RAM, on the device cpu
     text = api("GET", "/metrics").body.decode()
     samples = [s for f in text_string_to_metric_families(text) for s in f.samples
@@ -103,3 +106,118 @@ def test_the_need_of_each_part(huge):
     assert memory.parts_of(huge.with_name("m-00001-of-00003.gguf")) == [
         huge.with_name(f"m-0000{i}-of-00003.gguf") for i in (1, 2, 3)]
     assert free_ram() > 0
+
+
+# --- item 5: fit, and item 8: the bytes as llama.cpp accounts them ---------------------
+
+LAVAPIPE = {"name": "llvmpipe (LLVM 15.0.6, 256 bits)", "backend": "vulkan", "type": "cpu",
+            "free": 2048 * memory.MIB}
+
+
+def test_the_per_layer_need_is_what_llama_cpp_allocates(quantized):
+    """Each block's weights and KV, and the output layer, summed, are the bytes of the
+    model and KV buffers llama.cpp logs as it loads the model (to the log's 0.01 MiB)."""
+    import llama_cpp
+    from llama_cpp import _internals
+
+    from localrt.engines.llama import offload
+    from localrt.engines.llama.params import context_params, model_params
+
+    path = quantized["Q8_0"]
+    options = {"ctx_len": 256, "n_parallel": 2}
+    needed = memory.need([path], [], options)
+    with offload.capture(llama_cpp) as lines:
+        model = _internals.LlamaModel(path_model=str(path), verbose=False,
+                                      params=model_params(llama_cpp, {}))
+        ctx = llama_cpp.llama_init_from_model(
+            model.model, context_params(llama_cpp, options, 512, 2))
+    try:
+        placement = offload.read(offload.text_of(lines))
+        assert llama_cpp.llama_model_size(model.model) == needed.weights
+        n_layer = llama_cpp.llama_model_n_layer(model.model)
+    finally:
+        llama_cpp.llama_free(ctx)
+        model.close()
+    model_bytes = sum(b for kind, _, b in placement.buffers if kind == "model")
+    assert abs(model_bytes - needed.weights) <= 0.01 * memory.MIB, placement
+    assert abs(placement.kv() - needed.kv) <= 0.01 * memory.MIB
+    assert len(needed.kv_layers) == n_layer == len(needed.layers)
+    assert sum(needed.kv_layers) == needed.kv and len(set(needed.kv_layers)) == 1
+    # the output layer: output.weight (or a tied token_embd) and output_norm
+    assert 0 < needed.output < needed.weights - sum(needed.layers.values())
+    # a CPU build offloads nothing: no "offloaded" line, every buffer on the host
+    assert placement.layers is None and placement.on_devices() == 0
+    assert placement.devices() == {} and placement.host() > needed.weights
+
+
+def test_fit_counts_layers_from_the_output_down(quantized):
+    needed = memory.need([quantized["Q8_0"]], [], {"ctx_len": 256, "n_parallel": 2})
+    n_layer = len(needed.kv_layers)
+    per_block = [needed.layers[i] + needed.kv_layers[i] for i in range(n_layer)]
+    everything = needed.output + sum(per_block) + needed.compute
+    overhead = 512 * memory.MIB
+    # room for all
+    roomy = dict(LAVAPIPE, free=everything + overhead)
+    assert memory.fit(needed, [roomy], overhead).ngl == n_layer + 1
+    assert memory.fit(needed, [roomy], overhead).of == n_layer + 1
+    # one byte short: the first block stays on the CPU
+    short = dict(LAVAPIPE, free=everything + overhead - 1)
+    assert memory.fit(needed, [short], overhead).ngl == n_layer
+    # the compute buffer and the output layer only: 1 (llama.cpp's ngl 1 is the output)
+    output_only = dict(LAVAPIPE, free=needed.compute + needed.output + overhead)
+    assert memory.fit(needed, [output_only], overhead).ngl == 1
+    # gpuOverheadMiB leaves too little: nothing
+    assert memory.fit(needed, [roomy], everything + overhead).ngl == 0
+    assert memory.fit(needed, [], overhead).ngl == 0
+    # two devices: their room together, less a compute buffer on each
+    half = dict(LAVAPIPE, free=(everything + needed.compute) // 2 + overhead + 1)
+    assert memory.fit(needed, [half, half], overhead).ngl == n_layer + 1
+
+
+def test_fit_takes_fewer_layers_when_the_kv_cache_needs_more_than_the_heap(huge):
+    """Debian 12's lavapipe has a 2 GiB heap: at ctx_len 2**19 the tiny model's KV cache
+    is 2 GiB (512 MiB a layer) and its compute buffer over 512 MiB, so the output layer
+    and two blocks fit, not four."""
+    needed = memory.need([huge], [], {"ctx_len": 1 << 19, "n_parallel": 1,
+                                      "flash_attn": True})
+    assert needed.kv_layers == (1 << 29,) * 4 and needed.compute > 1 << 29
+    decided = memory.fit(needed, [LAVAPIPE], 0)
+    assert decided.ngl == 3 and decided.of == 5
+    # at a context the heap holds, all of them; with a gpuOverheadMiB that leaves room for
+    # the compute buffer and the output layer only, 1; leaving less, none
+    small = memory.need([huge], [], {"ctx_len": 4096, "n_parallel": 1, "flash_attn": True})
+    assert memory.fit(small, [LAVAPIPE], 512 * memory.MIB).ngl == 5
+    left = small.compute + small.output
+    assert memory.fit(small, [LAVAPIPE], LAVAPIPE["free"] - left).ngl == 1
+    assert memory.fit(small, [LAVAPIPE], LAVAPIPE["free"] - left + 1).ngl == 0
+
+
+def test_the_devices_a_build_offloads_to():
+    nvidia = {"name": "NVIDIA H100", "backend": "cuda", "type": "discrete", "free": 1}
+    radeon = {"name": "AMD Radeon", "backend": "vulkan", "type": "discrete", "free": 1}
+    assert memory.offload_devices([nvidia, LAVAPIPE], "vulkan") == [LAVAPIPE]
+    assert memory.offload_devices([radeon, LAVAPIPE], "vulkan") == [radeon]
+    assert memory.offload_devices([nvidia, LAVAPIPE], "cuda") == [nvidia]
+    assert memory.offload_devices([LAVAPIPE], "cuda") == []
+
+
+def test_llama_cpp_s_log_read():
+    from localrt.engines.llama import offload
+
+    text = ("load_tensors: offloading output layer to GPU\n"
+            "load_tensors: offloaded 3/5 layers to GPU\n"
+            "load_tensors:   CPU_Mapped model buffer size =     4.25 MiB\n"
+            "load_tensors:      Vulkan0 model buffer size =    12.50 MiB\n"
+            "llama_kv_cache:        CPU KV buffer size =    16.00 MiB\n"
+            "llama_kv_cache:    Vulkan0 KV buffer size =    48.00 MiB\n"
+            "llama_context:        CPU  output buffer size =     0.12 MiB\n"
+            "llama_context:    Vulkan0 compute buffer size =    20.02 MiB\n"
+            "llama_context: Vulkan_Host compute buffer size =     1.00 MiB\n")
+    placement = offload.read(text)
+    assert (placement.layers, placement.of, placement.on_devices()) == (3, 5, 3)
+    assert placement.devices() == {"Vulkan0": round((12.5 + 48 + 20.02) * memory.MIB)}
+    assert placement.host() == round((4.25 + 16 + 0.12 + 1) * memory.MIB)
+    assert placement.kv() == 64 * memory.MIB
+    # a GPU build whose backend found no device says "offloaded" but has no device buffer
+    assert offload.read("load_tensors: offloaded 5/5 layers to GPU\n"
+                        "load_tensors: CPU model buffer size = 1.00 MiB\n").on_devices() == 0

@@ -18,6 +18,10 @@ lines, published as DownloadUpdated events at most once a second. A cancel ends 
 and its compilers (their process group); a failed build fails the task with the end
 of its output.
 
+A CUDA variant (localrt.engines.cuda) first installs its toolkit from the same index
+into the build's scratch folder (the stage "toolkit"), builds for this machine's GPUs'
+compute capabilities, and gets the CUDA runtime libraries added to its wheel.
+
 The wheel is kept in `<engines>/.builds/<variant>/<version>/<key>/`, key a hash of the
 sdist's sha256, the flags and this Python's tag, so installing the variant again (after
 an uninstall) unpacks it without compiling (`cached_wheel`). Removing `.builds` frees
@@ -45,7 +49,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from localrt.engines import wheels
+from localrt.engines import cuda, wheels
 from localrt.bootstrap import build_env
 from localrt.errors import BadRequest
 from localrt.downloads.fetch import Cancelled, DownloadFailed, Task
@@ -119,7 +123,8 @@ class Plan:
 
 
 def plan(engines_root: Path, engine: str, variant, version: str | None, config: Mapping,
-         index_url: str, progress: Callable[[Task], None]) -> Plan:
+         index_url: str, progress: Callable[[Task], None],
+         gpus: Callable[[], list] = list) -> Plan:
     """The sdist of `version` (None: the newest final one) of a variant
     (localrt.engines.catalog.Variant with `cmake`) to compile, or its wheel built before;
     its Build says how far it is with `progress(task)` (Downloads.progress).
@@ -139,14 +144,17 @@ def plan(engines_root: Path, engine: str, variant, version: str | None, config: 
         raise wheels.PackageIndexError(f"The package index gives no sha256 for "
                                        f"{sdist.filename}; refusing an unchecked sdist")
     ver = sdist.version.public
-    flags = build_flags(variant.cmake)
+    toolkit = None  # a CUDA variant's, from the index (localrt.engines.cuda)
+    if cuda.major(variant.name):
+        toolkit = cuda.Toolkit(cuda.major(variant.name), gpus())
+    flags = build_flags(toolkit.flags() if toolkit else variant.cmake)
     folder = cache_folder(engines_root, variant.name, ver, sdist.sha256.lower(), flags)
     wheel = cached_wheel(folder)
     if wheel is not None:
         return Plan(ver, wheel=wheel, note=f"{wheel.name} was built here before from "
                                            f"{sdist.filename} with the same flags")
     what = f"{engine} {variant.name} v{ver}"
-    return Plan(ver, sdist, Build(what, folder, flags, index_url, config, progress),
+    return Plan(ver, sdist, Build(what, folder, flags, index_url, config, progress, toolkit),
                 note=f"the package index has no wheel of {variant.name}: localrt "
                      f"compiles {sdist.filename} (minutes; the task's `build` says how "
                      f"far it is)")
@@ -156,13 +164,14 @@ class Build:
     """One sdist compiled into a wheel in `folder` (see the module docstring)."""
 
     def __init__(self, what: str, folder: Path, flags: Mapping[str, str], index_url: str,
-                 config: Mapping, progress: Callable[[Task], None]):
+                 config: Mapping, progress: Callable[[Task], None], toolkit=None):
         self.what = what          # "gguf-cpp linux-amd64-avx2+rpc 0.3.36", for messages
         self.folder = folder      # cache_folder(...)
         self.flags = dict(flags)  # build_flags(...)
         self.index_url = index_url
         self.config = config
         self.progress = progress  # publishes a task's `build` (a DownloadUpdated event)
+        self.toolkit = toolkit    # a CUDA variant's localrt.engines.cuda.Toolkit, or None
 
     def run(self, task: Task, sdist: Path) -> Path:
         """Compile `sdist`; the wheel, in `folder`. Raises DownloadFailed if it fails."""
@@ -174,6 +183,8 @@ class Build:
         started = time.monotonic()
         log.info("building %s from %s", self.what, sdist.name)
         try:
+            if self.toolkit is not None:
+                self._toolkit(task, scratch, tail)
             code = self._pip(task, sdist, scratch, tail)
             if task.cancelled.is_set():
                 raise Cancelled()
@@ -182,6 +193,8 @@ class Build:
                 raise DownloadFailed(f"Building {self.what} from {sdist.name} failed "
                                      f"(pip exit status {code}); its last lines:\n"
                                      + "\n".join(tail))
+            if self.toolkit is not None:  # its runtime libraries go with it
+                self.toolkit.bundle(built[0])
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder.mkdir(parents=True)
             wheel = self.folder / built[0].name
@@ -193,14 +206,38 @@ class Build:
         log.info("built %s in %.0f s: %s", self.what, time.monotonic() - started, wheel.name)
         return wheel
 
+    def _toolkit(self, task: Task, scratch: Path, tail) -> None:
+        """Install the CUDA toolkit from the index into `scratch` and point CMake at it."""
+        task.build = {**task.build, "stage": "toolkit",
+                      "line": f"installing {', '.join(self.toolkit.packages)}"}
+        self.progress(task)
+        index = ["--index-url", self.index_url]
+        if not self.config.get("verify_peer_ssl", True):
+            index += ["--trusted-host", urlsplit(self.index_url).hostname or ""]
+        try:
+            self.toolkit.install(scratch, index, self._environ(scratch),
+                                 lambda cmd, env: self._run(task, cmd, env, tail))
+        except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
+            if task.cancelled.is_set():
+                raise Cancelled() from None
+            raise DownloadFailed(f"Building {self.what}: {exc}; its last lines:\n"
+                                 + "\n".join(tail)) from None
+        self.flags["CMAKE_ARGS"] = " ".join([self.flags["CMAKE_ARGS"],
+                                             *self.toolkit.cmake_args()])
+
     def _pip(self, task: Task, sdist: Path, scratch: Path, tail) -> int:
         """Run pip wheel, reading its output into the task's progress; its exit code."""
         cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "-v",
                "--index-url", self.index_url, "-w", str(scratch / "wheel"), str(sdist)]
         if not self.config.get("verify_peer_ssl", True):
             cmd[-1:-1] = ["--trusted-host", urlsplit(self.index_url).hostname or ""]
+        return self._run(task, cmd, self._environ(scratch), tail)
+
+    def _run(self, task: Task, cmd: list[str], env: Mapping[str, str], tail) -> int:
+        """Run `cmd` at low priority in its own session, reading its output into the
+        task's progress (a cancel ends it); its exit code."""
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=self._environ(scratch),
+                                stdin=subprocess.DEVNULL, env=dict(env),
                                 start_new_session=True, text=True, errors="replace")
         try:
             os.setpriority(os.PRIO_PROCESS, proc.pid, NICE)  # compilers inherit it

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from localrt import __version__
-from localrt.engines import contract, plugins
+from localrt.engines import contract, cuda, plugins
 from localrt.errors import Conflict, HTTPError, NotFound, shown
 from localrt.engines.hardware import CPU_LEVELS, Hardware, detect_hardware, recommended
 from localrt.engines.probe import Probes
@@ -123,7 +123,9 @@ def _gguf_variants(hw: Hardware) -> list[Variant]:
     # The +rpc ones come last: an install that names no variant never picks one.
     found = [Variant(f"{hw.platform}-{level}", "llama-cpp-python", level, flag)
              for level, flag in CPU_LEVELS]
-    found.append(Variant(f"{hw.platform}-cuda-12", "llama-cpp-python", "cu12", "cuda-12"))
+    # CUDA: a wheel of the index, else compiled with the index's toolkit (localrt.engines.cuda).
+    found += [Variant(f"{hw.platform}-cuda-{major}", "llama-cpp-python", f"cu{major}",
+                      f"cuda-{major}", cmake=cuda.CMAKE) for major in ("12", "13")]
     return found + [Variant(f"{hw.platform}-{level}{RPC_SUFFIX}", "llama-cpp-python",
                             f"{level}.rpc", flag, cmake=("-DGGML_RPC=ON",))
                     for level, flag in CPU_LEVELS]

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from localrt.engines.ggufinfo import MAGIC, GGUFError, Reader
 from localrt.errors import InvalidModelFile
 
-__all__ = ["Checked", "check"]
+__all__ = ["Checked", "check", "tensor_nbytes"]
 
 MAX_LAYERS = 512           # LLAMA_MAX_LAYERS (src/llama-hparams.h)
 MAX_EXPERTS = 1024         # LLAMA_MAX_EXPERTS of the llama.cpp localrt ships
@@ -381,19 +381,30 @@ def _check_tensors(r: Reader, n_tensors: int, alignment: int) -> None:
 
 def _nbytes(r: Reader, name: str, dims: list, ttype: int) -> int:
     """A tensor's bytes, once its type is known and its shape fits it."""
+    try:
+        return tensor_nbytes(name, dims, ttype)
+    except ValueError as exc:
+        raise r.fail(str(exc)) from None
+
+
+def tensor_nbytes(name: str, dims: list, ttype: int) -> int:
+    """The bytes of the data of tensor `name` of shape `dims` and ggml type `ttype` (its
+    type's block size times its blocks): the one count of them, which the checks here and
+    localrt.engines.memory's estimate share. ValueError naming the tensor for a type this
+    llama.cpp does not know or a shape the type cannot hold."""
     if ttype not in GGML_TYPES:
-        raise r.fail(f"the tensor {name!r} has the ggml type {ttype}, which this llama.cpp "
-                     f"does not know")
+        raise ValueError(f"the tensor {name!r} has the ggml type {ttype}, which this "
+                         f"llama.cpp does not know")
     type_name, block, size = GGML_TYPES[ttype]
     elements = 1
     for d in dims:
         elements *= d
     if elements >= 1 << 63 or any(d >= 1 << 63 for d in dims):
-        raise r.fail(f"the tensor {name!r} has the shape {dims}, of more elements than "
-                     f"ggml can count")
+        raise ValueError(f"the tensor {name!r} has the shape {dims}, of more elements "
+                         f"than ggml can count")
     if dims and dims[0] % block:
-        raise r.fail(f"the tensor {name!r} is typed {type_name}, whose blocks hold {block} "
-                     f"elements, but its rows hold {dims[0]}")
+        raise ValueError(f"the tensor {name!r} is typed {type_name}, whose blocks hold "
+                         f"{block} elements, but its rows hold {dims[0]}")
     return elements // block * size
 
 

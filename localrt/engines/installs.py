@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping
 from urllib.parse import unquote, urlsplit
 
-from localrt.engines import builds, plugins, wheels
+from localrt.engines import builds, cuda, plugins, wheels
 from localrt.downloads.tasks import DownloadFailed, Downloads, Item, NoSpace, Task
 from localrt.engines.catalog import (CATALOG, EngineNotInstalled, EngineSpec, Engines, Variant,
                              display_version, key)
@@ -157,7 +157,7 @@ class Installs:
                installed: dict) -> dict:
         """Install a variant the index has no wheel of from its sdist (localrt.engines.builds)."""
         plan = builds.plan(self.root, name, chosen, version, self._config(), self._index_url(),
-                           self._downloads.progress)
+                           self._downloads.progress, gpus=self._engines.hardware.gpus.list)
         if (chosen.name, plan.version) in installed:
             return self._check(name, installed[chosen.name, plan.version])
         if plan.build is not None:
@@ -463,6 +463,7 @@ def choose_variant(spec: EngineSpec, wanted: str | None, hw: Hardware) -> Varian
         return chosen
     for option in options:
         if option.name == wanted:
+            cuda.refuse_without_driver(option.name, hw.cuda)  # 400 nvidia_driver_missing
             reason = runnable(option, hw)
             if reason:
                 raise BadRequest(f"Variant {wanted} cannot run here: {reason}",

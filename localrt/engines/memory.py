@@ -8,7 +8,7 @@ GGUF model loads (localrt.inference.scheduler), `need` counts, from its files' h
 alone (localrt.engines.ggufinfo: never the tensor data):
 
   * weights: each tensor's bytes in the GGUF's tensor table (its ggml type's block size
-    times its blocks, localrt.engines.ggufcheck.GGML_TYPES), every part of a split
+    times its blocks, localrt.engines.ggufcheck.tensor_nbytes), every part of a split
     file, plus the files loaded beside it (a projector) as they are on disk; `layers`
     keeps each block's (blk.N.*) share, for what offloads layer by layer;
   * the KV cache: keys and values of every layer for every token of every slot,
@@ -25,6 +25,13 @@ alone (localrt.engines.ggufinfo: never the tensor data):
     is what llama.cpp's `sched_reserve` logs on the CPU for the tiny test models, to a
     few MiB.
 
+`fit` decides, for a GPU build started without `ngl`, how many layers its devices
+hold: the output layer first and then the blocks from the last one down (llama.cpp's
+order), each with its weights and its KV cache, while each device keeps the setting
+gpuOverheadMiB free and room for a compute buffer (the allowance above); the rest stays
+on the CPU, as Ollama's estimate does. A device of type cpu (lavapipe) counts here:
+layers on it run through the GPU backend, in RAM.
+
 `check` compares the sum with the RAM free now (/proc/meminfo's MemAvailable), plus the
 free memory of the GPUs a GPU build offloads to (a device of type cpu, such as
 lavapipe, adds nothing: its memory is the RAM), and refuses with 503
@@ -39,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from localrt.engines import ggufinfo
-from localrt.engines.ggufcheck import GGML_TYPES
+from localrt.engines.ggufcheck import tensor_nbytes
 from localrt.engines.llama.params import CACHE_TYPE_BYTES
 from localrt.errors import InsufficientMemory
 
@@ -61,6 +68,8 @@ class Need:
     ctx_len: int
     slots: int
     layers: dict = field(default_factory=dict)
+    kv_layers: tuple = ()  # each block's part of `kv`, in order
+    output: int = 0        # the output layer's weights (output.*, or a tied token_embd)
 
     @property
     def total(self) -> int:
@@ -73,32 +82,34 @@ def tensor_bytes(path) -> tuple[dict, dict]:
     md, infos = ggufinfo.read_tensor_infos(path)
     sizes = {}
     for name, (dims, ggml_type) in infos.items():
-        if ggml_type not in GGML_TYPES:
-            raise ggufinfo.GGUFError(f"{path}: the tensor {name!r} has the unknown ggml "
-                                     f"type {ggml_type}")
-        _, block, size = GGML_TYPES[ggml_type]
-        elements = 1
-        for d in dims:
-            elements *= d
-        sizes[name] = elements // block * size
+        try:
+            sizes[name] = tensor_nbytes(name, dims, ggml_type)
+        except ValueError as exc:
+            raise ggufinfo.GGUFError(f"{path}: {exc}") from None
     return md, sizes
 
 
 def kv_bytes(md: dict, cells: int, cache_type: str = "f16") -> int:
     """The KV cache of `cells` tokens (ctx_len x slots) for the model of header `md`."""
+    return sum(kv_layers(md, cells, cache_type))
+
+
+def kv_layers(md: dict, cells: int, cache_type: str = "f16") -> list[int]:
+    """Each block's part of the KV cache of `cells` tokens (none for a model without
+    attention heads)."""
     arch = md.get("general.architecture", "")
     layers = _number(md.get(f"{arch}.block_count"))
     heads = md.get(f"{arch}.attention.head_count")
     head_count = max(heads) if isinstance(heads, list) and heads else _number(heads)
     if not layers or not head_count:
-        return 0  # no attention (Mamba, RWKV): its state does not grow with the context
+        return []  # no attention (Mamba, RWKV): its state does not grow with the context
     kv_heads = md.get(f"{arch}.attention.head_count_kv", heads)
     per_layer = kv_heads if isinstance(kv_heads, list) else [_number(kv_heads)] * layers
     head = _number(md.get(f"{arch}.embedding_length")) // head_count
     width = (_number(md.get(f"{arch}.attention.key_length"), head)
              + _number(md.get(f"{arch}.attention.value_length"), head))
-    values = sum(_number(h) for h in per_layer[:layers]) * width * cells
-    return int(values * CACHE_TYPE_BYTES.get(cache_type or "f16", 2))
+    value = CACHE_TYPE_BYTES.get(cache_type or "f16", 2)
+    return [int(_number(h) * width * cells * value) for h in per_layer[:layers]]
 
 
 def compute_bytes(md: dict, ctx_len: int, slots: int, options: dict) -> int:
@@ -129,23 +140,71 @@ def need(parts: list[Path], beside: list[Path], options: dict) -> Need:
     """What a model whose weights are the GGUF `parts` (a split file's parts in order)
     and files `beside` them needs with the start `options`. GGUFError for a header it
     cannot read."""
-    md, weights, layers = {}, 0, {}
+    md, weights, layers, output, names = {}, 0, {}, 0, {}
     for i, part in enumerate(parts):
         part_md, sizes = tensor_bytes(part)
         if i == 0:
             md = part_md
+        names.update(sizes)
         for name, size in sizes.items():
             weights += size
             found = _BLOCK.match(name)
             if found:
                 layers[int(found.group(1))] = layers.get(int(found.group(1)), 0) + size
+            elif name.startswith(("output.", "output_norm.")):
+                output += size
+    if "output.weight" not in names:  # tied: llama.cpp copies token_embd to the output's device
+        output += names.get("token_embd.weight", 0)
     weights += sum(p.stat().st_size for p in beside)
     embedding = bool(options.get("embedding")) or ggufinfo.is_embedding(md)
     slots = 1 if embedding else max(int(options.get("n_parallel") or 1), 1)
     trained = _number(md.get(f"{md.get('general.architecture', '')}.context_length"))
     ctx_len = int(options.get("ctx_len") or trained or 0)
-    return Need(weights, kv_bytes(md, ctx_len * slots, options.get("cache_type") or "f16"),
-                compute_bytes(md, ctx_len, slots, options), ctx_len, slots, layers)
+    kv = kv_layers(md, ctx_len * slots, options.get("cache_type") or "f16")
+    return Need(weights, sum(kv), compute_bytes(md, ctx_len, slots, options), ctx_len,
+                slots, layers, tuple(kv), output)
+
+
+def offload_devices(gpus: list[dict], backend: str) -> list[dict]:
+    """The devices of `gpus` (localrt.engines.gpus' dicts) that a build of `backend`
+    (cuda, vulkan) puts layers on, as ggml picks them: its GPUs, or where it has none
+    but CPU devices (lavapipe, which ggml's Vulkan backend takes only when told to),
+    those."""
+    mine = [g for g in gpus if g.get("backend") == backend]
+    real = [g for g in mine if g.get("type") != "cpu"]
+    return real or mine
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What `fit` decided: `ngl` layers of `of` (the blocks and the output layer, as
+    llama.cpp counts them) on devices with `room` bytes for them, `needs` bytes for all."""
+
+    ngl: int
+    of: int
+    room: int
+    needs: int
+
+
+def fit(needed: Need, devices: list[dict], overhead: int) -> Fit:
+    """As many of a model's layers as the `devices` (each with its `free` bytes) hold,
+    leaving `overhead` bytes free on each, and a compute buffer on each (the allowance
+    of `compute_bytes`). llama.cpp offloads the output layer first, then the blocks from
+    the last one down; a block costs its weights and its part of the KV cache (the KV of
+    an offloaded layer lives on its device, llama.cpp's offload_kqv)."""
+    blocks = max(len(needed.kv_layers), max(needed.layers, default=-1) + 1)
+    costs = [needed.output] + [needed.layers.get(i, 0) + (
+        needed.kv_layers[i] if i < len(needed.kv_layers) else 0)
+        for i in reversed(range(blocks))]
+    room = sum(max(int(d.get("free") or 0) - overhead, 0) for d in devices)
+    room -= needed.compute * len(devices)
+    left, ngl = room, 0
+    for cost in costs:
+        if cost > left:
+            break
+        left -= cost
+        ngl += 1
+    return Fit(ngl, blocks + 1, max(room, 0), sum(costs) + needed.compute)
 
 
 def check(model_id: str, needed: Need, ram_free: int, device_free: int = 0,

@@ -90,12 +90,14 @@ class Scheduler:
     computes."""
 
     def __init__(self, registry, engines, options: StartOptions, max_models: int = 2,
-                 keep_alive: float = 0.0, lanes: int = 1, vetting=None):
+                 keep_alive: float = 0.0, lanes: int = 1, vetting=None,
+                 gpu_overhead: int = 512 << 20):
         self._registry = registry
         self._engines = engines
         self.vetting = vetting  # localrt.engines.vetting.Vetting: first loads in a child
         self._options = options  # what a model starts with (localrt.models.options)
         self.max_models = max_models
+        self.gpu_overhead = gpu_overhead  # bytes fit leaves free on each device (gpuOverheadMiB)
         self.keep_alive = keep_alive  # seconds; 0 is off
         self.reaper = Reaper(self)
         self.lanes = ComputeLanes(lanes)
@@ -421,10 +423,12 @@ class Scheduler:
     def _load(self, record: dict, options: dict) -> Running:
         engine = options["engine"]
         path = self._model_path(record)
-        self._check_memory(record, options)  # before a child or this process allocates
+        fitted = self._check_memory(record, options)  # before anything allocates
         self._vet(record, options)  # before any native code reads the file here
         before = _rss()
         loading = self._loading(record, options)
+        if fitted is not None:  # the engine loads that many layers, and says it was fit
+            loading.update(ngl=fitted, fit=True)
         try:
             model = self._engines.open(engine, str(path), loading)
         except HTTPError:
@@ -451,15 +455,17 @@ class Scheduler:
                        capabilities=can,
                        report=model.report if contract.Reporting in can else dict)
 
-    def _check_memory(self, record: dict, options: dict) -> None:
+    def _check_memory(self, record: dict, options: dict) -> int | None:
         """A 503 insufficient_memory, before anything loads, for a GGUF model whose
         weights, KV cache and compute buffers this machine cannot hold now
-        (localrt.engines.memory). A model with rpc_servers is not checked (its layers
-        go elsewhere), nor one on a system without /proc/meminfo; a header the estimate
-        cannot read is left to the file's checks."""
+        (localrt.engines.memory); and for a GPU build started without `ngl`, the layers
+        its devices hold (memory.fit), which it returns (None: nothing was fit). A model
+        with rpc_servers is not checked (its layers go elsewhere), nor one on a system
+        without /proc/meminfo; a header the estimate cannot read is left to the file's
+        checks."""
         path, ram = self._model_path(record), free_ram()
-        if path.suffix.lower() != ".gguf" or options.get("rpc_servers") or ram is None:
-            return
+        if path.suffix.lower() != ".gguf" or options.get("rpc_servers"):
+            return None
         beside = []  # a projector's path, and each adapter's (a list of {path, scale})
         for value in roles.beside(record).values():
             beside += [Path(e["path"]) for e in value] if isinstance(value, list) \
@@ -468,24 +474,41 @@ class Scheduler:
             needed = memory.need(memory.parts_of(path), beside, options)
         except (OSError, ValueError, TypeError) as exc:  # GGUFError is a ValueError
             log.info("model %s: no memory estimate (%s)", record["id"], exc)
-            return
-        if needed.total > ram:  # only then ask the GPUs (a child, for a GPU build)
+            return None
+        devices = self._offload_devices(options) if options.get("ngl") is None else []
+        fitted = None
+        if devices:
+            decided = memory.fit(needed, devices, self.gpu_overhead)
+            fitted = decided.ngl
+            log.info("model %s: fit puts %d of its %d layers on %s (%d MiB free for them "
+                     "after gpuOverheadMiB %d and compute buffers; all would need %d MiB)",
+                     record["id"], decided.ngl, decided.of,
+                     ", ".join(d["name"] for d in devices), decided.room >> 20,
+                     self.gpu_overhead >> 20, decided.needs >> 20)
+        if ram is not None and needed.total > ram:  # only then ask the GPUs
             memory.check(record["id"], needed, ram, *self._device_memory(options))
         log.info("model %s needs about %d MiB (weights %d, KV cache %d, compute %d)",
                  record["id"], needed.total >> 20, needed.weights >> 20, needed.kv >> 20,
                  needed.compute >> 20)
+        return fitted
 
-    def _device_memory(self, options: dict) -> tuple[int, str]:
-        """(bytes free, names) on the GPUs the engine's build offloads to: a CUDA or
-        Vulkan build's devices of that backend that are not the CPU, with ngl not 0;
-        (0, "") for a CPU build, which never reads the GPUs."""
+    def _offload_devices(self, options: dict) -> list[dict]:
+        """The devices the engine's build puts layers on (memory.offload_devices): a
+        CUDA or Vulkan build's, lavapipe's included; [] for a CPU build, which never
+        reads the GPUs."""
         build = self._engines.build(options["engine"])
         variant = build[0].split("/")[1] if build and build[0].count("/") >= 2 else ""
         backend = next((b for b in ("cuda", "vulkan") if b in variant), None)
-        if backend is None or options.get("ngl") == 0:
+        if backend is None:
+            return []
+        return memory.offload_devices(self._engines.hardware.gpus.list(), backend)
+
+    def _device_memory(self, options: dict) -> tuple[int, str]:
+        """(bytes free, names) on the GPUs the engine's build offloads to, with ngl not
+        0, that are not the CPU (lavapipe's memory is the RAM); (0, "") for a CPU build."""
+        if options.get("ngl") == 0:
             return 0, ""
-        gpus = [g for g in self._engines.hardware.gpus.list()
-                if g["backend"] == backend and g["type"] != "cpu"]
+        gpus = [g for g in self._offload_devices(options) if g["type"] != "cpu"]
         return sum(g["free"] for g in gpus), ", ".join(g["name"] for g in gpus)
 
     @staticmethod

@@ -51,8 +51,10 @@ class StartOptions:
         A stored parameter the model cannot take is a 409 that says how to change it.
         """
         stored = {k: record[k] for k in START_OPTIONS if record.get(k) is not None}
+        # ngl has no default: left unset, a GPU build fits it to the devices' free
+        # memory (localrt.inference.scheduler, localrt.engines.memory.fit).
         options = {"engine": record["engine"], "ctx_len": DEFAULT_CTX_LEN,
-                   "cpu_threads": self.default_threads, "ngl": -1, "caching_enabled": True,
+                   "cpu_threads": self.default_threads, "caching_enabled": True,
                    "n_parallel": DEFAULT_PARALLEL,
                    **stored, **{k: v for k, v in requested.items() if v is not None}}
 

@@ -160,6 +160,12 @@ def cmd_ps(ctx: Context) -> int:
             if m.get("kvCache"):
                 ctx.out(f"{m['id']}: {m.get('slots', 1)} x {m['options'].get('ctx_len', '?')} "
                         f"tokens of KV cache, {human_size(m['kvCache'])}")
+            offload = m.get("offload")
+            if offload and (offload["devices"] or offload["ngl"] not in ("fit", 0)):
+                on = ", ".join(f"{d['name']} {human_size(d['bytes'])}"
+                               for d in offload["devices"]) or "no device"
+                ctx.out(f"{m['id']}: {offload['layers']}/{offload['of']} layers on {on} "
+                        f"(ngl {offload['ngl']})")
     else:
         ctx.out("No models are running; `localrt run ID` starts one and chats with it")
     upstreams = [(m["id"], u["url"], u["health"],

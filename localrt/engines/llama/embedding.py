@@ -183,12 +183,17 @@ class EmbeddingMode(GeneratingModel):
         tokens (ctx_len; 512 when None) and the pooling type `pooling`."""
         import llama_cpp
 
+        from localrt.engines.llama import offload
+
         context = context or 512
-        llm = llama_cpp.Llama(model_path=model_path, verbose=False, embedding=True,
-                              pooling_type=pooling, **{**arguments, "n_ctx": context,
-                                                       "n_batch": context,
-                                                       "n_ubatch": context})
-        return cls(llm, context)
+        with offload.capture(llama_cpp) as logged:  # where llama.cpp put its buffers
+            llm = llama_cpp.Llama(model_path=model_path, verbose=False, embedding=True,
+                                  pooling_type=pooling, **{**arguments, "n_ctx": context,
+                                                           "n_batch": context,
+                                                           "n_ubatch": context})
+        opened = cls(llm, context)
+        opened.placement = offload.read(offload.text_of(logged))
+        return opened
 
     # llama-server's utility routes (contract.Vocabulary), as LlamaModel's.
 
@@ -207,9 +212,15 @@ class EmbeddingMode(GeneratingModel):
         return token_piece(self._llama_cpp, self.llm._model.vocab, token, True)
 
     def memory(self) -> dict:
-        """RAM and VRAM from llama.cpp: the weights (split by offloaded layers) and the
-        context."""
+        """RAM and VRAM as llama.cpp accounts them: the buffers it logged as it loaded
+        the model and its context, on the host or on devices
+        (localrt.engines.llama.offload); where it logged none, the weights (split by
+        offloaded layers) and the context's state."""
         llama_cpp, llm = self._llama_cpp, self.llm
+        placement = getattr(self, "placement", None)
+        if placement is not None and placement.buffers:
+            return {"ram": placement.host(), "vram": sum(placement.devices().values()),
+                    "kv": placement.kv()}
         weights = llama_cpp.llama_model_size(llm.model)
         context = llama_cpp.llama_state_get_size(llm.ctx)
         layers = llama_cpp.llama_model_n_layer(llm.model)

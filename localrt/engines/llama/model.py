@@ -28,6 +28,7 @@ import os
 from pathlib import Path
 from typing import Callable, Iterator
 
+from localrt.engines.llama import offload
 from localrt.engines.llama.adapters import Adapters
 from localrt.engines.llama.batch import Batcher, Sequence
 from localrt.engines.llama.decode import LlamaBatch, Sampling
@@ -105,7 +106,8 @@ class GgufEngine:
                 os.write(log_fd, text)
 
         _CHILD_LOG = write  # ctypes calls it for as long as the process lives
-        llama_cpp.llama_log_set(write, ctypes.c_void_p(0))
+        # through offload's callback, which also reads where the model's buffers went
+        offload.install(llama_cpp, forward=write)
         devnull = getattr(_utils, "errnull_file", None)
         if devnull is not None:  # its "null" for fd 2 is our log instead
             os.dup2(log_fd, devnull.fileno())
@@ -151,10 +153,17 @@ class LlamaModel(GeneratingModel):
         if self._rpc_targets:
             devices = rpc_client.devices(self._rpc_targets, engine_dir(llama_cpp))
             params.devices = ctypes.cast(devices, ctypes.c_void_p)  # kept until loaded
+        # What llama.cpp logs of its buffers while the model and its context load
+        # says where it put them (localrt.engines.llama.offload).
+        self._asked = "fit" if options.get("fit") or options.get("ngl") is None \
+            else options["ngl"]
+        self._log = offload.capture(llama_cpp)
+        logged = self._log.__enter__()
         try:
             self._model = _internals.LlamaModel(path_model=model_path, verbose=False,
                                                 params=params)
         except BaseException:
+            self._log.__exit__(None, None, None)
             self._release_rpc()
             raise
         # The model's id as messages name it (the scheduler gives it as `model`).
@@ -180,6 +189,11 @@ class LlamaModel(GeneratingModel):
             self._model.close()
             self._release_rpc()
             raise
+        finally:
+            self._log.__exit__(None, None, None)
+        self.placement = offload.read(offload.text_of(logged))
+        self._devices = {name: offload.describe(name)
+                         for name in self.placement.devices()}
         self._batcher = Batcher(self.slots, params.n_batch, self._batch,
                                 caching=options.get("caching_enabled", True),
                                 cache=PromptCache(prompt_cache_bytes)
@@ -383,7 +397,20 @@ class LlamaModel(GeneratingModel):
         out = {"speculative": {"drafted": batcher.drafted, "accepted": batcher.accepted}}
         if batcher.cache is not None:
             out["promptCache"] = batcher.cache.report()
+        if not self._rpc_targets:
+            out["offload"] = self.offload()
         return out
+
+    def offload(self) -> dict:
+        """Its layers on devices as llama.cpp put them: `ngl` as asked ("fit" when the
+        scheduler fit it, or when left unset), `layers` of `of` (the blocks and the
+        output layer), and each device's bytes (localrt.engines.llama.offload)."""
+        placement = self.placement
+        devices = [{"name": self._devices[name], "bytes": size}
+                   for name, size in placement.devices().items()]
+        return {"ngl": self._asked, "layers": placement.on_devices(),
+                "of": self._llama_cpp.llama_model_n_layer(self._model.model) + 1,
+                "devices": devices}
 
     def embed(self, inputs: list, compute: Callable | None = None) -> tuple:
         """Embeddings as the start option `embedding` gives them, beside the chats
@@ -590,17 +617,27 @@ class LlamaModel(GeneratingModel):
         return frozenset(ids)
 
     def memory(self) -> dict:
-        """RAM and VRAM from llama.cpp: the weights (split by offloaded layers) and the
-        KV cache of every slot (`kv`, in ram or vram). A model split across rpc-servers
-        offloads to them, not to a GPU here: that part is `remote`, in neither."""
+        """RAM and VRAM as llama.cpp accounts them: every buffer it allocated for the
+        model and its context (weights, KV cache, compute and output buffers), on the
+        host or on devices (localrt.engines.llama.offload), with the projector's and the
+        adapters' files in the RAM; `kv` the KV cache's part. Where llama.cpp's log said
+        nothing of its buffers, or the model is split across rpc-servers (that part is
+        `remote`, in neither), an estimate from the weights and KV cache instead."""
         from localrt.engines import rpc
 
         llama_cpp, model = self._llama_cpp, self._model
         weights = llama_cpp.llama_model_size(model.model)
+        beside = 0
         if self._mmproj:  # the projector's weights, counted with the model's
-            weights += Path(self._mmproj).stat().st_size
+            beside += Path(self._mmproj).stat().st_size
         for path in self.adapters.paths:  # and so are the adapters'
-            weights += Path(path).stat().st_size
+            beside += Path(path).stat().st_size
+        placement = self.placement
+        if placement.buffers and not self._rpc_targets:
+            return {"ram": placement.host() + beside,
+                    "vram": sum(placement.devices().values()),
+                    "kv": placement.kv() or self.kv_bytes()}
+        weights += beside
         kv = self.kv_bytes()
         layers = llama_cpp.llama_model_n_layer(model.model)
         offloaded = 0

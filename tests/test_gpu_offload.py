@@ -1,0 +1,239 @@
+"""Layers on a GPU, for real, on Mesa's lavapipe (issue 35, items 5 and 8): the gguf-cpp
+Vulkan variant runs layers through llama.cpp's Vulkan backend on a Vulkan device that
+is the CPU, so everything but the speed of the GPU path is tested without a GPU.
+
+* ngl 0, a part of the layers and all of them give the CPU build's greedy reply (the
+  first 8 tokens: the Vulkan kernels sum in another order than the CPU's, so a long
+  greedy reply of a random model may part where two tokens are nearly tied);
+* the model's status row and `localrt ps` show the layers and bytes on llvmpipe, as
+  llama.cpp put them, and /metrics and Ollama's /api/ps the same bytes;
+* fit (ngl left unset) puts fewer layers on the device when the KV cache needs more
+  than its 2 GiB heap (Debian 12's lavapipe), and fewer when gpuOverheadMiB leaves
+  too little.
+
+The Vulkan variant: a wheel in tests/.vulkan-build/built (named with its local label,
+llama_cpp_python-<version>+vulkan-*.whl, as the Vulkan build's own test keeps it) or
+LOCALRT_TEST_VULKAN_WHEEL, installed through the API as `<platform>-vulkan` from a
+package index of it. ggml's Vulkan backend takes a CPU device only when told to
+(GGML_VK_VISIBLE_DEVICES), which the servers here are given. Without the wheel or
+lavapipe these tests skip, except under CI, where they fail.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from emulators.ggufgen import write_gguf
+from emulators.pkgindex import PackageIndex
+from prometheus_client.parser import text_string_to_metric_families  # a test dependency
+from support import REPO
+from support.apps import call
+from support.servers import run_foreground_server, send, subprocess_env
+
+from localrt import settings as settings_mod
+from localrt.app import create_app
+from localrt.engines import gpus, memory
+from localrt.engines.hardware import detect_hardware
+
+pytestmark = [pytest.mark.live, pytest.mark.slow]
+
+BUILT = REPO / "tests" / ".vulkan-build" / "built"
+INSTALL_TIMEOUT = 10 * 60  # seconds: a wheel built before only unpacks and probes
+PROMPT = "The quick brown fox"
+FIRST = 8  # tokens that must agree with the CPU build's (see the docstring)
+
+
+def unavailable(why: str):
+    if os.environ.get("CI"):
+        raise RuntimeError(f"CI must run the lavapipe offload tests: {why}")
+    pytest.skip(why)
+
+
+@pytest.fixture(scope="session")
+def lavapipe():
+    """lavapipe as localrt.engines.gpus reads it, and GGML_VK_VISIBLE_DEVICES set to its
+    index among the Vulkan devices (for the servers started here)."""
+    if not (glob.glob("/usr/lib/*/libvulkan.so.1")
+            and glob.glob("/usr/share/vulkan/icd.d/lvp_icd.*.json")):
+        unavailable("no Vulkan loader or lavapipe (libvulkan1, mesa-vulkan-drivers)")
+    found = [g for g in gpus.detect() if g["backend"] == "vulkan" and g["type"] == "cpu"]
+    if not found:
+        unavailable("the Vulkan loader lists no CPU device")
+    before = os.environ.get("GGML_VK_VISIBLE_DEVICES")
+    os.environ["GGML_VK_VISIBLE_DEVICES"] = found[0]["id"]
+    yield found[0]
+    if before is None:
+        os.environ.pop("GGML_VK_VISIBLE_DEVICES", None)
+    else:
+        os.environ["GGML_VK_VISIBLE_DEVICES"] = before
+
+
+@pytest.fixture(scope="session")
+def vulkan_home(lavapipe, tmp_path_factory):
+    """A localrt home whose active gguf-cpp variant is the Vulkan one, installed through
+    the API from a package index holding its wheel."""
+    given = os.environ.get("LOCALRT_TEST_VULKAN_WHEEL")
+    wheel = Path(given) if given else next(iter(sorted(BUILT.glob(
+        "llama_cpp_python-*+vulkan-*.whl"))), None)
+    if wheel is None or not wheel.is_file():
+        unavailable(f"no Vulkan variant wheel in {BUILT} (the Vulkan build's test keeps "
+                    f"it there) nor LOCALRT_TEST_VULKAN_WHEEL")
+    version = wheel.name.split("-")[1].split("+")[0]
+    variant = f"{detect_hardware().platform}-vulkan"
+    index_dir = tmp_path_factory.mktemp("vulkan-index")
+    (index_dir / wheel.name).symlink_to(wheel.resolve())
+    home = tmp_path_factory.mktemp("vulkan-home")
+    settings = settings_mod.load(environ={"HOME": str(home)})
+    with PackageIndex(index_dir) as index:
+        settings.update({"engineIndexUrl": index.url})
+        app = create_app(settings)
+        try:
+            reply = call(app, "POST", "/v1/engines/gguf-cpp/install",
+                         {"variant": variant, "version": version})
+            if reply.status == 400 and "variant" in reply.body.decode():
+                unavailable(f"this localrt has no {variant} variant: {reply.body!r}")
+            assert reply.status == 200, reply.body
+            task_id = reply.json["task"]["id"]
+            deadline = time.monotonic() + INSTALL_TIMEOUT
+            while time.monotonic() < deadline:
+                task = {t["id"]: t for t in
+                        call(app, "GET", "/v1/models/pull").json["data"]}[task_id]
+                if task["status"] not in ("Pending", "Downloading"):
+                    break
+                time.sleep(0.5)
+            assert task["status"] == "Success", task
+        finally:
+            app.close()
+    return SimpleNamespace(home=home, variant=variant, device=lavapipe)
+
+
+@pytest.fixture(scope="session")
+def cpu_home(tmp_path_factory):
+    """A localrt home on the CPU build (the llama-cpp-python localrt ships)."""
+    return tmp_path_factory.mktemp("cpu-home")
+
+
+@pytest.fixture(scope="session")
+def small(tmp_path_factory):
+    """A random 4-layer llama (5 layers as llama.cpp counts them)."""
+    return write_gguf(tmp_path_factory.mktemp("offload") / "small.gguf", name="small",
+                      n_embd=256, n_ff=512, n_layer=4, n_head=4, context_length=1 << 20)
+
+
+def server_with(home: Path, model: Path, rc: str = ""):
+    """A server on `home` (with `rc` lines added to its .localrtrc), the model imported
+    as "m"; the caller stops it."""
+    rc_file = home / ".localrtrc"
+    kept = rc_file.read_text() if rc_file.exists() else ""
+    rc_file.write_text(re.sub(r"(?m)^gpuOverheadMiB:.*\n?", "", kept) + rc)
+    srv = run_foreground_server(home)
+    code, body = send(srv.url, "POST", "/v1/models/import",
+                      {"path": str(model), "id": "m", "option": "symlink"})
+    assert code == 200, body
+    return srv
+
+
+def start(srv, **options) -> dict:
+    code, body = send(srv.url, "POST", "/v1/models/m/start",
+                      {"ctx_len": 256, "n_parallel": 1, "cpu_threads": 1, **options},
+                      timeout=300)
+    assert code == 200, body
+    return row(srv)
+
+
+def row(srv) -> dict:
+    code, body = send(srv.url, "GET", "/v1/models/status")
+    assert code == 200, body
+    return {r["id"]: r for r in body["data"]}["m"]
+
+
+def first_tokens(srv) -> str:
+    code, body = send(srv.url, "POST", "/v1/completions",
+                      {"model": "m", "prompt": PROMPT, "max_tokens": FIRST,
+                       "temperature": 0}, timeout=300)
+    assert code == 200, body
+    assert body["usage"]["completion_tokens"] == FIRST
+    return body["choices"][0]["text"]
+
+
+def stop(srv) -> None:
+    send(srv.url, "POST", "/v1/models/m/stop")
+
+
+def test_ngl_0_part_and_all_give_the_cpu_s_reply_and_show_where(vulkan_home, cpu_home,
+                                                                  small):
+    srv = server_with(cpu_home, small)
+    try:
+        start(srv)
+        expected = first_tokens(srv)
+    finally:
+        srv.stop()
+    name = vulkan_home.device["name"]
+    srv = server_with(vulkan_home.home, small)
+    try:
+        for ngl, layers in ((0, 0), (2, 2), (-1, 5)):
+            shown = start(srv, ngl=ngl)
+            offload = shown["offload"]
+            assert (offload["ngl"], offload["layers"], offload["of"]) == (ngl, layers, 5), \
+                shown
+            if layers:
+                assert [d["name"] for d in offload["devices"]] == [name]
+                assert offload["devices"][0]["bytes"] > 0
+            assert shown["vram"] == sum(d["bytes"] for d in offload["devices"])
+            assert first_tokens(srv) == expected, f"ngl {ngl}"
+            if ngl == 2:  # ps, Ollama's ps and the gauge say the same
+                ps = subprocess.run([sys.executable, "-m", "localrt", "ps"],
+                                    env=subprocess_env(vulkan_home.home),
+                                    capture_output=True, text=True, timeout=60)
+                assert f"m: 2/5 layers on {name}" in ps.stdout, ps.stdout + ps.stderr
+                code, body = send(srv.url, "GET", "/api/ps")
+                assert body["models"][0]["size_vram"] == shown["vram"] > 0
+                with urllib.request.urlopen(srv.url + "/metrics", timeout=10) as reply:
+                    samples = [s for f in text_string_to_metric_families(reply.read().decode())
+                               for s in f.samples if s.name == "localrt_model_memory_bytes"]
+                assert {s.labels["device"]: s.value for s in samples} == \
+                    {"cpu": shown["ram"], name: shown["vram"]}
+            stop(srv)
+    finally:
+        srv.stop()
+
+
+def test_fit_leaves_on_the_cpu_what_the_heap_cannot_hold(vulkan_home, small):
+    """At ctx_len 2**19 the KV cache is 2 GiB (512 MiB a layer): with the compute
+    buffer, more than lavapipe's heap holds, so fit puts some layers on it, not all."""
+    options = {"ctx_len": 1 << 19, "n_parallel": 1, "flash_attn": True}
+    device = vulkan_home.device
+    expected = memory.fit(memory.need([small], [], options), [device], 512 << 20)
+    assert 0 < expected.ngl < expected.of
+    srv = server_with(vulkan_home.home, small)
+    try:
+        offload = start(srv, **options)["offload"]
+        assert offload["ngl"] == "fit" and offload["layers"] == expected.ngl, offload
+        assert first_tokens(srv)
+    finally:
+        srv.stop()
+
+
+def test_fit_leaves_gpu_overhead_free(vulkan_home, small):
+    """gpuOverheadMiB of all but the compute buffer and the output layer: fit puts the
+    output layer alone on the device; of all of it, nothing."""
+    options = {"ctx_len": 256, "n_parallel": 1}
+    needed = memory.need([small], [], options)
+    free = vulkan_home.device["free"]
+    only_output = (free - needed.compute - needed.output) >> 20
+    for overhead, layers in ((only_output, 1), (free >> 20, 0)):
+        srv = server_with(vulkan_home.home, small, rc=f"gpuOverheadMiB: {overhead}\n")
+        try:
+            offload = start(srv, **options)["offload"]
+            assert offload["ngl"] == "fit" and offload["layers"] == layers, offload
+        finally:
+            srv.stop()
