@@ -161,7 +161,7 @@ class Installs:
         if (chosen.name, plan.version) in installed:
             return self._check(name, installed[chosen.name, plan.version])
         if plan.build is not None:
-            builds.check_can_build(plan.build.what)
+            builds.check_can_build(plan.build.what, chosen.cmake, chosen.patches)
         items = [self._item(plan.sdist)] if plan.build else []
         task = self._install_task(name, chosen.name, plan.version, items, local=plan.wheel,
                                   build=plan.build)
