@@ -8,13 +8,6 @@ cancellable), then `Build.run` runs
 
     python -m pip wheel --no-deps --no-cache-dir -v --index-url INDEX -w OUT SDIST
 
-A variant with patches (Variant.patches: files in localrt/engines/patches/, such as the
-Vulkan variant's guard for Debian 12's older Vulkan headers) has its sdist unpacked
-first, each patch applied with `patch -p1`, and pip builds that folder instead.
-What a CMake option needs besides a compiler (the Vulkan headers and glslc for
--DGGML_VULKAN=ON: `BUILD_NEEDS`) is checked before the task starts
-(`check_can_build`), and a 400 names the Debian packages that are missing.
-
 with CMAKE_ARGS the variant's options (after any the server's environment has) and
 CFLAGS/CXXFLAGS those of localrt's own build (localrt.bootstrap.build_env: on x86-64
 no AMX, which GCC 12 miscompiles), at low priority (nice 10) so that models keep
@@ -26,8 +19,15 @@ lines, published as DownloadUpdated events at most once a second. A cancel ends 
 and its compilers (their process group); a failed build fails the task with the end
 of its output.
 
+A variant with patches (Variant.patches: files in localrt/engines/patches/, such as the
+Vulkan variant's guard for Debian 12's older Vulkan headers) has its sdist unpacked
+first, each patch applied with `patch -p1`, and pip builds that folder instead.
+What a CMake option needs besides a compiler (the Vulkan headers and glslc for
+-DGGML_VULKAN=ON: `BUILD_NEEDS`) is checked before the task starts
+(`check_can_build`), and a 400 names the Debian packages that are missing.
+
 The wheel is kept in `<engines>/.builds/<variant>/<version>/<key>/`, key a hash of the
-sdist's sha256, the flags and this Python's tag, so installing the variant again (after
+sdist's sha256, the flags, the patches and this Python's tag, so installing the variant again (after
 an uninstall) unpacks it without compiling (`cached_wheel`). Removing `.builds` frees
 the space.
 """
