@@ -137,9 +137,18 @@ def test_an_install_without_a_vulkan_device_is_refused_naming_it(settings):
     assert "Vulkan" in r.json["message"]
 
 
+def test_an_install_naming_no_variant_keeps_the_shipped_build_where_no_gpu_is(settings):
+    r = install(settings, machine(LAVAPIPE), {})
+    assert r.status == 200, r.body
+    assert r.json["task"]["id"].startswith("gguf-cpp:linux-amd64-")
+    assert "vulkan" not in r.json["task"]["id"]
+
+
 @pytest.mark.live  # it asks the tests' package index for the sdist
+@pytest.mark.parametrize("body", [{"variant": "linux-amd64-vulkan"}, {}],
+                         ids=["named", "picked for a Vulkan GPU"])
 def test_an_install_without_glslc_is_refused_up_front_naming_the_package(settings, tmp_path,
-                                                                          monkeypatch):
+                                                                          monkeypatch, body):
     from emulators.pkgindex import PackageIndex
 
     sdists = sorted(SOURCES.glob("llama_cpp_python-*.tar.gz"))
@@ -160,8 +169,12 @@ def test_an_install_without_glslc_is_refused_up_front_naming_the_package(setting
     monkeypatch.setenv("PATH", str(bin_dir))
     with PackageIndex(index_dir) as index:
         settings.update({"engineIndexUrl": index.url})
-        r = install(settings, machine(LAVAPIPE), {"variant": "linux-amd64-vulkan"})
+        # With no variant named, a machine with a Vulkan GPU (and no NVIDIA driver) picks
+        # the Vulkan variant over the shipped CPU build.
+        hw = machine(LAVAPIPE) if body else machine(RADEON)
+        r = install(settings, hw, body)
     assert r.status == 400 and r.json["error"]["param"] == "variant", r.body
+    assert r.json["message"].startswith("Compiling gguf-cpp linux-amd64-vulkan v")
     assert "needs the GLSL compiler glslc" in r.json["message"]
     assert "(apt-get install glslc)" in r.json["message"]
     assert not (settings.data_dir / "engines" / ".downloads").exists() or \

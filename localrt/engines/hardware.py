@@ -318,6 +318,12 @@ def runnable(variant: Build, hw: Hardware) -> str | None:
     return None
 
 
+def gpu_build(variant: Build) -> bool:
+    """Whether `variant` offloads to a GPU (CUDA or Vulkan), not only the CPU."""
+    return bool(variant.needs) and (variant.needs.startswith("cuda-")
+                                    or variant.needs == "vulkan")
+
+
 def recommended(variants: Sequence[Build], hw: Hardware):
     """The variant to install when none is asked for, as cortex picks: CUDA where an
     NVIDIA GPU and its driver are found, else Vulkan where a Vulkan GPU that is not a
@@ -327,6 +333,5 @@ def recommended(variants: Sequence[Build], hw: Hardware):
     cuda = [v for v in usable if v.needs and v.needs.startswith("cuda")]
     vulkan = [v for v in usable if v.needs == "vulkan"
               and any(g.get("type") != "cpu" for g in vulkan_devices(hw))]
-    cpu = [v for v in usable if v.needs is None or
-           not (v.needs.startswith("cuda") or v.needs == "vulkan")]
+    cpu = [v for v in usable if not gpu_build(v)]
     return (cuda or vulkan or cpu or [None])[0]
