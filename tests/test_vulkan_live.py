@@ -126,7 +126,7 @@ def vulkan_engine(tmp_path_factory):
                   f"({'compiled' if snapshots else 'a wheel built before'})")
             assert task["status"] == "Success", task
             rows = api("GET", "/v1/engines/gguf-cpp").json
-            entry = api("GET", "/v1/engines").json
+            entry = api("GET", "/v1/engines").json["data"]
         finally:
             app.close()
     built = list((settings.data_dir / "engines" / ".builds").rglob("*.whl"))
@@ -144,10 +144,11 @@ def vulkan_engine(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """A random 4-layer llama (F32): its arithmetic differs between the backends by
-    rounding only."""
+    rounding only. Its weights are larger than write_gguf's default, so that its
+    greedy reply is varied rather than one token repeated."""
     root = tmp_path_factory.mktemp("vulkan-model")
     return write_gguf(root / "tiny4.gguf", name="tiny4", n_embd=256, n_layer=N_LAYER,
-                      n_head=4, context_length=256)
+                      n_head=4, context_length=256, weight_scale=0.1)
 
 
 def answer(url: str, model: str, options: dict) -> tuple[str, dict]:
@@ -158,9 +159,10 @@ def answer(url: str, model: str, options: dict) -> tuple[str, dict]:
                        {"model": model, "messages": USER, "max_tokens": TOKENS,
                         "temperature": 0, "logprobs": True}, timeout=300)
     assert code == 200, reply
-    assert reply["usage"]["completion_tokens"] == TOKENS
-    row, = [r for r in send(url, "GET", "/v1/models/status")[1]["data"] if r["id"] == model]
-    assert send(url, "POST", f"/v1/models/{model}/stop")[0] == 200
+    assert reply["usage"]["completion_tokens"] >= 8  # at most TOKENS: it may end sooner
+    row, = [r for r in send(url, "GET", "/v1/models/status", timeout=120)[1]["data"]
+            if r["id"] == model]
+    assert send(url, "POST", f"/v1/models/{model}/stop", timeout=120)[0] == 200
     tokens = [t["token"] for t in reply["choices"][0]["logprobs"]["content"]]
     return tokens, row
 
@@ -169,7 +171,8 @@ def serve_and_answer(home: Path, tiny: Path, starts: list[dict]) -> list[tuple[l
     srv = run_foreground_server(home)
     try:
         code, body = send(srv.url, "POST", "/v1/models/import",
-                          {"path": str(tiny), "id": "tiny4", "option": "symlink"})
+                          {"path": str(tiny), "id": "tiny4", "option": "symlink"},
+                          timeout=120)
         assert code == 200, body
         return [answer(srv.url, "tiny4", options) for options in starts]
     finally:
@@ -224,5 +227,8 @@ def test_a_tiny_model_on_the_device_answers_as_the_cpu_build(vulkan_engine, tiny
         (every[1], some[1], none[1])
     # The same greedy tokens: the random model's F32 weights leave the backends apart by
     # rounding only (the first 8 tokens at least, where rounding flips a near tie).
+    assert len(set(cpu_cpu)) > 4, cpu_cpu  # a reply worth comparing
     for tokens in (every[0], some[0], none[0]):
         assert tokens[:8] == cpu_cpu[:8], (tokens, cpu_cpu)
+    # Here (lavapipe, Debian 12) they are equal to the end; that is not promised.
+    print("equal to the end:", [tokens == cpu_cpu for tokens in (every[0], some[0], none[0])])
