@@ -101,7 +101,11 @@ def vulkan_engine(tmp_path_factory):
     home = tmp_path_factory.mktemp("vulkan-home")
     settings = settings_mod.load(environ={"HOME": str(home)})
     snapshots = []
-    with PackageIndex(index_dir) as index:
+    # The build (llama.cpp uses ccache where there is one) and the probe's child (Mesa
+    # keeps a shader cache) inherit this process's environment: not the real home's.
+    with pytest.MonkeyPatch.context() as env, PackageIndex(index_dir) as index:
+        env.setenv("CCACHE_DIR", str(home / "ccache"))
+        env.setenv("MESA_SHADER_CACHE_DIR", str(home / "mesa-shader-cache"))
         settings.update({"engineIndexUrl": index.url})
         app = create_app(settings)
         try:
