@@ -64,14 +64,20 @@ CUDA_SOURCES = Path("tests") / ".cuda-build" / "toolkit"
 # Commands the tests use when present, and the Debian packages that bring them.
 # Without them test_man.py, test_cors_browser.py, the tinyproxy tests
 # (tests/emulators/proxyfix.py) and the real agent clients' tests (npm installs Claude
-# Code and Codex: tests/support/agents.py) skip, except under CI.
+# Code and Codex: tests/support/agents.py) skip, except under CI. glslc (and
+# glslang-tools beside it) compiles the Vulkan variant's shaders (tests/test_vulkan.py).
 TEST_TOOLS = {"groff": "groff-base", "chromium": "chromium", "chromedriver": "chromium-driver",
-              "tinyproxy": "tinyproxy", "node": "nodejs", "npm": "npm"}
+              "tinyproxy": "tinyproxy", "node": "nodejs", "npm": "npm", "glslc": "glslc",
+              "glslangValidator": "glslang-tools"}
 # Files the tests use when present (glob patterns), and the Debian packages that bring
-# them: the Vulkan loader and Mesa's lavapipe, a Vulkan device that runs on the CPU.
-# Without them tests/test_hardware.py's Vulkan tests skip, except under CI.
+# them: the Vulkan loader and Mesa's lavapipe, a Vulkan device that runs on the CPU,
+# and the Vulkan and SPIR-V headers the gguf-cpp Vulkan variant compiles against
+# (localrt.engines.builds.BUILD_NEEDS). Without them tests/test_hardware.py's and
+# tests/test_vulkan.py's Vulkan tests skip, except under CI.
 TEST_FILES = {"/usr/lib/*/libvulkan.so.1": "libvulkan1",
-              "/usr/share/vulkan/icd.d/lvp_icd.*.json": "mesa-vulkan-drivers"}
+              "/usr/share/vulkan/icd.d/lvp_icd.*.json": "mesa-vulkan-drivers",
+              "/usr/include/vulkan/vulkan.h": "libvulkan-dev",
+              "/usr/share/cmake/SPIRV-Headers/SPIRV-HeadersConfig.cmake": "spirv-headers"}
 
 
 # --- the build flags --------------------------------------------------------------

@@ -114,17 +114,31 @@ def test_missing_packages_come_from_apt_through_sudo(tmp_path):
         "sudo apt-get update -q",
         "sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "
         f"--no-install-recommends {VENV_PKG} build-essential groff-base chromium-driver "
-        "tinyproxy nodejs npm",
+        "tinyproxy nodejs npm glslc glslang-tools",
     ]
 
 
 def test_test_installs_the_vulkan_loader_and_lavapipe_where_they_are_missing(tmp_path):
     rc, commands, out, err = dry_run(
         ["--test", "--venv", str(tmp_path / "venv")],
-        exists=lambda pattern: "libvulkan" in pattern)
+        exists=lambda pattern: "libvulkan" in pattern or "/include/" in pattern
+        or "SPIRV" in pattern)
     assert rc == 0
     assert commands[1] == ("env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "
                            "--no-install-recommends mesa-vulkan-drivers")
+
+
+def test_test_installs_what_the_vulkan_variant_compiles_with(tmp_path):
+    # The headers, glslc and the SPIR-V headers (localrt.engines.builds.BUILD_NEEDS),
+    # and glslang-tools, which the list names beside them.
+    rc, commands, out, err = dry_run(
+        ["--test", "--venv", str(tmp_path / "venv")],
+        which=lambda cmd: None if cmd in ("glslc", "glslangValidator") else f"/usr/bin/{cmd}",
+        exists=lambda pattern: "libvulkan" in pattern or "lvp_icd" in pattern)
+    assert rc == 0
+    assert commands[1] == ("env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "
+                           "--no-install-recommends glslc glslang-tools libvulkan-dev "
+                           "spirv-headers")
     rc, commands, out, err = dry_run(["--venv", str(tmp_path / "venv")],
                                      exists=lambda pattern: False)
     assert rc == 0 and "apt-get" not in out  # only --test needs them
@@ -145,7 +159,7 @@ def test_test_tools_apt_lacks_are_left_out_with_a_note(tmp_path):
     assert rc == 5  # pytest's exit code
     assert calls[1] == ["env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "install", "-y",
                         "-q", "--no-install-recommends", "build-essential", "groff-base",
-                        "tinyproxy", "nodejs", "npm"]
+                        "tinyproxy", "nodejs", "npm", "glslc", "glslang-tools"]
     assert "apt has no chromium chromium-driver here" in err.getvalue()
 
 

@@ -1,9 +1,10 @@
 """Engine variants compiled from source: a distribution's sdist, built by pip into a wheel.
 
 A variant with CMake options (localrt.engines.catalog.Variant.cmake: gguf-cpp's +rpc ones,
--DGGML_RPC=ON) that the package index has no wheel of is built here, inside its
-install task (localrt.engines.installs): the task downloads the sdist from the index like a
-wheel (sha256 checked, resumable, cancellable), then `Build.run` runs
+-DGGML_RPC=ON, and its Vulkan one, -DGGML_VULKAN=ON) that the package index has no
+wheel of is built here, inside its install task (localrt.engines.installs): the task
+downloads the sdist from the index like a wheel (sha256 checked, resumable,
+cancellable), then `Build.run` runs
 
     python -m pip wheel --no-deps --no-cache-dir -v --index-url INDEX -w OUT SDIST
 
@@ -22,8 +23,15 @@ A CUDA variant (localrt.engines.cuda) first installs its toolkit from the same i
 into the build's scratch folder (the stage "toolkit"), builds for this machine's GPUs'
 compute capabilities, and gets the CUDA runtime libraries added to its wheel.
 
+A variant with patches (Variant.patches: files in localrt/engines/patches/, such as the
+Vulkan variant's guard for Debian 12's older Vulkan headers) has its sdist unpacked
+first, each patch applied with `patch -p1`, and pip builds that folder instead.
+What a CMake option needs besides a compiler (the Vulkan headers and glslc for
+-DGGML_VULKAN=ON: `BUILD_NEEDS`) is checked before the task starts
+(`check_can_build`), and a 400 names the Debian packages that are missing.
+
 The wheel is kept in `<engines>/.builds/<variant>/<version>/<key>/`, key a hash of the
-sdist's sha256, the flags and this Python's tag, so installing the variant again (after
+sdist's sha256, the flags, the patches and this Python's tag, so installing the variant again (after
 an uninstall) unpacks it without compiling (`cached_wheel`). Removing `.builds` frees
 the space.
 """
@@ -31,6 +39,7 @@ the space.
 from __future__ import annotations
 
 import collections
+import glob
 import hashlib
 import importlib.util
 import json
@@ -42,11 +51,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from localrt.engines import cuda, wheels
@@ -72,10 +82,56 @@ STAGES = (("Installing build dependencies", "requirements"),
           ("*** Making wheel", "wheel"))
 STEP = re.compile(r"^\s*\[(\d+)/(\d+)\]\s*(.*)")  # ninja's "[12/197] command"
 OUTPUT = re.compile(r"\s-o\s+(\S+)")
+PATCHES = Path(__file__).resolve().parent / "patches"  # Variant.patches name files here
+
+# What compiling with a CMake option needs besides a C/C++ compiler: (what it is, the
+# Debian package that brings it, a command on PATH or file patterns, any of which will
+# do). localrt(1), INSTALLATION, names the same packages, and localrt.bootstrap
+# installs them for the tests: change the three together.
+BUILD_NEEDS = {
+    "-DGGML_VULKAN=ON": (
+        ("the Vulkan headers", "libvulkan-dev", ("/usr/include/vulkan/vulkan.h",
+                                                 "/usr/local/include/vulkan/vulkan.h")),
+        ("the Vulkan loader's development library", "libvulkan-dev",
+         ("/usr/lib/*/libvulkan.so", "/usr/lib/libvulkan.so", "/usr/lib64/libvulkan.so",
+          "/usr/local/lib/libvulkan.so")),
+        ("the GLSL compiler glslc", "glslc", "glslc"),
+        ("the SPIR-V headers", "spirv-headers",
+         ("/usr/share/cmake/SPIRV-Headers/SPIRV-HeadersConfig.cmake",
+          "/usr/lib/*/cmake/SPIRV-Headers/SPIRV-HeadersConfig.cmake",
+          "/usr/local/share/cmake/SPIRV-Headers/SPIRV-HeadersConfig.cmake")),
+    ),
+}
 
 
-def check_can_build(what: str) -> None:
-    """A 400 when this machine cannot compile `what`: no C/C++ compiler, or no pip."""
+def missing_build_needs(cmake: Sequence[str], which: Callable[[str], str | None] = shutil.which,
+                        found: Callable[[str], bool] = lambda p: bool(glob.glob(p))
+                        ) -> list[tuple[str, str]]:
+    """(what, Debian package) of each thing compiling with the CMake options `cmake`
+    needs and this machine lacks (`BUILD_NEEDS`)."""
+    missing = []
+    for option in cmake:
+        for what, package, look in BUILD_NEEDS.get(option, ()):
+            there = which(look) if isinstance(look, str) else any(map(found, look))
+            if not there and (what, package) not in missing:
+                missing.append((what, package))
+    return missing
+
+
+def check_can_build(what: str, cmake: Sequence[str] = (), patches: Sequence[str] = ()
+                    ) -> None:
+    """A 400 when this machine cannot compile `what` with the CMake options `cmake` and
+    `patches`: no C/C++ compiler, no pip, no `patch`, or what `BUILD_NEEDS` names."""
+    lacking = missing_build_needs(cmake)
+    if patches and shutil.which("patch") is None:
+        lacking.append(("the patch command", "patch"))
+    if lacking:
+        packages = list(dict.fromkeys(package for _, package in lacking))
+        raise BadRequest(f"Compiling {what} needs {_listed([w for w, _ in lacking])}, "
+                         f"which this machine lacks: install the Debian "
+                         f"{'package' if len(packages) == 1 else 'packages'} "
+                         f"{' '.join(packages)} (apt-get install {' '.join(packages)}), "
+                         f"then install it again", param="variant")
     missing = [tool for tool in ("cc", "c++") if shutil.which(tool) is None]
     if missing:
         raise BadRequest(f"The package index has no wheel of {what}, and localrt would "
@@ -89,6 +145,16 @@ def check_can_build(what: str) -> None:
                          param="variant")
 
 
+def _listed(items: list[str]) -> str:
+    """"a", "a and b", "a, b and c"."""
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def patch_files(names: Sequence[str]) -> list[Path]:
+    """The patch files a variant names (Variant.patches), in localrt/engines/patches/."""
+    return [PATCHES / name for name in names]
+
+
 def build_flags(cmake: tuple[str, ...], environ: Mapping[str, str] = os.environ
                 ) -> dict[str, str]:
     """The variables a build adds to the environment: CMAKE_ARGS with `cmake`, and the
@@ -99,9 +165,12 @@ def build_flags(cmake: tuple[str, ...], environ: Mapping[str, str] = os.environ
 
 
 def cache_folder(engines_root: Path, variant: str, version: str, sdist_sha256: str,
-                 flags: Mapping[str, str]) -> Path:
-    """Where the wheel of this sdist, built with these flags for this Python, is kept."""
-    key = json.dumps([sdist_sha256, sorted(flags.items()), wheels.supported_tags()[0]])
+                 flags: Mapping[str, str], patches: Sequence[Path] = ()) -> Path:
+    """Where the wheel of this sdist, built with these flags and patches for this Python,
+    is kept."""
+    applied = [hashlib.sha256(p.read_bytes()).hexdigest() for p in patches]
+    key = json.dumps([sdist_sha256, sorted(flags.items()), wheels.supported_tags()[0]]
+                     + ([applied] if applied else []))
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return engines_root / BUILDS_DIR / variant / version / digest
 
@@ -148,13 +217,16 @@ def plan(engines_root: Path, engine: str, variant, version: str | None, config: 
     if cuda.major(variant.name):
         toolkit = cuda.Toolkit(cuda.major(variant.name), gpus())
     flags = build_flags(toolkit.flags() if toolkit else variant.cmake)
-    folder = cache_folder(engines_root, variant.name, ver, sdist.sha256.lower(), flags)
+    patches = patch_files(variant.patches)
+    folder = cache_folder(engines_root, variant.name, ver, sdist.sha256.lower(), flags,
+                          patches)
     wheel = cached_wheel(folder)
     if wheel is not None:
         return Plan(ver, wheel=wheel, note=f"{wheel.name} was built here before from "
                                            f"{sdist.filename} with the same flags")
     what = f"{engine} {variant.name} v{ver}"
-    return Plan(ver, sdist, Build(what, folder, flags, index_url, config, progress, toolkit),
+    return Plan(ver, sdist, Build(what, folder, flags, index_url, config, progress,
+                                  toolkit, patches),
                 note=f"the package index has no wheel of {variant.name}: localrt "
                      f"compiles {sdist.filename} (minutes; the task's `build` says how "
                      f"far it is)")
@@ -164,7 +236,8 @@ class Build:
     """One sdist compiled into a wheel in `folder` (see the module docstring)."""
 
     def __init__(self, what: str, folder: Path, flags: Mapping[str, str], index_url: str,
-                 config: Mapping, progress: Callable[[Task], None], toolkit=None):
+                 config: Mapping, progress: Callable[[Task], None], toolkit=None,
+                 patches: Sequence[Path] = ()):
         self.what = what          # "gguf-cpp linux-amd64-avx2+rpc 0.3.36", for messages
         self.folder = folder      # cache_folder(...)
         self.flags = dict(flags)  # build_flags(...)
@@ -172,6 +245,7 @@ class Build:
         self.config = config
         self.progress = progress  # publishes a task's `build` (a DownloadUpdated event)
         self.toolkit = toolkit    # a CUDA variant's localrt.engines.cuda.Toolkit, or None
+        self.patches = list(patches)  # patch_files(...), applied in order
 
     def run(self, task: Task, sdist: Path) -> Path:
         """Compile `sdist`; the wheel, in `folder`. Raises DownloadFailed if it fails."""
@@ -185,7 +259,8 @@ class Build:
         try:
             if self.toolkit is not None:
                 self._toolkit(task, scratch, tail)
-            code = self._pip(task, sdist, scratch, tail)
+            source = self._patched(task, sdist, scratch) if self.patches else sdist
+            code = self._pip(task, source, scratch, tail)
             if task.cancelled.is_set():
                 raise Cancelled()
             built = sorted((scratch / "wheel").glob("*.whl"))
@@ -224,6 +299,24 @@ class Build:
                                  + "\n".join(tail)) from None
         self.flags["CMAKE_ARGS"] = " ".join([self.flags["CMAKE_ARGS"],
                                              *self.toolkit.cmake_args()])
+
+    def _patched(self, task: Task, sdist: Path, scratch: Path) -> Path:
+        """Unpack `sdist` into `scratch` and apply the patches; the folder pip builds."""
+        task.build.update(stage="patch", line=f"unpacking {sdist.name}")
+        self.progress(task)
+        with tarfile.open(sdist) as tar:
+            unpack_sdist(tar, scratch / "source")
+        tops = [p for p in (scratch / "source").iterdir() if p.is_dir()]
+        if len(tops) != 1:
+            raise DownloadFailed(f"{sdist.name} does not hold one top folder")
+        for patch in self.patches:
+            task.build.update(line=f"applying {patch.name}")
+            self.progress(task)
+            failed = apply_patch(patch, tops[0])
+            if failed:
+                raise DownloadFailed(f"Building {self.what}: {patch.name} does not apply "
+                                     f"to {sdist.name}:\n{failed}")
+        return tops[0]
 
     def _pip(self, task: Task, sdist: Path, scratch: Path, tail) -> int:
         """Run pip wheel, reading its output into the task's progress; its exit code."""
@@ -275,6 +368,33 @@ class Build:
             env["HTTP_PROXY"] = env["HTTPS_PROXY"] = urlunsplit(parts)
             env["NO_PROXY"] = self.config.get("no_proxy") or ""
         return env
+
+
+def unpack_sdist(tar: tarfile.TarFile, into: Path) -> None:
+    """Unpack an sdist's files, refusing links and paths that leave `into`."""
+    into.mkdir(parents=True, exist_ok=True)
+    if hasattr(tarfile, "data_filter"):
+        tar.extractall(into, filter="data")
+        return
+    root = into.resolve()
+    for member in tar.getmembers():  # a Python without extraction filters
+        target = (root / member.name).resolve()
+        if not (member.isfile() or member.isdir()) or not target.is_relative_to(root):
+            raise DownloadFailed(f"the sdist holds {member.name!r}, which localrt does "
+                                 f"not unpack")
+    tar.extractall(into)
+
+
+def apply_patch(patch: Path, folder: Path, dry_run: bool = False) -> str:
+    """Apply `patch` (a unified diff, -p1) to `folder`; "" when it applied, else what
+    `patch` said. Nothing changes when it does not apply whole."""
+    cmd = ["patch", "-p1", "--forward", "--batch", "--no-backup-if-mismatch", "-d",
+           str(folder), "-i", str(patch)]
+    check = subprocess.run(cmd + ["--dry-run"], capture_output=True, text=True)
+    if check.returncode != 0 or dry_run:
+        return (check.stdout + check.stderr).strip() if check.returncode else ""
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    return "" if done.returncode == 0 else (done.stdout + done.stderr).strip()
 
 
 def _progress(progress: dict, line: str) -> bool:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import fnmatch
 import importlib
 import importlib.util
+import os
 import sys
 import threading
 from dataclasses import dataclass
@@ -40,8 +41,9 @@ from typing import Callable, Iterable, Mapping
 from localrt import __version__
 from localrt.engines import contract, cuda, plugins
 from localrt.errors import Conflict, HTTPError, NotFound, shown
-from localrt.engines.hardware import CPU_LEVELS, Hardware, detect_hardware, recommended
-from localrt.engines.probe import Probes
+from localrt.engines.hardware import (CPU_LEVELS, Hardware, detect_hardware, recommended,
+                                     vulkan_environment)
+from localrt.engines.probe import Probes, vulkan_build
 
 
 class EngineNotFound(NotFound):
@@ -66,10 +68,12 @@ class Variant:
     name: str
     distribution: str         # project name in the package index
     local: str | None = None  # the PEP 440 local label its wheels carry (+avx2)
-    needs: str | None = None  # a CPU flag, or "cuda-12"
+    needs: str | None = None  # a CPU flag, "cuda-12", or "vulkan" (a Vulkan device)
     # CMake options of a variant localrt compiles from the distribution's sdist when
     # the index has no wheel of it (localrt.engines.builds); () for one only the index has.
     cmake: tuple[str, ...] = ()
+    # Patch files (localrt/engines/patches/) applied to the unpacked sdist before that.
+    patches: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -117,15 +121,24 @@ class EngineSpec:
 
 
 RPC_SUFFIX = "+rpc"  # a gguf-cpp variant built with llama.cpp's RPC backend (localrt.engines.rpc)
+# gguf-cpp's Vulkan variant: llama.cpp's Vulkan backend, for any GPU with a Vulkan driver
+# (and Mesa's lavapipe, a Vulkan device on the CPU). Compiled from the sdist; the patch
+# lets it build against Debian 12's Vulkan headers.
+VULKAN = "vulkan"
+VULKAN_CMAKE = ("-DGGML_VULKAN=ON",)
+VULKAN_PATCHES = ("ggml-vulkan-layer-settings.patch",)
 
 
 def _gguf_variants(hw: Hardware) -> list[Variant]:
     # The +rpc ones come last: an install that names no variant never picks one.
+    # Which one it picks is localrt.engines.hardware.recommended's rule.
     found = [Variant(f"{hw.platform}-{level}", "llama-cpp-python", level, flag)
              for level, flag in CPU_LEVELS]
     # CUDA: a wheel of the index, else compiled with the index's toolkit (localrt.engines.cuda).
     found += [Variant(f"{hw.platform}-cuda-{major}", "llama-cpp-python", f"cu{major}",
                       f"cuda-{major}", cmake=cuda.CMAKE) for major in ("12", "13")]
+    found.append(Variant(f"{hw.platform}-{VULKAN}", "llama-cpp-python", VULKAN, VULKAN,
+                         cmake=VULKAN_CMAKE, patches=VULKAN_PATCHES))
     return found + [Variant(f"{hw.platform}-{level}{RPC_SUFFIX}", "llama-cpp-python",
                             f"{level}.rpc", flag, cmake=("-DGGML_RPC=ON",))
                     for level, flag in CPU_LEVELS]
@@ -526,6 +539,11 @@ class Engines:
         with self._lock:
             if name not in self._imported:  # else another thread did it meanwhile
                 if active.get("path"):
+                    if vulkan_build(active["path"]):
+                        # llama.cpp reads it in this process when its Vulkan backend
+                        # first lists devices; the vetting children inherit it.
+                        for var, value in vulkan_environment(self.hardware).items():
+                            os.environ.setdefault(var, value)
                     plugins.on_sys_path(active["path"])
                 self._imported[name] = str(active.get("path"))
 

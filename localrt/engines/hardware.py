@@ -262,7 +262,32 @@ class Build(Protocol):
     """What the rules below read of a variant (localrt.engines.catalog.Variant)."""
 
     name: str            # starts with the platform it is built for: linux-amd64-avx2
-    needs: str | None    # a CPU flag, or "cuda-12"
+    needs: str | None    # a CPU flag, "cuda-12", or "vulkan"
+
+
+VULKAN_LOADER = "vulkan"  # libvulkan.so.1, Debian's libvulkan1
+
+
+def vulkan_devices(hw: Hardware) -> list[dict]:
+    """The GPUs llama.cpp's Vulkan backend may use: the Vulkan devices (lavapipe, of type
+    cpu, too) and the NVIDIA GPUs, whose driver is listed once, as CUDA's
+    (localrt.engines.gpus.merged)."""
+    return [g for g in hw.gpus.list() if g.get("backend") in ("vulkan", "cuda")]
+
+
+VISIBLE_DEVICES = "GGML_VK_VISIBLE_DEVICES"  # llama.cpp's Vulkan device indices
+
+
+def vulkan_environment(hw: Hardware, environ=os.environ) -> dict[str, str]:
+    """What a process that loads a Vulkan build needs in its environment: where every
+    Vulkan device is a CPU (lavapipe), GGML_VK_VISIBLE_DEVICES naming them, as llama.cpp
+    uses CPU devices only when named; {} where GPUs exist or `environ` names devices."""
+    if VISIBLE_DEVICES in environ:
+        return {}
+    found = vulkan_devices(hw)
+    if not found or any(g.get("type") != "cpu" for g in found):
+        return {}
+    return {VISIBLE_DEVICES: ",".join(g["id"] for g in found)}
 
 
 def runnable(variant: Build, hw: Hardware) -> str | None:
@@ -271,6 +296,16 @@ def runnable(variant: Build, hw: Hardware) -> str | None:
         return f"it is built for another platform; this machine is {hw.platform}"
     if variant.needs is None:
         return None
+    if variant.needs == "vulkan":
+        if vulkan_devices(hw):
+            return None
+        import ctypes.util
+
+        if ctypes.util.find_library(VULKAN_LOADER) is None:
+            return ("it needs the Vulkan loader (Debian's libvulkan1) and a Vulkan device, "
+                    "and this machine has no Vulkan loader")
+        return ("it needs a Vulkan device (a GPU with a Vulkan driver, or Mesa's lavapipe "
+                "on the CPU: Debian's mesa-vulkan-drivers), and the Vulkan loader finds none")
     if variant.needs.startswith("cuda-"):
         major = variant.needs.split("-")[1]
         if hw.cuda is None:
@@ -283,8 +318,20 @@ def runnable(variant: Build, hw: Hardware) -> str | None:
     return None
 
 
+def gpu_build(variant: Build) -> bool:
+    """Whether `variant` offloads to a GPU (CUDA or Vulkan), not only the CPU."""
+    return bool(variant.needs) and (variant.needs.startswith("cuda-")
+                                    or variant.needs == "vulkan")
+
+
 def recommended(variants: Sequence[Build], hw: Hardware):
-    """The variant to install when none is asked for: a GPU one, else the best CPU one."""
+    """The variant to install when none is asked for, as cortex picks: CUDA where an
+    NVIDIA GPU and its driver are found, else Vulkan where a Vulkan GPU that is not a
+    CPU device (lavapipe) is found, else the best CPU level (`variants` lists the CPU
+    ones best first)."""
     usable = [v for v in variants if runnable(v, hw) is None]
-    gpu = [v for v in usable if v.needs and v.needs.startswith("cuda")]
-    return (gpu or usable or [None])[0]
+    cuda = [v for v in usable if v.needs and v.needs.startswith("cuda")]
+    vulkan = [v for v in usable if v.needs == "vulkan"
+              and any(g.get("type") != "cpu" for g in vulkan_devices(hw))]
+    cpu = [v for v in usable if not gpu_build(v)]
+    return (cuda or vulkan or cpu or [None])[0]

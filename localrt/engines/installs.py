@@ -48,7 +48,7 @@ from localrt.errors import BadRequest, Conflict, HTTPError
 from localrt.fsutil import (MOVE_DATA, NO_SPACE, fsync_dir, human_size, no_inodes, private_dir,
                             read_json, remove_stale_temps, space_short, storage_error,
                             write_json)
-from localrt.engines.hardware import Hardware, recommended, runnable
+from localrt.engines.hardware import Hardware, gpu_build, recommended, runnable
 from localrt.engines.releases import LATEST, Releases, bare_version, wanted_version
 
 log = logging.getLogger(__name__)
@@ -118,8 +118,10 @@ class Installs:
                 variant: str | None = None) -> dict:
         """Start installing a variant of a built-in engine as a download task.
 
-        `version` None or "latest" is the newest the index has. A variant installed
-        already is not fetched again: its task checks its files (`_check`).
+        `version` None or "latest" is the newest the index has. `variant` None is this
+        machine's pick (localrt.engines.hardware.recommended): the shipped build, unless
+        the pick is a GPU variant. A variant installed already is not fetched again: its
+        task checks its files (`_check`).
         """
         engines, hw = self._engines, self._engines.hardware
         spec = self._builtin_spec(name)
@@ -128,6 +130,10 @@ class Installs:
             raise BadRequest(f"Cannot install {name}: {reason}", param="engine")
         version = wanted_version(version)
         builtin = engines.builtin(spec) if spec.builtin else None
+        if variant is None and builtin:
+            # The shipped build serves, unless this machine's pick is a GPU variant.
+            pick = recommended(spec.variants(hw), hw)
+            variant = pick.name if pick is not None and gpu_build(pick) else None
         if builtin and version in (None, builtin["version"]) and \
                 variant in (None, builtin["variant"]):
             return self._check(name, builtin)
@@ -161,7 +167,7 @@ class Installs:
         if (chosen.name, plan.version) in installed:
             return self._check(name, installed[chosen.name, plan.version])
         if plan.build is not None:
-            builds.check_can_build(plan.build.what)
+            builds.check_can_build(plan.build.what, chosen.cmake, chosen.patches)
         items = [self._item(plan.sdist)] if plan.build else []
         task = self._install_task(name, chosen.name, plan.version, items, local=plan.wheel,
                                   build=plan.build)

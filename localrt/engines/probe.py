@@ -7,10 +7,22 @@ and it must not take the server with it (see the engines issue and README.rst).
 The child prints one JSON object per line on stdout, flushing after each, so the
 parent knows how far it got even when the child is killed by a signal:
 
-* ``{"stage": "info", "version", "system_info", "gpu_offload", "rpc"}`` once llama_cpp
-  loads (rpc: built with llama.cpp's RPC backend);
+* ``{"stage": "info", "version", "system_info", "gpu_offload", "rpc", "backends",
+  "devices"}`` once llama_cpp loads (rpc: built with llama.cpp's RPC backend; backends:
+  ggml's, such as ["CPU", "Vulkan"]; devices: the GPUs those see, each {"name",
+  "description", "type"});
 * ``{"stage": "decode", "type": "Q8_0"}`` before each quantized model is run;
+* ``{"stage": "offload", "device"}`` before a build with a GPU device (a Vulkan or CUDA
+  build) runs the model with all its layers on that device, and its greedy reply is
+  compared with the one the CPU gave (`OFFLOAD_TOKENS` tokens, the F32 model, whose
+  arithmetic differs between the two by rounding only); a reply that differs fails the
+  probe, as a crash does;
 * ``{"stage": "done", "tokens_per_second": ...}`` when every type decoded.
+
+A Vulkan build on a machine whose only Vulkan device is a CPU (Mesa's lavapipe) sees it
+only when GGML_VK_VISIBLE_DEVICES names it (llama.cpp skips CPU devices otherwise): the
+parent sets it for the child (localrt.engines.hardware.vulkan_environment) as
+localrt.engines.catalog does for the server before it imports such a build.
 
 The model is written here (a tiny random llama with a byte-level SentencePiece
 vocabulary), then quantized with ``llama_cpp.llama_model_quantize`` to each type in
@@ -56,6 +68,9 @@ PROBE_TIMEOUT = 300  # seconds; a probe loads and decodes two tiny models
 # ggml type names -> llama_ftype values (llama.h: LLAMA_FTYPE_MOSTLY_Q4_0 = 2, Q8_0 = 7).
 QUANT_TYPES = {"Q8_0": 7, "Q4_0": 2}
 DECODE_TOKENS = 4
+OFFLOAD_TOKENS = 8  # greedy tokens compared between the CPU and a GPU device
+# ggml_backend_dev_type (ggml-backend.h) values of the devices a model's layers go to.
+GPU_DEVICE_TYPES = {1: "gpu", 2: "igpu"}
 
 # Sizes chosen so every weight row is a multiple of 256, the largest quantization block
 # (k-quants), so llama.cpp uses its real quantized kernels and no fallback types.
@@ -159,20 +174,79 @@ def write_model(path: Path, seed: int = 0) -> Path:
 # --- the child ---------------------------------------------------------------------
 
 
+def _ggml_devices(llama_cpp) -> tuple[list[str], list[dict]]:
+    """ggml's backends, and the GPU devices they see, read from the build's libggml
+    (llama_cpp has no bindings for them); ([], []) where it cannot say."""
+    import ctypes
+
+    try:
+        ggml = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml.so"))
+        for name in ("ggml_backend_reg_get", "ggml_backend_dev_get"):
+            getattr(ggml, name).restype = ctypes.c_void_p
+            getattr(ggml, name).argtypes = [ctypes.c_size_t]
+        for name in ("ggml_backend_reg_name", "ggml_backend_dev_name",
+                     "ggml_backend_dev_description"):
+            getattr(ggml, name).restype = ctypes.c_char_p
+            getattr(ggml, name).argtypes = [ctypes.c_void_p]
+        ggml.ggml_backend_reg_count.restype = ggml.ggml_backend_dev_count.restype = \
+            ctypes.c_size_t
+        ggml.ggml_backend_dev_type.restype = ctypes.c_int
+        ggml.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+        backends = [ggml.ggml_backend_reg_name(ggml.ggml_backend_reg_get(i)).decode()
+                    for i in range(ggml.ggml_backend_reg_count())]
+        devices = []
+        for i in range(ggml.ggml_backend_dev_count()):
+            dev = ggml.ggml_backend_dev_get(i)
+            kind = GPU_DEVICE_TYPES.get(ggml.ggml_backend_dev_type(dev))
+            if kind:
+                devices.append({"name": ggml.ggml_backend_dev_name(dev).decode(),
+                                "description": ggml.ggml_backend_dev_description(dev)
+                                .decode("utf-8", "replace"), "type": kind})
+        return backends, devices
+    except (OSError, AttributeError, UnicodeDecodeError):
+        return [], []
+
+
+def _greedy(llama_cpp, path: Path, gpu_layers: int) -> list[int]:
+    """The tokens a model at `path` answers "hello" with, greedily, `gpu_layers` of its
+    layers on the GPU (-1: all of them)."""
+    llm = llama_cpp.Llama(str(path), n_ctx=N_CTX, n_threads=1, n_gpu_layers=gpu_layers,
+                          seed=1, verbose=False)
+    try:
+        tokens = []
+        for token in llm.generate(llm.tokenize(b"hello"), temp=0.0, top_k=1):
+            tokens.append(token)
+            if len(tokens) == OFFLOAD_TOKENS:
+                break
+        return tokens
+    finally:
+        llm.close()
+
+
 def main(argv: list[str]) -> int:
     """Probe the llama_cpp importable here (ENGINE_DIR first on sys.path, if given)."""
     if argv:
         sys.path.insert(0, argv[0])
     import llama_cpp
 
+    backends, devices = _ggml_devices(llama_cpp)
     _emit(stage="info", version=llama_cpp.__version__,
           system_info=llama_cpp.llama_print_system_info().decode("utf-8", "replace"),
           gpu_offload=bool(llama_cpp.llama_supports_gpu_offload()),
           # older llama-cpp-python versions have no such function, nor RPC devices
-          rpc=bool(getattr(llama_cpp, "llama_supports_rpc", lambda: False)()))
+          rpc=bool(getattr(llama_cpp, "llama_supports_rpc", lambda: False)()),
+          backends=backends, devices=devices)
     rates = []
     with tempfile.TemporaryDirectory(prefix="localrt-probe-") as tmp:
         source = write_model(Path(tmp) / "probe-f32.gguf")
+        if devices:
+            _emit(stage="offload", device=devices[0]["description"])
+            on_cpu, on_gpu = _greedy(llama_cpp, source, 0), _greedy(llama_cpp, source, -1)
+            if on_cpu != on_gpu:
+                _emit(stage="error", message=f"with all layers on {devices[0]['description']} "
+                                             f"the build answers {on_gpu}, and on the CPU "
+                                             f"{on_cpu}")
+                return 1
         for name, ftype in QUANT_TYPES.items():
             target = Path(tmp) / f"probe-{name}.gguf"
             params = llama_cpp.llama_model_quantize_default_params()
@@ -200,6 +274,10 @@ def run_probe(path: str | None, hw: Hardware) -> dict:
     """Run this module as a child on a llama.cpp build (None: the one localrt ships with)."""
     cmd = [sys.executable, "-m", "localrt.engines.probe"] + ([path] if path else [])
     env = dict(os.environ)
+    if path and vulkan_build(path):
+        from localrt.engines.hardware import vulkan_environment
+
+        env.update(vulkan_environment(hw, env))
     # The child must import this localrt, wherever it is installed or checked out.
     # (the folder that holds the localrt package, however deep this module sits in it)
     localrt_root = str(Path(localrt.__file__).resolve().parent.parent)
@@ -219,9 +297,11 @@ def run_probe(path: str | None, hw: Hardware) -> dict:
     info = next((line for line in lines if line.get("stage") == "info"), {})
     result = {"variant": gguf_variant(info.get("system_info", ""),
                                       info.get("gpu_offload", False), hw,
-                                      info.get("rpc", False)),
+                                      info.get("rpc", False), info.get("backends", ())),
               "version": info.get("version", ""), "systemInfo": info.get("system_info", ""),
               "seconds": round(time.monotonic() - started, 2)}
+    if info.get("devices"):
+        result["devices"] = info["devices"]
     last = lines[-1] if lines else {}
     if proc.returncode == 0 and last.get("stage") == "done":
         result["decodeTokensPerSecond"] = last.get("tokens_per_second")
@@ -230,9 +310,15 @@ def run_probe(path: str | None, hw: Hardware) -> dict:
     return result
 
 
+def vulkan_build(path: str) -> bool:
+    """Whether the llama.cpp build in folder `path` has the Vulkan backend."""
+    return (Path(path) / "llama_cpp" / "lib" / "libggml-vulkan.so").exists()
+
+
 def _probe_failure(proc: subprocess.CompletedProcess, last: dict) -> str:
-    where = (f"in a {last['type']} quantized model" if last.get("stage") == "decode"
-             else "while loading")
+    where = {"decode": f"in a {last.get('type')} quantized model",
+             "offload": f"with all layers on {last.get('device')}"}.get(last.get("stage"),
+                                                                        "while loading")
     if proc.returncode < 0:
         sig = signal.Signals(-proc.returncode)
         what = {signal.SIGILL: "illegal instruction", signal.SIGSEGV: "segmentation fault",
@@ -245,9 +331,12 @@ def _probe_failure(proc: subprocess.CompletedProcess, last: dict) -> str:
 
 
 def gguf_variant(system_info: str, gpu_offload: bool, hw: Hardware,
-                 rpc: bool = False) -> str:
-    """The variant name of a llama.cpp build, from llama_print_system_info(), with
-    "+rpc" for one built with the RPC backend (llama_supports_rpc())."""
+                 rpc: bool = False, backends=()) -> str:
+    """The variant name of a llama.cpp build, from llama_print_system_info() and ggml's
+    backends (a Vulkan build is one with or without a device), with "+rpc" for one
+    built with the RPC backend (llama_supports_rpc())."""
+    if "Vulkan" in backends:
+        return f"{hw.platform}-vulkan"
     return _gguf_base_variant(system_info, gpu_offload, hw) + ("+rpc" if rpc else "")
 
 
