@@ -231,7 +231,7 @@ class LlamaModel(GeneratingModel):
             if plan is not None and prompt.thinking is not None:
                 thinking = plan.tracker(prompt.thinking, lambda t: self._piece(t, True),
                                         self._special_tokens)
-                if prompt.thinking != "answer" and self._grammar(params)[0]:
+                if not thinking.answering and self._grammar(params)[0]:
                     # The thinking is free; the grammar constrains the answer after it.
                     after, sampler = sampler, None
                     sampler = self._sampler(params, tokens, grammar=False)
