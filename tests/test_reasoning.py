@@ -47,6 +47,10 @@ def test_markers_come_from_the_template(name, syntax, switch, effort, state):
     assert markers is not None
     assert (markers.syntax.name, markers.switch, markers.effort) == (syntax, switch, effort)
     assert reasoning.state_of(markers.syntax, render(name, enable_thinking=True)) == state
+    # what an engine that does not say is taken to have rendered (Plan.state)
+    assert reasoning.Plan(markers).state == state
+    assert reasoning.Plan(markers, think=False).state == reasoning.state_of(
+        markers.syntax, render(name, enable_thinking=False))
 
 
 def test_a_reasoning_models_record_has_the_reasoning_capability():

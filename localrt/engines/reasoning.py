@@ -24,7 +24,8 @@ the model's `reasoning` and `reasoning_budget` defaults) gives the template its
 variables (enable_thinking, reasoning_effort, chat_template_kwargs). The engine reads
 the state the rendered prompt leaves the reply in (`Plan.prepare`: "thinking" when the
 prompt already opened it, as Qwen3.5's and QwQ's do, "answer" when it closed it,
-"before" when the model opens it itself), closing it there when thinking is off and
+"before" when the model opens it itself; an engine that does not say is taken to have
+rendered the template as it is, `Plan.state`), closing it there when thinking is off and
 the template has no switch (a budget of 0), and follows the reply's tokens with a
 `Tracker`: it counts the tokens written inside thinking (reasoning_tokens), and at the
 budget gives the end marker's tokens for the engine to write itself, after which the
@@ -92,11 +93,14 @@ SYNTAXES = (
 @dataclass(frozen=True)
 class Markers:
     """What a reasoning model's template says: its syntax, whether enable_thinking
-    false changes its prompt (its own off switch), and whether it takes an effort."""
+    false changes its prompt (its own off switch), whether it takes an effort, and the
+    states its generation prompt leaves a reply in with enable_thinking true and false
+    (`state_of`)."""
 
     syntax: Syntax
     switch: bool
     effort: bool
+    states: tuple = ("before", "before")
 
 
 # --- finding the markers --------------------------------------------------------------
@@ -139,13 +143,15 @@ def _markers(template: str) -> Markers | None:
         if all(mark in rendered for mark in syntax.marks):
             effort = render(_USER, reasoning_effort="low") != \
                 render(_USER, reasoning_effort="high")
-            return Markers(syntax, switch=on != off, effort=effort)
+            return Markers(syntax, switch=on != off, effort=effort,
+                           states=(state_of(syntax, on), state_of(syntax, off)))
     # A template that only strips earlier thinking (DeepSeek-R1's distills: the model
     # opens it itself, and the history drops it) names its end marker in its source.
     for syntax in SYNTAXES:
         if not syntax.harmony and (f"'{syntax.end}'" in template
                                    or f'"{syntax.end}"' in template):
-            return Markers(syntax, switch=on != off, effort=False)
+            return Markers(syntax, switch=on != off, effort=False,
+                           states=(state_of(syntax, on), state_of(syntax, off)))
     return None
 
 
@@ -190,6 +196,13 @@ class Plan:
         grammar (localrt.engines.toolcalls.harmony_grammar) writes the whole message,
         header and all, from where the analysis ends."""
         return self.call and self.syntax.harmony
+
+    @property
+    def state(self) -> str:
+        """The state the model's own template leaves a reply in, thinking on or off as
+        planned: what an engine that does not say (its Generation's `thinking` None: a
+        custom engine's) is taken to have rendered."""
+        return self.markers.states[0 if self.think else 1]
 
     def prepare(self, prompt: str) -> tuple[str, str]:
         """(prompt, state): the rendered prompt, closed when thinking is off and the

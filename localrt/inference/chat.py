@@ -130,6 +130,15 @@ class Chats:
                 generation.close()
                 raise InvalidField(f"Invalid field 'logprobs': model {local.model_id}'s "
                                    f"engine does not give log probabilities", param="logprobs")
+            thinking = params.get("reasoning")
+            if thinking is not None and thinking.think and thinking.budget is not None \
+                    and getattr(generation, "thinking", None) is None:
+                # An engine that does not follow the plan cannot end the thinking.
+                generation.close()
+                raise InvalidField(f"Invalid field 'reasoning_budget': model "
+                                   f"{local.model_id}'s engine cannot end thinking at a "
+                                   f"budget (the request's, or the model's "
+                                   f"reasoning_budget)", param="reasoning_budget")
         except BaseException:
             lease.release()
             raise
@@ -326,8 +335,10 @@ class Completion:
         self._called: bool | None = None  # a whole reply's: whether it holds calls
         self._splitter = None
         if thinking is not None and not thinking.raw:
+            # An engine that does not say where its prompt left the thinking (a custom
+            # one's) rendered the model's template, as far as localrt can tell.
             self._splitter = thinking.splitter(getattr(generation, "thinking", None)
-                                               or "before")
+                                               or thinking.state)
         self._thought = 0  # pieces that carried thinking (an engine that counts none)
 
     def prompt_tokens(self) -> int:
