@@ -241,6 +241,7 @@ HARMONY = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "
 HARMONY_CALL = ["▁so", "▁we", "<|end|>", "<|start|>", "assistant", "<|channel|>", "commentary",
                 " to=functions.get_weather ", "<|constrain|>", "json<|message|>",
                 '{"city": "Oslo"}', "<|call|>"]
+LONG = ["A1", "B2", "C3", "D4", "E5", "F6"]
 # name: (template, added tokens (user-defined), script)
 MODELS = {
     # Qwen3: the model opens its thinking; a call inside it is thinking, one after a call
@@ -265,6 +266,8 @@ MODELS = {
     # gpt-oss: harmony's channel tokens are control tokens; this one only analyses
     "harmony": ("openai-gpt-oss-120b", ["analysis", "assistant", "final"],
                 ["<|channel|>", "analysis", "<|message|>", "▁so", "▁we", "▁go", "▁on"]),
+    # A long thought whose tokens the prompt can hold as they are (drafts copy it)
+    "long": ("Qwen-Qwen3-0.6B", ["<think>", "</think>", *LONG], ["<think>", *LONG, "</think>"]),
     # gpt-oss's forced call: the analysis (which the prompt opens), then a commentary
     # message to the function; "json<|message|>" is one token, since the <|message|>
     # that ends the prompt leads to the analysis's first token
@@ -543,3 +546,20 @@ def test_the_harmony_grammar_names_the_forced_functions():
     assert all(f'"{n}"' in required.params()["grammar"] for n in ("get_time", "get_weather"))
     assert "grammar" not in toolcalls.ToolRequest.read([weather], "auto").plan(
         None, own=True).params()
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("budget", [1, 3, 6, None])
+def test_a_budget_drafts_as_far_as_its_tracker_stays_quiet(chat, budget):
+    # the script in the prompt: the drafter proposes what followed there
+    fields = {"text": "<think>" + "".join(LONG) + "</think>", "reasoning_budget": budget}
+    drafted = folded(chat("long", **fields))
+    plain = folded(chat("long", speculative=False, **fields))
+    thought = "".join(LONG[:budget - 1] if budget else LONG)
+    assert (drafted.reasoning, drafted.text) == (plain.reasoning, plain.text) == (thought, "")
+    assert drafted.usage.reasoning_tokens == plain.usage.reasoning_tokens == \
+        (budget or len(LONG) + 2)
+    assert drafted.usage.completion_tokens == plain.usage.completion_tokens
+    assert plain.usage.accepted_prediction_tokens == 0
+    if budget in (6, None):  # A1, then a draft of what followed it in the prompt
+        assert drafted.usage.accepted_prediction_tokens >= 3

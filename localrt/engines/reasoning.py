@@ -460,6 +460,15 @@ class Tracker:
         """Whether it may give tokens to write (a budget, while not answering)."""
         return self.budget is not None and not self.answering
 
+    def quiet(self) -> int | None:
+        """How many tokens it surely follows before any of them makes it give tokens to
+        write (a draft may be verified that far: localrt.engines.llama.batch); None for
+        any number (no budget, or answering)."""
+        if not self.may_force:
+            return None
+        # each token adds at most one to `count`, and the pending ones once
+        return max(self.budget - self.count - self._pending - 1, 0)
+
     def step(self, token: int) -> list:
         """Follow one token; the tokens to write now (see the class docstring)."""
         if self.answering:

@@ -243,10 +243,9 @@ class LlamaModel(GeneratingModel):
         predicted = None  # the prediction's tokens, when the request has one
         if params.get("prediction"):
             predicted = self._text_tokens(params["prediction"])
-        forcing = after is not None or (thinking is not None and thinking.may_force)
         seq = Sequence(tokens, max_tokens, sampler, top_logprobs=top,
                        prompt_logprobs=echo and top is not None, images=prompt.chunks,
-                       drafter=None if forcing else self._drafter(params, tokens, predicted),
+                       drafter=self._drafter(params, tokens, predicted),
                        adapters=adapters, thinking=thinking, after_thinking=after)
         batcher, wait = self._batcher, wait or self.step
         made: list[int] = []  # the reply's tokens, for the prediction's counts
