@@ -563,3 +563,13 @@ def test_a_budget_drafts_as_far_as_its_tracker_stays_quiet(chat, budget):
     assert plain.usage.accepted_prediction_tokens == 0
     if budget in (6, None):  # A1, then a draft of what followed it in the prompt
         assert drafted.usage.accepted_prediction_tokens >= 3
+
+
+@pytest.mark.live
+def test_the_end_marker_localrt_writes_has_its_logprob(chat):
+    whole = folded(chat("split", reasoning_budget=2, logprobs=1))  # was an IndexError
+    assert (whole.reasoning, whole.text) == ("so", "ok")
+    pieces = [e.piece for e in whole.logprobs]
+    assert b"".join(pieces) == "<think> so</think> ok".encode()
+    written = [e for e in whole.logprobs if e.piece in (b"</th", b"ink>")]
+    assert [(e.logprob, len(e.top)) for e in written] == [(0.0, 1), (0.0, 1)]
