@@ -48,6 +48,7 @@ def test_onnx_runtime_splits_a_prompt_that_opens_the_thinking_and_keeps_a_budget
                               script=["so", " we", "</think>", " ok"])
     assert api("POST", "/v1/models/import", {"path": str(folder), "id": "qwq"}).status == 200
     assert api("POST", "/v1/models/qwq/start").status == 200
+    assert "reasoning" in api("GET", "/v1/models/qwq").json["capabilities"]
 
     reply = chat(api, "qwq")
     message, usage = reply["choices"][0]["message"], reply["usage"]
