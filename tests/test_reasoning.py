@@ -238,8 +238,8 @@ HARMONY_TOOLS = [{"type": "function", "function": {**TOOLS[0]["function"],
                                                    "description": "The weather in a city."}}]
 HARMONY = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>",
            "<|constrain|>"]  # harmony's control tokens
-HARMONY_CALL = ["▁so", "▁we", "<|end|>", "<|start|>", "assistant", "<|channel|>", "commentary",
-                " to=functions.get_weather ", "<|constrain|>", "json<|message|>",
+HARMONY_CALL = ["▁so", "▁we", "<|end|>", "<|start|>", "assistant", "<|channel|>",
+                "commentary", " to=functions.get_weather ", "<|constrain|>", "json<|message|>",
                 '{"city": "Oslo"}', "<|call|>"]
 LONG = ["A1", "B2", "C3", "D4", "E5", "F6"]
 # name: (template, added tokens (user-defined), script)
@@ -267,7 +267,8 @@ MODELS = {
     "harmony": ("openai-gpt-oss-120b", ["analysis", "assistant", "final"],
                 ["<|channel|>", "analysis", "<|message|>", "▁so", "▁we", "▁go", "▁on"]),
     # A long thought whose tokens the prompt can hold as they are (drafts copy it)
-    "long": ("Qwen-Qwen3-0.6B", ["<think>", "</think>", *LONG], ["<think>", *LONG, "</think>"]),
+    "long": ("Qwen-Qwen3-0.6B", ["<think>", "</think>", *LONG],
+             ["<think>", *LONG, "</think>"]),
     # gpt-oss's forced call: the analysis (which the prompt opens), then a commentary
     # message to the function; "json<|message|>" is one token, since the <|message|>
     # that ends the prompt leads to the analysis's first token
@@ -490,7 +491,8 @@ def test_a_forced_call_applies_after_the_thinking(chat, choice):
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("choice", ["required", "function"])
 def test_a_forced_harmony_call_applies_after_the_analysis(chat, stream, choice):
-    whole = folded(chat("harmony-call", stream=stream, tools=HARMONY_TOOLS, tool_choice=choice,
+    whole = folded(chat("harmony-call", stream=stream, tools=HARMONY_TOOLS,
+                        tool_choice=choice,
                         tool_function="get_weather" if choice == "function" else None))
     assert (whole.reasoning, whole.text) == (" so we", "")
     assert [(c.name, json.loads(c.arguments)) for c in whole.calls] == \
@@ -503,7 +505,8 @@ def test_a_forced_harmony_call_applies_after_the_analysis(chat, stream, choice):
 @pytest.mark.live
 def test_a_forced_harmony_call_with_thinking_off_or_a_budget(chat):
     # off: the prompt is not closed into the final channel; the call comes at once
-    off = folded(chat("harmony-call", tools=HARMONY_TOOLS, tool_choice="required", think=False))
+    off = folded(chat("harmony-call", tools=HARMONY_TOOLS, tool_choice="required",
+                      think=False))
     assert (off.reasoning, off.text, off.usage.reasoning_tokens) == ("", "", 0)
     assert [(c.name, json.loads(c.arguments)) for c in off.calls] == \
         [("get_weather", {"city": "Oslo"})]

@@ -159,7 +159,8 @@ class OnnxModel(GeneratingModel):
                         generator.append_tokens(forced)
                         for written in forced:
                             if top is not None:
-                                scores.append(TokenLogprob(written, 0.0, ((written, 0.0),)[:top]))
+                                scores.append(TokenLogprob(written, 0.0,
+                                                           ((written, 0.0),)[:top]))
                             made += 1
                             yield written
 

@@ -64,9 +64,10 @@ class Syntax:
     def force(self, call: bool = False) -> str:
         """What localrt writes to end thinking at the budget (`call`: a harmony reply
         whose answer is a forced call, which its grammar writes after the analysis)."""
-        if self.harmony:
-            return "<|end|>" if call else "<|end|><|start|>assistant<|channel|>final<|message|>"
-        return self.end
+        if self.harmony and call:
+            return "<|end|>"
+        return "<|end|><|start|>assistant<|channel|>final<|message|>" if self.harmony \
+            else self.end
 
     def closing(self, state: str) -> str:
         """What a prompt in `state` gets so that the reply starts with its answer."""

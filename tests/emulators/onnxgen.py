@@ -25,10 +25,10 @@ non-special ones, as Qwen's ``<think>`` is) the model always writes that script,
 points at the token after it (any other token at the script's first), as
 emulators.ggufgen's scripted models do; ``chat_template`` replaces the ChatML one.
 
-Otherwise a logit bias keeps the output readable: only printable-ASCII byte tokens can be chosen,
-and the end-of-turn token ``<|im_end|>`` gets ``eos_bias`` (by default so low that
-generation always runs to its token limit; pass a large positive value to make the
-model stop at once). Logits beyond the tokenizer's 259 tokens (``vocab_size`` pads the
+Otherwise a logit bias keeps the output readable: only printable-ASCII byte tokens can
+be chosen, and the end-of-turn token ``<|im_end|>`` gets ``eos_bias`` (by default so
+low that generation always runs to its token limit; pass a large positive value to make
+the model stop at once). Logits beyond the tokenizer's 259 tokens (``vocab_size`` pads the
 output like real models do) are never chosen.
 """
 
