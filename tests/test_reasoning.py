@@ -47,6 +47,10 @@ def test_markers_come_from_the_template(name, syntax, switch, effort, state):
     assert markers is not None
     assert (markers.syntax.name, markers.switch, markers.effort) == (syntax, switch, effort)
     assert reasoning.state_of(markers.syntax, render(name, enable_thinking=True)) == state
+    # what an engine that does not say is taken to have rendered (Plan.state)
+    assert reasoning.Plan(markers).state == state
+    assert reasoning.Plan(markers, think=False).state == reasoning.state_of(
+        markers.syntax, render(name, enable_thinking=False))
 
 
 def test_a_reasoning_models_record_has_the_reasoning_capability():
@@ -229,6 +233,15 @@ JSON_REPLY = '{"b": 2, "a": 1}'
 FORCED = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
+# gpt-oss's template reads each tool's description
+HARMONY_TOOLS = [{"type": "function", "function": {**TOOLS[0]["function"],
+                                                   "description": "The weather in a city."}}]
+HARMONY = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>",
+           "<|constrain|>"]  # harmony's control tokens
+HARMONY_CALL = ["▁so", "▁we", "<|end|>", "<|start|>", "assistant", "<|channel|>",
+                "commentary", " to=functions.get_weather ", "<|constrain|>", "json<|message|>",
+                '{"city": "Oslo"}', "<|call|>"]
+LONG = ["A1", "B2", "C3", "D4", "E5", "F6"]
 # name: (template, added tokens (user-defined), script)
 MODELS = {
     # Qwen3: the model opens its thinking; a call inside it is thinking, one after a call
@@ -253,9 +266,21 @@ MODELS = {
     # gpt-oss: harmony's channel tokens are control tokens; this one only analyses
     "harmony": ("openai-gpt-oss-120b", ["analysis", "assistant", "final"],
                 ["<|channel|>", "analysis", "<|message|>", "▁so", "▁we", "▁go", "▁on"]),
+    # A long thought whose tokens the prompt can hold as they are (drafts copy it)
+    "long": ("Qwen-Qwen3-0.6B", ["<think>", "</think>", *LONG],
+             ["<think>", *LONG, "</think>"]),
+    # gpt-oss's forced call: the analysis (which the prompt opens), then a commentary
+    # message to the function; "json<|message|>" is one token, since the <|message|>
+    # that ends the prompt leads to the analysis's first token
+    "harmony-call": ("openai-gpt-oss-120b", ["assistant", "commentary", HARMONY_CALL[7],
+                                             "json<|message|>", HARMONY_CALL[10]],
+                     HARMONY_CALL),
+    # gpt-oss that answers in the final channel after its analysis
+    "harmony-final": ("openai-gpt-oss-120b", ["assistant", "final<|message|>"],
+                      ["▁so", "<|end|>", "<|start|>", "assistant", "<|channel|>",
+                       "final<|message|>", "▁ok"]),
 }
-CONTROL = {"harmony": ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>",
-                       "<|call|>", "<|constrain|>"]}
+CONTROL = {"harmony": HARMONY, "harmony-call": HARMONY, "harmony-final": HARMONY}
 
 
 @pytest.fixture(scope="module")
@@ -460,3 +485,94 @@ def test_a_forced_call_applies_after_the_thinking(chat, choice):
     assert [(c.name, json.loads(c.arguments)) for c in whole.calls] == \
         [("get_weather", {"city": "Oslo"})]
     assert whole.finish == "tool_calls"
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["required", "function"])
+def test_a_forced_harmony_call_applies_after_the_analysis(chat, stream, choice):
+    whole = folded(chat("harmony-call", stream=stream, tools=HARMONY_TOOLS,
+                        tool_choice=choice,
+                        tool_function="get_weather" if choice == "function" else None))
+    assert (whole.reasoning, whole.text) == (" so we", "")
+    assert [(c.name, json.loads(c.arguments)) for c in whole.calls] == \
+        [("get_weather", {"city": "Oslo"})]
+    assert whole.finish == "tool_calls"
+    assert whole.usage.reasoning_tokens == 3  # the model's <|end|> counts; the prompt's
+    #                                           opening of the analysis does not
+
+
+@pytest.mark.live
+def test_a_forced_harmony_call_with_thinking_off_or_a_budget(chat):
+    # off: the prompt is not closed into the final channel; the call comes at once
+    off = folded(chat("harmony-call", tools=HARMONY_TOOLS, tool_choice="required",
+                      think=False))
+    assert (off.reasoning, off.text, off.usage.reasoning_tokens) == ("", "", 0)
+    assert [(c.name, json.loads(c.arguments)) for c in off.calls] == \
+        [("get_weather", {"city": "Oslo"})]
+    # at the budget localrt writes only <|end|>: the call's grammar goes on from there
+    budget = folded(chat("harmony-call", tools=HARMONY_TOOLS, tool_choice="required",
+                         reasoning_budget=1))
+    assert (budget.reasoning, budget.text, budget.usage.reasoning_tokens) == (" so", "", 1)
+    assert [c.name for c in budget.calls] == ["get_weather"]
+    assert budget.finish == "tool_calls"
+    # unforced, the same model's call is read as before: no grammar, the analysis is free
+    auto = folded(chat("harmony-call", tools=HARMONY_TOOLS))
+    assert [c.name for c in auto.calls] == ["get_weather"]
+
+
+@pytest.mark.live
+def test_a_forced_harmony_call_is_a_call_even_where_the_model_would_answer(chat):
+    unit = [{"type": "function", "function": {
+        "name": "set_unit", "description": "The unit of temperatures.", "parameters": {
+            "type": "object", "properties": {"unit": {"enum": ["c", "f"]}},
+            "required": ["unit"]}}}]
+    free = folded(chat("harmony-final", tools=unit))  # its prompt's last token: assistant
+    assert (free.reasoning, free.text, free.calls) == ("", " ok", [])
+    forced = folded(chat("harmony-final", tools=unit, tool_choice="required",
+                         sampling={"temperature": 0, "max_tokens": 400}))
+    assert forced.reasoning == " so" and forced.text == ""
+    assert [c.name for c in forced.calls] == ["set_unit"]
+    assert json.loads(forced.calls[0].arguments)["unit"] in ("c", "f")
+    assert forced.finish == "tool_calls"
+
+
+def test_the_harmony_grammar_names_the_forced_functions():
+    from localrt.engines import toolcalls
+
+    weather, time = TOOLS[0], {"type": "function", "function": {"name": "get_time"}}
+    request = toolcalls.ToolRequest.read([weather, time], "function", "get_time")
+    params = request.plan(template("openai-gpt-oss-120b"), own=True).params()
+    root = params["grammar"].splitlines()[:3]
+    assert '"get_time"' in root[1] and "get_weather" not in "\n".join(root)
+    required = toolcalls.ToolRequest.read([weather, time], "required").plan(None, own=True)
+    assert all(f'"{n}"' in required.params()["grammar"] for n in ("get_time", "get_weather"))
+    assert "grammar" not in toolcalls.ToolRequest.read([weather], "auto").plan(
+        None, own=True).params()
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("budget", [1, 3, 6, None])
+def test_a_budget_drafts_as_far_as_its_tracker_stays_quiet(chat, budget):
+    # the script in the prompt: the drafter proposes what followed there
+    fields = {"text": "<think>" + "".join(LONG) + "</think>", "reasoning_budget": budget}
+    drafted = folded(chat("long", **fields))
+    plain = folded(chat("long", speculative=False, **fields))
+    thought = "".join(LONG[:budget - 1] if budget else LONG)
+    assert (drafted.reasoning, drafted.text) == (plain.reasoning, plain.text) == (thought, "")
+    assert drafted.usage.reasoning_tokens == plain.usage.reasoning_tokens == \
+        (budget or len(LONG) + 2)
+    assert drafted.usage.completion_tokens == plain.usage.completion_tokens
+    assert plain.usage.accepted_prediction_tokens == 0
+    if budget in (6, None):  # A1, then a draft of what followed it in the prompt
+        assert drafted.usage.accepted_prediction_tokens >= 3
+
+
+@pytest.mark.live
+def test_the_end_marker_localrt_writes_has_its_logprob(chat):
+    whole = folded(chat("split", reasoning_budget=2, logprobs=1))  # was an IndexError
+    assert (whole.reasoning, whole.text) == ("so", "ok")
+    pieces = [e.piece for e in whole.logprobs]
+    assert b"".join(pieces) == "<think> so</think> ok".encode()
+    written = [e for e in whole.logprobs if e.piece in (b"</th", b"ink>")]
+    assert [(e.logprob, len(e.top)) for e in written] == [(0.0, 1), (0.0, 1)]

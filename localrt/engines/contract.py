@@ -136,7 +136,10 @@ class Model(Protocol):
     template: enable_thinking, reasoning_effort, chat_template_kwargs) and `reasoning`
     (the request's reasoning.Plan: an engine that follows it prepares the rendered
     prompt with it, sets the Generation's `thinking` to the state it gives, and
-    counts `reasoning_tokens` in its usage; one that does not may ignore both).
+    counts `reasoning_tokens` in its usage, and keeps the plan's budget; one that does
+    not may ignore both: its reply is then split as if its prompt were the model's
+    template rendered as it is (reasoning.Plan.state), and a request with a budget
+    while thinking is on is a 400 naming reasoning_budget).
     """
 
     def generate(self, messages: list, params: dict) -> Generation:

@@ -24,11 +24,14 @@ the model's `reasoning` and `reasoning_budget` defaults) gives the template its
 variables (enable_thinking, reasoning_effort, chat_template_kwargs). The engine reads
 the state the rendered prompt leaves the reply in (`Plan.prepare`: "thinking" when the
 prompt already opened it, as Qwen3.5's and QwQ's do, "answer" when it closed it,
-"before" when the model opens it itself), closing it there when thinking is off and
+"before" when the model opens it itself; an engine that does not say is taken to have
+rendered the template as it is, `Plan.state`), closing it there when thinking is off and
 the template has no switch (a budget of 0), and follows the reply's tokens with a
 `Tracker`: it counts the tokens written inside thinking (reasoning_tokens), and at the
 budget gives the end marker's tokens for the engine to write itself, after which the
-model answers. The reply's text is split by a `Splitter` (localrt.inference.chat's
+model answers. A tool_choice that forces a call (`Plan.call`) is, for harmony, a
+commentary message that its grammar writes whole from where the analysis ends
+(`Plan.commentary`). The reply's text is split by a `Splitter` (localrt.inference.chat's
 Completion): thinking becomes native.Reasoning, the rest the answer, where tool calls
 are read (harmony's own calls come from its commentary channel here).
 """
@@ -58,8 +61,11 @@ class Syntax:
     tokens: tuple         # special tokens of the syntax, printed as text
     harmony: bool = False
 
-    def force(self) -> str:
-        """What localrt writes to end thinking at the budget."""
+    def force(self, call: bool = False) -> str:
+        """What localrt writes to end thinking at the budget (`call`: a harmony reply
+        whose answer is a forced call, which its grammar writes after the analysis)."""
+        if self.harmony and call:
+            return "<|end|>"
         return "<|end|><|start|>assistant<|channel|>final<|message|>" if self.harmony \
             else self.end
 
@@ -88,11 +94,14 @@ SYNTAXES = (
 @dataclass(frozen=True)
 class Markers:
     """What a reasoning model's template says: its syntax, whether enable_thinking
-    false changes its prompt (its own off switch), and whether it takes an effort."""
+    false changes its prompt (its own off switch), whether it takes an effort, and the
+    states its generation prompt leaves a reply in with enable_thinking true and false
+    (`state_of`)."""
 
     syntax: Syntax
     switch: bool
     effort: bool
+    states: tuple = ("before", "before")
 
 
 # --- finding the markers --------------------------------------------------------------
@@ -135,13 +144,15 @@ def _markers(template: str) -> Markers | None:
         if all(mark in rendered for mark in syntax.marks):
             effort = render(_USER, reasoning_effort="low") != \
                 render(_USER, reasoning_effort="high")
-            return Markers(syntax, switch=on != off, effort=effort)
+            return Markers(syntax, switch=on != off, effort=effort,
+                           states=(state_of(syntax, on), state_of(syntax, off)))
     # A template that only strips earlier thinking (DeepSeek-R1's distills: the model
     # opens it itself, and the history drops it) names its end marker in its source.
     for syntax in SYNTAXES:
         if not syntax.harmony and (f"'{syntax.end}'" in template
                                    or f'"{syntax.end}"' in template):
-            return Markers(syntax, switch=on != off, effort=False)
+            return Markers(syntax, switch=on != off, effort=False,
+                           states=(state_of(syntax, on), state_of(syntax, off)))
     return None
 
 
@@ -160,6 +171,7 @@ class Plan:
     budget: int | None = None
     raw: bool = False
     template_kwargs: dict = field(default_factory=dict)
+    call: bool = False  # a tool_choice forces a call (the answer is that call)
 
     @property
     def syntax(self) -> Syntax:
@@ -179,11 +191,32 @@ class Plan:
         """The special tokens to print as text."""
         return list(self.syntax.tokens)
 
+    @property
+    def commentary(self) -> bool:
+        """Whether the answer is a forced call in harmony's commentary channel: its
+        grammar (localrt.engines.toolcalls.harmony_grammar) writes the whole message,
+        header and all, from where the analysis ends."""
+        return self.call and self.syntax.harmony
+
+    @property
+    def state(self) -> str:
+        """The state the model's own template leaves a reply in, thinking on or off as
+        planned: what an engine that does not say (its Generation's `thinking` None: a
+        custom engine's) is taken to have rendered."""
+        return self.markers.states[0 if self.think else 1]
+
     def prepare(self, prompt: str) -> tuple[str, str]:
         """(prompt, state): the rendered prompt, closed when thinking is off and the
         template did not close it (or the budget is 0), and the state the reply starts
-        in: "thinking", "answer" or "before"."""
+        in: "thinking", "answer" or "before". A forced harmony call is never closed
+        into the final channel: with thinking on the prompt opens the analysis (so the
+        model thinks freely and its grammar starts at the analysis's end), with it off
+        the grammar writes the call at once."""
         state = state_of(self.syntax, prompt)
+        if self.commentary and state == "before":
+            if self.think and self.budget != 0:
+                return prompt + self.syntax.start, "thinking"
+            return prompt, state
         if state != "answer" and (not self.think or self.budget == 0):
             closing = self.syntax.closing(state)
             return prompt + closing, "answer"
@@ -192,7 +225,8 @@ class Plan:
     def tracker(self, state: str, piece, tokenize) -> "Tracker":
         """A reply's Tracker: `piece(token)` its bytes as printed (special tokens as
         text), `tokenize(text)` the tokens localrt writes to end thinking."""
-        return Tracker(self.syntax, state, self.budget, piece, tokenize)
+        return Tracker(self.syntax, state, self.budget, piece, tokenize,
+                       call=self.commentary)
 
     def splitter(self, state: str) -> "Splitter":
         """A reply's Splitter, starting in `state`."""
@@ -405,23 +439,36 @@ class Tracker:
     thinking or not (`count`: the opening marker and a harmony header included) and gives
     the tokens localrt writes itself to end thinking once `count` reaches the budget
     (empty otherwise); the engine feeds those and steps them too. `answering` turns
-    true where the answer starts (a grammar applies from there)."""
+    true where the answer starts (a grammar applies from there); with `call` (a forced
+    harmony call: Plan.commentary) that is wherever the reply is not in its analysis,
+    the next message's header included, since the call's grammar writes it."""
 
-    def __init__(self, syntax: Syntax, state: str, budget: int | None, piece, tokenize):
+    def __init__(self, syntax: Syntax, state: str, budget: int | None, piece, tokenize,
+                 call: bool = False):
         self.count = 0
         self.budget = budget
         self._splitter = splitter(syntax, state)
         self._piece, self._tokenize = piece, tokenize
-        self._force = syntax.force()
+        self._force = syntax.force(call)
+        self._call = call
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._pending = 0  # tokens before the thinking opened, that may be its marker
         self._forcing = False
-        self.answering = state == "answer"
+        self.answering = self._answers(state)
 
     @property
     def may_force(self) -> bool:
         """Whether it may give tokens to write (a budget, while not answering)."""
         return self.budget is not None and not self.answering
+
+    def quiet(self) -> int | None:
+        """How many tokens it surely follows before any of them makes it give tokens to
+        write (a draft may be verified that far: localrt.engines.llama.batch); None for
+        any number (no budget, or answering)."""
+        if not self.may_force:
+            return None
+        # each token adds at most one to `count`, and the pending ones once
+        return max(self.budget - self.count - self._pending - 1, 0)
 
     def step(self, token: int) -> list:
         """Follow one token; the tokens to write now (see the class docstring)."""
@@ -440,13 +487,17 @@ class Tracker:
             self._pending += 1
         else:
             self._pending = 0
-        if state == "answer":
+        if self._answers(state):
             self.answering = True
             return []
         if self.budget is not None and self.count >= self.budget and state == "thinking" \
                 and not self._forcing:
             return self._tokenize(self._force)
         return []
+
+    def _answers(self, state: str) -> bool:
+        """Whether the reply's answer has started in `state`."""
+        return state == "answer" or (self._call and state != "thinking")
 
     def forced(self, tokens: list) -> None:
         """Follow the tokens localrt wrote to end thinking (never counted)."""

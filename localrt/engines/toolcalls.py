@@ -160,7 +160,7 @@ class ToolRequest:
                                f"call tools in a format localrt reads ({known}); use "
                                "tool_choice \"none\" or a model made for tool calls",
                                param="tools")
-        return ToolPlan(self, family)
+        return ToolPlan(self, family, own)
 
 
 def check_schemas(tools: list | None, choice: str = "auto",
@@ -201,8 +201,8 @@ def _parameters(tool: dict) -> dict:
 class ToolPlan:
     """What a leased model's generation gets for a ToolRequest, and how its reply is read."""
 
-    def __init__(self, request: ToolRequest, family: Family | None):
-        self.request, self.family = request, family
+    def __init__(self, request: ToolRequest, family: Family | None, own: bool = False):
+        self.request, self.family, self.own = request, family, own
 
     @property
     def parses(self) -> bool:
@@ -210,8 +210,11 @@ class ToolPlan:
         return self.family is not None and self.request.calling
 
     def params(self) -> dict:
-        """`tools`, and `grammar` and `preserved_tokens` when calls are read."""
+        """`tools`, and `grammar` and `preserved_tokens` when calls are read (a harmony
+        model's forced call gets its grammar, and reads its calls itself)."""
         out = {"tools": self.request.tools}
+        if self.own and self.request.forced():
+            out["grammar"] = harmony_grammar(self.request.forced())
         if self.parses:
             out["preserved_tokens"] = list(self.family.preserved)
             forced = self.request.forced()
@@ -258,6 +261,39 @@ def grammar(family: Family, forced: list, parallel: bool) -> str:
     root = " ".join(p for p in (_literal(family.grammar_open), call + more,
                                 _literal(family.grammar_close)) if p)
     return f"root ::= {root}\n{rules}\n"
+
+
+def harmony_grammar(forced: list) -> str:
+    """The GBNF grammar of gpt-oss's answer when it must call one of the `forced` (index,
+    tool) pairs: one commentary message to the function, its arguments the tool's JSON
+    Schema, from where the analysis ends (localrt.engines.reasoning.Plan.commentary).
+    The recipient is in the channel (<|channel|>commentary to=functions.NAME
+    <|constrain|>json<|message|>) or in the role (to=functions.NAME<|channel|>commentary
+    json<|message|>, as the template writes history's calls); the model's <|call|>
+    ends the reply, as a grammar that is done lets only an end token come."""
+    convert, budget = converter(), Budget()
+    in_channel, in_role = [], []
+    for index, tool in forced:
+        budget.spend(_parameters(tool), f"tools[{index}].function.parameters")
+        try:
+            parameters = convert.resolve_refs(_parameters(tool), f"tools-{index}")
+            args = convert.visit(parameters, f"args-{index}")
+        except Exception as exc:
+            raise InvalidField(f"Invalid field 'tools[{index}].function.parameters': "
+                               f"{reason(exc)}",
+                               param=f"tools[{index}].function.parameters") from None
+        name = _literal(tool["function"]["name"])
+        in_channel.append(f'{name} (" <|constrain|>json" | " json")? "<|message|>" {args}')
+        in_role.append(f'{name} "<|channel|>commentary" (" <|constrain|>json" | " json")? '
+                       f'"<|message|>" {args}')
+    rules = convert.format_grammar()
+    if re.search(r"^(root|in-channel|in-role) ::=", rules, re.M):
+        raise InvalidField("Invalid field 'tools': a schema defines a rule called root, "
+                           "in-channel or in-role", param="tools")
+    return ('root ::= "<|start|>assistant"? ("<|channel|>commentary to=functions." '
+            'in-channel | " to=functions." in-role)\n'
+            f"in-channel ::= {' | '.join(f'({c})' for c in in_channel)}\n"
+            f"in-role ::= {' | '.join(f'({c})' for c in in_role)}\n{rules}\n")
 
 
 def _literal(text: str) -> str:

@@ -130,6 +130,15 @@ class Chats:
                 generation.close()
                 raise InvalidField(f"Invalid field 'logprobs': model {local.model_id}'s "
                                    f"engine does not give log probabilities", param="logprobs")
+            thinking = params.get("reasoning")
+            if thinking is not None and thinking.think and thinking.budget is not None \
+                    and getattr(generation, "thinking", None) is None:
+                # An engine that does not follow the plan cannot end the thinking.
+                generation.close()
+                raise InvalidField(f"Invalid field 'reasoning_budget': model "
+                                   f"{local.model_id}'s engine cannot end thinking at a "
+                                   f"budget (the request's, or the model's "
+                                   f"reasoning_budget)", param="reasoning_budget")
         except BaseException:
             lease.release()
             raise
@@ -193,7 +202,8 @@ def _prompt_params(request: native.Request, record: dict, lease: Lease, messages
     `lease` may be a running.Use too: only its model, options and can() are read."""
     params = _params(request, record, lease.options)
     chat_template = lease.model.chat_template if lease.can(contract.Templated) else None
-    thinking = _thinking(request, record, lease.options, chat_template)
+    thinking = _thinking(request, record, lease.options, chat_template,
+                         call=bool(tools and tools.forced()))
     plan = tools and tools.plan(chat_template,
                                 own=thinking is not None and thinking.syntax.harmony)
     if plan:
@@ -218,11 +228,13 @@ def _prompt_params(request: native.Request, record: dict, lease: Lease, messages
     return params, plan
 
 
-def _thinking(request: native.Request, record: dict, options: dict, template: str | None):
+def _thinking(request: native.Request, record: dict, options: dict, template: str | None,
+              call: bool = False):
     """The request's reasoning.Plan for a model whose chat template thinks (None for
     one that does not): thinking on or off as the request says, else as the model's
     `reasoning` (a start option or stored parameter: on, off or auto, which thinks),
-    the budget the request gives, else the model's `reasoning_budget`."""
+    the budget the request gives, else the model's `reasoning_budget`; `call`: its
+    tool_choice forces a call."""
     markers = reasoning.markers_of(template)
     if markers is None:
         return None
@@ -234,7 +246,7 @@ def _thinking(request: native.Request, record: dict, options: dict, template: st
         budget = options.get("reasoning_budget", record.get("reasoning_budget"))
     return reasoning.Plan(markers, think=think, effort=request.effort, budget=budget,
                           raw=request.reasoning_format == "none",
-                          template_kwargs=dict(request.template_kwargs or {}))
+                          template_kwargs=dict(request.template_kwargs or {}), call=call)
 
 
 def _message(message: native.Message, read) -> dict:
@@ -323,8 +335,10 @@ class Completion:
         self._called: bool | None = None  # a whole reply's: whether it holds calls
         self._splitter = None
         if thinking is not None and not thinking.raw:
+            # An engine that does not say where its prompt left the thinking (a custom
+            # one's) rendered the model's template, as far as localrt can tell.
             self._splitter = thinking.splitter(getattr(generation, "thinking", None)
-                                               or "before")
+                                               or thinking.state)
         self._thought = 0  # pieces that carried thinking (an engine that counts none)
 
     def prompt_tokens(self) -> int:

@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 DEFINITION = "model.json"
 ONNX_CONFIG = "genai_config.json"  # what makes a folder an ONNX model (onnxruntime-genai)
+ONNX_TOKENIZER_CONFIG = "tokenizer_config.json"  # its chat template (onnx-runtime reads it)
+MAX_TOKENIZER_CONFIG = 16 << 20  # bytes; a larger one is left unread
 DEFAULT_CTX_LEN = 4096  # a default ctx_len never above this, whatever the model was trained on
 LIST_OMITS = ("chat_template",)  # metadata too big for every row of GET /v1/models
 DEFAULT_VERSION = "1"  # a record's version when model.yml gave none, as cortex's model.yml has
@@ -504,6 +506,10 @@ def new_definition(model_id: str, owner: str, paths: list[Path], files: list[dic
         if meta.get("stop"):
             from_weights["stop"] = meta["stop"]
         definition.update(usable(from_weights))  # the weights are outside input too
+    else:
+        template = _onnx_template([p for p in paths if p.name == ONNX_TOKENIZER_CONFIG])
+        if template:  # what onnx-runtime chats with: capabilities read it (reasoning)
+            definition["metadata"] = {"chat_template": template}
     names = parameter_names() + kept_names()
     definition.update(usable({k: v for k, v in yml.items() if k in names}))
     for key, value in yml.items():
@@ -513,6 +519,21 @@ def new_definition(model_id: str, owner: str, paths: list[Path], files: list[dic
             except ValueError:
                 log.warning("ignoring the model.yml field %s: not JSON", key)
     return definition
+
+
+def _onnx_template(paths: list[Path]) -> str | None:
+    """An ONNX folder's chat template (tokenizer_config.json's chat_template), or None
+    when it has none, the file is larger than MAX_TOKENIZER_CONFIG or unreadable."""
+    for path in paths:
+        try:
+            if path.stat().st_size > MAX_TOKENIZER_CONFIG:
+                return None
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        template = config.get("chat_template") if isinstance(config, dict) else None
+        return template if isinstance(template, str) and template else None
+    return None
 
 
 def _read_model_yml(paths: list[Path]) -> dict:

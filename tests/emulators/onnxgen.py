@@ -19,10 +19,16 @@ Not a test module. Tests import it as
   specials follow the 256 byte tokens: ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``.
 * ``tokenizer_config.json``: the ChatML ``chat_template`` and the bos/eos/pad tokens.
 
-A logit bias keeps the output readable: only printable-ASCII byte tokens can be chosen,
-and the end-of-turn token ``<|im_end|>`` gets ``eos_bias`` (by default so low that
-generation always runs to its token limit; pass a large positive value to make the
-model stop at once). Logits beyond the tokenizer's 259 tokens (``vocab_size`` pads the
+With ``script`` (token texts, e.g. ``added_tokens``, tokens the tokenizer adds as
+non-special ones, as Qwen's ``<think>`` is) the model always writes that script, then
+``<|im_end|>``, whatever the prompt: each token's logits are a row of a table that
+points at the token after it (any other token at the script's first), as
+emulators.ggufgen's scripted models do; ``chat_template`` replaces the ChatML one.
+
+Otherwise a logit bias keeps the output readable: only printable-ASCII byte tokens can
+be chosen, and the end-of-turn token ``<|im_end|>`` gets ``eos_bias`` (by default so
+low that generation always runs to its token limit; pass a large positive value to make
+the model stop at once). Logits beyond the tokenizer's 259 tokens (``vocab_size`` pads the
 output like real models do) are never chosen.
 """
 
@@ -53,14 +59,16 @@ CONTEXT_LENGTH = 512
 BLOCKED = -1e4
 
 
-def build_tokenizer() -> Tokenizer:
-    """Return the byte-level BPE tokenizer: 256 byte tokens, then SPECIAL_TOKENS."""
+def build_tokenizer(added=()) -> Tokenizer:
+    """Return the byte-level BPE tokenizer: 256 byte tokens, then SPECIAL_TOKENS, then
+    the `added` (non-special) tokens."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     specials = [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
     tokenizer.add_special_tokens(specials)
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     return tokenizer
 
 
@@ -74,7 +82,22 @@ def _logit_bias(tokenizer: Tokenizer, vocab_size: int, eos_bias: float) -> np.nd
     return bias
 
 
-def _graph(rng: np.random.Generator, vocab_size: int, bias: np.ndarray) -> onnx.GraphProto:
+def _script_table(tokenizer: Tokenizer, vocab_size: int, script: list) -> np.ndarray:
+    """Each token's row of logits: the token after it in the script (after the last,
+    <|im_end|>; after any other token, the script's first) far above the rest."""
+    ids = [tokenizer.token_to_id(t) for t in script]
+    if None in ids or len(set(ids)) < len(ids):
+        raise ValueError("a script's tokens must be distinct tokens of the vocabulary")
+    table = np.zeros((vocab_size, vocab_size), dtype=np.float32)
+    table[:, ids[0]] = 20.0
+    for token, after in zip(ids, ids[1:] + [tokenizer.token_to_id(EOS_TOKEN)]):
+        table[token] = 0.0
+        table[token, after] = 20.0
+    return table
+
+
+def _graph(rng: np.random.Generator, vocab_size: int, bias: np.ndarray,
+           table: np.ndarray | None = None) -> onnx.GraphProto:
     def weight(name, *shape, scale=1.0):
         data = (rng.standard_normal(shape) * scale).astype(np.float32)
         return numpy_helper.from_array(data, name)
@@ -85,7 +108,7 @@ def _graph(rng: np.random.Generator, vocab_size: int, bias: np.ndarray) -> onnx.
     inits = [
         weight("embed", vocab_size, HIDDEN),
         *(weight(w, HIDDEN, HIDDEN, scale=HIDDEN ** -0.5) for w in ("wq", "wk", "wv", "wo")),
-        weight("lm_head", HIDDEN, vocab_size, scale=2.0),
+        weight("lm_head", HIDDEN, vocab_size, scale=2.0 if table is None else 0.0),
         numpy_helper.from_array(bias, "logit_bias"),
         const("heads_shape", [0, 0, HEADS, HEAD_SIZE]),
         const("hidden_shape", [0, 0, HIDDEN]),
@@ -122,8 +145,13 @@ def _graph(rng: np.random.Generator, vocab_size: int, bias: np.ndarray) -> onnx.
         node("Add", ["x", "attn_out"], ["h_sum"]),
         node("Tanh", ["h_sum"], ["h"]),
         node("MatMul", ["h", "lm_head"], ["logits_raw"]),
-        node("Add", ["logits_raw", "logit_bias"], ["logits"]),
+        node("Add", ["logits_raw", "logit_bias"], ["logits"] if table is None
+             else ["logits_biased"]),
     ]
+    if table is not None:  # a scripted model: each token's row of the table
+        inits.append(numpy_helper.from_array(table, "script"))
+        nodes += [node("Gather", ["script", "input_ids"], ["script_rows"]),
+                  node("Add", ["logits_biased", "script_rows"], ["logits"])]
     kv = ["batch_size", HEADS, "past_sequence_length", HEAD_SIZE]
     present = ["batch_size", HEADS, "total_sequence_length", HEAD_SIZE]
     value = helper.make_tensor_value_info
@@ -163,33 +191,41 @@ def _genai_config(vocab_size: int, ids: dict) -> dict:
     return {"model": model, "search": search}
 
 
-def _tokenizer_config(ids: dict) -> dict:
+def _tokenizer_config(ids: dict, template: str = CHATML_TEMPLATE) -> dict:
     added = {str(ids[t]): {"content": t, "special": True, "lstrip": False, "rstrip": False,
                            "normalized": False, "single_word": False} for t in SPECIAL_TOKENS}
     return {"tokenizer_class": "GPT2Tokenizer", "add_bos_token": False,
             "add_prefix_space": False, "bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN,
             "pad_token": PAD_TOKEN, "unk_token": None,
             "model_max_length": CONTEXT_LENGTH, "added_tokens_decoder": added,
-            "chat_template": CHATML_TEMPLATE}
+            "chat_template": template}
 
 
 def write_onnx_model(folder: Path, *, vocab_size: int = 320, seed: int = 0,
-                     eos_bias: float = BLOCKED) -> Path:
-    """Write model.onnx, genai_config.json and the tokenizer files into folder; return folder."""
+                     eos_bias: float = BLOCKED, chat_template: str = CHATML_TEMPLATE,
+                     added_tokens=(), script=()) -> Path:
+    """Write model.onnx, genai_config.json and the tokenizer files into folder; return
+    folder (a scripted model with `script`: see the module docstring)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(added_tokens)
     if vocab_size < tokenizer.get_vocab_size():
         raise ValueError(f"vocab_size must be at least {tokenizer.get_vocab_size()}")
     ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
-    bias = _logit_bias(tokenizer, vocab_size, eos_bias)
-    graph = _graph(np.random.default_rng(seed), vocab_size, bias)
+    table = None
+    if script:
+        table = _script_table(tokenizer, vocab_size, list(script))
+        bias = np.where(np.arange(vocab_size) < tokenizer.get_vocab_size(), 0.0,
+                        BLOCKED).astype(np.float32)
+    else:
+        bias = _logit_bias(tokenizer, vocab_size, eos_bias)
+    graph = _graph(np.random.default_rng(seed), vocab_size, bias, table)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
                               producer_name="localrt-tests", ir_version=8)
     onnx.checker.check_model(model, full_check=True)
     onnx.save(model, str(folder / "model.onnx"))
     tokenizer.save(str(folder / "tokenizer.json"))
     for name, data in (("genai_config.json", _genai_config(vocab_size, ids)),
-                       ("tokenizer_config.json", _tokenizer_config(ids))):
+                       ("tokenizer_config.json", _tokenizer_config(ids, chat_template))):
         (folder / name).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     return folder

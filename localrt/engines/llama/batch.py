@@ -49,7 +49,10 @@ step computes; `LlamaBatch` (localrt.engines.llama.decode) computes it with llam
     model wrote them, into its sampler chain, and into the next step's decode after the
     sampled token, and the model answers from there. A sequence whose answer a grammar
     constrains (a JSON schema, a forced call) thinks freely: its sampler chain is
-    swapped for the grammar's where its answer starts. Such a sequence does not draft.
+    swapped for the grammar's where its answer starts. Such a sequence drafts only once
+    its answer has started (the swap's token is unknown before); one with a budget
+    drafts no further than its tracker surely stays quiet (Tracker.quiet), so the
+    tokens the tracker acts on are never draft tokens whose KV was kept.
   * LoRA adapters (localrt.engines.llama.adapters): a sequence's `adapters` are the
     (id, scale) pairs it decodes with, and the context applies one such set at a
     time, so a step carries only the sequences of one set; when several sets have
@@ -74,6 +77,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+from localrt.engines.logprobs import TokenLogprob
 from localrt.engines.llama.promptcache import PromptCache, common_prefix
 from localrt.engines.llama.media import image_item, whole_images
 
@@ -347,7 +351,8 @@ class Batcher:
             draft = []
             if seq.drafter is not None and room > 0 and not seq.forced:
                 # no more than it may still say: its KV stays inside its context
-                draft = seq.drafter.propose(min(room, seq.max_tokens - seq.generated - 1))
+                draft = seq.drafter.propose(min(room, seq.max_tokens - seq.generated - 1,
+                                                _draft_limit(seq)))
                 room -= len(draft)
             # Tokens localrt writes go in as the batch has room; the sequence samples
             # again once the last of them is in.
@@ -446,6 +451,9 @@ class Batcher:
             self._engine.accept(seq, forced)
             seq.next, seq.forced = token, list(forced)
             for written in forced:
+                if seq.top_logprobs is not None:  # localrt's own: certain
+                    seq.scores.append(TokenLogprob(written, 0.0,
+                                                   ((written, 0.0),)[:seq.top_logprobs]))
                 seq.ready.append(written)
                 seq.generated += 1
                 if seq.generated >= seq.max_tokens:
@@ -482,6 +490,20 @@ class Batcher:
                 self._engine.release(seq)
             self._waiting.clear()
             self._active.clear()
+
+
+def _draft_limit(seq: Sequence) -> int:
+    """The most draft tokens a thinking sequence may verify this step (see the module
+    docstring): none while a grammar waits for its answer, what its tracker surely
+    follows quietly under a budget; no bound otherwise."""
+    unbounded = 1 << 30
+    thinking = seq.thinking
+    if thinking is None or thinking.answering:
+        return unbounded
+    if seq.after_thinking is not None:
+        return 0
+    quiet = thinking.quiet()
+    return unbounded if quiet is None else quiet
 
 
 def _next_image(seq: Sequence) -> int:

@@ -245,7 +245,7 @@ class LlamaModel(GeneratingModel):
             if plan is not None and prompt.thinking is not None:
                 thinking = plan.tracker(prompt.thinking, lambda t: self._piece(t, True),
                                         self._special_tokens)
-                if prompt.thinking != "answer" and self._grammar(params)[0]:
+                if not thinking.answering and self._grammar(params)[0]:
                     # The thinking is free; the grammar constrains the answer after it.
                     after, sampler = sampler, None
                     sampler = self._sampler(params, tokens, grammar=False)
@@ -257,10 +257,9 @@ class LlamaModel(GeneratingModel):
         predicted = None  # the prediction's tokens, when the request has one
         if params.get("prediction"):
             predicted = self._text_tokens(params["prediction"])
-        forcing = after is not None or (thinking is not None and thinking.may_force)
         seq = Sequence(tokens, max_tokens, sampler, top_logprobs=top,
                        prompt_logprobs=echo and top is not None, images=prompt.chunks,
-                       drafter=None if forcing else self._drafter(params, tokens, predicted),
+                       drafter=self._drafter(params, tokens, predicted),
                        adapters=adapters, thinking=thinking, after_thinking=after)
         batcher, wait = self._batcher, wait or self.step
         made: list[int] = []  # the reply's tokens, for the prediction's counts
