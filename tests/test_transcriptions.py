@@ -15,7 +15,7 @@ from emulators.ggufgen import write_gguf
 from support.apps import bind
 from support.audio import (AUDIO_TOKENS_PER_CHUNK, start_ear, wav, write_audio_header,
                            write_audio_pair)
-from support.vision import MARKER, raw_mtmd_reply
+from support.vision import MARKER, prompt_tokens, raw_mtmd_reply
 
 from localrt import multipart
 from localrt.errors import HTTPError
@@ -224,6 +224,10 @@ def test_the_openai_sdk_transcribes_in_every_format(server, pair):
         ("tokens", AUDIO_TOKENS_PER_CHUNK, 2.0)
     assert used.input_tokens == used.input_token_details.audio_tokens + \
         used.input_token_details.text_tokens
+    # the text's tokens as mtmd counts them in the same chat (BOS and template included)
+    counted, _ = prompt_tokens(*pair, f"<|im_start|>user\n{MARKER}\nTranscribe the audio "
+                               f"exactly.<|im_end|>\n<|im_start|>assistant\n", [clip])
+    assert used.input_token_details.text_tokens == counted - AUDIO_TOKENS_PER_CHUNK
     assert used.total_tokens == used.input_tokens + used.output_tokens > used.input_tokens
     assert ask(response_format="text") == want
     verbose = ask(response_format="verbose_json", language="en")
@@ -240,10 +244,13 @@ def test_the_openai_sdk_transcribes_in_every_format(server, pair):
     assert [e.type for e in events[:-1]] == ["transcript.text.delta"] * (len(events) - 1)
     assert "".join(e.delta for e in events[:-1]).strip() == events[-1].text == want
     assert events[-1].type == "transcript.text.done"
+    assert events[-1].usage.model_dump() == used.model_dump()
     other = client.audio.transcriptions.create(model="ear", file=("b.wav", wav(1.0, 3)))
     assert other.text.startswith(
         mtmd_text(pair, wav(1.0, 3), "Transcribe the audio exactly.").strip())
     assert other.text[:20] != want[:20]
+    assert (other.usage.seconds, other.usage.input_token_details.audio_tokens) == \
+        (1.0, AUDIO_TOKENS_PER_CHUNK)
 
 
 @pytest.mark.live
