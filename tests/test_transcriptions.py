@@ -82,6 +82,15 @@ def test_a_malformed_form_is_a_400_naming_what(body, ctype, words):
 
 
 @pytest.mark.unit
+def test_a_form_array_may_repeat_its_name():
+    # as the openai SDK sends timestamp_granularities=["word", "segment"]
+    body = (f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="t[]"\r\n\r\nword\r\n'
+            f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="t[]"\r\n\r\nsegment\r\n'
+            f'--{BOUNDARY}--\r\n').encode()
+    assert multipart.read(body, CTYPE, LIMITS).fields == {"t[]": ["word", "segment"]}
+
+
+@pytest.mark.unit
 def test_a_field_or_file_over_its_limit():
     with pytest.raises(HTTPError) as caught:
         multipart.read(form({"prompt": "x" * 11}), CTYPE, LIMITS)
@@ -131,6 +140,13 @@ def post(api, body: bytes, ctype: str = CTYPE, path="/v1/audio/transcriptions"):
     return api("POST", path, body=body, headers={"Content-Type": ctype})
 
 
+# OpenAI's array fields, as its SDK sends them: read (a name repeated) and ignored
+ARRAYS = b"".join(f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n'
+                  f'{value}\r\n'.encode() for name, value in (
+                      ("timestamp_granularities[]", "word"),
+                      ("timestamp_granularities[]", "segment"), ("include[]", "logprobs")))
+
+
 @pytest.mark.unit
 def test_every_form_error_names_what(form_api):
     clip = ("a.wav", wav(0.5))
@@ -143,6 +159,8 @@ def test_every_form_error_names_what(form_api):
         (post(form_api, form({"model": "nope"}, {"file": clip})), 404, "model_not_found",
          None),
         (post(form_api, form({"model": "plain"}, {"file": clip})), 400,
+         "audio_not_supported", "model"),
+        (post(form_api, ARRAYS + form({"model": "plain"}, {"file": clip})), 400,
          "audio_not_supported", "model"),
         (post(form_api, form({"model": "ear"}, {"file": ("a.txt", b"hello")})), 400,
          "invalid_audio", "file"),
