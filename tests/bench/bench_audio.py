@@ -3,7 +3,7 @@ llama-cpp-python's own mtmd path in this process, on the same pair and threads.
 
 Run it from the repository root (not collected by pytest):
 
-    .venv/bin/python tests/bench/bench_audio.py [--threads 2] [--samples 12] [--rtf-samples 3]
+    .venv/bin/python tests/bench/bench_audio.py [--threads 1] [--samples 12] [--rtf-samples 5]
 
 The pair is support.audio's "qwen2a" generator at a bench size (issue 36, item 8):
 
@@ -20,6 +20,13 @@ The pair is support.audio's "qwen2a" generator at a bench size (issue 36, item 8
     the script is a realistic transcript's length (a minute of speech is 150-200
     words) and both sides write exactly the same tokens. Zero weights cost what random
     ones do.
+
+Both sides compute on --threads threads, 1 unless given: on a shared machine two
+threads that meet at every operation spin while the other is descheduled, so a reply's
+one-token steps vary several-fold from run to run, on both sides alike (measured on
+this 2-core machine at a load of 5: the same 10 s transcription through localrt took
+4.2 s with 3.6 CPU-seconds, then 23.3 s with 22.6; with one thread a 60 s one varied
+7-13 s).
 
 Each request gets a clip of its own (a tone whose pitch its seed picks, with noise),
 on both sides, so no prompt cache helps either.
@@ -257,9 +264,9 @@ def pairs(n: int, ref_side, our_side) -> tuple[list, list]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--samples", type=int, default=12, help="chat pairs")
-    parser.add_argument("--rtf-samples", type=int, default=3, help="transcription pairs")
+    parser.add_argument("--rtf-samples", type=int, default=5, help="transcription pairs")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
