@@ -1,14 +1,16 @@
 """multipart/form-data request bodies (RFC 7578), read whole and bounded: what OpenAI's
 audio routes (/v1/audio/transcriptions, /v1/audio/translations) take.
 
-`read(data, content_type, limits)` gives a Form: its text fields (name -> str) and its
-files (name -> Upload: filename, content type, bytes). Everything is bounded before it
-is kept: at most MAX_PARTS parts, MAX_HEADER bytes of headers a part, `limits.field`
-bytes a text field (a 413 payload_too_large naming it), `limits.file(name)` bytes a
-file (a 413 of the route's own kind, audio_too_large for a clip), and the body itself
-by its route's max_body (localrt.app). A malformed body is a 400 naming what is wrong:
+`read(data, content_type, limits)` gives a Form: its text fields (name -> str; a name
+ending in "[]" is a form array, which may be given again: name -> [str, ...], as
+OpenAI's SDK sends timestamp_granularities[] and include[]) and its files (name ->
+Upload: filename, content type, bytes). Everything is bounded before it is kept: at
+most MAX_PARTS parts, MAX_HEADER bytes of headers a part, `limits.field` bytes a text
+field (a 413 payload_too_large naming it), `limits.file(name)` bytes a file (a 413 of
+the route's own kind, audio_too_large for a clip), and the body itself by its route's
+max_body (localrt.app). A malformed body is a 400 naming what is wrong:
 no boundary, a part without its closing boundary, a part with no Content-Disposition
-or no name, a field that is not UTF-8, a name given twice.
+or no name, a field that is not UTF-8, a name given twice (but an array's).
 """
 
 from __future__ import annotations
@@ -149,7 +151,8 @@ def _keep(form: Form, headers: dict, body: bytes, count: int, limits: Limits) ->
     name = params.get("name")
     if not name:
         raise BadRequest(f"Malformed multipart/form-data body: part {count} has no name")
-    if name in form.fields or name in form.files:
+    array = name.endswith("[]") and "filename" not in params
+    if (name in form.fields and not array) or name in form.files:
         raise BadRequest(f"Malformed multipart/form-data body: the field {shown(name)} is "
                          f"given twice")
     if "filename" in params:
@@ -164,7 +167,11 @@ def _keep(form: Form, headers: dict, body: bytes, count: int, limits: Limits) ->
         raise PayloadTooLarge(f"The field {shown(name)} is {len(body)} bytes; the limit is "
                               f"{limits.field} bytes a field", param=name)
     try:
-        form.fields[name] = body.decode("utf-8")
+        text = body.decode("utf-8")
     except UnicodeDecodeError:
         raise BadRequest(f"The field {shown(name)} is not UTF-8 text",
                          param=name) from None
+    if array:
+        form.fields.setdefault(name, []).append(text)
+    else:
+        form.fields[name] = text

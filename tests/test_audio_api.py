@@ -2,8 +2,8 @@
 pair): the openai SDK's input_audio parts, whole and streamed, and Ollama's audio in
 `images` give the greedy reply llama-cpp-python's own mtmd path gives for the same
 prompt and clip; WAV and FLAC of the same samples give the same reply, another clip
-another; four streams, two with clips, each answer as alone; a second turn reuses the
-clip's KV."""
+another; usage counts the clips' tokens (prompt_tokens_details.audio_tokens); four
+streams, two with clips, each answer as alone; a second turn reuses the clip's KV."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import openai
 import pytest
 from support.audio import (AUDIO_TOKENS_PER_CHUNK, flac, mp3_silence, start_ear, wav,
                            write_audio_pair)
-from support.vision import MARKER, raw_mtmd_reply
+from support.vision import MARKER, prompt_tokens, raw_mtmd_reply
 
 pytestmark = pytest.mark.live
 
@@ -27,6 +27,7 @@ CLIPS_FIRST = f"<|im_start|>user\n{MARKER}\n{ASK}<|im_end|>\n<|im_start|>assista
 # this random model has near ties elsewhere, which the last bits of llama.cpp's sums
 # (batches of other sequences beside them, thread counts) may decide either way.
 A, B = wav(2.0, 2), wav(1.0, 4)
+C = flac(1.0, 4)  # B's samples as FLAC
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +75,29 @@ def test_the_openai_sdk_gets_mtmds_reply_whole_and_streamed(server, pair):
     assert via_openai(server.url, B) == expected(pair, PROMPT, B) != want
     assert via_openai(server.url, mp3_silence(1.0), "mp3") == \
         expected(pair, PROMPT, mp3_silence(1.0))
+
+
+def test_usage_counts_the_clips_tokens_whole_and_streamed(server, pair):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    two = [{"role": "user", "content": [{"type": "text", "text": ASK}, part(A),
+                                        part(C, "flac")]}]
+    # what mtmd counts for the same prompt: the text's tokens and each clip's chunk
+    want, _ = prompt_tokens(*pair, f"<|im_start|>user\n{ASK}\n{MARKER}\n{MARKER}<|im_end|>\n"
+                            f"<|im_start|>assistant\n", [A, C])
+    whole = client.chat.completions.create(model="ear", max_tokens=2, temperature=0,
+                                           messages=two).usage
+    assert whole.prompt_tokens == want
+    assert whole.prompt_tokens_details.audio_tokens == 2 * AUDIO_TOKENS_PER_CHUNK
+    chunks = list(client.chat.completions.create(
+        model="ear", max_tokens=2, temperature=0, messages=two, stream=True,
+        stream_options={"include_usage": True}))
+    streamed = chunks[-1].usage
+    assert streamed.prompt_tokens == want
+    assert streamed.prompt_tokens_details.audio_tokens == 2 * AUDIO_TOKENS_PER_CHUNK
+    assert streamed.prompt_tokens_details.cached_tokens > 0  # cached, and still counted
+    text = client.chat.completions.create(model="ear", max_tokens=2, temperature=0,
+                                          messages=[{"role": "user", "content": ASK}])
+    assert text.usage.prompt_tokens_details.audio_tokens == 0
 
 
 def test_ollamas_images_take_a_clip(server, pair):

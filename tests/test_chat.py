@@ -211,9 +211,10 @@ def test_streamed_reply_matches_the_plain_one(api, tiny):
     text = "".join(c["choices"][0]["delta"]["content"] for c in middle)
     assert text == plain["choices"][0]["message"]["content"]
     assert final["choices"][0]["finish_reason"] == "length"
+    # the same prompt again: all but its last token cached
     assert usage["choices"] == [] and usage["usage"] == {
-        **plain["usage"], "prompt_tokens_details": {"cached_tokens": plain["usage"][
-            "prompt_tokens"] - 1}}  # the same prompt again: all but its last token cached
+        **plain["usage"], "prompt_tokens_details": {
+            "cached_tokens": plain["usage"]["prompt_tokens"] - 1, "audio_tokens": 0}}
 
 
 def test_a_stream_without_include_usage_has_no_usage_chunk(api, tiny):
@@ -452,8 +453,9 @@ def test_developer_messages_are_system_messages(api, tiny):
         {"prompt_template": "<sys>{system_message}</sys>{prompt}"})
     as_developer = chat(api, messages=[{"role": "developer", "content": "be brief"}, *USER])
     as_system = chat(api, messages=[{"role": "system", "content": "be brief"}, *USER])
+    # the second was cached
     assert as_developer.json["usage"] == {**as_system.json["usage"], "prompt_tokens_details":
-                                          {"cached_tokens": 0}}  # the second was cached
+                                          {"cached_tokens": 0, "audio_tokens": 0}}
     assert as_developer.json["choices"] == as_system.json["choices"]
 
 

@@ -15,7 +15,7 @@ from emulators.ggufgen import write_gguf
 from support.apps import bind
 from support.audio import (AUDIO_TOKENS_PER_CHUNK, start_ear, wav, write_audio_header,
                            write_audio_pair)
-from support.vision import MARKER, raw_mtmd_reply
+from support.vision import MARKER, prompt_tokens, raw_mtmd_reply
 
 from localrt import multipart
 from localrt.errors import HTTPError
@@ -82,6 +82,15 @@ def test_a_malformed_form_is_a_400_naming_what(body, ctype, words):
 
 
 @pytest.mark.unit
+def test_a_form_array_may_repeat_its_name():
+    # as the openai SDK sends timestamp_granularities=["word", "segment"]
+    body = (f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="t[]"\r\n\r\nword\r\n'
+            f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="t[]"\r\n\r\nsegment\r\n'
+            f'--{BOUNDARY}--\r\n').encode()
+    assert multipart.read(body, CTYPE, LIMITS).fields == {"t[]": ["word", "segment"]}
+
+
+@pytest.mark.unit
 def test_a_field_or_file_over_its_limit():
     with pytest.raises(HTTPError) as caught:
         multipart.read(form({"prompt": "x" * 11}), CTYPE, LIMITS)
@@ -131,6 +140,13 @@ def post(api, body: bytes, ctype: str = CTYPE, path="/v1/audio/transcriptions"):
     return api("POST", path, body=body, headers={"Content-Type": ctype})
 
 
+# OpenAI's array fields, as its SDK sends them: read (a name repeated) and ignored
+ARRAYS = b"".join(f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n'
+                  f'{value}\r\n'.encode() for name, value in (
+                      ("timestamp_granularities[]", "word"),
+                      ("timestamp_granularities[]", "segment"), ("include[]", "logprobs")))
+
+
 @pytest.mark.unit
 def test_every_form_error_names_what(form_api):
     clip = ("a.wav", wav(0.5))
@@ -143,6 +159,8 @@ def test_every_form_error_names_what(form_api):
         (post(form_api, form({"model": "nope"}, {"file": clip})), 404, "model_not_found",
          None),
         (post(form_api, form({"model": "plain"}, {"file": clip})), 400,
+         "audio_not_supported", "model"),
+        (post(form_api, ARRAYS + form({"model": "plain"}, {"file": clip})), 400,
          "audio_not_supported", "model"),
         (post(form_api, form({"model": "ear"}, {"file": ("a.txt", b"hello")})), 400,
          "invalid_audio", "file"),
@@ -224,6 +242,10 @@ def test_the_openai_sdk_transcribes_in_every_format(server, pair):
         ("tokens", AUDIO_TOKENS_PER_CHUNK, 2.0)
     assert used.input_tokens == used.input_token_details.audio_tokens + \
         used.input_token_details.text_tokens
+    # the text's tokens as mtmd counts them in the same chat (BOS and template included)
+    counted, _ = prompt_tokens(*pair, f"<|im_start|>user\n{MARKER}\nTranscribe the audio "
+                               f"exactly.<|im_end|>\n<|im_start|>assistant\n", [clip])
+    assert used.input_token_details.text_tokens == counted - AUDIO_TOKENS_PER_CHUNK
     assert used.total_tokens == used.input_tokens + used.output_tokens > used.input_tokens
     assert ask(response_format="text") == want
     verbose = ask(response_format="verbose_json", language="en")
@@ -240,10 +262,13 @@ def test_the_openai_sdk_transcribes_in_every_format(server, pair):
     assert [e.type for e in events[:-1]] == ["transcript.text.delta"] * (len(events) - 1)
     assert "".join(e.delta for e in events[:-1]).strip() == events[-1].text == want
     assert events[-1].type == "transcript.text.done"
+    assert events[-1].usage.model_dump() == used.model_dump()
     other = client.audio.transcriptions.create(model="ear", file=("b.wav", wav(1.0, 3)))
     assert other.text.startswith(
         mtmd_text(pair, wav(1.0, 3), "Transcribe the audio exactly.").strip())
     assert other.text[:20] != want[:20]
+    assert (other.usage.seconds, other.usage.input_token_details.audio_tokens) == \
+        (1.0, AUDIO_TOKENS_PER_CHUNK)
 
 
 @pytest.mark.live

@@ -253,11 +253,12 @@ def chat_completion(whole: native.Whole, request: native.Request) -> dict:
 
 
 def usage(u: native.Usage | None) -> dict:
-    """OpenAI's usage object of a chat."""
+    """OpenAI's usage object of a chat (audio_tokens: the prompt's clips' tokens)."""
     u = u or native.Usage()
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens,
+                                      "audio_tokens": u.audio_tokens},
             "completion_tokens_details": {
                 "reasoning_tokens": u.reasoning_tokens,
                 "accepted_prediction_tokens": u.accepted_prediction_tokens,
