@@ -36,6 +36,21 @@ def add(api, model_id="far", upstreams=None, **extra):
     return api("POST", "/v1/models/remote", {"id": model_id, "upstreams": upstreams, **extra})
 
 
+def test_an_upstreams_usage_details_reach_the_native_usage():
+    from localrt import native
+    from localrt.remote import wire
+
+    completion = {"choices": [{"index": 0, "finish_reason": "stop",
+                               "message": {"role": "assistant", "content": "Hi"}}],
+                  "usage": {"prompt_tokens": 800, "completion_tokens": 2,
+                            "prompt_tokens_details": {"cached_tokens": 40,
+                                                      "audio_tokens": 750},
+                            "completion_tokens_details": {"reasoning_tokens": 1}}}
+    usage = native.collect(wire.reply(completion).events()).usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens,
+            usage.audio_tokens, usage.reasoning_tokens) == (800, 2, 40, 750, 1)
+
+
 # --- registration --------------------------------------------------------------------
 
 

@@ -293,7 +293,8 @@ def _usage(usage) -> native.Usage:
     return native.Usage(_count(usage.get("prompt_tokens")),
                         _count(usage.get("completion_tokens")),
                         cached_tokens=_count(details.get("cached_tokens")),
-                        reasoning_tokens=_count(out.get("reasoning_tokens")))
+                        reasoning_tokens=_count(out.get("reasoning_tokens")),
+                        audio_tokens=_count(details.get("audio_tokens")))
 
 
 def _count(value) -> int:
