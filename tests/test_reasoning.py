@@ -226,6 +226,35 @@ def test_the_tracker_counts_thinking_and_forces_the_end_at_the_budget():
     assert unbounded.count == 6 and unbounded.answering  # the model's own end counts
 
 
+def test_the_tokens_that_open_the_thinking_before_a_grammars_answer():
+    texts = ["<th", "ink>", "<think>", "\n", "{", " <think>", "<", "<|channel|>", "ok",
+             "<|start|>", "final"]
+
+    def piece(token):
+        return texts[token].encode()
+
+    think, harmony = reasoning.SYNTAXES[-1], reasoning.SYNTAXES[0]
+    tracker = reasoning.Tracker(think, "before", None, piece, lambda text: [0, 1])
+    # whitespace, the whole marker, or the first of its tokens open it; anything else
+    # (another prefix of the marker among them) is the answer
+    assert [t for t in range(len(texts)) if not tracker.answers(t)] == [0, 2, 3, 5]
+    assert tracker.opening() is None
+    tracker.step(3)  # whitespace: still at the start
+    assert tracker.opening() is None and not tracker.answers(0)
+    tracker.step(0)  # "<th": the model must write "ink>" next
+    assert tracker.opening() == 1
+    tracker.step(1)
+    assert tracker.state == "thinking" and tracker.opening() is None
+    # a tokenizer that does not write the marker back: only the whole marker opens it
+    odd = reasoning.Tracker(think, "before", None, piece, lambda text: [6, 8])
+    assert [t for t in range(len(texts)) if not odd.answers(t)] == [2, 3, 5]
+    # harmony: a message's header opens with <|, and is free until its <|message|>
+    tracker = reasoning.Tracker(harmony, "before", None, piece, lambda text: [7])
+    assert [t for t in range(len(texts)) if not tracker.answers(t)] == [3, 7, 9]
+    tracker.step(9)
+    assert not tracker.answers(10) and not tracker.answers(8) and tracker.opening() is None
+
+
 # --- through the native chat, on tiny scripted models --------------------------------------
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
@@ -241,6 +270,7 @@ HARMONY = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "
 HARMONY_CALL = ["▁so", "▁we", "<|end|>", "<|start|>", "assistant", "<|channel|>",
                 "commentary", " to=functions.get_weather ", "<|constrain|>", "json<|message|>",
                 '{"city": "Oslo"}', "<|call|>"]
+HARMONY_FINAL = "<|start|>assistant<|channel|>final<|message|>"  # one token
 LONG = ["A1", "B2", "C3", "D4", "E5", "F6"]
 # name: (template, added tokens (user-defined), script)
 MODELS = {
@@ -279,8 +309,23 @@ MODELS = {
     "harmony-final": ("openai-gpt-oss-120b", ["assistant", "final<|message|>"],
                       ["▁so", "<|end|>", "<|start|>", "assistant", "<|channel|>",
                        "final<|message|>", "▁ok"]),
+    # Qwen3 with thinking on: the generation prompt leaves it to the model to open its
+    # thinking, and this one answers at once, with text that is no JSON and no call
+    "answers": ("Qwen-Qwen3-0.6B", ["<think>", "</think>", "<tool_call>\n",
+                                    "\n</tool_call>"], ["▁ok", "▁so"]),
+    # SmolLM3: the same, its opening marker in two tokens; the model begins it, then
+    # would go on with an answer, then thinks, then answers with JSON
+    "smol": ("HuggingFaceTB-SmolLM3-3B", ["<th", "ink>", "</think>", JSON_REPLY],
+             ["<th", "▁so", "</think>", JSON_REPLY]),
+    # gpt-oss that analyses, then answers with JSON in the final channel
+    "harmony-json": ("openai-gpt-oss-120b", ["analysis", HARMONY_FINAL, JSON_REPLY],
+                     ["<|channel|>", "analysis", "<|message|>", "▁so", "<|end|>",
+                      HARMONY_FINAL, JSON_REPLY]),
+    # gpt-oss that answers at once in plain text, no channel
+    "harmony-plain": ("openai-gpt-oss-120b", [], ["▁ok", "▁so"]),
 }
-CONTROL = {"harmony": HARMONY, "harmony-call": HARMONY, "harmony-final": HARMONY}
+CONTROL = {"harmony": HARMONY, "harmony-call": HARMONY, "harmony-final": HARMONY,
+           "harmony-json": HARMONY, "harmony-plain": HARMONY}
 
 
 @pytest.fixture(scope="module")
@@ -576,3 +621,64 @@ def test_the_end_marker_localrt_writes_has_its_logprob(chat):
     assert b"".join(pieces) == "<think> so</think> ok".encode()
     written = [e for e in whole.logprobs if e.piece in (b"</th", b"ink>")]
     assert [(e.logprob, len(e.top)) for e in written] == [(0.0, 1), (0.0, 1)]
+
+
+# --- a reply that may open its thinking, under a grammar -----------------------------------
+
+UNIT = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"]}
+UNIT_TOOLS = [{"type": "function", "function": {
+    "name": "set_unit", "description": "The unit of temperatures.", "parameters": UNIT}}]
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("model", ["answers", "harmony-plain"])
+def test_a_model_that_answers_at_once_keeps_to_the_schema_from_its_first_token(
+        chat, model, stream):
+    # Qwen3's and gpt-oss's prompts leave it to the model to open its thinking; these
+    # write " ok so" at once: with a schema, that first token must already be the grammar's
+    free = folded(chat(model, stream=stream))
+    assert (free.reasoning, free.text.split()) == ("", ["ok", "so"])
+    whole = folded(chat(model, stream=stream, response_format={
+        "type": "json_schema", "schema": UNIT, "name": "unit"},
+        sampling={"temperature": 0, "max_tokens": 400}))
+    assert (whole.reasoning, whole.usage.reasoning_tokens) == ("", 0)
+    assert list(json.loads(whole.text)) == ["unit"]
+    assert json.loads(whole.text)["unit"] in ("c", "f")
+    assert whole.finish == "stop"
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["required", "function"])
+def test_a_forced_call_from_a_model_that_answers_at_once(chat, stream, choice):
+    whole = folded(chat("answers", stream=stream, tools=UNIT_TOOLS, tool_choice=choice,
+                        tool_function="set_unit" if choice == "function" else None,
+                        sampling={"temperature": 0, "max_tokens": 400}))
+    assert (whole.reasoning, whole.text) == ("", "")
+    assert [c.name for c in whole.calls] == ["set_unit"]
+    assert json.loads(whole.calls[0].arguments)["unit"] in ("c", "f")
+    assert whole.finish == "tool_calls"
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_model_that_begins_its_opening_marker_thinks_then_answers_by_the_schema(
+        chat, stream):
+    schema = {"type": "object", "properties": {"b": {"type": "integer"},
+                                               "a": {"type": "integer"}},
+              "required": ["b", "a"]}
+    fields = {"response_format": {"type": "json_schema", "schema": schema, "name": "pair"}}
+    # "<think>" is "<th" "ink>" here: once the model wrote "<th", it writes "ink>" (it
+    # would have gone on with " so", which would have been an answer the grammar never
+    # saw), thinks freely ("<th", " so", which it writes next), and answers by the schema
+    whole = folded(chat("smol", stream=stream, **fields))
+    assert whole.reasoning == "<th so"
+    assert json.loads(whole.text) == {"b": 2, "a": 1}
+    assert whole.usage.reasoning_tokens == 5  # <th, ink>, <th, so, </think>
+    # gpt-oss analyses, then answers in the final channel: the grammar starts there
+    harmony = folded(chat("harmony-json", stream=stream, **fields))
+    assert (harmony.reasoning, json.loads(harmony.text)) == (" so", {"b": 2, "a": 1})
+    # Qwen3 that opens its thinking with one token: free, as before
+    qwen = folded(chat("json", stream=stream, **fields))
+    assert (qwen.reasoning, json.loads(qwen.text)) == ("so", {"b": 2, "a": 1})

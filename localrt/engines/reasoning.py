@@ -271,6 +271,12 @@ class Splitter:
     ("args", text); `state` is "before", "thinking" or "answer"."""
 
     state = "answer"
+    _buf = ""
+
+    @property
+    def held(self) -> str:
+        """The text fed and not settled yet (before the thinking: what may open it)."""
+        return self._buf
 
     def feed(self, text: str) -> list:
         """The events `text` (after what came before) settles."""
@@ -441,7 +447,9 @@ class Tracker:
     (empty otherwise); the engine feeds those and steps them too. `answering` turns
     true where the answer starts (a grammar applies from there); with `call` (a forced
     harmony call: Plan.commentary) that is wherever the reply is not in its analysis,
-    the next message's header included, since the call's grammar writes it."""
+    the next message's header included, since the call's grammar writes it. Before the
+    thinking, `answers(token)` and `opening()` say which tokens the model may write
+    while a grammar waits for its answer (the engine asks before it steps the token)."""
 
     def __init__(self, syntax: Syntax, state: str, budget: int | None, piece, tokenize,
                  call: bool = False):
@@ -454,6 +462,8 @@ class Tracker:
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._pending = 0  # tokens before the thinking opened, that may be its marker
         self._forcing = False
+        self._syntax = syntax
+        self._opening = None  # the opening marker's tokens, and their texts (_marker)
         self.answering = self._answers(state)
 
     @property
@@ -494,6 +504,62 @@ class Tracker:
                 and not self._forcing:
             return self._tokenize(self._force)
         return []
+
+    @property
+    def state(self) -> str:
+        """The reply's state so far: "before", "thinking" or "answer"."""
+        return self._splitter.state
+
+    def opening(self) -> int | None:
+        """Before the thinking, partway through the opening marker the model began (its
+        first tokens of several): the marker's next token, which the model must write
+        when a grammar waits for its answer (the answer cannot start inside the marker:
+        localrt.engines.llama.decode keeps it to that token); None otherwise."""
+        if self.answering or self._syntax.harmony or self.state != "before":
+            return None
+        head = self._splitter.held.lstrip()
+        tokens, texts = self._marker()
+        for k in range(1, len(tokens)):
+            if head and texts[k] == head:
+                return tokens[k]
+        return None
+
+    def answers(self, token: int) -> bool:
+        """Whether `token`, written next while the reply is before its thinking, starts
+        the answer: anything but whitespace, a token that opens the thinking (the whole
+        marker, or the first of its tokens) or, for harmony, a message's header (<|...),
+        where the answer starts only after the header of a channel that is not the
+        analysis. Asked before the token is followed (step)."""
+        text = self._piece(token).decode("utf-8", "replace")
+        head = (self._splitter.held + text).lstrip()
+        if not head:
+            return False
+        if self._syntax.harmony:
+            return not head.startswith("<|")
+        if head.startswith(self._syntax.start):
+            return False
+        tokens, _ = self._marker()
+        return not (len(tokens) > 1 and token == tokens[0]
+                    and not self._splitter.held.strip())
+
+    def constrained(self) -> None:
+        """A grammar writes the reply from here (the model answered before thinking):
+        it is the answer whatever the grammar writes, and nothing is written into it at
+        a budget (llama.cpp aborts on a token a grammar rejects)."""
+        self.answering = True
+
+    def _marker(self) -> tuple[list, list]:
+        """The opening marker's tokens as localrt's tokenizer writes it, and the text of
+        each run of them from the start (texts[k]: the first k); no tokens when they
+        do not write the marker's text back (a tokenizer that puts a space before a
+        word after a special token): only a token that holds the whole marker opens it
+        then."""
+        if self._opening is None:
+            tokens, texts = list(self._tokenize(self._syntax.start)), [""]
+            for token in tokens:
+                texts.append(texts[-1] + self._piece(token).decode("utf-8", "replace"))
+            self._opening = (tokens, texts) if texts[-1] == self._syntax.start else ([], [""])
+        return self._opening
 
     def _answers(self, state: str) -> bool:
         """Whether the reply's answer has started in `state`."""

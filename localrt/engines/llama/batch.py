@@ -49,7 +49,9 @@ step computes; `LlamaBatch` (localrt.engines.llama.decode) computes it with llam
     model wrote them, into its sampler chain, and into the next step's decode after the
     sampled token, and the model answers from there. A sequence whose answer a grammar
     constrains (a JSON schema, a forced call) thinks freely: its sampler chain is
-    swapped for the grammar's where its answer starts. Such a sequence drafts only once
+    swapped for the grammar's where its answer starts (before its thinking, the engine
+    samples the answer's first token with the grammar's chain and swaps there itself:
+    localrt.engines.llama.decode). Such a sequence drafts only once
     its answer has started (the swap's token is unknown before); one with a budget
     drafts no further than its tracker surely stays quiet (Tracker.quiet), so the
     tokens the tracker acts on are never draft tokens whose KV was kept.

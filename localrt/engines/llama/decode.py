@@ -6,7 +6,12 @@ slot's state for the RAM prompt cache (localrt.engines.llama.promptcache).
 Sampling a draft (localrt.engines.llama.drafting): a step feeds a generating sequence's next
 token and its draft; each position's logits are kept, and the sequence's own sampler
 chain picks a token from each in turn while the picks agree with the draft, so the
-chain sees only the tokens the reply keeps. An image entry (localrt.engines.llama.media) is
+chain sees only the tokens the reply keeps. A reasoning reply whose answer a grammar
+constrains samples with its free chain while it thinks; before its thinking, a token
+that does not open it (whitespace, the opening marker, harmony's message header) is
+the answer's first and is sampled from the grammar's chain, which takes over there
+(`_pick`), and once the model has begun a marker of several tokens it writes the rest.
+An image entry (localrt.engines.llama.media) is
 evaluated after the text's decode and its sampling, since its decode overwrites the
 logits. llama_cpp is imported by the caller (localrt.engines.llama.model) when a model loads.
 """
@@ -181,14 +186,35 @@ class LlamaBatch:
 
     def _sample(self, seq: Sequence, i: int) -> int:
         """The sequence's token from output row `i`, scored when it asks for logprobs."""
-        ll = self._ll
         if seq.top_logprobs is None:  # the common case costs nothing more
-            return ll.llama_sampler_sample(seq.sampler, self.ctx, i)
+            return self._pick(seq, i)
         logits = self._logits(i)  # raw: read before the sampler chain sees them
         lse, top = logprobs.score(logits, seq.top_logprobs)
-        token = ll.llama_sampler_sample(seq.sampler, self.ctx, i)
+        token = self._pick(seq, i)
         seq.scores.append(logprobs.TokenLogprob(token, float(logits[token]) - lse, top))
         return token
+
+    def _pick(self, seq: Sequence, i: int) -> int:
+        """The token the sequence's sampler chain picks from output row `i`. A reply
+        before its thinking whose answer a grammar waits for (see the module docstring)
+        writes whitespace, the opening marker (its next token, once it has begun it) or
+        the answer's first token, which its grammar's chain picks: that chain then takes
+        over, so the whole answer is the grammar's. The chain never accepts a token its
+        grammar rejects (llama.cpp aborts on one): it samples the token itself."""
+        ll, tracker = self._ll, seq.thinking
+        if seq.after_thinking is None or tracker is None or tracker.answering \
+                or tracker.state != "before":
+            return ll.llama_sampler_sample(seq.sampler, self.ctx, i)
+        must = tracker.opening()
+        if must is not None:
+            ll.llama_sampler_accept(seq.sampler, must)
+            return must
+        token = ll.llama_sampler_sample(seq.sampler, self.ctx, i)
+        if not self.is_end(token) and not tracker.answers(token):
+            return token
+        self.constrain(seq)  # the model answers at once (or ends): the grammar's token
+        tracker.constrained()
+        return ll.llama_sampler_sample(seq.sampler, self.ctx, i)
 
     def _logits(self, i: int):
         """The logits of output row `i` of the last decode, as a numpy array (a view)."""
