@@ -19,7 +19,7 @@ keeps them between runs on the same machine in a folder outside the checkout
 (`cache_folder`: LOCALRT_TEST_CACHE, else $XDG_CACHE_HOME or ~/.cache, then
 localrt-tests): it copies what the checkout lacks from there before the downloads, and
 the folders back after pytest, each file atomically. The tests take a wheel only under
-the key of its sdist, flags and patches (tests/support/keptwheels.py), so a kept file
+the key of its sdist, flags and patches (tests/support/variants.py), so a kept file
 never stands in for a build of something else; a machine without the cache builds it all.
 
 This module runs with the system's python3 before any dependency exists, so it uses

@@ -14,9 +14,10 @@ is the CPU, so everything but the speed of the GPU path is tested without a GPU.
 The Vulkan variant: the wheel of `vulkan_engine` (tests/support/variants.py: compiled
 once a run, for tests/test_vulkan_live.py too, or kept in tests/.vulkan-build/built
 under its key, or LOCALRT_TEST_VULKAN_WHEEL), installed through the API as
-`<platform>-vulkan` from a package index of it into this module's own home. ggml's Vulkan backend takes a CPU device only when told to
-(GGML_VK_VISIBLE_DEVICES), which the servers here are given. Without the wheel or
-lavapipe these tests skip, except under CI, where they fail.
+`<platform>-vulkan` from a package index of it into this module's own home. ggml's
+Vulkan backend takes a CPU device only when told to (GGML_VK_VISIBLE_DEVICES), which
+the servers here are given. Without the wheel or lavapipe these tests skip, except
+under CI, where they fail.
 """
 
 from __future__ import annotations

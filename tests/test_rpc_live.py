@@ -6,9 +6,9 @@ What the tests' package index serves comes from tests/.rpc-build/sources, which
 `python3 -m localrt.bootstrap --test` fills (the sdist, localrt.bootstrap.RPC_SDIST,
 and the wheels its build needs). The session's install compiles the sdist once (some
 minutes) and keeps the wheel in tests/.rpc-build/built under the key of its sdist and
-flags (tests/support/variants.py), so later sessions install it from the index instead. rpc-server is compiled
-against the installed variant's own libraries (rpc-server.cpp needs only ggml's
-headers: a few seconds).
+flags (tests/support/variants.py), so later sessions install it from the index
+instead. rpc-server is compiled against the installed variant's own libraries
+(rpc-server.cpp needs only ggml's headers: a few seconds).
 
 Where no compiler exists, point LOCALRT_TEST_RPC_WHEEL at a llama-cpp-python wheel built
 with -DGGML_RPC=ON and LOCALRT_TEST_RPC_SERVER at an rpc-server (ggml-rpc-server) built

@@ -121,8 +121,10 @@ def install_variant(name: str, version: str, index_dir: Path, home: Path, timeou
     settings = settings_mod.load(environ={"HOME": str(home)})
     snapshots = []
     with pytest.MonkeyPatch.context() as env, PackageIndex(index_dir) as index:
-        env.setenv("CCACHE_DIR", str(caches / "ccache"))
-        env.setenv("MESA_SHADER_CACHE_DIR", str(caches / "mesa-shader-cache"))
+        for var, folder in (("CCACHE_DIR", "ccache"),
+                            ("MESA_SHADER_CACHE_DIR", "mesa-shader-cache")):
+            (caches / folder).mkdir(parents=True, exist_ok=True)  # Mesa makes none
+            env.setenv(var, str(caches / folder))
         settings.update({"engineIndexUrl": index.url})
         app = create_app(settings)
         try:
