@@ -331,3 +331,32 @@ def test_the_bootstrap_needs_only_the_standard_library():
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == str(REPO)
 
+
+
+def test_a_kept_wheel_is_taken_only_under_the_key_of_its_sdist_flags_and_patches(tmp_path):
+    # The other half of the cache: what the tests take from tests/.*-build/built.
+    from dataclasses import replace
+
+    from support.variants import keep_wheel, key, kept_wheel
+
+    from localrt.engines.catalog import VULKAN_CMAKE, VULKAN_PATCHES, Variant
+
+    sdist = write(tmp_path / "llama_cpp_python-0.3.36.tar.gz", "an sdist")
+    other = write(tmp_path / "other" / "llama_cpp_python-0.3.36.tar.gz", "another sdist")
+    vulkan = Variant("linux-amd64-vulkan", "llama-cpp-python", "vulkan", "vulkan",
+                     cmake=VULKAN_CMAKE, patches=VULKAN_PATCHES)
+    keys = {key(vulkan, sdist), key(vulkan, other), key(replace(vulkan, patches=()), sdist),
+            key(replace(vulkan, cmake=VULKAN_CMAKE + ("-DGGML_VULKAN_DEBUG=ON",)), sdist)}
+    assert len(keys) == 4 and key(vulkan, sdist) == key(vulkan, sdist)
+    built, name = tmp_path / "built", "llama_cpp_python-0.3.36+vulkan-py3-none-linux_x86_64.whl"
+    write(built / name, "kept before there were keys")
+    write(built / key(vulkan, other) / name, "built from another sdist")
+    rpc = write(built / "k" / "llama_cpp_python-0.3.36+avx2.rpc-py3-none-linux_x86_64.whl",
+                "another variant's")
+    assert kept_wheel(built, key(vulkan, sdist), "0.3.36", "vulkan") is None  # so: compile
+    made = write(tmp_path / "made" / "llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl",
+                 "built now")
+    kept = keep_wheel(built, key(vulkan, sdist), made, name, "vulkan")
+    assert kept_wheel(built, key(vulkan, sdist), "0.3.36", "vulkan") == kept
+    assert tree(built) == {f"{key(vulkan, sdist)}/{name}": "built now",
+                           str(rpc.relative_to(built)): "another variant's"}

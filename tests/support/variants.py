@@ -88,7 +88,7 @@ def keep_wheel(built: Path, wheel_key: str, wheel: Path, name: str, local: str) 
     partial = target.parent / f".partial-{os.getpid()}-{name}"
     shutil.copy2(wheel, partial)
     os.replace(partial, target)
-    for stale in built.glob(f"**/llama_cpp_python-*+{local}-*.whl"):
+    for stale in list(built.glob(f"**/llama_cpp_python-*+{local}-*.whl")):
         if stale != target:
             stale.unlink()
             if stale.parent != built and not any(stale.parent.iterdir()):
