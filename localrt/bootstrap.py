@@ -12,6 +12,16 @@ prints the commands without running them. ``.ci/run`` is ``--test`` on a clean c
 wheels, and the llama-cpp-python sdist (with its build requirements) that the RPC
 test compiles into the gguf-cpp +rpc variant, once, the way localrt itself does.
 
+What the tests build or download once and keep in the checkout (`TEST_CACHES`: the
++rpc and Vulkan variants' wheels, the CUDA toolkit) would be built again in every
+fresh clone, which is what CI runs (two llama.cpp compiles, 650 MB). So ``--test``
+keeps them between runs on the same machine in a folder outside the checkout
+(`cache_folder`: LOCALRT_TEST_CACHE, else $XDG_CACHE_HOME or ~/.cache, then
+localrt-tests): it copies what the checkout lacks from there before the downloads, and
+the folders back after pytest, each file atomically. The tests take a wheel only under
+the key of its sdist, flags and patches (tests/support/variants.py), so a kept file
+never stands in for a build of something else; a machine without the cache builds it all.
+
 This module runs with the system's python3 before any dependency exists, so it uses
 the standard library only and stays Python 3.9 compatible. Only localrt.engines.builds
 imports it, for `build_env`: a variant localrt compiles later (gguf-cpp +rpc) gets
@@ -60,6 +70,12 @@ RPC_SOURCES = Path("tests") / ".rpc-build" / "sources"
 # about 650 MB, once).
 CUDA_TOOLKIT = ("nvidia-cuda-nvcc", "nvidia-cuda-runtime", "nvidia-cublas", "nvidia-cuda-cccl")
 CUDA_SOURCES = Path("tests") / ".cuda-build" / "toolkit"
+# What --test keeps between runs outside the checkout (see the module docstring): the
+# variants' wheels tests/test_rpc_live.py and tests/test_vulkan_live.py compile, and
+# the toolkit above. The tests name the same folders: change them together.
+TEST_CACHES = (Path("tests") / ".rpc-build" / "built", Path("tests") / ".vulkan-build" / "built",
+               CUDA_SOURCES)
+TEST_CACHE_VAR = "LOCALRT_TEST_CACHE"  # a folder, or "off"
 
 # Commands the tests use when present, and the Debian packages that bring them.
 # Without them test_man.py, test_cors_browser.py, the tinyproxy tests
@@ -164,6 +180,92 @@ class Host:
     candidate: Callable[[str], bool] = apt_candidate
 
 
+# --- the test caches ---------------------------------------------------------------
+
+
+def cache_folder(environ: Dict[str, str]) -> Optional[Path]:
+    """Where --test keeps `TEST_CACHES` between runs; None when LOCALRT_TEST_CACHE is off."""
+    given = environ.get(TEST_CACHE_VAR)
+    if given is not None:
+        if given.strip().lower() in ("", "0", "off", "no", "false"):
+            return None
+        return Path(given).expanduser().absolute()
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(
+        environ.get("HOME") or os.path.expanduser("~"), ".cache")
+    return Path(base) / "localrt-tests"
+
+
+def _files(folder: Path) -> Dict[str, Path]:
+    """The regular files under `folder` by their path relative to it (none if absent)."""
+    found = {}
+    for top, dirs, names in os.walk(str(folder)):
+        dirs[:] = [d for d in dirs if not d.startswith(".partial-")]
+        for name in names:
+            path = Path(top) / name
+            if path.is_file() and not path.is_symlink() and not name.startswith(".partial-"):
+                found[str(path.relative_to(folder))] = path
+    return found
+
+
+def _same(a: Path, b: Path) -> bool:
+    """Whether two files have the same size and modification time (copy2 keeps both)."""
+    sa, sb = a.stat(), b.stat()
+    return sa.st_size == sb.st_size and int(sa.st_mtime) == int(sb.st_mtime)
+
+
+def copy_atomically(source: Path, target: Path) -> None:
+    """Copy `source` to `target` under a temporary name in its folder, then rename it: a
+    reader sees the old file or the whole new one, never a part."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.parent / f".partial-{os.getpid()}-{target.name}"
+    try:
+        shutil.copy2(str(source), str(partial))
+        os.replace(str(partial), str(target))
+    finally:
+        if partial.exists():
+            partial.unlink()
+
+
+def sync_files(source: Path, target: Path, mirror: bool) -> List[str]:
+    """Copy the files under `source` that `target` lacks (or, with `mirror`, has
+    otherwise), each atomically; with `mirror`, remove those of `target` that `source`
+    lacks. The relative paths copied. A file that vanishes meanwhile is left out."""
+    have, want = _files(target), _files(source)
+    copied = []
+    for rel, path in sorted(want.items()):
+        try:
+            if rel in have and (not mirror or _same(path, have[rel])):
+                continue
+            copy_atomically(path, target / rel)
+        except FileNotFoundError:  # another run's save removed it: that run's choice
+            continue
+        copied.append(rel)
+    if mirror:
+        for rel in sorted(set(have) - set(want)):
+            have[rel].unlink()
+        for top, dirs, names in os.walk(str(target), topdown=False):
+            if top != str(target) and not os.listdir(top):
+                os.rmdir(top)
+    return copied
+
+
+def restore_test_caches(cache: Path, root: Path, out: TextIO) -> None:
+    """Copy into the checkout what `cache` keeps of `TEST_CACHES` and the checkout lacks."""
+    for rel in TEST_CACHES:
+        copied = sync_files(cache / rel, root / rel, mirror=False)
+        if copied:
+            print(f"  {rel}: {len(copied)} file(s) from {cache / rel}", file=out)
+
+
+def save_test_caches(root: Path, cache: Path, out: TextIO) -> None:
+    """Make `cache` hold what the checkout's `TEST_CACHES` hold now (those that exist)."""
+    for rel in TEST_CACHES:
+        if (root / rel).is_dir():
+            copied = sync_files(root / rel, cache / rel, mirror=True)
+            if copied:
+                print(f"  {rel}: {len(copied)} file(s) kept in {cache / rel}", file=out)
+
+
 # --- running the steps ------------------------------------------------------------
 
 
@@ -187,6 +289,18 @@ class Shell:
         if self.dry_run:
             return 0
         return self.call(argv, cwd=str(ROOT), env={**self.environ, **extra_env})
+
+    def step(self, shown: str, action: Callable[[], None], err: TextIO) -> None:
+        """Echo `shown` as `+ shown`, then run `action` (unless dry_run). Its failure is
+        a note, not the setup's: a cache only saves time."""
+        print("+ " + shown, file=self.out, flush=True)
+        if self.dry_run:
+            return
+        try:
+            action()
+        except OSError as exc:
+            print(f"note: {shown} failed ({exc}); the tests build what they lack",
+                  file=err)
 
 
 def install_packages(shell: Shell, needed: List[str], optional: List[str],
@@ -236,26 +350,43 @@ def setup(args: argparse.Namespace, shell: Shell, host: Host, err: TextIO) -> in
     flags = build_env(host.environ, host.arch, host.accepts)
     steps.append(([python, "-m", "pip", "install", "--no-cache-dir",
                    ".[test]" if args.test else "."], flags))
-    if args.test:
-        steps.append(([python, "-m", "pip", "download", "--only-binary=:all:",
-                       "-d", WHEEL_DIR, *ENGINE_WHEELS], {}))
-        steps.append(([python, "-m", "pip", "download", "--no-deps", "--no-binary=:all:",
-                       "-d", RPC_SOURCES, RPC_SDIST], {}))
-        steps.append(([python, "-m", "pip", "download", "--only-binary=:all:",
-                       "-d", RPC_SOURCES, *RPC_BUILD_WHEELS], {}))
-        steps.append(([python, "-m", "pip", "download", "--only-binary=:all:",
-                       "-d", CUDA_SOURCES, *CUDA_TOOLKIT], {}))
-        steps.append(([python, "-m", "pytest", *args.rest], {}))
-    else:
+    if not args.test:
         steps.append(([venv / "bin" / "localrt", "start", *args.rest], {}))
+    rc = run_steps(shell, steps)
+    if rc or not args.test:
+        if not rc:
+            print(f"\nThe localrt command is {venv / 'bin' / 'localrt'}. To type just "
+                  f"`localrt`, put its folder on PATH:\n    export PATH=\"{venv / 'bin'}:$PATH\"",
+                  file=shell.out)
+        return rc
+    cache = cache_folder(host.environ)
+    if cache is not None:  # before the downloads: pip download keeps the files it finds
+        shell.step(f"restore test caches from {cache}",
+                   lambda: restore_test_caches(cache, ROOT, shell.out), err)
+    rc = run_steps(shell, [
+        ([python, "-m", "pip", "download", "--only-binary=:all:", "-d", WHEEL_DIR,
+          *ENGINE_WHEELS], {}),
+        ([python, "-m", "pip", "download", "--no-deps", "--no-binary=:all:", "-d",
+          RPC_SOURCES, RPC_SDIST], {}),
+        ([python, "-m", "pip", "download", "--only-binary=:all:", "-d", RPC_SOURCES,
+          *RPC_BUILD_WHEELS], {}),
+        ([python, "-m", "pip", "download", "--only-binary=:all:", "-d", CUDA_SOURCES,
+          *CUDA_TOOLKIT], {})])
+    if rc:
+        return rc
+    rc = shell([python, "-m", "pytest", *args.rest])
+    if cache is not None:  # whatever pytest says: what a test built and kept is good
+        shell.step(f"save test caches to {cache}",
+                   lambda: save_test_caches(ROOT, cache, shell.out), err)
+    return rc
+
+
+def run_steps(shell: Shell, steps: Sequence[Tuple[List[object], Dict[str, str]]]) -> int:
+    """Run each (argv, extra_env) in turn; the first non-zero exit code stops the rest."""
     for argv, extra_env in steps:
         rc = shell(argv, extra_env)
         if rc:
             return rc
-    if not args.test:
-        print(f"\nThe localrt command is {venv / 'bin' / 'localrt'}. To type just `localrt`, "
-              f"put its folder on PATH:\n    export PATH=\"{venv / 'bin'}:$PATH\"",
-              file=shell.out)
     return 0
 
 

@@ -31,6 +31,9 @@ from support.fixtures import (hub, hub_repos, module_hub, tiny, tiny_gguf,  # no
                               tiny_start)
 # A small tmpfs a test fills up or makes read-only (tests/support/disks.py).
 from support.disks import small_disk  # noqa: F401
+# The gguf-cpp Vulkan variant, compiled (or taken from the kept wheel) once a session for
+# every module that uses it (tests/support/variants.py).
+from support.variants import vulkan_engine  # noqa: F401
 from support.models import quantize, write_family_models
 from support.servers import (QuietHandler, ThreadingWSGIServer, free_port,
                              run_foreground_server)

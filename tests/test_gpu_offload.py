@@ -11,12 +11,13 @@ is the CPU, so everything but the speed of the GPU path is tested without a GPU.
   than its 2 GiB heap (Debian 12's lavapipe), and fewer when gpuOverheadMiB leaves
   too little.
 
-The Vulkan variant: a wheel in tests/.vulkan-build/built (named with its local label,
-llama_cpp_python-<version>+vulkan-*.whl, as the Vulkan build's own test keeps it) or
-LOCALRT_TEST_VULKAN_WHEEL, installed through the API as `<platform>-vulkan` from a
-package index of it. ggml's Vulkan backend takes a CPU device only when told to
-(GGML_VK_VISIBLE_DEVICES), which the servers here are given. Without the wheel or
-lavapipe these tests skip, except under CI, where they fail.
+The Vulkan variant: the wheel of `vulkan_engine` (tests/support/variants.py: compiled
+once a run, for tests/test_vulkan_live.py too, or kept in tests/.vulkan-build/built
+under its key, or LOCALRT_TEST_VULKAN_WHEEL), installed through the API as
+`<platform>-vulkan` from a package index of it into this module's own home. ggml's
+Vulkan backend takes a CPU device only when told to (GGML_VK_VISIBLE_DEVICES), which
+the servers here are given. Without the wheel or lavapipe these tests skip, except
+under CI, where they fail.
 """
 
 from __future__ import annotations
@@ -26,27 +27,21 @@ import os
 import re
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from emulators.ggufgen import write_gguf
-from emulators.pkgindex import PackageIndex
 from prometheus_client.parser import text_string_to_metric_families  # a test dependency
-from support import REPO
-from support.apps import call
 from support.servers import run_foreground_server, send, subprocess_env
+from support.variants import install_variant, labelled, scratch_caches
 
-from localrt import settings as settings_mod
-from localrt.app import create_app
 from localrt.engines import gpus, memory
-from localrt.engines.hardware import detect_hardware
+from localrt.engines.catalog import VULKAN
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
-BUILT = REPO / "tests" / ".vulkan-build" / "built"
 INSTALL_TIMEOUT = 10 * 60  # seconds: a wheel built before only unpacks and probes
 PROMPT = "The quick brown fox"
 FIRST = 8  # tokens that must agree with the CPU build's (see the docstring)
@@ -78,41 +73,16 @@ def lavapipe():
 
 
 @pytest.fixture(scope="session")
-def vulkan_home(lavapipe, tmp_path_factory):
-    """A localrt home whose active gguf-cpp variant is the Vulkan one, installed through
-    the API from a package index holding its wheel."""
-    given = os.environ.get("LOCALRT_TEST_VULKAN_WHEEL")
-    wheel = Path(given) if given else next(iter(sorted(BUILT.glob(
-        "llama_cpp_python-*+vulkan-*.whl"))), None)
-    if wheel is None or not wheel.is_file():
-        unavailable(f"no Vulkan variant wheel in {BUILT} (the Vulkan build's test keeps "
-                    f"it there) nor LOCALRT_TEST_VULKAN_WHEEL")
-    version = wheel.name.split("-")[1].split("+")[0]
-    variant = f"{detect_hardware().platform}-vulkan"
+def vulkan_home(lavapipe, vulkan_engine, tmp_path_factory):
+    """A localrt home of this module's own whose active gguf-cpp variant is the Vulkan
+    one, installed through the API from a package index holding the wheel
+    `vulkan_engine` installed (tests/support/variants.py: built once a run, or kept)."""
+    wheel, version, variant = vulkan_engine.wheel, vulkan_engine.version, vulkan_engine.variant
     index_dir = tmp_path_factory.mktemp("vulkan-index")
-    (index_dir / wheel.name).symlink_to(wheel.resolve())
+    (index_dir / labelled(wheel.name, version, VULKAN)).symlink_to(wheel.resolve())
     home = tmp_path_factory.mktemp("vulkan-home")
-    settings = settings_mod.load(environ={"HOME": str(home)})
-    with PackageIndex(index_dir) as index:
-        settings.update({"engineIndexUrl": index.url})
-        app = create_app(settings)
-        try:
-            reply = call(app, "POST", "/v1/engines/gguf-cpp/install",
-                         {"variant": variant, "version": version})
-            if reply.status == 400 and "variant" in reply.body.decode():
-                unavailable(f"this localrt has no {variant} variant: {reply.body!r}")
-            assert reply.status == 200, reply.body
-            task_id = reply.json["task"]["id"]
-            deadline = time.monotonic() + INSTALL_TIMEOUT
-            while time.monotonic() < deadline:
-                task = {t["id"]: t for t in
-                        call(app, "GET", "/v1/models/pull").json["data"]}[task_id]
-                if task["status"] not in ("Pending", "Downloading"):
-                    break
-                time.sleep(0.5)
-            assert task["status"] == "Success", task
-        finally:
-            app.close()
+    install_variant(variant, version, index_dir, home, INSTALL_TIMEOUT,
+                    scratch_caches(tmp_path_factory))
     return SimpleNamespace(home=home, variant=variant, device=lavapipe)
 
 
@@ -129,36 +99,37 @@ def small(tmp_path_factory):
                       n_embd=256, n_ff=512, n_layer=4, n_head=4, context_length=1 << 20)
 
 
-def server_with(home: Path, model: Path, rc: str = ""):
+def server_with(home: Path, model: Path, rc: str = "", name: str = "m"):
     """A server on `home` (with `rc` lines added to its .localrtrc), the model imported
-    as "m"; the caller stops it."""
+    as `name`; the caller stops it."""
     rc_file = home / ".localrtrc"
     kept = rc_file.read_text() if rc_file.exists() else ""
     rc_file.write_text(re.sub(r"(?m)^gpuOverheadMiB:.*\n?", "", kept) + rc)
     srv = run_foreground_server(home)
     code, body = send(srv.url, "POST", "/v1/models/import",
-                      {"path": str(model), "id": "m", "option": "symlink"})
-    assert code == 200, body
+                      {"path": str(model), "id": name, "option": "symlink"}, timeout=300)
+    # The home is the session's: an earlier test imported the same file as `name`.
+    assert code == 200 or body["error"]["code"] == "conflict", body
     return srv
 
 
-def start(srv, **options) -> dict:
-    code, body = send(srv.url, "POST", "/v1/models/m/start",
+def start(srv, name: str = "m", **options) -> dict:
+    code, body = send(srv.url, "POST", f"/v1/models/{name}/start",
                       {"ctx_len": 256, "n_parallel": 1, "cpu_threads": 1, **options},
                       timeout=300)
     assert code == 200, body
-    return row(srv)
+    return row(srv, name)
 
 
-def row(srv) -> dict:
+def row(srv, name: str = "m") -> dict:
     code, body = send(srv.url, "GET", "/v1/models/status")
     assert code == 200, body
-    return {r["id"]: r for r in body["data"]}["m"]
+    return {r["id"]: r for r in body["data"]}[name]
 
 
-def first_tokens(srv) -> str:
+def first_tokens(srv, name: str = "m") -> str:
     code, body = send(srv.url, "POST", "/v1/completions",
-                      {"model": "m", "prompt": PROMPT, "max_tokens": FIRST,
+                      {"model": name, "prompt": PROMPT, "max_tokens": FIRST,
                        "temperature": 0}, timeout=300)
     assert code == 200, body
     assert body["usage"]["completion_tokens"] == FIRST
@@ -183,6 +154,7 @@ def test_ngl_0_part_and_all_give_the_cpu_s_reply_and_show_where(vulkan_home, cpu
         for ngl, layers in ((0, 0), (2, 2), (-1, 5)):
             shown = start(srv, ngl=ngl)
             offload = shown["offload"]
+            print(f"ngl {ngl}: offload {offload}, ram {shown['ram']}, vram {shown['vram']}")
             assert (offload["ngl"], offload["layers"], offload["of"]) == (ngl, layers, 5), \
                 shown
             if layers:
@@ -207,18 +179,31 @@ def test_ngl_0_part_and_all_give_the_cpu_s_reply_and_show_where(vulkan_home, cpu
         srv.stop()
 
 
-def test_fit_leaves_on_the_cpu_what_the_heap_cannot_hold(vulkan_home, small):
-    """At ctx_len 2**19 the KV cache is 2 GiB (512 MiB a layer): with the compute
-    buffer, more than lavapipe's heap holds, so fit puts some layers on it, not all."""
-    options = {"ctx_len": 1 << 19, "n_parallel": 1, "flash_attn": True}
+@pytest.fixture(scope="session")
+def deep(tmp_path_factory):
+    """A random 40-layer llama as narrow as `small`: at ctx_len 2**16 its KV cache is
+    2.5 GiB (64 MiB a layer), more than lavapipe's 2 GiB heap, while each layer's K and
+    V tensors (32 MiB) stay under lavapipe's maxStorageBufferRange (128 MiB), the most
+    one tensor on the device may have (ggml's Vulkan backend aborts the process on a
+    bigger one: `small` at ctx_len 2**19, 256 MiB K tensors, did)."""
+    return write_gguf(tmp_path_factory.mktemp("offload-deep") / "deep.gguf", name="deep",
+                      n_embd=256, n_ff=512, n_layer=40, n_head=4, context_length=1 << 20)
+
+
+def test_fit_leaves_on_the_cpu_what_the_heap_cannot_hold(vulkan_home, deep):
+    """The KV cache and the compute buffer need more than lavapipe's heap holds, so fit
+    puts some layers on it, not all."""
+    options = {"ctx_len": 1 << 16, "n_parallel": 1, "flash_attn": True}
     device = vulkan_home.device
-    expected = memory.fit(memory.need([small], [], options), [device], 512 << 20)
+    expected = memory.fit(memory.need([deep], [], options), [device], 512 << 20)
     assert 0 < expected.ngl < expected.of
-    srv = server_with(vulkan_home.home, small)
+    srv = server_with(vulkan_home.home, deep, name="deep")
     try:
-        offload = start(srv, **options)["offload"]
+        offload = start(srv, name="deep", **options)["offload"]
+        print("fit at ctx_len 2**16:", offload, f"(expected {expected})")
         assert offload["ngl"] == "fit" and offload["layers"] == expected.ngl, offload
-        assert first_tokens(srv)
+        assert offload["devices"][0]["bytes"] <= device["free"]
+        assert first_tokens(srv, "deep")
     finally:
         srv.stop()
 
@@ -234,6 +219,7 @@ def test_fit_leaves_gpu_overhead_free(vulkan_home, small):
         srv = server_with(vulkan_home.home, small, rc=f"gpuOverheadMiB: {overhead}\n")
         try:
             offload = start(srv, **options)["offload"]
+            print(f"gpuOverheadMiB {overhead}: offload {offload}")
             assert offload["ngl"] == "fit" and offload["layers"] == layers, offload
         finally:
             srv.stop()

@@ -5,10 +5,10 @@ llama.cpp that sdist vendors, and one model split across them.
 What the tests' package index serves comes from tests/.rpc-build/sources, which
 `python3 -m localrt.bootstrap --test` fills (the sdist, localrt.bootstrap.RPC_SDIST,
 and the wheels its build needs). The session's install compiles the sdist once (some
-minutes) and keeps the wheel in tests/.rpc-build/built, named with the variant's local
-label, so later sessions install it from the index instead. rpc-server is compiled
-against the installed variant's own libraries (rpc-server.cpp needs only ggml's
-headers: a few seconds).
+minutes) and keeps the wheel in tests/.rpc-build/built under the key of its sdist and
+flags (tests/support/variants.py), so later sessions install it from the index
+instead. rpc-server is compiled against the installed variant's own libraries
+(rpc-server.cpp needs only ggml's headers: a few seconds).
 
 Where no compiler exists, point LOCALRT_TEST_RPC_WHEEL at a llama-cpp-python wheel built
 with -DGGML_RPC=ON and LOCALRT_TEST_RPC_SERVER at an rpc-server (ggml-rpc-server) built
@@ -35,6 +35,8 @@ from support import REPO
 from support.apps import call
 from support.servers import free_port, run_foreground_server, send
 from support.tasks import wait_task
+from support import variants
+from support.variants import labelled, newest_sdist, sdist_version
 
 from localrt import settings as settings_mod
 from localrt.app import create_app
@@ -55,22 +57,6 @@ def unavailable(why: str):
     pytest.skip(why)
 
 
-def newest_sdist() -> Path | None:
-    found = sorted(SOURCES.glob("llama_cpp_python-*.tar.gz"),
-                   key=lambda p: [int(x) for x in sdist_version(p).split(".")])
-    return found[-1] if found else None
-
-
-def sdist_version(sdist: Path) -> str:
-    return sdist.name[len("llama_cpp_python-"):-len(".tar.gz")]
-
-
-def labelled(wheel_name: str, version: str, local: str) -> str:
-    """A wheel's file name with the variant's local label: 0.3.36 -> 0.3.36+avx2.rpc."""
-    name, rest = wheel_name.split("-", 1)
-    return f"{name}-{version}+{local}-{rest.split('-', 1)[1]}"
-
-
 @pytest.fixture(scope="session")
 def rpc_engine(tmp_path_factory):
     """A localrt home whose active gguf-cpp variant is the +rpc one, installed through
@@ -89,11 +75,11 @@ def rpc_engine(tmp_path_factory):
     if level is None:
         unavailable("this CPU has none of the levels the gguf-cpp variants are built for")
     variant, local = f"{detect_hardware().platform}-{level}+rpc", f"{level}.rpc"
+    wheel_key = variants.key(variants.variant(detect_hardware(), variant), sdist)
     index_dir = tmp_path_factory.mktemp("rpc-index")
     for source in SOURCES.iterdir():
         (index_dir / source.name).symlink_to(source)
-    cached = prebuilt or next(iter(BUILT.glob(f"llama_cpp_python-{version}+{local}-*.whl")),
-                              None)
+    cached = prebuilt or variants.kept_wheel(BUILT, wheel_key, version, local)
     if cached:
         (index_dir / labelled(Path(cached).name, version, local)).symlink_to(cached)
     elif shutil.which("c++") is None:
@@ -102,7 +88,10 @@ def rpc_engine(tmp_path_factory):
     home = tmp_path_factory.mktemp("rpc-home")
     settings = settings_mod.load(environ={"HOME": str(home)})
     snapshots = []
-    with PackageIndex(index_dir) as index:
+    # The build inherits this process's environment: ccache (which llama.cpp's CMake
+    # uses where installed) keeps its cache in the session's folder, not the real home.
+    with pytest.MonkeyPatch.context() as env, PackageIndex(index_dir) as index:
+        env.setenv("CCACHE_DIR", str(variants.scratch_caches(tmp_path_factory) / "ccache"))
         settings.update({"engineIndexUrl": index.url})
         app = create_app(settings)
         try:
@@ -131,8 +120,9 @@ def rpc_engine(tmp_path_factory):
             app.close()
     built = list((settings.data_dir / "engines" / ".builds").rglob("*.whl"))
     if built and not cached:  # keep it: later sessions install it from the index
-        BUILT.mkdir(parents=True, exist_ok=True)
-        shutil.copy(built[0], BUILT / labelled(built[0].name, version, local))
+        assert built[0].parent.name == wheel_key  # the key is localrt's own
+        variants.keep_wheel(BUILT, wheel_key, built[0], labelled(built[0].name, version, local),
+                            local)
     folder = settings.data_dir / "engines" / "gguf-cpp" / variant / version
     return SimpleNamespace(home=home, settings=settings, variant=variant, version=version,
                            sdist=sdist, reply=reply.json, task=task, snapshots=snapshots,

@@ -53,7 +53,7 @@ BIG = dict(vocab_size=32000, n_embd=2048, n_layer=16, n_head=32, n_head_kv=8, n_
 REHEARSAL = os.environ.get("CHECK_GPU_REHEARSAL") == "1"
 if REHEARSAL:  # two cores: a model that decodes in seconds
     BIG = dict(BIG, n_embd=512, n_layer=4, n_head=8, n_head_kv=4, n_ff=1024)
-BUILT_RPC = REPO / "tests" / ".rpc-build" / "built"
+BUILT_RPC = REPO / "tests" / ".rpc-build" / "built"  # <key>/<wheel> (tests/support/variants.py)
 STARTED = time.monotonic()
 step_name = "start"
 
@@ -264,7 +264,7 @@ def main() -> int:
                                f"--test downloads both; carry them to this machine)")
         index_dir = work / "index"
         index_dir.mkdir()
-        rehearsed = list(BUILT_RPC.glob("*.whl")) if REHEARSAL else []
+        rehearsed = list(BUILT_RPC.rglob("*.whl")) if REHEARSAL else []
         for source in [*SOURCES.iterdir(), *wheels, *rehearsed]:
             (index_dir / source.name).symlink_to(source.resolve())
         index = stack.enter_context(PackageIndex(index_dir))
