@@ -16,8 +16,9 @@ once a run, for tests/test_vulkan_live.py too, or kept in tests/.vulkan-build/bu
 under its key, or LOCALRT_TEST_VULKAN_WHEEL), installed through the API as
 `<platform>-vulkan` from a package index of it into this module's own home. ggml's
 Vulkan backend takes a CPU device only when told to (GGML_VK_VISIBLE_DEVICES), which
-the servers here are given. Without the wheel or lavapipe these tests skip, except
-under CI, where they fail.
+the servers here are given. Without a kept wheel (its compile is opt-in:
+LOCALRT_TEST_VULKAN_BUILD=1) they skip, even under CI; without lavapipe they skip,
+except under CI, where they fail.
 """
 
 from __future__ import annotations
