@@ -256,6 +256,13 @@ def test_fit_stops_before_a_layer_with_a_tensor_over_the_buffer_limit(huge):
     q8 = memory.need([huge], [], {**options, "cache_type": "q8_0"})
     assert q8.largest[0] == ("K cache", 128 * memory.MIB * 34 // 32)
     assert memory.fit(q8, [roomy], 0).ngl == 1
+    # llama.cpp rounds the context, then each slot's share, up to 256 cells
+    assert [memory.kv_cells(c, n) for c, n in ((256, 1), (300, 1), (300, 3), (100, 4))] \
+        == [256, 512, 1536, 1024]
+    odd = memory.need([huge], [], {**options, "ctx_len": (1 << 18) - 100})
+    assert odd.largest[0] == ("K cache", 128 * memory.MIB)
+    assert memory.oversize(memory.need([huge], [], {**options, "ctx_len": (1 << 18) + 1}),
+                           LIMITED["maxBuffer"]).bytes == 128 * memory.MIB + 256 * 512
     # several devices: the smallest limit holds
     assert memory.buffer_limit([roomy, dict(roomy, maxBuffer=1 << 30),
                                 {"name": "cuda", "free": 1}]) == 128 * memory.MIB

@@ -12,7 +12,8 @@ alone (localrt.engines.ggufinfo: never the tensor data):
     file, plus the files loaded beside it (a projector) as they are on disk; `layers`
     keeps each block's (blk.N.*) share, for what offloads layer by layer;
   * the KV cache: keys and values of every layer for every token of every slot,
-    ctx_len x n_parallel cells (one slot in llama.cpp's embedding mode), each value of
+    ctx_len x n_parallel cells (one slot in llama.cpp's embedding mode; `kv_cells`
+    rounds them up to 256 a slot, as llama.cpp does), each value of
     the cache_type's size (f16 by default). Per layer, its KV heads
     (`<arch>.attention.head_count_kv`, a number or one per layer) times
     `<arch>.attention.key_length` + `value_length` (n_embd / n_head when the header says
@@ -64,6 +65,7 @@ from localrt.errors import BadRequest, InsufficientMemory
 MIB = 1 << 20
 COMPUTE_BASE = 64 * MIB  # activations and the graph's own bookkeeping, beyond the terms above
 UBATCH = 512             # llama.cpp's most tokens in one micro-batch (localrt's n_ubatch)
+CELL_PAD = 256           # llama.cpp rounds a context up to this many cells (llama_context)
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 _SPLIT = re.compile(r"(.*)-00001-of-(\d{5})\.gguf", re.IGNORECASE)  # llama.cpp's split names
 
@@ -133,6 +135,14 @@ def kv_tensors(md: dict, cells: int, cache_type: str = "f16") -> list[tuple[int,
             for h in per_layer[:layers]]
 
 
+def kv_cells(ctx_len: int, slots: int) -> int:
+    """The KV cells llama.cpp makes for `slots` sequences of ctx_len: it rounds the
+    context (ctx_len x slots), then each sequence's share, up to 256 cells."""
+    pad = CELL_PAD
+    share = -(-(-(-ctx_len * slots // pad) * pad) // max(slots, 1)) if ctx_len else 0
+    return -(-share // pad) * pad * slots
+
+
 def compute_bytes(md: dict, ctx_len: int, slots: int, options: dict) -> int:
     """The compute buffers' allowance (see the module's docstring)."""
     arch = md.get("general.architecture", "")
@@ -190,7 +200,7 @@ def need(parts: list[Path], beside: list[Path], options: dict) -> Need:
     trained = _number(md.get(f"{md.get('general.architecture', '')}.context_length"))
     ctx_len = int(options.get("ctx_len") or trained or 0)
     cache_type = options.get("cache_type") or "f16"
-    caches = kv_tensors(md, ctx_len * slots, cache_type)
+    caches = kv_tensors(md, kv_cells(ctx_len, slots), cache_type)
     for block, (k, v) in enumerate(caches):
         largest[block] = max(largest.get(block, ("", 0)), ("K cache", k), ("V cache", v),
                              key=lambda t: t[1])
@@ -302,10 +312,10 @@ def check_buffers(model_id: str, needed: Need, ngl: int, devices: list[dict]) ->
     lower = f"ngl {over.fits} or less" if over.fits else "ngl 0 (all on the CPU)"
     what = f"its tensor {over.tensor}"
     if over.tensor.endswith("cache"):
-        # The K and V tensors grow with the cells, ctx_len x n_parallel (llama.cpp pads
-        # the context to 256 cells).
-        cells = needed.ctx_len * needed.slots
-        ctx_len = over.limit * cells // over.bytes // needed.slots // 256 * 256
+        # The K and V tensors grow with the cells, ctx_len x n_parallel, which llama.cpp
+        # rounds up to 256 a sequence (kv_cells): a multiple of 256 is exact.
+        cells = kv_cells(needed.ctx_len, needed.slots)
+        ctx_len = over.limit * cells // over.bytes // needed.slots // CELL_PAD * CELL_PAD
         what = (f"its {over.tensor} (ctx_len {needed.ctx_len} x n_parallel {needed.slots}, "
                 f"cache_type {needed.cache_type})")
         change = (f"start it with ctx_len {ctx_len} or less" if ctx_len else
