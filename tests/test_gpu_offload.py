@@ -224,3 +224,47 @@ def test_fit_leaves_gpu_overhead_free(vulkan_home, small):
             assert offload["ngl"] == "fit" and offload["layers"] == layers, offload
         finally:
             srv.stop()
+
+
+def test_a_tensor_over_the_device_s_buffer_limit_is_refused_or_fit_around(vulkan_home,
+                                                                          small):
+    """`small` at ctx_len 2**19 has 256 MiB K and V tensors a layer, over lavapipe's
+    largest buffer (its maxStorageBufferRange, 128 MiB on Debian 12): ggml's Vulkan
+    backend aborted the whole server on one. ngl 2 (a block on the device) is a 400
+    naming ctx_len and the limit, and the ctx_len it advises starts; left unset, fit
+    keeps every block on the CPU; and the server goes on answering another model."""
+    limit = vulkan_home.device["maxBuffer"]
+    options = {"ctx_len": 1 << 19, "n_parallel": 1, "cpu_threads": 1, "flash_attn": True}
+    needed = memory.need([small], [], options)
+    if needed.largest[3][1] <= limit:
+        pytest.skip(f"this lavapipe takes {limit >> 20} MiB in one buffer")
+    srv = server_with(vulkan_home.home, small)
+    try:
+        send(srv.url, "POST", "/v1/models/m/stop")
+        code, body = send(srv.url, "POST", "/v1/models/m/start", {**options, "ngl": 2},
+                          timeout=300)
+        print("ngl 2 at ctx_len 2**19:", code, body)
+        assert code == 400 and body["error"]["param"] == "ctx_len", body
+        message = body["error"]["message"]
+        assert f"over the {limit >> 20} MiB" in message and "ngl 1 or less" in message
+        assert vulkan_home.device["name"] in message
+        # the advice holds: at the ctx_len it names, the K tensors are the limit itself
+        advised = int(re.search(r"ctx_len (\d+) or less", message).group(1))
+        assert advised == 1 << 18
+        shown = start(srv, **{**options, "ctx_len": advised}, ngl=2)["offload"]
+        assert shown["layers"] == 2, shown
+        assert first_tokens(srv)
+        stop(srv)
+        fitted = start(srv, **options)["offload"]
+        print("fit at ctx_len 2**19:", fitted)
+        assert fitted["ngl"] == "fit" and fitted["layers"] == 1, fitted  # the output layer
+        assert first_tokens(srv)
+        code, body = send(srv.url, "POST", "/v1/models/import",
+                          {"path": str(small), "id": "other", "option": "symlink"},
+                          timeout=300)
+        assert code == 200 or body["error"]["code"] == "conflict", body
+        start(srv, name="other", ngl=-1)
+        assert first_tokens(srv, "other")
+        assert first_tokens(srv)  # the first one goes on too
+    finally:
+        srv.stop()

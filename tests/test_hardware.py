@@ -15,6 +15,8 @@ import ctypes
 import glob
 import os
 import re
+import shutil
+import subprocess
 
 import pytest
 from support.cli import run
@@ -83,17 +85,20 @@ def test_a_vulkan_device_is_read_from_what_the_loader_fills_in():
     budget = gpus.VkPhysicalDeviceMemoryBudgetProperties()
     budget.heapBudget[0], budget.heapUsage[0] = 24000 * MIB, 1000 * MIB
     budget.heapBudget[1], budget.heapUsage[1] = 30000 * MIB, 0
-    gpu = gpus.vulkan_gpu(1, props, memory, ids, driver, budget)
+    props.limits.maxStorageBufferRange = (1 << 32) - 1
+    gpu = gpus.vulkan_gpu(1, props, memory, ids, driver, budget, largest=1 << 32)
     assert gpu == {"id": "1", "name": "NVIDIA GeForce RTX 4090", "backend": "vulkan",
                    "type": "discrete", "total": 24564 * MIB, "free": 23000 * MIB,
                    "version": "1.3.280", "driver": "550.54.15", "computeCap": "",
                    "uuid": "5f3b9a2c-1d4e-4f60-8a7b-9c0d1e2f3a4b", "vendorId": 0x10DE,
                    "heaps": [{"size": 24564 * MIB, "deviceLocal": True, "free": 23000 * MIB},
                              {"size": 32000 * MIB, "deviceLocal": False,
-                              "free": 30000 * MIB}]}
+                              "free": 30000 * MIB}],
+                   "maxBuffer": 1 << 32}
     # without VK_EXT_memory_budget or Vulkan 1.1: the total is all it can say
     bare = gpus.vulkan_gpu(0, props, memory)
     assert bare["free"] == bare["total"] == 24564 * MIB and bare["uuid"] == ""
+    assert bare["maxBuffer"] == (1 << 32) - 1  # no maintenance3/4: the storage range
     assert [gpus.DEVICE_TYPES[t] for t in range(5)] == \
         ["other", "integrated", "discrete", "virtual", "cpu"]
     # the fields read lie where vulkan_core.h puts them
@@ -101,6 +106,38 @@ def test_a_vulkan_device_is_read_from_what_the_loader_fills_in():
     assert gpus.VkPhysicalDeviceProperties2.properties.offset == 16
     assert gpus.VkPhysicalDeviceIDProperties.deviceUUID.offset == 16
     assert ctypes.sizeof(gpus.VkPhysicalDeviceMemoryProperties) == 520
+    assert gpus.VkPhysicalDeviceProperties.limits.offset == 296  # 8-aligned after the UUID
+    assert gpus.VkPhysicalDeviceLimitsHead.maxStorageBufferRange.offset == 28
+    assert gpus.VkPhysicalDeviceMaintenance3Properties.maxMemoryAllocationSize.offset == 24
+    assert gpus.VkPhysicalDeviceMaintenance4Properties.maxBufferSize.offset == 16
+    assert ctypes.sizeof(gpus.VkPhysicalDeviceProperties) >= 824
+
+
+def test_the_most_one_tensor_may_have_on_a_vulkan_device_is_ggml_s():
+    """ggml-vulkan.cpp: a tensor over maxStorageBufferRange or the buffer size (the
+    maintenance4 maxBufferSize, else the allocation size) is an operation it does not
+    take; over the allocation size (maintenance3's, no more than maxBufferSize), a
+    buffer it cannot allocate; its GGML_VK_FORCE_* variables override the two sizes."""
+    mib = MIB
+    # Debian 12's lavapipe: 128 MiB storage range, 2 GiB allocations, 4 GiB buffers
+    assert gpus.max_buffer(128 * mib, 2048 * mib, (1 << 32) - 1, env={}) == 128 * mib
+    # a device whose allocation or buffer size is the smaller
+    assert gpus.max_buffer(4096 * mib, 1024 * mib, 2048 * mib, env={}) == 1024 * mib
+    assert gpus.max_buffer(4096 * mib, 2048 * mib, 1024 * mib, env={}) == 1024 * mib
+    # no maintenance4: the allocation size is the buffer size too
+    assert gpus.max_buffer(4096 * mib, 3072 * mib, None, env={}) == 3072 * mib
+    # nothing but the storage range (a Vulkan 1.0 device)
+    assert gpus.max_buffer(256 * mib, env={}) == 256 * mib
+    # the overrides, as ggml reads them from the server's environment
+    assert gpus.max_buffer(4096 * mib, 2048 * mib, 4096 * mib,
+                           env={"GGML_VK_FORCE_MAX_BUFFER_SIZE": str(64 * mib)}) == 64 * mib
+    assert gpus.max_buffer(4096 * mib, 2048 * mib, 4096 * mib,
+                           env={"GGML_VK_FORCE_MAX_ALLOCATION_SIZE": str(32 * mib)}) \
+        == 32 * mib
+    # a forced allocation size is not capped by maxBufferSize, as in ggml
+    assert gpus.max_buffer(1 << 40, 2048 * mib, 1024 * mib,
+                           env={"GGML_VK_FORCE_MAX_ALLOCATION_SIZE": str(3072 * mib)}) \
+        == 1024 * mib
 
 
 def test_an_nvidia_gpu_the_vulkan_loader_also_lists_is_shown_once_as_cuda():
@@ -157,6 +194,20 @@ def test_lavapipe_is_a_vulkan_device_of_type_cpu(api):
     assert gpu["additional_information"]["driver_version"].startswith("Mesa ")
     assert 0 < gpu["free_vram"] <= gpu["total_vram"]  # MiB: Debian 12's has a 2 GiB heap
     assert gpu["total_vram"] < 1 << 24
+    # the child reads its buffer limit too: vulkaninfo's figures, where it is installed
+    device = [g for g in gpus.detect() if LAVAPIPE in g["name"]][0]
+    assert device["maxBuffer"] > 0 and device["maxBuffer"] % MIB == 0, device
+    if shutil.which("vulkaninfo"):
+        info = subprocess.run(["vulkaninfo"], capture_output=True, text=True,
+                              timeout=60).stdout
+        chunk = info[info.find(LAVAPIPE):]
+
+        def limit(name):
+            return int(re.search(rf"{name}\s*=\s*(\w+)", chunk).group(1), 0)
+
+        assert device["maxBuffer"] == min(limit("maxStorageBufferRange"),
+                                          limit("maxMemoryAllocationSize"),
+                                          limit("maxBufferSize")), device
 
 
 @pytest.mark.live

@@ -221,3 +221,92 @@ def test_llama_cpp_s_log_read():
     # a GPU build whose backend found no device says "offloaded" but has no device buffer
     assert offload.read("load_tensors: offloaded 5/5 layers to GPU\n"
                         "load_tensors: CPU model buffer size = 1.00 MiB\n").on_devices() == 0
+
+
+# --- a tensor over a device's buffer limit (ggml's Vulkan backend aborts on one) ---------
+
+LIMITED = dict(LAVAPIPE, maxBuffer=128 * memory.MIB)  # Debian 12's lavapipe
+
+
+def test_fit_stops_before_a_layer_with_a_tensor_over_the_buffer_limit(huge):
+    """At ctx_len 2**19 each of `huge`'s K and V tensors is 256 MiB (256 keys x 2 bytes
+    x 2**19 cells), over lavapipe's 128 MiB: fit puts the output layer alone on it,
+    though the heap would hold more; at 2**18 (128 MiB, the limit itself) as many as
+    the heap holds."""
+    options = {"ctx_len": 1 << 19, "n_parallel": 1, "flash_attn": True}
+    needed = memory.need([huge], [], options)
+    assert needed.largest[3] == ("K cache", 256 * memory.MIB)
+    over = memory.oversize(needed, LIMITED["maxBuffer"])
+    assert (over.layer, over.tensor, over.bytes, over.fits) == \
+        ("block 3", "K cache", 256 * memory.MIB, 1)
+    roomy = dict(LIMITED, free=64 << 30)
+    decided = memory.fit(needed, [roomy], 0)
+    assert decided.ngl == 1 and decided.over == over
+    assert memory.fit(needed, [dict(roomy, maxBuffer=None)], 0).ngl == 5  # CUDA: no limit
+    # the heap, not the limit, decides where it comes first
+    assert memory.fit(needed, [dict(LIMITED, free=needed.compute)], 0) == \
+        memory.Fit(0, 5, 0, decided.needs, None)
+    # slots multiply the cells: 2**18 x 2 slots is as large as 2**19 x 1
+    two = memory.need([huge], [], {**options, "ctx_len": 1 << 18, "n_parallel": 2})
+    assert memory.fit(two, [roomy], 0).ngl == 1
+    at_limit = memory.need([huge], [], {**options, "ctx_len": 1 << 18})
+    assert memory.oversize(at_limit, LIMITED["maxBuffer"]) is None
+    assert memory.fit(at_limit, [roomy], 0).ngl == 5
+    # a quantized cache is smaller, q8_0's 34 bytes a 32 values, yet still over here
+    q8 = memory.need([huge], [], {**options, "cache_type": "q8_0"})
+    assert q8.largest[0] == ("K cache", 128 * memory.MIB * 34 // 32)
+    assert memory.fit(q8, [roomy], 0).ngl == 1
+    # llama.cpp rounds the context, then each slot's share, up to 256 cells
+    assert [memory.kv_cells(c, n) for c, n in ((256, 1), (300, 1), (300, 3), (100, 4))] \
+        == [256, 512, 1536, 1024]
+    odd = memory.need([huge], [], {**options, "ctx_len": (1 << 18) - 100})
+    assert odd.largest[0] == ("K cache", 128 * memory.MIB)
+    assert memory.oversize(memory.need([huge], [], {**options, "ctx_len": (1 << 18) + 1}),
+                           LIMITED["maxBuffer"]).bytes == 128 * memory.MIB + 256 * 512
+    # several devices: the smallest limit holds
+    assert memory.buffer_limit([roomy, dict(roomy, maxBuffer=1 << 30),
+                                {"name": "cuda", "free": 1}]) == 128 * memory.MIB
+    assert memory.buffer_limit([{"name": "cuda", "free": 1}]) is None
+
+
+def test_a_weight_over_the_buffer_limit_stops_fit_at_its_layer(tmp_path):
+    """A weight over the limit counts as the K cache does: a wide vocabulary's output
+    matrix (4096 x 256 floats, 4 MiB) over it, and nothing goes, as llama.cpp offloads
+    the output layer first."""
+    wide = write_gguf(tmp_path / "wide.gguf", name="wide", n_embd=256, n_layer=2,
+                      n_head=4, n_ff=512, vocab_size=4096, context_length=4096)
+    needed = memory.need([wide], [], {"ctx_len": 256, "n_parallel": 1})
+    name, size = needed.output_largest
+    assert name in ("output.weight", "token_embd.weight") and size == 4096 * 256 * 4
+    assert needed.largest[1][0].startswith("blk.1.") and needed.largest[1][1] < size
+    roomy = dict(LAVAPIPE, free=64 << 30)
+    decided = memory.fit(needed, [dict(roomy, maxBuffer=size - 1)], 0)
+    assert decided.ngl == 0 and (decided.over.layer, decided.over.tensor) == ("output", name)
+    assert memory.fit(needed, [dict(roomy, maxBuffer=size)], 0).ngl == 3
+
+
+def test_an_explicit_ngl_over_the_buffer_limit_is_a_400_naming_what_to_change(huge):
+    from localrt.errors import BadRequest
+
+    options = {"ctx_len": 1 << 19, "n_parallel": 1, "flash_attn": True}
+    needed = memory.need([huge], [], options)
+    for ngl in (0, 1):  # all on the CPU, or the output layer alone: nothing over it
+        memory.check_buffers("m", needed, ngl, [LIMITED])
+    memory.check_buffers("m", needed, -1, [dict(LIMITED, maxBuffer=None)])  # CUDA
+    for ngl, shown in ((2, "2"), (-1, "all"), (99, "all")):
+        with pytest.raises(BadRequest) as caught:
+            memory.check_buffers("m", needed, ngl, [LIMITED])
+        error = caught.value
+        assert error.status == 400 and error.param == "ctx_len", error
+        message = str(error)
+        assert f"ngl {shown}" in message and "block 3" in message
+        assert LAVAPIPE["name"] in message
+        assert "K cache (ctx_len 524288 x n_parallel 1, cache_type f16) is 256 MiB" in message
+        assert "over the 128 MiB" in message
+        assert "ctx_len 262144 or less" in message and "ngl 1 or less" in message
+    # a weight over it: ngl, and no ctx_len that would help
+    with pytest.raises(BadRequest) as caught:
+        memory.check_buffers("m", needed, 1,
+                             [dict(LIMITED, maxBuffer=needed.output_largest[1] - 1)])
+    assert caught.value.param == "ngl" and "ngl 0 (all on the CPU)" in str(caught.value)
+    assert "ctx_len" not in str(caught.value)

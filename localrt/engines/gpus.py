@@ -20,7 +20,12 @@ VK_DRIVER_FILES) in the server's environment reach the child unchanged. Each GPU
 plain dict: id (its index in its backend's order, as llama.cpp numbers CUDA0 and
 Vulkan0), name, backend (cuda, vulkan), type, total and free (bytes), version (the CUDA
 version, or the Vulkan API version), driver, computeCap, uuid, and a Vulkan device's
-heaps. localrt.engines.hardware owns the list the server shows.
+heaps and maxBuffer: the most bytes one tensor may have on it (`max_buffer`, from its
+limits as ggml's Vulkan backend reads them; 128 MiB on Debian 12's lavapipe), which
+localrt.engines.memory keeps every offloaded layer's tensors under. A CUDA device has
+no maxBuffer: ggml's CUDA backend allocates a buffer of any size the free memory holds
+and its kernels index 64-bit, so there is no per-tensor limit worth modelling there.
+localrt.engines.hardware owns the list the server shows.
 
 This module imports only the standard library, so the child starts fast.
 """
@@ -119,6 +124,8 @@ VK_PHYSICAL_DEVICE_PROPERTIES_2 = 1000059001
 VK_PHYSICAL_DEVICE_MEMORY_PROPERTIES_2 = 1000059006
 VK_PHYSICAL_DEVICE_ID_PROPERTIES = 1000071004
 VK_PHYSICAL_DEVICE_DRIVER_PROPERTIES = 1000196000
+VK_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES = 1000168000
+VK_PHYSICAL_DEVICE_MAINTENANCE_4_PROPERTIES = 1000413001
 VK_PHYSICAL_DEVICE_MEMORY_BUDGET_PROPERTIES = 1000237000
 VK_MEMORY_HEAP_DEVICE_LOCAL = 0x1
 VK_MAX_MEMORY_HEAPS = 16
@@ -143,15 +150,26 @@ class VkInstanceCreateInfo(ctypes.Structure):
                 ("ppEnabledExtensionNames", ctypes.c_void_p)]
 
 
+class VkPhysicalDeviceLimitsHead(ctypes.Structure):
+    """The first fields of VkPhysicalDeviceLimits, up to maxStorageBufferRange."""
+
+    _fields_ = [(name, ctypes.c_uint32) for name in (
+        "maxImageDimension1D", "maxImageDimension2D", "maxImageDimension3D",
+        "maxImageDimensionCube", "maxImageArrayLayers", "maxTexelBufferElements",
+        "maxUniformBufferRange", "maxStorageBufferRange")]
+
+
 class VkPhysicalDeviceProperties(ctypes.Structure):
-    """The head of VkPhysicalDeviceProperties; its limits and sparse properties (824
-    bytes in all on 64-bit) are room the driver writes and nothing here reads."""
+    """VkPhysicalDeviceProperties as far as it is read; the rest of its limits and its
+    sparse properties (824 bytes in all on 64-bit) are room the driver writes."""
 
     _fields_ = [("apiVersion", ctypes.c_uint32), ("driverVersion", ctypes.c_uint32),
                 ("vendorID", ctypes.c_uint32), ("deviceID", ctypes.c_uint32),
                 ("deviceType", ctypes.c_int), ("deviceName", ctypes.c_char * 256),
                 ("pipelineCacheUUID", ctypes.c_ubyte * 16),
-                ("limitsAndSparse", ctypes.c_ubyte * 1024)]
+                ("limitsAlignment", ctypes.c_uint32),  # the limits hold 64-bit fields
+                ("limits", VkPhysicalDeviceLimitsHead),
+                ("limitsRestAndSparse", ctypes.c_ubyte * 1024)]
 
 
 class VkPhysicalDeviceProperties2(ctypes.Structure):
@@ -170,6 +188,17 @@ class VkPhysicalDeviceDriverProperties(ctypes.Structure):
     _fields_ = [("sType", ctypes.c_int), ("pNext", ctypes.c_void_p),
                 ("driverID", ctypes.c_int), ("driverName", ctypes.c_char * 256),
                 ("driverInfo", ctypes.c_char * 256), ("conformanceVersion", ctypes.c_uint8 * 4)]
+
+
+class VkPhysicalDeviceMaintenance3Properties(ctypes.Structure):
+    _fields_ = [("sType", ctypes.c_int), ("pNext", ctypes.c_void_p),
+                ("maxPerSetDescriptors", ctypes.c_uint32),
+                ("maxMemoryAllocationSize", ctypes.c_uint64)]
+
+
+class VkPhysicalDeviceMaintenance4Properties(ctypes.Structure):
+    _fields_ = [("sType", ctypes.c_int), ("pNext", ctypes.c_void_p),
+                ("maxBufferSize", ctypes.c_uint64)]
 
 
 class VkMemoryType(ctypes.Structure):
@@ -212,13 +241,38 @@ def uuid_text(raw) -> str:
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
+def max_buffer(storage_range: int, allocation: int | None = None,
+               buffer_size: int | None = None, env=None) -> int:
+    """The most bytes one tensor may have on a Vulkan device for ggml's Vulkan backend,
+    from its maxStorageBufferRange, maxMemoryAllocationSize (Vulkan 1.1's maintenance3;
+    None: unknown) and maxBufferSize (VK_KHR_maintenance4; None: no such extension),
+    as ggml-vulkan.cpp reads them (GGML_VK_FORCE_MAX_ALLOCATION_SIZE and
+    GGML_VK_FORCE_MAX_BUFFER_SIZE in `env` override the last two, as there). A tensor
+    over its buffer size or the storage range is an operation the backend does not
+    take, which for the KV cache, allocated on the device, aborts the process; one over
+    the allocation size fails to allocate. The storage range is not lifted where ggml
+    would (VK_EXT_shader_64bit_indexing, which Debian's Vulkan headers predate)."""
+    env = os.environ if env is None else env
+    if env.get("GGML_VK_FORCE_MAX_ALLOCATION_SIZE", "").isdigit():
+        allocation = int(env["GGML_VK_FORCE_MAX_ALLOCATION_SIZE"])
+    elif allocation is not None and buffer_size is not None:
+        allocation = min(allocation, buffer_size)
+    if env.get("GGML_VK_FORCE_MAX_BUFFER_SIZE", "").isdigit():
+        buffer_size = int(env["GGML_VK_FORCE_MAX_BUFFER_SIZE"])
+    elif buffer_size is None:
+        buffer_size = allocation
+    return min(n for n in (storage_range, allocation, buffer_size) if n is not None)
+
+
 def vulkan_gpu(index: int, props: VkPhysicalDeviceProperties,
                memory: VkPhysicalDeviceMemoryProperties,
                ids: VkPhysicalDeviceIDProperties | None = None,
                driver: VkPhysicalDeviceDriverProperties | None = None,
-               budget: VkPhysicalDeviceMemoryBudgetProperties | None = None) -> dict:
+               budget: VkPhysicalDeviceMemoryBudgetProperties | None = None,
+               largest: int | None = None) -> dict:
     """One Vulkan device from what the loader filled in: `ids`, `driver` and `budget`
-    where the device could say them (Vulkan 1.1, 1.2 and VK_EXT_memory_budget)."""
+    where the device could say them (Vulkan 1.1, 1.2 and VK_EXT_memory_budget), and
+    `largest`, its max_buffer (else its maxStorageBufferRange alone)."""
     heaps, total, free = [], 0, 0
     for i in range(min(memory.memoryHeapCount, VK_MAX_MEMORY_HEAPS)):
         heap = memory.memoryHeaps[i]
@@ -235,7 +289,9 @@ def vulkan_gpu(index: int, props: VkPhysicalDeviceProperties,
             "total": total, "free": free, "version": vulkan_version(props.apiVersion),
             "driver": driver.driverInfo.decode("utf-8", "replace") if driver else "",
             "computeCap": "", "uuid": uuid_text(ids.deviceUUID) if ids else "",
-            "vendorId": int(props.vendorID), "heaps": heaps}
+            "vendorId": int(props.vendorID), "heaps": heaps,
+            "maxBuffer": int(props.limits.maxStorageBufferRange) if largest is None
+            else largest}
 
 
 def _vulkan_library(library: str):
@@ -320,19 +376,35 @@ def _vulkan_device(vk, index: int, device, newer: bool) -> dict:
     """What the loader says of one physical device."""
     props = VkPhysicalDeviceProperties()
     vk.vkGetPhysicalDeviceProperties(device, ctypes.byref(props))
-    ids = driver = budget = None
+    ids = driver = budget = largest = None
     memory = VkPhysicalDeviceMemoryProperties()
     if newer and props.apiVersion >= VK_API_1_1:
+        extensions = _extensions(vk, device)
+        # The chain: ids -> maintenance3 (1.1) -> driver (1.2) -> maintenance4 (its
+        # extension, which ggml asks for by name).
         ids = VkPhysicalDeviceIDProperties(VK_PHYSICAL_DEVICE_ID_PROPERTIES, None)
+        third = VkPhysicalDeviceMaintenance3Properties(
+            VK_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES, None)
+        ids.pNext = ctypes.cast(ctypes.pointer(third), ctypes.c_void_p)
+        tail = third
         if props.apiVersion >= VK_API_1_2:
             driver = VkPhysicalDeviceDriverProperties(VK_PHYSICAL_DEVICE_DRIVER_PROPERTIES,
                                                       None)
-            ids.pNext = ctypes.cast(ctypes.pointer(driver), ctypes.c_void_p)
+            tail.pNext = ctypes.cast(ctypes.pointer(driver), ctypes.c_void_p)
+            tail = driver
+        fourth = None
+        if b"VK_KHR_maintenance4" in extensions:
+            fourth = VkPhysicalDeviceMaintenance4Properties(
+                VK_PHYSICAL_DEVICE_MAINTENANCE_4_PROPERTIES, None)
+            tail.pNext = ctypes.cast(ctypes.pointer(fourth), ctypes.c_void_p)
         both = VkPhysicalDeviceProperties2(VK_PHYSICAL_DEVICE_PROPERTIES_2,
                                            ctypes.cast(ctypes.pointer(ids), ctypes.c_void_p))
         vk.vkGetPhysicalDeviceProperties2(device, ctypes.byref(both))
         props = both.properties
-        if b"VK_EXT_memory_budget" in _extensions(vk, device):
+        largest = max_buffer(int(props.limits.maxStorageBufferRange),
+                             int(third.maxMemoryAllocationSize) or None,
+                             int(fourth.maxBufferSize) or None if fourth else None)
+        if b"VK_EXT_memory_budget" in extensions:
             budget = VkPhysicalDeviceMemoryBudgetProperties(
                 VK_PHYSICAL_DEVICE_MEMORY_BUDGET_PROPERTIES, None)
             memory2 = VkPhysicalDeviceMemoryProperties2(
@@ -342,7 +414,7 @@ def _vulkan_device(vk, index: int, device, newer: bool) -> dict:
             memory = memory2.memoryProperties
     if budget is None:
         vk.vkGetPhysicalDeviceMemoryProperties(device, ctypes.byref(memory))
-    return vulkan_gpu(index, props, memory, ids, driver, budget)
+    return vulkan_gpu(index, props, memory, ids, driver, budget, largest)
 
 
 # --- both, in a child -----------------------------------------------------------------

@@ -12,7 +12,8 @@ alone (localrt.engines.ggufinfo: never the tensor data):
     file, plus the files loaded beside it (a projector) as they are on disk; `layers`
     keeps each block's (blk.N.*) share, for what offloads layer by layer;
   * the KV cache: keys and values of every layer for every token of every slot,
-    ctx_len x n_parallel cells (one slot in llama.cpp's embedding mode), each value of
+    ctx_len x n_parallel cells (one slot in llama.cpp's embedding mode; `kv_cells`
+    rounds them up to 256 a slot, as llama.cpp does), each value of
     the cache_type's size (f16 by default). Per layer, its KV heads
     (`<arch>.attention.head_count_kv`, a number or one per layer) times
     `<arch>.attention.key_length` + `value_length` (n_embd / n_head when the header says
@@ -32,6 +33,17 @@ gpuOverheadMiB free and room for a compute buffer (the allowance above); the res
 on the CPU, as Ollama's estimate does. A device of type cpu (lavapipe) counts here:
 layers on it run through the GPU backend, in RAM.
 
+No layer goes to a device with a tensor over the most one buffer there may hold
+(`oversize`; a Vulkan device's maxBuffer, from localrt.engines.gpus: 128 MiB on
+Debian 12's lavapipe): a weight, or the layer's K or V cache tensor, which holds every
+cell of every slot (ctx_len x n_parallel at the cache_type's size). ggml's Vulkan
+backend cannot run an operation on such a tensor; a weight it would keep on the CPU,
+but the KV cache is allocated on the device regardless, and the first graph aborts the
+whole server ("pre-allocated tensor in a buffer that cannot run the operation"). So fit
+stops before such a layer, and `check_buffers` refuses an explicit ngl that reaches it
+with a 400 naming the limit and the ngl or ctx_len that would do. CUDA devices have no
+such limit.
+
 `check` compares the sum with the RAM free now (/proc/meminfo's MemAvailable), plus the
 free memory of the GPUs a GPU build offloads to (a device of type cpu, such as
 lavapipe, adds nothing: its memory is the RAM), and refuses with 503
@@ -48,11 +60,12 @@ from pathlib import Path
 from localrt.engines import ggufinfo
 from localrt.engines.ggufcheck import tensor_nbytes
 from localrt.engines.llama.params import CACHE_TYPE_BYTES
-from localrt.errors import InsufficientMemory
+from localrt.errors import BadRequest, InsufficientMemory
 
 MIB = 1 << 20
 COMPUTE_BASE = 64 * MIB  # activations and the graph's own bookkeeping, beyond the terms above
 UBATCH = 512             # llama.cpp's most tokens in one micro-batch (localrt's n_ubatch)
+CELL_PAD = 256           # llama.cpp rounds a context up to this many cells (llama_context)
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 _SPLIT = re.compile(r"(.*)-00001-of-(\d{5})\.gguf", re.IGNORECASE)  # llama.cpp's split names
 
@@ -70,6 +83,9 @@ class Need:
     layers: dict = field(default_factory=dict)
     kv_layers: tuple = ()  # each block's part of `kv`, in order
     output: int = 0        # the output layer's weights (output.*, or a tied token_embd)
+    largest: dict = field(default_factory=dict)  # block -> (its largest tensor, bytes)
+    output_largest: tuple = ("", 0)              # the output layer's, the same
+    cache_type: str = "f16"
 
     @property
     def total(self) -> int:
@@ -97,6 +113,12 @@ def kv_bytes(md: dict, cells: int, cache_type: str = "f16") -> int:
 def kv_layers(md: dict, cells: int, cache_type: str = "f16") -> list[int]:
     """Each block's part of the KV cache of `cells` tokens (none for a model without
     attention heads)."""
+    return [k + v for k, v in kv_tensors(md, cells, cache_type)]
+
+
+def kv_tensors(md: dict, cells: int, cache_type: str = "f16") -> list[tuple[int, int]]:
+    """Each block's K and V cache tensors' bytes for `cells` tokens: llama.cpp makes one
+    of each a layer, for all the slots' cells (none without attention heads)."""
     arch = md.get("general.architecture", "")
     layers = _number(md.get(f"{arch}.block_count"))
     heads = md.get(f"{arch}.attention.head_count")
@@ -106,10 +128,19 @@ def kv_layers(md: dict, cells: int, cache_type: str = "f16") -> list[int]:
     kv_heads = md.get(f"{arch}.attention.head_count_kv", heads)
     per_layer = kv_heads if isinstance(kv_heads, list) else [_number(kv_heads)] * layers
     head = _number(md.get(f"{arch}.embedding_length")) // head_count
-    width = (_number(md.get(f"{arch}.attention.key_length"), head)
-             + _number(md.get(f"{arch}.attention.value_length"), head))
+    keys = _number(md.get(f"{arch}.attention.key_length"), head)
+    values = _number(md.get(f"{arch}.attention.value_length"), head)
     value = CACHE_TYPE_BYTES.get(cache_type or "f16", 2)
-    return [int(_number(h) * width * cells * value) for h in per_layer[:layers]]
+    return [(int(_number(h) * keys * cells * value), int(_number(h) * values * cells * value))
+            for h in per_layer[:layers]]
+
+
+def kv_cells(ctx_len: int, slots: int) -> int:
+    """The KV cells llama.cpp makes for `slots` sequences of ctx_len: it rounds the
+    context (ctx_len x slots), then each sequence's share, up to 256 cells."""
+    pad = CELL_PAD
+    share = -(-(-(-ctx_len * slots // pad) * pad) // max(slots, 1)) if ctx_len else 0
+    return -(-share // pad) * pad * slots
 
 
 def compute_bytes(md: dict, ctx_len: int, slots: int, options: dict) -> int:
@@ -141,6 +172,7 @@ def need(parts: list[Path], beside: list[Path], options: dict) -> Need:
     and files `beside` them needs with the start `options`. GGUFError for a header it
     cannot read."""
     md, weights, layers, output, names = {}, 0, {}, 0, {}
+    largest, output_largest = {}, ("", 0)
     for i, part in enumerate(parts):
         part_md, sizes = tensor_bytes(part)
         if i == 0:
@@ -150,19 +182,31 @@ def need(parts: list[Path], beside: list[Path], options: dict) -> Need:
             weights += size
             found = _BLOCK.match(name)
             if found:
-                layers[int(found.group(1))] = layers.get(int(found.group(1)), 0) + size
+                block = int(found.group(1))
+                layers[block] = layers.get(block, 0) + size
+                largest[block] = max(largest.get(block, ("", 0)), (name, size),
+                                     key=lambda t: t[1])
             elif name.startswith(("output.", "output_norm.")):
                 output += size
+                output_largest = max(output_largest, (name, size), key=lambda t: t[1])
     if "output.weight" not in names:  # tied: llama.cpp copies token_embd to the output's device
         output += names.get("token_embd.weight", 0)
+        output_largest = max(output_largest, ("token_embd.weight",
+                                              names.get("token_embd.weight", 0)),
+                             key=lambda t: t[1])
     weights += sum(p.stat().st_size for p in beside)
     embedding = bool(options.get("embedding")) or ggufinfo.is_embedding(md)
     slots = 1 if embedding else max(int(options.get("n_parallel") or 1), 1)
     trained = _number(md.get(f"{md.get('general.architecture', '')}.context_length"))
     ctx_len = int(options.get("ctx_len") or trained or 0)
-    kv = kv_layers(md, ctx_len * slots, options.get("cache_type") or "f16")
+    cache_type = options.get("cache_type") or "f16"
+    caches = kv_tensors(md, kv_cells(ctx_len, slots), cache_type)
+    for block, (k, v) in enumerate(caches):
+        largest[block] = max(largest.get(block, ("", 0)), ("K cache", k), ("V cache", v),
+                             key=lambda t: t[1])
+    kv = [k + v for k, v in caches]
     return Need(weights, sum(kv), compute_bytes(md, ctx_len, slots, options), ctx_len,
-                slots, layers, tuple(kv), output)
+                slots, layers, tuple(kv), output, largest, output_largest, cache_type)
 
 
 def offload_devices(gpus: list[dict], backend: str) -> list[dict]:
@@ -175,15 +219,61 @@ def offload_devices(gpus: list[dict], backend: str) -> list[dict]:
     return real or mine
 
 
+def buffer_limit(devices: list[dict]) -> int | None:
+    """The most bytes one tensor may have on every one of `devices` (the smallest of
+    their maxBuffer, localrt.engines.gpus); None where none has a limit (CUDA)."""
+    limits = [int(d["maxBuffer"]) for d in devices if d.get("maxBuffer")]
+    return min(limits) if limits else None
+
+
+@dataclass(frozen=True)
+class Oversize:
+    """The first layer, in llama.cpp's order of offloading, with a tensor over a
+    device's buffer limit: `layer` ("output" or "block N"), its tensor (a weight's name,
+    or "K cache" / "V cache") of `bytes`, and `fits`, the most layers (ngl) offloaded
+    before it."""
+
+    layer: str
+    tensor: str
+    bytes: int
+    limit: int
+    fits: int
+
+
+def blocks_of(needed: Need) -> int:
+    """The model's blocks (llama.cpp's n_layer)."""
+    return max(len(needed.kv_layers), max(needed.layers, default=-1) + 1)
+
+
+def oversize(needed: Need, limit: int | None) -> Oversize | None:
+    """The first layer llama.cpp would offload (the output layer, then the blocks from
+    the last one down) whose largest tensor, a weight or its K or V cache, is over
+    `limit` bytes; None when none is (or there is no limit). ggml's Vulkan backend
+    cannot run an operation on such a tensor: a weight it keeps on the CPU, but the KV
+    cache is allocated on the device, and ggml aborts the process at the first graph."""
+    if limit is None:
+        return None
+    order = [("output", needed.output_largest)] + \
+        [(f"block {i}", needed.largest.get(i, ("", 0)))
+         for i in reversed(range(blocks_of(needed)))]
+    for position, (layer, (tensor, size)) in enumerate(order):
+        if size > limit:
+            return Oversize(layer, tensor, size, limit, position)
+    return None
+
+
 @dataclass(frozen=True)
 class Fit:
     """What `fit` decided: `ngl` layers of `of` (the blocks and the output layer, as
-    llama.cpp counts them) on devices with `room` bytes for them, `needs` bytes for all."""
+    llama.cpp counts them) on devices with `room` bytes for them, `needs` bytes for all,
+    and `over`, the layer with a tensor over the devices' buffer limit that stopped it
+    (None: memory alone decided)."""
 
     ngl: int
     of: int
     room: int
     needs: int
+    over: Oversize | None = None
 
 
 def fit(needed: Need, devices: list[dict], overhead: int) -> Fit:
@@ -191,20 +281,53 @@ def fit(needed: Need, devices: list[dict], overhead: int) -> Fit:
     leaving `overhead` bytes free on each, and a compute buffer on each (the allowance
     of `compute_bytes`). llama.cpp offloads the output layer first, then the blocks from
     the last one down; a block costs its weights and its part of the KV cache (the KV of
-    an offloaded layer lives on its device, llama.cpp's offload_kqv)."""
-    blocks = max(len(needed.kv_layers), max(needed.layers, default=-1) + 1)
+    an offloaded layer lives on its device, llama.cpp's offload_kqv). No layer with a
+    tensor over the devices' buffer limit (`oversize`) goes, nor any after it."""
+    blocks = blocks_of(needed)
     costs = [needed.output] + [needed.layers.get(i, 0) + (
         needed.kv_layers[i] if i < len(needed.kv_layers) else 0)
         for i in reversed(range(blocks))]
     room = sum(max(int(d.get("free") or 0) - overhead, 0) for d in devices)
     room -= needed.compute * len(devices)
+    over = oversize(needed, buffer_limit(devices))
     left, ngl = room, 0
-    for cost in costs:
+    for cost in costs[:over.fits if over else None]:
         if cost > left:
             break
         left -= cost
         ngl += 1
-    return Fit(ngl, blocks + 1, max(room, 0), sum(costs) + needed.compute)
+    return Fit(ngl, blocks + 1, max(room, 0), sum(costs) + needed.compute,
+               over if over and ngl == over.fits else None)
+
+
+def check_buffers(model_id: str, needed: Need, ngl: int, devices: list[dict]) -> None:
+    """A 400 for a start whose `ngl` (-1: all) puts on `devices` a layer with a tensor
+    over their buffer limit (`oversize`), naming the limit in MiB and the ngl, ctx_len
+    or both that would do; nothing for ngl 0 or devices without a limit."""
+    over = oversize(needed, buffer_limit(devices))
+    of = blocks_of(needed) + 1
+    if over is None or not ngl or 0 <= ngl <= over.fits:
+        return
+    names = ", ".join(d["name"] for d in devices)
+    lower = f"ngl {over.fits} or less" if over.fits else "ngl 0 (all on the CPU)"
+    what = f"its tensor {over.tensor}"
+    if over.tensor.endswith("cache"):
+        # The K and V tensors grow with the cells, ctx_len x n_parallel, which llama.cpp
+        # rounds up to 256 a sequence (kv_cells): a multiple of 256 is exact.
+        cells = kv_cells(needed.ctx_len, needed.slots)
+        ctx_len = over.limit * cells // over.bytes // needed.slots // CELL_PAD * CELL_PAD
+        what = (f"its {over.tensor} (ctx_len {needed.ctx_len} x n_parallel {needed.slots}, "
+                f"cache_type {needed.cache_type})")
+        change = (f"start it with ctx_len {ctx_len} or less" if ctx_len else
+                  "start it") + f", a smaller n_parallel, a quantized cache_type, or {lower}"
+        param = "ctx_len"
+    else:
+        change, param = f"start it with {lower}", "ngl"
+    shown = "all" if ngl < 0 or ngl >= of else ngl
+    raise BadRequest(
+        f"Model {model_id} cannot start with ngl {shown}: it puts the {over.layer} layer "
+        f"on {names}, and {what} is {_mib(over.bytes)} MiB, over the {over.limit >> 20} "
+        f"MiB that device allows one tensor (its largest buffer); {change}", param=param)
 
 
 def check(model_id: str, needed: Need, ram_free: int, device_free: int = 0,

@@ -459,7 +459,9 @@ class Scheduler:
         """A 503 insufficient_memory, before anything loads, for a GGUF model whose
         weights, KV cache and compute buffers this machine cannot hold now
         (localrt.engines.memory); and for a GPU build started without `ngl`, the layers
-        its devices hold (memory.fit), which it returns (None: nothing was fit). A model
+        its devices hold (memory.fit), which it returns (None: nothing was fit); with an
+        `ngl`, a 400 where it puts a tensor over a device's buffer limit on it
+        (memory.check_buffers: ggml's Vulkan backend would abort the server). A model
         with rpc_servers is not checked (its layers go elsewhere), nor one on a system
         without /proc/meminfo; a header the estimate cannot read is left to the file's
         checks."""
@@ -475,9 +477,10 @@ class Scheduler:
         except (OSError, ValueError, TypeError) as exc:  # GGUFError is a ValueError
             log.info("model %s: no memory estimate (%s)", record["id"], exc)
             return None
-        devices = self._offload_devices(options) if options.get("ngl") is None else []
+        ngl = options.get("ngl")
+        devices = self._offload_devices(options) if ngl != 0 else []
         fitted = None
-        if devices:
+        if devices and ngl is None:
             decided = memory.fit(needed, devices, self.gpu_overhead)
             fitted = decided.ngl
             log.info("model %s: fit puts %d of its %d layers on %s (%d MiB free for them "
@@ -485,6 +488,13 @@ class Scheduler:
                      record["id"], decided.ngl, decided.of,
                      ", ".join(d["name"] for d in devices), decided.room >> 20,
                      self.gpu_overhead >> 20, decided.needs >> 20)
+            if decided.over is not None:
+                log.info("model %s: fit stops before the %s layer: its %s is %d MiB, over "
+                         "the %d MiB one buffer may hold there", record["id"],
+                         decided.over.layer, decided.over.tensor, decided.over.bytes >> 20,
+                         decided.over.limit >> 20)
+        elif devices:  # an explicit ngl: never a tensor ggml would abort on
+            memory.check_buffers(record["id"], needed, int(ngl), devices)
         if ram is not None and needed.total > ram:  # only then ask the GPUs
             memory.check(record["id"], needed, ram, *self._device_memory(options))
         log.info("model %s needs about %d MiB (weights %d, KV cache %d, compute %d)",
