@@ -86,48 +86,18 @@ def rpc_engine(tmp_path_factory):
         unavailable("no C++ compiler to build the +rpc variant; see the module docstring")
 
     home = tmp_path_factory.mktemp("rpc-home")
-    settings = settings_mod.load(environ={"HOME": str(home)})
-    snapshots = []
-    # The build inherits this process's environment: ccache (which llama.cpp's CMake
-    # uses where installed) keeps its cache in the session's folder, not the real home.
-    with pytest.MonkeyPatch.context() as env, PackageIndex(index_dir) as index:
-        env.setenv("CCACHE_DIR", str(variants.scratch_caches(tmp_path_factory) / "ccache"))
-        settings.update({"engineIndexUrl": index.url})
-        app = create_app(settings)
-        try:
-            api = lambda *a, **k: call(app, *a, **k)  # noqa: E731
-            started = time.monotonic()
-            reply = api("POST", "/v1/engines/gguf-cpp/install",
-                        {"variant": variant, "version": version})
-            assert reply.status == 200, reply.body
-            task_id = reply.json["task"]["id"]
-            deadline = started + BUILD_TIMEOUT
-            while time.monotonic() < deadline:
-                task = {t["id"]: t for t in api("GET", "/v1/models/pull").json["data"]}[task_id]
-                if task.get("build") and task["build"] not in snapshots:
-                    snapshots.append(task["build"])
-                if task["status"] not in ("Pending", "Downloading"):
-                    break
-                time.sleep(0.5)
-            else:
-                raise AssertionError(f"the +rpc install took over {BUILD_TIMEOUT} s")
-            seconds = time.monotonic() - started
-            print(f"gguf-cpp {variant} {version}: {task['status']} in {seconds:.0f} s "
-                  f"({'compiled' if snapshots else 'a wheel built before'})")
-            assert task["status"] == "Success", task
-            rows = api("GET", "/engines/gguf-cpp").json
-        finally:
-            app.close()
-    built = list((settings.data_dir / "engines" / ".builds").rglob("*.whl"))
+    done = variants.install_variant(variant, version, index_dir, home, BUILD_TIMEOUT,
+                                    variants.scratch_caches(tmp_path_factory))
+    built = [done.built] if done.built else []
     if built and not cached:  # keep it: later sessions install it from the index
         assert built[0].parent.name == wheel_key  # the key is localrt's own
         variants.keep_wheel(BUILT, wheel_key, built[0], labelled(built[0].name, version, local),
                             local)
-    folder = settings.data_dir / "engines" / "gguf-cpp" / variant / version
-    return SimpleNamespace(home=home, settings=settings, variant=variant, version=version,
-                           sdist=sdist, reply=reply.json, task=task, snapshots=snapshots,
-                           compiled=not cached, rows=rows, folder=folder, built=built,
-                           seconds=seconds, index_dir=index_dir)
+    return SimpleNamespace(home=home, settings=done.settings, variant=variant, version=version,
+                           sdist=sdist, reply=done.reply, task=done.task,
+                           snapshots=done.snapshots, compiled=not cached, rows=done.rows,
+                           folder=done.folder, built=built, seconds=done.seconds,
+                           index_dir=index_dir)
 
 
 @pytest.fixture(scope="session")
