@@ -86,6 +86,21 @@ def test_install_then_start(tmp_path):
     assert f'export PATH="{venv}/bin:$PATH"' in out
 
 
+def expected_downloads(venv) -> list:
+    """The downloads `--test` makes before pytest, in order: the onnx-runtime wheel, the
+    llama-cpp-python sdist and its build wheels, the CUDA toolkit."""
+    return [
+        f"{venv}/bin/python -m pip download --only-binary=:all: -d tests/.engine-wheels "
+        "onnxruntime-genai==0.18.0",
+        f"{venv}/bin/python -m pip download --no-deps --no-binary=:all: -d "
+        "tests/.rpc-build/sources llama-cpp-python==0.3.36",
+        f"{venv}/bin/python -m pip download --only-binary=:all: -d tests/.rpc-build/sources "
+        "scikit-build-core cmake ninja",
+        f"{venv}/bin/python -m pip download --only-binary=:all: -d tests/.cuda-build/toolkit "
+        "nvidia-cuda-nvcc nvidia-cuda-runtime nvidia-cublas nvidia-cuda-cccl",
+    ]
+
+
 def test_test_installs_the_extras_and_engine_wheels_then_runs_pytest(tmp_path):
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
@@ -96,14 +111,7 @@ def test_test_installs_the_extras_and_engine_wheels_then_runs_pytest(tmp_path):
     assert commands == [
         f"{venv}/bin/python -m pip install --upgrade pip",
         f"{venv}/bin/python -m pip install --no-cache-dir '.[test]'",
-        f"{venv}/bin/python -m pip download --only-binary=:all: -d tests/.engine-wheels "
-        "onnxruntime-genai==0.18.0",
-        f"{venv}/bin/python -m pip download --no-deps --no-binary=:all: -d "
-        "tests/.rpc-build/sources llama-cpp-python==0.3.36",
-        f"{venv}/bin/python -m pip download --only-binary=:all: -d tests/.rpc-build/sources "
-        "scikit-build-core cmake ninja",
-        f"{venv}/bin/python -m pip download --only-binary=:all: -d tests/.cuda-build/toolkit "
-        "nvidia-cuda-nvcc nvidia-cuda-runtime nvidia-cublas nvidia-cuda-cccl",
+        *expected_downloads(venv),
         f"{venv}/bin/python -m pytest -x",
     ]
 
@@ -214,14 +222,7 @@ def test_test_restores_the_caches_before_the_downloads_and_saves_them_after_pyte
     assert rc == 0
     assert commands[3:] == [
         "restore test caches from /home/ci/.cache/localrt-tests",
-        f"{venv}/bin/python -m pip download --only-binary=:all: -d tests/.engine-wheels "
-        "onnxruntime-genai==0.18.0",
-        f"{venv}/bin/python -m pip download --no-deps --no-binary=:all: -d "
-        "tests/.rpc-build/sources llama-cpp-python==0.3.36",
-        f"{venv}/bin/python -m pip download --only-binary=:all: -d tests/.rpc-build/sources "
-        "scikit-build-core cmake ninja",
-        f"{venv}/bin/python -m pip download --only-binary=:all: -d tests/.cuda-build/toolkit "
-        "nvidia-cuda-nvcc nvidia-cuda-runtime nvidia-cublas nvidia-cuda-cccl",
+        *expected_downloads(venv),
         f"{venv}/bin/python -m pytest -x",
         "save test caches to /home/ci/.cache/localrt-tests",
     ]
