@@ -31,6 +31,8 @@ llama-cpp-python (the gguf-cpp engine) compiles from source for this CPU. GCC 12
 miscompiles ggml's AMX kernels (SIGILL on the first quantized model), so on x86-64
 the build leaves AMX out whenever the compiler knows the AMX flags (`build_env`), and
 pip runs with ``--no-cache-dir`` so that it never reuses a wheel built without them.
+Every llama-cpp-python build leaves out llama.cpp's common library, which
+llama-cpp-python forces on and never loads (`lean_cmake_args`): a third of the compile.
 pip takes its index from its own settings (PIP_INDEX_URL, PIP_FIND_LINKS,
 PIP_NO_INDEX, pip.conf), which pass through untouched: that is how a site without
 the internet builds against a mirror.
@@ -107,6 +109,20 @@ def compiler_accepts(compiler: str, language: str, flags: Sequence[str]) -> bool
     except OSError:
         return False
     return proc.returncode == 0
+
+
+# llama.cpp's common library, which llama-cpp-python builds and never loads, left out of
+# every llama-cpp-python build (`lean_cmake_args`; the file says how).
+NO_COMMON = Path(__file__).resolve().parent / "engines" / "patches" / \
+    "llama-cpp-python-no-common.cmake"
+
+
+def lean_cmake_args(environ: Dict[str, str]) -> Dict[str, str]:
+    """CMAKE_ARGS for a llama-cpp-python build: `environ`'s own, then the include that
+    leaves llama.cpp's common library out (NO_COMMON), a third of the compile. Other
+    CMake projects ignore it: it names llama.cpp's project."""
+    include = shlex.quote(f"-DCMAKE_PROJECT_llama.cpp_INCLUDE={NO_COMMON}")
+    return {"CMAKE_ARGS": " ".join(filter(None, (environ.get("CMAKE_ARGS"), include)))}
 
 
 def build_env(environ: Dict[str, str], machine: str,
@@ -347,7 +363,8 @@ def setup(args: argparse.Namespace, shell: Shell, host: Host, err: TextIO) -> in
     if not python.exists():
         steps.append(([sys.executable, "-m", "venv", venv], {}))
     steps.append(([python, "-m", "pip", "install", "--upgrade", "pip"], {}))
-    flags = build_env(host.environ, host.arch, host.accepts)
+    flags = {**build_env(host.environ, host.arch, host.accepts),
+             **lean_cmake_args(host.environ)}
     steps.append(([python, "-m", "pip", "install", "--no-cache-dir",
                    ".[test]" if args.test else "."], flags))
     if not args.test:

@@ -9,10 +9,12 @@ from pathlib import Path
 
 from support import REPO
 
-from localrt.bootstrap import (AMX_OFF, Host, build_env, cache_folder, compiler_accepts, main,
-                               restore_test_caches, save_test_caches)
+from localrt.bootstrap import (AMX_OFF, NO_COMMON, Host, build_env, cache_folder,
+                               compiler_accepts, lean_cmake_args, main, restore_test_caches,
+                               save_test_caches)
 
 AMX = " ".join(AMX_OFF)
+LEAN = f"CMAKE_ARGS=-DCMAKE_PROJECT_llama.cpp_INCLUDE={NO_COMMON}"
 VENV_PKG = "python3.%d-venv" % sys.version_info[1]
 
 
@@ -68,6 +70,17 @@ def test_the_flags_follow_cc_cxx_and_keep_the_users_own():
     assert asked == [("ccache gcc-12", "c", AMX_OFF), ("c++", "c++", AMX_OFF)]
 
 
+def test_llama_cpp_python_builds_leave_llama_cpps_common_library_out():
+    # llama-cpp-python forces LLAMA_BUILD_COMMON on; the include, run after llama.cpp's
+    # project(), turns it off (the wheel never loads libllama-common).
+    assert NO_COMMON.is_file() and "set(LLAMA_BUILD_COMMON OFF" in NO_COMMON.read_text()
+    include = f"-DCMAKE_PROJECT_llama.cpp_INCLUDE={NO_COMMON}"
+    assert lean_cmake_args({}) == {"CMAKE_ARGS": include}
+    # the user's own CMAKE_ARGS come first, on every machine
+    assert lean_cmake_args({"CMAKE_ARGS": "-DGGML_BLAS=ON"}) == {
+        "CMAKE_ARGS": f"-DGGML_BLAS=ON {include}"}
+
+
 def test_compiler_accepts_rejects_unknown_flags_and_missing_compilers():
     assert not compiler_accepts("cc", "c", ["-mno-such-flag-localrt"])
     assert not compiler_accepts("/nonexistent/cc", "c", [])
@@ -80,7 +93,8 @@ def test_install_then_start(tmp_path):
     assert commands == [
         f"{sys.executable} -m venv {venv}",
         f"{venv}/bin/python -m pip install --upgrade pip",
-        f"CFLAGS='{AMX}' CXXFLAGS='{AMX}' {venv}/bin/python -m pip install --no-cache-dir .",
+        f"CFLAGS='{AMX}' CXXFLAGS='{AMX}' {LEAN} {venv}/bin/python -m pip install "
+        f"--no-cache-dir .",
         f"{venv}/bin/localrt start --port 0",
     ]
     assert f'export PATH="{venv}/bin:$PATH"' in out
@@ -110,7 +124,7 @@ def test_test_installs_the_extras_and_engine_wheels_then_runs_pytest(tmp_path):
     assert rc == 0
     assert commands == [
         f"{venv}/bin/python -m pip install --upgrade pip",
-        f"{venv}/bin/python -m pip install --no-cache-dir '.[test]'",
+        f"{LEAN} {venv}/bin/python -m pip install --no-cache-dir '.[test]'",
         *expected_downloads(venv),
         f"{venv}/bin/python -m pytest -x",
     ]

@@ -16,8 +16,7 @@ once a run, for tests/test_vulkan_live.py too, or kept in tests/.vulkan-build/bu
 under its key, or LOCALRT_TEST_VULKAN_WHEEL), installed through the API as
 `<platform>-vulkan` from a package index of it into this module's own home. ggml's
 Vulkan backend takes a CPU device only when told to (GGML_VK_VISIBLE_DEVICES), which
-the servers here are given. Without a kept wheel (its compile is opt-in:
-LOCALRT_TEST_VULKAN_BUILD=1) they skip, even under CI; without lavapipe they skip,
+the servers here are given. Without lavapipe or what the compile needs they skip,
 except under CI, where they fail.
 """
 

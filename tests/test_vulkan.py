@@ -219,3 +219,22 @@ def test_a_build_with_the_vulkan_backend_is_the_vulkan_variant():
     assert gguf_variant(info, True, hw, backends=["Vulkan", "CPU"]) == "linux-amd64-vulkan"
     assert gguf_variant(info, False, hw, backends=["Vulkan", "CPU"]) == "linux-amd64-vulkan"
     assert gguf_variant(info, False, hw, backends=["CPU"]) == "linux-amd64-avx512"
+
+
+def test_the_builds_cache_key_takes_the_no_common_include_by_contents_not_path(
+        tmp_path, monkeypatch):
+    # Every compiled variant leaves llama.cpp's common library out through an include
+    # named by its path, which differs between checkouts and installs: the key must not.
+    flags = builds.build_flags(catalog.VULKAN_CMAKE, environ={})
+    assert f"-DCMAKE_PROJECT_llama.cpp_INCLUDE={builds.NO_COMMON}" in flags["CMAKE_ARGS"]
+    here = builds.cache_folder(tmp_path, "v", "1.0", "ab", flags)
+    elsewhere = tmp_path / "elsewhere" / builds.NO_COMMON.name  # another checkout's copy
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(builds.NO_COMMON.read_bytes())
+    moved = dict(flags, CMAKE_ARGS=flags["CMAKE_ARGS"].replace(str(builds.NO_COMMON),
+                                                                str(elsewhere)))
+    monkeypatch.setattr(builds, "NO_COMMON", elsewhere)
+    assert moved != flags
+    assert builds.cache_folder(tmp_path, "v", "1.0", "ab", moved) == here
+    elsewhere.write_text(elsewhere.read_text() + "\n")  # other contents: another key
+    assert builds.cache_folder(tmp_path, "v", "1.0", "ab", moved) != here

@@ -12,10 +12,8 @@ compiles the sdist once and keeps the wheel in tests/.vulkan-build/built under t
 of its sdist, flags and patch, so later sessions install it from the index instead
 (delete it to compile again). LOCALRT_TEST_VULKAN_WHEEL names a wheel built elsewhere
 with -DGGML_VULKAN=ON.
-The compile is opt-in (LOCALRT_TEST_VULKAN_BUILD=1): without a kept wheel the tests
-skip, even under CI, whose fresh runs it would take past 45 minutes. Without a Vulkan
-device, the packages or a compiler they are skipped too, except under CI, where they
-fail: CI must run them.
+Without a Vulkan device, the packages or a compiler they are skipped, except under CI,
+where they fail: CI must run them.
 """
 
 from __future__ import annotations

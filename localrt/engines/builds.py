@@ -8,9 +8,10 @@ cancellable), then `Build.run` runs
 
     python -m pip wheel --no-deps --no-cache-dir -v --index-url INDEX -w OUT SDIST
 
-with CMAKE_ARGS the variant's options (after any the server's environment has) and
-CFLAGS/CXXFLAGS those of localrt's own build (localrt.bootstrap.build_env: on x86-64
-no AMX, which GCC 12 miscompiles), at low priority (nice 10) so that models keep
+with CMAKE_ARGS the variant's options (after any the server's environment has, and the
+include that leaves llama.cpp's unused common library out: localrt.bootstrap.
+lean_cmake_args) and CFLAGS/CXXFLAGS those of localrt's own build
+(localrt.bootstrap.build_env: on x86-64 no AMX, which GCC 12 miscompiles), at low priority (nice 10) so that models keep
 answering. pip takes the build requirements (scikit-build-core; cmake and ninja where
 the machine lacks them) from the same index, and the Config's proxy, never the
 environment's. The task's `build` field says how far it is: {"stage", "step",
@@ -31,7 +32,8 @@ What a CMake option needs besides a compiler (the Vulkan headers and glslc for
 (`check_can_build`), and a 400 names the Debian packages that are missing.
 
 The wheel is kept in `<engines>/.builds/<variant>/<version>/<key>/`, key a hash of the
-sdist's sha256, the flags, the patches and this Python's tag, so installing the variant again (after
+sdist's sha256, the flags (the include by its contents, not its path), the patches and
+this Python's tag, so installing the variant again (after
 an uninstall) unpacks it without compiling (`cached_wheel`). Removing `.builds` frees
 the space.
 """
@@ -60,7 +62,7 @@ from typing import Callable, Mapping, Sequence
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from localrt.engines import cuda, wheels
-from localrt.bootstrap import build_env
+from localrt.bootstrap import NO_COMMON, build_env, lean_cmake_args
 from localrt.errors import BadRequest
 from localrt.downloads.fetch import Cancelled, DownloadFailed, Task
 
@@ -160,7 +162,8 @@ def build_flags(cmake: tuple[str, ...], environ: Mapping[str, str] = os.environ
     """The variables a build adds to the environment: CMAKE_ARGS with `cmake`, and the
     compiler flags of localrt's own build."""
     flags = build_env(dict(environ), platform.machine())
-    flags["CMAKE_ARGS"] = " ".join(filter(None, [environ.get("CMAKE_ARGS"), *cmake]))
+    lean = lean_cmake_args(dict(environ))["CMAKE_ARGS"]  # with the environment's own
+    flags["CMAKE_ARGS"] = " ".join(filter(None, [lean, *cmake]))
     return flags
 
 
@@ -169,6 +172,9 @@ def cache_folder(engines_root: Path, variant: str, version: str, sdist_sha256: s
     """Where the wheel of this sdist, built with these flags and patches for this Python,
     is kept."""
     applied = [hashlib.sha256(p.read_bytes()).hexdigest() for p in patches]
+    # The include's contents, not its path (another checkout, another site-packages).
+    flags = {name: value.replace(str(NO_COMMON), hashlib.sha256(
+        NO_COMMON.read_bytes()).hexdigest()) for name, value in flags.items()}
     key = json.dumps([sdist_sha256, sorted(flags.items()), wheels.supported_tags()[0]]
                      + ([applied] if applied else []))
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
