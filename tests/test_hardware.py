@@ -164,6 +164,10 @@ def test_an_nvidia_gpu_the_vulkan_loader_also_lists_is_shown_once_as_cuda():
     # the loader's entry of it is kept inside it, for a Vulkan build (its twin)
     assert listed[0] == {**H100_NVML, "vulkan": H100_VULKAN}
     assert gpus.merged([H100_NVML], [LLVMPIPE]) == [H100_NVML, LLVMPIPE]  # no twin
+    # two Vulkan drivers of the one GPU (NVIDIA's and Mesa's NVK): neither is a row, the
+    # loader's first is the twin
+    nvk = dict(H100_VULKAN, id="2", driver="Mesa 25.0.7")
+    assert gpus.merged([H100_NVML], [H100_VULKAN, LLVMPIPE, nvk]) == listed
     # /v1/hardware's row is NVML's, in cortex's fields alone
     assert cortex_gpu(listed[0]) == cortex_gpu(H100_NVML)
 
