@@ -19,11 +19,13 @@ import shutil
 import subprocess
 
 import pytest
+from support.apps import call
 from support.cli import run
 
+from localrt.app import create_app
 from localrt.cli import ExitCode
 from localrt.engines import gpus
-from localrt.engines.hardware import MIB, cortex_gpu
+from localrt.engines.hardware import MIB, Gpus, Hardware, cortex_gpu
 
 LAVAPIPE = "llvmpipe"
 
@@ -140,14 +142,62 @@ def test_the_most_one_tensor_may_have_on_a_vulkan_device_is_ggml_s():
         == 1024 * mib
 
 
+H100_NVML = {"id": "0", "name": "NVIDIA H100 80GB HBM3", "backend": "cuda",
+             "type": "discrete", "total": 81559 * MIB, "free": 80000 * MIB,
+             "version": "12.4", "driver": "550.54.15", "computeCap": "9.0",
+             "uuid": "GPU-5f3b9a2c-1d4e-4f60-8a7b-9c0d1e2f3a4b"}
+H100_VULKAN = {"id": "1", "name": "NVIDIA H100 80GB HBM3", "backend": "vulkan",
+               "type": "discrete", "total": 81559 * MIB, "free": 79000 * MIB,
+               "version": "1.3.280", "driver": "550.54.15", "computeCap": "",
+               "uuid": "5f3b9a2c-1d4e-4f60-8a7b-9c0d1e2f3a4b", "vendorId": 0x10DE,
+               "heaps": [], "maxBuffer": 1 << 32}
+LLVMPIPE = {"id": "0", "name": "llvmpipe (LLVM 15.0.6, 256 bits)", "backend": "vulkan",
+            "type": "cpu", "total": 2 << 30, "free": 2 << 30, "version": "1.3.230",
+            "driver": "Mesa 22.3.6", "computeCap": "",
+            "uuid": "6d657361-3232-2e33-2e36-000000000000", "vendorId": 0x10005,
+            "heaps": [], "maxBuffer": 128 * MIB}
+
+
 def test_an_nvidia_gpu_the_vulkan_loader_also_lists_is_shown_once_as_cuda():
-    nvidia = [{"id": "0", "uuid": "GPU-5f3b9a2c-1d4e-4f60-8a7b-9c0d1e2f3a4b",
-               "backend": "cuda"}]
-    vulkan = [{"id": "0", "uuid": "5f3b9a2c-1d4e-4f60-8a7b-9c0d1e2f3a4b", "backend": "vulkan"},
-              {"id": "1", "uuid": "6d657361-3232-2e33-2e36-000000000000",
-               "backend": "vulkan"}]
-    assert [(g["id"], g["backend"]) for g in gpus.merged(nvidia, vulkan)] == \
-        [("0", "cuda"), ("1", "vulkan")]
+    listed = gpus.merged([H100_NVML], [LLVMPIPE, H100_VULKAN])
+    assert [(g["id"], g["backend"]) for g in listed] == [("0", "cuda"), ("0", "vulkan")]
+    # the loader's entry of it is kept inside it, for a Vulkan build (its twin)
+    assert listed[0] == {**H100_NVML, "vulkan": H100_VULKAN}
+    assert gpus.merged([H100_NVML], [LLVMPIPE]) == [H100_NVML, LLVMPIPE]  # no twin
+    # two Vulkan drivers of the one GPU (NVIDIA's and Mesa's NVK): neither is a row, the
+    # loader's first is the twin
+    nvk = dict(H100_VULKAN, id="2", driver="Mesa 25.0.7")
+    assert gpus.merged([H100_NVML], [H100_VULKAN, LLVMPIPE, nvk]) == listed
+    # /v1/hardware's row is NVML's, in cortex's fields alone
+    assert cortex_gpu(listed[0]) == cortex_gpu(H100_NVML)
+
+
+def test_a_vulkan_build_sees_the_nvidia_gpu_as_the_loader_does_with_nvml_s_memory():
+    listed = gpus.merged([H100_NVML], [LLVMPIPE, H100_VULKAN])
+    # the loader's id, name, type and maxBuffer, NVML's free and total
+    assert gpus.backend_devices(listed, "vulkan") == \
+        [LLVMPIPE, {**H100_VULKAN, "free": 80000 * MIB, "total": 81559 * MIB}]
+    assert gpus.backend_devices(listed, "cuda") == [listed[0]]
+    # a driver without its Vulkan part: the loader lists no twin, and a Vulkan build
+    # has only lavapipe
+    alone = gpus.merged([H100_NVML], [LLVMPIPE])
+    assert gpus.backend_devices(alone, "vulkan") == [LLVMPIPE]
+    assert gpus.backend_devices([], "vulkan") == []
+
+
+def test_the_hardware_route_lists_an_nvidia_gpu_with_a_vulkan_twin_once(settings):
+    listed = gpus.merged([H100_NVML], [LLVMPIPE, H100_VULKAN])
+    hw = Hardware("linux", "amd64", "test cpu", frozenset({"avx2"}), "12.4",
+                  gpus=Gpus(detect=lambda: listed))
+    app = create_app(settings, hardware=hw)
+    try:
+        r = call(app, "GET", "/v1/hardware")  # checked against its reply schema too
+    finally:
+        app.close()
+    assert r.status == 200, r.body
+    assert [(g["name"], g["backend"]) for g in r.json["gpus"]] == \
+        [("NVIDIA H100 80GB HBM3", "cuda"), ("llvmpipe (LLVM 15.0.6, 256 bits)", "vulkan")]
+    assert r.json["gpus"][0] == cortex_gpu(H100_NVML)
 
 
 # --- no GPU, no driver, no loader ------------------------------------------------------

@@ -193,12 +193,54 @@ def test_fit_takes_fewer_layers_when_the_kv_cache_needs_more_than_the_heap(huge)
 
 
 def test_the_devices_a_build_offloads_to():
-    nvidia = {"name": "NVIDIA H100", "backend": "cuda", "type": "discrete", "free": 1}
-    radeon = {"name": "AMD Radeon", "backend": "vulkan", "type": "discrete", "free": 1}
+    nvidia = {"id": "0", "name": "NVIDIA H100", "backend": "cuda", "type": "discrete",
+              "free": 1}
+    radeon = {"id": "1", "name": "AMD Radeon", "backend": "vulkan", "type": "discrete",
+              "free": 1}
     assert memory.offload_devices([nvidia, LAVAPIPE], "vulkan") == [LAVAPIPE]
     assert memory.offload_devices([radeon, LAVAPIPE], "vulkan") == [radeon]
     assert memory.offload_devices([nvidia, LAVAPIPE], "cuda") == [nvidia]
     assert memory.offload_devices([LAVAPIPE], "cuda") == []
+    # an NVIDIA GPU the Vulkan loader lists too (gpus.merged keeps that entry as its
+    # twin): a Vulkan build's device, not lavapipe, with NVML's free memory
+    twin = {"id": "1", "name": "NVIDIA H100 80GB HBM3", "backend": "vulkan",
+            "type": "discrete", "free": 5, "total": 9, "maxBuffer": 1 << 32}
+    both = dict(nvidia, vulkan=twin, total=8)
+    assert memory.offload_devices([both, LAVAPIPE], "vulkan") == \
+        [dict(twin, free=1, total=8)]
+    assert memory.offload_devices([both, LAVAPIPE], "cuda") == [both]
+
+
+def test_a_vulkan_build_on_an_nvidia_gpu_fits_against_it(huge):
+    """The GPU /v1/hardware lists once, as cuda: a Vulkan build's fit gets its free
+    memory from NVML and its buffer limit from the Vulkan loader (Fit's room), where
+    before it fit against lavapipe's 2 GiB, or nothing."""
+    from localrt.engines import gpus
+
+    nvml = {"id": "0", "name": "NVIDIA H100 80GB HBM3", "backend": "cuda",
+            "type": "discrete", "total": 80 << 30, "free": 70 << 30, "version": "12.4",
+            "driver": "550.54.15", "computeCap": "9.0",
+            "uuid": "GPU-5f3b9a2c-1d4e-4f60-8a7b-9c0d1e2f3a4b"}
+    vulkan = {"id": "1", "name": "NVIDIA H100 80GB HBM3", "backend": "vulkan",
+              "type": "discrete", "total": 80 << 30, "free": 60 << 30,
+              "version": "1.3.280", "driver": "550.54.15", "computeCap": "",
+              "uuid": "5f3b9a2c-1d4e-4f60-8a7b-9c0d1e2f3a4b", "maxBuffer": 128 * memory.MIB}
+    lavapipe = dict(LAVAPIPE, id="0", uuid="6d657361-3232-2e33-2e36-000000000000",
+                    total=LAVAPIPE["free"], maxBuffer=1 << 30)
+    listed = gpus.merged([nvml], [lavapipe, vulkan])
+    devices = memory.offload_devices(listed, "vulkan")
+    assert [(d["name"], d["free"], d["maxBuffer"]) for d in devices] == \
+        [("NVIDIA H100 80GB HBM3", 70 << 30, 128 * memory.MIB)]
+    # 2**19 cells make each K and V tensor 256 MiB: over the GPU's 128 MiB as Vulkan
+    # gives it, so the output layer alone, and the room is NVML's 70 GiB
+    options = {"ctx_len": 1 << 19, "n_parallel": 1, "flash_attn": True}
+    needed = memory.need([huge], [], options)
+    decided = memory.fit(needed, devices, 512 * memory.MIB)
+    assert decided.ngl == 1 and decided.over.tensor == "K cache"
+    assert decided.room == (70 << 30) - 512 * memory.MIB - needed.compute
+    # at 2**18 cells every layer fits under the limit and in the memory
+    small = memory.need([huge], [], {**options, "ctx_len": 1 << 18})
+    assert memory.fit(small, devices, 512 * memory.MIB).ngl == 5
 
 
 def test_llama_cpp_s_log_read():
@@ -269,20 +311,44 @@ def test_fit_stops_before_a_layer_with_a_tensor_over_the_buffer_limit(huge):
     assert memory.buffer_limit([{"name": "cuda", "free": 1}]) is None
 
 
-def test_a_weight_over_the_buffer_limit_stops_fit_at_its_layer(tmp_path):
-    """A weight over the limit counts as the K cache does: a wide vocabulary's output
-    matrix (4096 x 256 floats, 4 MiB) over it, and nothing goes, as llama.cpp offloads
-    the output layer first."""
+def test_an_output_matrix_over_the_buffer_limit_holds_back_no_block(tmp_path):
+    """A wide vocabulary's output matrix (4096 x 256 floats, 4 MiB) over the limit stays
+    in RAM (llama.cpp's loader keeps a weight the device turns down on the CPU) and has
+    no KV cache: every block still goes, though llama.cpp offloads the output layer
+    first. A block's weight over the limit stops fit at that block, as its K cache
+    would."""
+    from localrt.errors import BadRequest
+
     wide = write_gguf(tmp_path / "wide.gguf", name="wide", n_embd=256, n_layer=2,
                       n_head=4, n_ff=512, vocab_size=4096, context_length=4096)
     needed = memory.need([wide], [], {"ctx_len": 256, "n_parallel": 1})
-    name, size = needed.output_largest
-    assert name in ("output.weight", "token_embd.weight") and size == 4096 * 256 * 4
-    assert needed.largest[1][0].startswith("blk.1.") and needed.largest[1][1] < size
+    _, sizes = memory.tensor_bytes(wide)
+    size = sizes.get("output.weight", sizes["token_embd.weight"])
+    assert size == 4096 * 256 * 4 and size <= needed.output
+    name, block = needed.largest[1]
+    assert name.startswith("blk.1.") and block < size
     roomy = dict(LAVAPIPE, free=64 << 30)
-    decided = memory.fit(needed, [dict(roomy, maxBuffer=size - 1)], 0)
-    assert decided.ngl == 0 and (decided.over.layer, decided.over.tensor) == ("output", name)
-    assert memory.fit(needed, [dict(roomy, maxBuffer=size)], 0).ngl == 3
+    under_output = dict(roomy, maxBuffer=size - 1)
+    assert memory.oversize(needed, size - 1) is None
+    decided = memory.fit(needed, [under_output], 0)
+    assert (decided.ngl, decided.of, decided.over) == (3, 3, None)
+    memory.check_buffers("m", needed, -1, [under_output])  # all of it: no 400
+    # the output layer still counts whole on the device (the safe side): one byte short
+    # of it and the blocks keeps the first block on the CPU
+    tight = dict(under_output, free=decided.needs - 1)
+    assert memory.fit(needed, [tight], 0).ngl == 2
+    # a block's weight over the limit: the output layer alone, and an ngl past it is a
+    # 400 naming ngl (no ctx_len would help)
+    under_block = dict(roomy, maxBuffer=block - 1)
+    decided = memory.fit(needed, [under_block], 0)
+    assert decided.ngl == 1
+    assert (decided.over.layer, decided.over.tensor, decided.over.fits) == \
+        ("block 1", name, 1)
+    with pytest.raises(BadRequest) as caught:
+        memory.check_buffers("m", needed, 2, [under_block])
+    message = str(caught.value)
+    assert caught.value.param == "ngl" and "ngl 1 or less" in message
+    assert "the block 1 layer" in message and "ctx_len" not in message
 
 
 def test_an_explicit_ngl_over_the_buffer_limit_is_a_400_naming_what_to_change(huge):
@@ -304,9 +370,3 @@ def test_an_explicit_ngl_over_the_buffer_limit_is_a_400_naming_what_to_change(hu
         assert "K cache (ctx_len 524288 x n_parallel 1, cache_type f16) is 256 MiB" in message
         assert "over the 128 MiB" in message
         assert "ctx_len 262144 or less" in message and "ngl 1 or less" in message
-    # a weight over it: ngl, and no ctx_len that would help
-    with pytest.raises(BadRequest) as caught:
-        memory.check_buffers("m", needed, 1,
-                             [dict(LIMITED, maxBuffer=needed.output_largest[1] - 1)])
-    assert caught.value.param == "ngl" and "ngl 0 (all on the CPU)" in str(caught.value)
-    assert "ctx_len" not in str(caught.value)

@@ -29,8 +29,12 @@ LAVAPIPE = {"id": "0", "name": "llvmpipe (LLVM 15.0.6, 256 bits)", "backend": "v
             "type": "cpu", "total": 2 << 30, "free": 2 << 30}
 RADEON = {"id": "1", "name": "AMD Radeon RX 7600 (RADV NAVI33)", "backend": "vulkan",
           "type": "discrete", "total": 8 << 30, "free": 7 << 30}
+# an NVIDIA GPU the Vulkan loader lists too, as localrt.engines.gpus.merged gives it
 NVIDIA = {"id": "0", "name": "NVIDIA GeForce RTX 4090", "backend": "cuda",
-          "type": "discrete", "total": 24 << 30, "free": 23 << 30}
+          "type": "discrete", "total": 24 << 30, "free": 23 << 30,
+          "vulkan": {"id": "0", "name": "NVIDIA GeForce RTX 4090", "backend": "vulkan",
+                     "type": "discrete", "total": 24 << 30, "free": 22 << 30,
+                     "maxBuffer": 4 << 30}}
 
 
 def machine(*gpus, cuda=None) -> Hardware:
@@ -189,6 +193,9 @@ def test_a_vulkan_device_of_any_type_runs_the_vulkan_variant():
         assert runnable(variant(hw, "linux-amd64-vulkan"), hw) is None
     why = runnable(variant(machine(), "linux-amd64-vulkan"), machine())
     assert "Vulkan" in why
+    # an NVIDIA driver without its Vulkan part: the loader lists no such device
+    bare = machine({k: v for k, v in NVIDIA.items() if k != "vulkan"}, cuda="12.4")
+    assert "Vulkan" in runnable(variant(bare, "linux-amd64-vulkan"), bare)
 
 
 def test_an_install_picks_cuda_then_a_vulkan_gpu_then_the_best_cpu_level():

@@ -13,7 +13,9 @@ each device's name, type (discrete, integrated, virtual, cpu or other), its memo
 (free memory where the driver has VK_EXT_memory_budget, else the device-local total),
 its Vulkan API version, driver and device UUID (vkGetPhysicalDeviceProperties2 with
 VkPhysicalDeviceIDProperties). An NVIDIA GPU both list (the same UUID) is listed once,
-as NVML gives it, with the backend `cuda`.
+as NVML gives it, with the backend `cuda`, and the loader's entry of it kept inside it
+as its `vulkan` twin (`merged`): what /v1/hardware shows is the one row, and a Vulkan
+build, which runs on that GPU too, sees it through `backend_devices`.
 
 Which devices the Vulkan loader sees is the loader's business: VK_ICD_FILENAMES (or
 VK_DRIVER_FILES) in the server's environment reach the child unchanged. Each GPU is a
@@ -25,6 +27,7 @@ limits as ggml's Vulkan backend reads them; 128 MiB on Debian 12's lavapipe), wh
 localrt.engines.memory keeps every offloaded layer's tensors under. A CUDA device has
 no maxBuffer: ggml's CUDA backend allocates a buffer of any size the free memory holds
 and its kernels index 64-bit, so there is no per-tensor limit worth modelling there.
+An NVIDIA GPU the Vulkan loader lists too has the loader's dict of it as `vulkan`.
 localrt.engines.hardware owns the list the server shows.
 
 This module imports only the standard library, so the child starts fast.
@@ -421,9 +424,31 @@ def _vulkan_device(vk, index: int, device, newer: bool) -> dict:
 
 
 def merged(nvidia: list[dict], vulkan: list[dict]) -> list[dict]:
-    """NVML's GPUs, then the Vulkan devices that are not one of them (by UUID)."""
+    """NVML's GPUs, then the Vulkan devices that are not one of them (by UUID); an NVIDIA
+    GPU the loader lists too keeps the loader's (first) entry of it as `vulkan`."""
+    twins: dict[str, dict] = {}
+    for g in vulkan:
+        if g["uuid"]:
+            twins.setdefault(g["uuid"].lower(), g)
+    out = []
+    for g in nvidia:
+        twin = twins.get(g["uuid"].lower().removeprefix("gpu-")) if g["uuid"] else None
+        out.append({**g, "vulkan": twin} if twin else g)
     seen = {g["uuid"].lower().removeprefix("gpu-") for g in nvidia if g["uuid"]}
-    return nvidia + [g for g in vulkan if not g["uuid"] or g["uuid"].lower() not in seen]
+    return out + [g for g in vulkan if not g["uuid"] or g["uuid"].lower() not in seen]
+
+
+def backend_devices(gpus: list[dict], backend: str) -> list[dict]:
+    """The devices of `gpus` (`merged`'s list) that a build of `backend` (cuda, vulkan)
+    can use, each as that backend sees it. A Vulkan build runs on an NVIDIA GPU too,
+    where the loader lists it: that one comes as the loader's twin (its Vulkan id, the
+    name ggml's Vulkan backend gives it, its maxBuffer) with NVML's free and total
+    memory, which are exact where the loader's may be a heap's size."""
+    if backend != "vulkan":
+        return [g for g in gpus if g.get("backend") == backend]
+    return [g for g in gpus if g.get("backend") == "vulkan"] + \
+        [{**g["vulkan"], "free": g["free"], "total": g["total"]}
+         for g in gpus if g.get("backend") == "cuda" and g.get("vulkan")]
 
 
 def main(argv: list[str]) -> int:

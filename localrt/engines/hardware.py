@@ -270,9 +270,11 @@ VULKAN_LOADER = "vulkan"  # libvulkan.so.1, Debian's libvulkan1
 
 def vulkan_devices(hw: Hardware) -> list[dict]:
     """The GPUs llama.cpp's Vulkan backend may use: the Vulkan devices (lavapipe, of type
-    cpu, too) and the NVIDIA GPUs, whose driver is listed once, as CUDA's
-    (localrt.engines.gpus.merged)."""
-    return [g for g in hw.gpus.list() if g.get("backend") in ("vulkan", "cuda")]
+    cpu, too) and the NVIDIA GPUs the Vulkan loader lists, which are listed once, as
+    CUDA's (localrt.engines.gpus.backend_devices)."""
+    from localrt.engines.gpus import backend_devices
+
+    return backend_devices(hw.gpus.list(), "vulkan")
 
 
 VISIBLE_DEVICES = "GGML_VK_VISIBLE_DEVICES"  # llama.cpp's Vulkan device indices

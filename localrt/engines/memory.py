@@ -33,16 +33,21 @@ gpuOverheadMiB free and room for a compute buffer (the allowance above); the res
 on the CPU, as Ollama's estimate does. A device of type cpu (lavapipe) counts here:
 layers on it run through the GPU backend, in RAM.
 
-No layer goes to a device with a tensor over the most one buffer there may hold
+No block goes to a device with a tensor over the most one buffer there may hold
 (`oversize`; a Vulkan device's maxBuffer, from localrt.engines.gpus: 128 MiB on
 Debian 12's lavapipe): a weight, or the layer's K or V cache tensor, which holds every
 cell of every slot (ctx_len x n_parallel at the cache_type's size). ggml's Vulkan
 backend cannot run an operation on such a tensor; a weight it would keep on the CPU,
 but the KV cache is allocated on the device regardless, and the first graph aborts the
 whole server ("pre-allocated tensor in a buffer that cannot run the operation"). So fit
-stops before such a layer, and `check_buffers` refuses an explicit ngl that reaches it
-with a 400 naming the limit and the ngl or ctx_len that would do. CUDA devices have no
-such limit.
+stops before such a block, and `check_buffers` refuses an explicit ngl that reaches it
+with a 400 naming the limit and the ngl or ctx_len that would do. The output layer has
+no KV cache: a large vocabulary's output matrix over the limit stays in RAM, and the
+blocks behind it still go. CUDA devices have no such limit.
+
+The devices are those the build's backend sees (`offload_devices`,
+localrt.engines.gpus.backend_devices): a Vulkan build on an NVIDIA GPU fits against
+that GPU, with NVML's free memory and the Vulkan loader's maxBuffer.
 
 `check` compares the sum with the RAM free now (/proc/meminfo's MemAvailable), plus the
 free memory of the GPUs a GPU build offloads to (a device of type cpu, such as
@@ -59,6 +64,7 @@ from pathlib import Path
 
 from localrt.engines import ggufinfo
 from localrt.engines.ggufcheck import tensor_nbytes
+from localrt.engines.gpus import backend_devices
 from localrt.engines.llama.params import CACHE_TYPE_BYTES
 from localrt.errors import BadRequest, InsufficientMemory
 
@@ -84,7 +90,6 @@ class Need:
     kv_layers: tuple = ()  # each block's part of `kv`, in order
     output: int = 0        # the output layer's weights (output.*, or a tied token_embd)
     largest: dict = field(default_factory=dict)  # block -> (its largest tensor, bytes)
-    output_largest: tuple = ("", 0)              # the output layer's, the same
     cache_type: str = "f16"
 
     @property
@@ -171,8 +176,7 @@ def need(parts: list[Path], beside: list[Path], options: dict) -> Need:
     """What a model whose weights are the GGUF `parts` (a split file's parts in order)
     and files `beside` them needs with the start `options`. GGUFError for a header it
     cannot read."""
-    md, weights, layers, output, names = {}, 0, {}, 0, {}
-    largest, output_largest = {}, ("", 0)
+    md, weights, layers, output, names, largest = {}, 0, {}, 0, {}, {}
     for i, part in enumerate(parts):
         part_md, sizes = tensor_bytes(part)
         if i == 0:
@@ -188,12 +192,8 @@ def need(parts: list[Path], beside: list[Path], options: dict) -> Need:
                                      key=lambda t: t[1])
             elif name.startswith(("output.", "output_norm.")):
                 output += size
-                output_largest = max(output_largest, (name, size), key=lambda t: t[1])
     if "output.weight" not in names:  # tied: llama.cpp copies token_embd to the output's device
         output += names.get("token_embd.weight", 0)
-        output_largest = max(output_largest, ("token_embd.weight",
-                                              names.get("token_embd.weight", 0)),
-                             key=lambda t: t[1])
     weights += sum(p.stat().st_size for p in beside)
     embedding = bool(options.get("embedding")) or ggufinfo.is_embedding(md)
     slots = 1 if embedding else max(int(options.get("n_parallel") or 1), 1)
@@ -206,15 +206,16 @@ def need(parts: list[Path], beside: list[Path], options: dict) -> Need:
                              key=lambda t: t[1])
     kv = [k + v for k, v in caches]
     return Need(weights, sum(kv), compute_bytes(md, ctx_len, slots, options), ctx_len,
-                slots, layers, tuple(kv), output, largest, output_largest, cache_type)
+                slots, layers, tuple(kv), output, largest, cache_type)
 
 
 def offload_devices(gpus: list[dict], backend: str) -> list[dict]:
     """The devices of `gpus` (localrt.engines.gpus' dicts) that a build of `backend`
-    (cuda, vulkan) puts layers on, as ggml picks them: its GPUs, or where it has none
-    but CPU devices (lavapipe, which ggml's Vulkan backend takes only when told to),
-    those."""
-    mine = [g for g in gpus if g.get("backend") == backend]
+    (cuda, vulkan) puts layers on, as ggml picks them and as that backend sees them
+    (gpus.backend_devices: a Vulkan build's NVIDIA GPU with the Vulkan loader's name and
+    maxBuffer, and NVML's free memory): its GPUs, or where it has none but CPU devices
+    (lavapipe, which ggml's Vulkan backend takes only when told to), those."""
+    mine = backend_devices(gpus, backend)
     real = [g for g in mine if g.get("type") != "cpu"]
     return real or mine
 
@@ -228,10 +229,10 @@ def buffer_limit(devices: list[dict]) -> int | None:
 
 @dataclass(frozen=True)
 class Oversize:
-    """The first layer, in llama.cpp's order of offloading, with a tensor over a
-    device's buffer limit: `layer` ("output" or "block N"), its tensor (a weight's name,
-    or "K cache" / "V cache") of `bytes`, and `fits`, the most layers (ngl) offloaded
-    before it."""
+    """The first block, in llama.cpp's order of offloading, with a tensor over a
+    device's buffer limit: `layer` ("block N"), its tensor (a weight's name, or
+    "K cache" / "V cache") of `bytes`, and `fits`, the most layers (ngl) offloaded
+    before it, the output layer's included."""
 
     layer: str
     tensor: str
@@ -246,17 +247,20 @@ def blocks_of(needed: Need) -> int:
 
 
 def oversize(needed: Need, limit: int | None) -> Oversize | None:
-    """The first layer llama.cpp would offload (the output layer, then the blocks from
+    """The first block llama.cpp would offload (after the output layer, the blocks from
     the last one down) whose largest tensor, a weight or its K or V cache, is over
     `limit` bytes; None when none is (or there is no limit). ggml's Vulkan backend
     cannot run an operation on such a tensor: a weight it keeps on the CPU, but the KV
-    cache is allocated on the device, and ggml aborts the process at the first graph."""
+    cache is allocated on the device, and ggml aborts the process at the first graph.
+    The output layer is never the one: it is weights alone, and an output matrix over
+    the limit (a large vocabulary's) stays in RAM by llama.cpp's own choice (its loader
+    asks the device's supports_op, which turns the tensor down), so it holds back no
+    block behind it; ngl cannot skip the output layer, which llama.cpp offloads first."""
     if limit is None:
         return None
-    order = [("output", needed.output_largest)] + \
-        [(f"block {i}", needed.largest.get(i, ("", 0)))
-         for i in reversed(range(blocks_of(needed)))]
-    for position, (layer, (tensor, size)) in enumerate(order):
+    order = [(f"block {i}", needed.largest.get(i, ("", 0)))
+             for i in reversed(range(blocks_of(needed)))]
+    for position, (layer, (tensor, size)) in enumerate(order, start=1):
         if size > limit:
             return Oversize(layer, tensor, size, limit, position)
     return None
@@ -281,8 +285,10 @@ def fit(needed: Need, devices: list[dict], overhead: int) -> Fit:
     leaving `overhead` bytes free on each, and a compute buffer on each (the allowance
     of `compute_bytes`). llama.cpp offloads the output layer first, then the blocks from
     the last one down; a block costs its weights and its part of the KV cache (the KV of
-    an offloaded layer lives on its device, llama.cpp's offload_kqv). No layer with a
-    tensor over the devices' buffer limit (`oversize`) goes, nor any after it."""
+    an offloaded layer lives on its device, llama.cpp's offload_kqv). No block with a
+    tensor over the devices' buffer limit (`oversize`) goes, nor any after it; the
+    output layer is counted whole even where its matrix is over the limit and stays in
+    RAM (where ggml indexes in 64 bits it may not: the device is never under-counted)."""
     blocks = blocks_of(needed)
     costs = [needed.output] + [needed.layers.get(i, 0) + (
         needed.kv_layers[i] if i < len(needed.kv_layers) else 0)
@@ -301,15 +307,16 @@ def fit(needed: Need, devices: list[dict], overhead: int) -> Fit:
 
 
 def check_buffers(model_id: str, needed: Need, ngl: int, devices: list[dict]) -> None:
-    """A 400 for a start whose `ngl` (-1: all) puts on `devices` a layer with a tensor
+    """A 400 for a start whose `ngl` (-1: all) puts on `devices` a block with a tensor
     over their buffer limit (`oversize`), naming the limit in MiB and the ngl, ctx_len
-    or both that would do; nothing for ngl 0 or devices without a limit."""
+    or both that would do; nothing for ngl 0 or 1 (the output layer alone) or devices
+    without a limit."""
     over = oversize(needed, buffer_limit(devices))
     of = blocks_of(needed) + 1
     if over is None or not ngl or 0 <= ngl <= over.fits:
         return
     names = ", ".join(d["name"] for d in devices)
-    lower = f"ngl {over.fits} or less" if over.fits else "ngl 0 (all on the CPU)"
+    lower = f"ngl {over.fits} or less"  # at least the output layer, never over the limit
     what = f"its tensor {over.tensor}"
     if over.tensor.endswith("cache"):
         # The K and V tensors grow with the cells, ctx_len x n_parallel, which llama.cpp
