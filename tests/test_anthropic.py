@@ -68,6 +68,15 @@ def events(app, r) -> list:
     return out
 
 
+def prompt_size(usage) -> int:
+    """The prompt's tokens that a Message's usage counts (a dict, or the SDK's Usage):
+    those read afresh, from the prompt cache, and written to it."""
+    if not isinstance(usage, dict):
+        usage = usage.model_dump()
+    return usage["input_tokens"] + usage["cache_read_input_tokens"] + \
+        usage["cache_creation_input_tokens"]
+
+
 def read_stream(events_) -> dict:
     """The Message that a stream's events build, as the SDK builds it, checking their
     order: message_start, ping, blocks (start, deltas, stop), message_delta, message_stop."""
@@ -162,13 +171,21 @@ def test_chat_replies_become_messages():
     body = {"model": "m", "stop_sequences": ["END"]}
     completion = {"choices": [{"index": 0, "finish_reason": "stop", "stop_reason": "END",
                                "message": {"role": "assistant", "content": "Hi"}}],
-                  "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}}
+                  "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9,
+                            "prompt_tokens_details": {"cached_tokens": 5}}}
     message = dialect.message(native.collect(wire.reply(completion).events()), body)
     assert message["id"].startswith("msg_")
+    # An upstream's cached tokens are the prompt cache's share of the prompt, as
+    # llama-server and Anthropic split it.
     assert {k: v for k, v in message.items() if k != "id"} == {
         "type": "message", "role": "assistant", "model": "m",
         "content": [{"type": "text", "text": "Hi"}], "stop_reason": "stop_sequence",
-        "stop_sequence": "END", "usage": {"input_tokens": 7, "output_tokens": 2}}
+        "stop_sequence": "END", "usage": {"input_tokens": 2, "cache_creation_input_tokens": 0,
+                                          "cache_read_input_tokens": 5, "output_tokens": 2}}
+    del completion["usage"]["prompt_tokens_details"]
+    message = dialect.message(native.collect(wire.reply(completion).events()), body)
+    assert message["usage"] == {"input_tokens": 7, "cache_creation_input_tokens": 0,
+                                "cache_read_input_tokens": 0, "output_tokens": 2}
     # The model's own stop sequence (not the request's), or its end token: end_turn.
     for matched in ("<|im_end|>", None):
         assert dialect.stop_reason("stop", matched, body) == ("end_turn", None)
@@ -203,16 +220,24 @@ def test_a_message_whole_and_streamed(app, api, models):
     (block,) = message["content"]
     assert block["type"] == "text" and block["text"]
     assert message["stop_reason"] == "max_tokens" and message["usage"]["output_tokens"] == 16
-    # The same prompt's tokens as count_tokens gives, and as the stream's message_start.
+    # The first prompt the model reads: all of it read afresh, as count_tokens counts it.
     count = api("POST", "/v1/messages/count_tokens", {"model": "qwen25", "messages": [ASK]})
-    assert count.status == 200 and count.json == {
-        "input_tokens": message["usage"]["input_tokens"]}
+    prompt = count.json["input_tokens"]
+    assert count.status == 200 and count.json == {"input_tokens": prompt}
+    assert message["usage"] == {"input_tokens": prompt, "cache_creation_input_tokens": 0,
+                                "cache_read_input_tokens": 0, "output_tokens": 16}
+    # The same prompt again, streamed: message_start counts the whole prompt (the cache's
+    # share is not known before it is read), message_delta splits it: all but the last
+    # token (which gives the logits) come from the prompt cache.
     streamed = events(app, create(api, stream=True))
-    assert streamed[0]["message"]["usage"]["input_tokens"] == count.json["input_tokens"]
+    assert streamed[0]["message"]["usage"] == {
+        "input_tokens": prompt, "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0, "output_tokens": 0}
     built = read_stream(streamed)
     assert built["content"] == message["content"]
     assert (built["stop_reason"], built["stop_sequence"], built["usage"]) == (
-        "max_tokens", None, message["usage"])
+        "max_tokens", None, {"input_tokens": 1, "cache_creation_input_tokens": 0,
+                             "cache_read_input_tokens": prompt - 1, "output_tokens": 16})
     assert sum(e["type"] == "content_block_delta" for e in streamed) > 3
 
 
@@ -278,7 +303,7 @@ def test_a_tool_result_reaches_the_template_and_count_tokens_counts_it(api, mode
             assert all(b["type"] == "text" for b in r.json["content"])
             count = api("POST", "/v1/messages/count_tokens", {
                 "model": family, "messages": history, "tools": TOOLS})
-            assert count.json == {"input_tokens": r.json["usage"]["input_tokens"]}
+            assert count.json == {"input_tokens": prompt_size(r.json["usage"])}
             shorter = api("POST", "/v1/messages/count_tokens", {"model": family,
                                                                 "messages": [ASK]})
             assert shorter.json["input_tokens"] < count.json["input_tokens"]
@@ -453,10 +478,10 @@ def test_the_sdk_creates_streams_and_counts(live_server, family_models):
             final = stream.get_final_message()
         assert "".join(pieces) == text and len(pieces) > 3
         assert final.content[0].text == text and final.stop_reason == "max_tokens"
-        assert final.usage.input_tokens == whole.usage.input_tokens
+        assert prompt_size(final.usage) == prompt_size(whole.usage)
         assert final.usage.output_tokens == 16
         counted = client.messages.count_tokens(model="qwen25", messages=[ASK])
-        assert counted.input_tokens == whole.usage.input_tokens
+        assert counted.input_tokens == prompt_size(whole.usage)
 
         stop = next(m.group() for m in re.finditer(r"[A-Za-z0-9]{2,}", text) if m.start())
         cut = client.messages.create(model="qwen25", max_tokens=16,
@@ -471,6 +496,51 @@ def test_the_sdk_creates_streams_and_counts(live_server, family_models):
             client.messages.create(model="qwen25", max_tokens=4, messages=[
                 {"role": "user", "content": [IMAGE]}])
         assert "vision" in caught.value.body["error"]["message"]
+
+
+# A long system prompt that no other test's prompt starts with.
+LONG_SYSTEM = " ".join(f"Rule {i}: answer about the weather in city number {i}."
+                       for i in range(40))
+
+
+def test_the_sdk_reads_the_prompt_caches_share_of_a_second_turn(live_server, family_models):
+    """A conversation's second turn reads only its new tokens: its usage counts the rest
+    as cache_read_input_tokens, as llama-server and Anthropic do (Claude Code shows its
+    cache hits from them), whole and streamed; the first turn reads all of its prompt."""
+    import_greedy(live_server.url, "qwen25", family_models["qwen25"])
+
+    def turn(client, messages, streamed):
+        body = {"model": "qwen25", "max_tokens": 4, "system": LONG_SYSTEM,
+                "messages": messages}
+        prompt = client.messages.count_tokens(**{k: v for k, v in body.items()
+                                                 if k != "max_tokens"}).input_tokens
+        if not streamed:
+            reply = client.messages.create(**body)
+        else:
+            with client.messages.stream(**body) as stream:
+                start = next(e for e in stream if e.type == "message_start")
+                reply = stream.get_final_message()
+            # The cache's share is not known before the prompt is read: message_start
+            # counts it all; message_delta's split is what the SDK's message keeps.
+            assert (start.message.usage.input_tokens,
+                    start.message.usage.cache_read_input_tokens) == (prompt, 0)
+        assert reply.usage.cache_creation_input_tokens == 0
+        assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == prompt
+        return reply, prompt
+
+    with sdk(live_server.url) as client:
+        for streamed in (False, True):
+            # A model just started has nothing cached.
+            assert send(live_server.url, "POST", "/v1/models/qwen25/stop")[0] in (200, 409)
+            first, first_prompt = turn(client, [ASK], streamed)
+            assert first.usage.cache_read_input_tokens == 0
+            assert first.usage.input_tokens == first_prompt > 200
+            history = [ASK, {"role": "assistant", "content": first.content},
+                       {"role": "user", "content": "And in Rome?"}]
+            second, second_prompt = turn(client, history, streamed)
+            # The first turn's prompt came from the cache, and only the rest was read.
+            assert second.usage.cache_read_input_tokens >= first_prompt
+            assert second.usage.input_tokens <= second_prompt - first_prompt
 
 
 def test_the_sdk_tool_use_round_trip(live_server, family_models):
@@ -494,10 +564,10 @@ def test_the_sdk_tool_use_round_trip(live_server, family_models):
                                            tool_choice={"type": "none"})
             assert final.stop_reason in ("end_turn", "max_tokens")
             assert all(b.type == "text" for b in final.content)
-            assert final.usage.input_tokens > first.usage.input_tokens
+            assert prompt_size(final.usage) > prompt_size(first.usage)
             assert client.messages.count_tokens(
                 model=family, messages=history, tools=TOOLS).input_tokens == \
-                final.usage.input_tokens
+                prompt_size(final.usage)
 
             # The same first step streamed, as the SDK builds it from input_json_delta.
             with client.messages.stream(model=family, max_tokens=120,

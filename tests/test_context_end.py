@@ -110,15 +110,23 @@ def read_anthropic(r, stream):
     if not stream:
         assert r.status == 200, r.body
         usage = r.json["usage"]
-        return (r.json["stop_reason"], usage["input_tokens"], usage["output_tokens"],
+        return (r.json["stop_reason"], anthropic_prompt(usage), usage["output_tokens"],
                 "".join(b["text"] for b in r.json["content"]))
     events = sse(r)
     assert events[-1]["type"] == "message_stop"
     start = next(e for e in events if e["type"] == "message_start")
     delta = next(e for e in events if e["type"] == "message_delta")
     text = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
-    return (delta["delta"]["stop_reason"], start["message"]["usage"]["input_tokens"],
+    # message_start counts the whole prompt; message_delta splits it by the prompt cache.
+    assert start["message"]["usage"]["input_tokens"] == anthropic_prompt(delta["usage"])
+    return (delta["delta"]["stop_reason"], anthropic_prompt(delta["usage"]),
             delta["usage"]["output_tokens"], text)
+
+
+def anthropic_prompt(usage: dict) -> int:
+    """The prompt's tokens in an Anthropic usage: read afresh and from the cache."""
+    return usage["input_tokens"] + usage["cache_read_input_tokens"] + \
+        usage["cache_creation_input_tokens"]
 
 
 def ollama_chat(content, stream):

@@ -39,6 +39,7 @@ class _Handler(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.bodies.append(body)
         usage = {"prompt_tokens": 11, "completion_tokens": 9, "total_tokens": 20,
+                 "prompt_tokens_details": {"cached_tokens": 4},
                  "completion_tokens_details": {"reasoning_tokens": 5}}
         if not body.get("stream"):
             self._json({"id": "chatcmpl-up", "object": "chat.completion", "created": 1,
@@ -125,7 +126,10 @@ def test_anthropic_gets_thinking_blocks(url):
     assert [b.type for b in final.content] == ["thinking", "text"]
     assert final.content[0].thinking == "".join(THINKING)
     assert final.content[1].text == "".join(ANSWER)
-    assert final.usage.output_tokens == 9
+    # The upstream's cached tokens are the prompt cache's share, whole and streamed.
+    for usage in (whole.usage, final.usage):
+        assert (usage.input_tokens, usage.cache_read_input_tokens,
+                usage.cache_creation_input_tokens, usage.output_tokens) == (7, 4, 0, 9)
 
 
 def test_responses_gets_a_reasoning_item(url):

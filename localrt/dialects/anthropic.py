@@ -46,6 +46,10 @@ family takes (Mistral's template refuses any other; Hermes, Qwen and Llama templ
 do not show ids): the id itself when it is that, else 9 hex digits of its hash, the
 same for a tool_use and its tool_result.
 
+usage: input_tokens is the prompt less what the prompt cache held, which is
+cache_read_input_tokens, as llama-server and Anthropic count them; streamed, the split
+comes in message_delta's usage (MessageStream.events says why).
+
 stop_reason: the reply's finish "length" is max_tokens and "tool_calls" tool_use;
 "stop" is stop_sequence when the stop sequence that ended it (Finish.stop_sequence;
 vLLM upstreams send it as stop_reason) is one of the request's stop_sequences, else
@@ -316,8 +320,13 @@ def _input(arguments) -> dict:
 
 
 def _usage(usage: native.Usage | None) -> dict:
+    """Anthropic's usage of a reply: the prompt split into the tokens read afresh
+    (input_tokens) and those the prompt cache held (cache_read_input_tokens); localrt
+    caches without being asked, so it never counts a cache write."""
     usage = usage or native.Usage()
-    return {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}
+    cached = min(usage.cached_tokens, usage.prompt_tokens)  # an upstream's, unchecked
+    return {"input_tokens": usage.prompt_tokens - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": usage.completion_tokens}
 
 
 def _message_id() -> str:
@@ -341,7 +350,11 @@ class MessageStream(NamedEvents):
 
     def events(self) -> Iterator[dict]:
         """The events as dicts, each with its `type`."""
-        usage = {"input_tokens": self._reply.prompt_tokens, "output_tokens": 0}
+        # The prompt cache's share is known only once the prompt is read, and
+        # message_start goes before that (a long prompt takes minutes): it counts the
+        # whole prompt as input_tokens, and message_delta's usage, which clients take
+        # over it (Anthropic's own streams send cumulative counts there), splits it.
+        usage = _usage(native.Usage(self._reply.prompt_tokens))
         yield {"type": "message_start", "message": {
             "id": _message_id(), "type": "message", "role": "assistant", "content": [],
             "model": self._body["model"], "stop_reason": None, "stop_sequence": None,
