@@ -42,6 +42,12 @@ def test_wheel_has_every_subpackage_the_schemas_the_page_and_man_pages(tmp_path)
     assert {"index.html", "app.js", "style.css"} <= set(web)
     for name in web:
         assert f"localrt/web/{name}" in names
+    # what localrt.engines.builds applies to an sdist it compiles: the patches and the
+    # CMake include that leaves llama.cpp's common library out (localrt.bootstrap.NO_COMMON)
+    patches = sorted(p.name for p in (REPO / "localrt" / "engines" / "patches").iterdir())
+    assert "llama-cpp-python-no-common.cmake" in patches
+    for name in patches:
+        assert f"localrt/engines/patches/{name}" in names
     assert not any(n.startswith("docs/") for n in names)  # the README's screenshot stays out
     pages = sorted((REPO / "man").glob("*.[1-9]"))
     assert {p.name for p in pages} >= {"localrt.1", "localrtrc.5", "localrt-api.7",
