@@ -173,8 +173,8 @@ def cache_folder(engines_root: Path, variant: str, version: str, sdist_sha256: s
     is kept."""
     applied = [hashlib.sha256(p.read_bytes()).hexdigest() for p in patches]
     # The include's contents, not its path (another checkout, another site-packages).
-    flags = {name: value.replace(str(NO_COMMON), hashlib.sha256(
-        NO_COMMON.read_bytes()).hexdigest()) for name, value in flags.items()}
+    include = hashlib.sha256(NO_COMMON.read_bytes()).hexdigest()
+    flags = {name: value.replace(str(NO_COMMON), include) for name, value in flags.items()}
     key = json.dumps([sdist_sha256, sorted(flags.items()), wheels.supported_tags()[0]]
                      + ([applied] if applied else []))
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -292,11 +292,8 @@ class Build:
         task.build = {**task.build, "stage": "toolkit",
                       "line": f"installing {', '.join(self.toolkit.packages)}"}
         self.progress(task)
-        index = ["--index-url", self.index_url]
-        if not self.config.get("verify_peer_ssl", True):
-            index += ["--trusted-host", urlsplit(self.index_url).hostname or ""]
         try:
-            self.toolkit.install(scratch, index, self._environ(scratch),
+            self.toolkit.install(scratch, self._index_args(), self._environ(scratch),
                                  lambda cmd, env: self._run(task, cmd, env, tail))
         except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
             if task.cancelled.is_set():
@@ -327,10 +324,16 @@ class Build:
     def _pip(self, task: Task, sdist: Path, scratch: Path, tail) -> int:
         """Run pip wheel, reading its output into the task's progress; its exit code."""
         cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "-v",
-               "--index-url", self.index_url, "-w", str(scratch / "wheel"), str(sdist)]
-        if not self.config.get("verify_peer_ssl", True):
-            cmd[-1:-1] = ["--trusted-host", urlsplit(self.index_url).hostname or ""]
+               *self._index_args(), "-w", str(scratch / "wheel"), str(sdist)]
         return self._run(task, cmd, self._environ(scratch), tail)
+
+    def _index_args(self) -> list[str]:
+        """pip's options for the index: its URL, trusted when the Config verifies no
+        certificates."""
+        args = ["--index-url", self.index_url]
+        if not self.config.get("verify_peer_ssl", True):
+            args += ["--trusted-host", urlsplit(self.index_url).hostname or ""]
+        return args
 
     def _run(self, task: Task, cmd: list[str], env: Mapping[str, str], tail) -> int:
         """Run `cmd` at low priority in its own session, reading its output into the
