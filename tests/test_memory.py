@@ -81,20 +81,25 @@ def test_a_start_the_machine_cannot_hold_is_refused_and_the_rest_goes_on(api, qu
     assert r.status == 200, r.body
 
 
+def kv_bytes(md: dict, cells: int, cache_type: str = "f16") -> int:
+    """The whole KV cache of `cells` tokens, as memory.need sums it."""
+    return sum(k + v for k, v in memory.kv_tensors(md, cells, cache_type))
+
+
 def test_the_need_of_each_part(huge):
     md_layers, cells = 4, HUGE_CONTEXT * 4
-    assert memory.kv_bytes({"general.architecture": "llama", "llama.block_count": md_layers,
-                            "llama.embedding_length": 256, "llama.attention.head_count": 4},
-                           cells) == md_layers * 512 * 2 * cells
+    assert kv_bytes({"general.architecture": "llama", "llama.block_count": md_layers,
+                     "llama.embedding_length": 256, "llama.attention.head_count": 4},
+                    cells) == md_layers * 512 * 2 * cells
     # per-layer KV heads (some layers without attention), explicit key and value lengths,
     # and a quantized cache
     md = {"general.architecture": "x", "x.block_count": 3, "x.embedding_length": 4096,
           "x.attention.head_count": 32, "x.attention.head_count_kv": [8, 0, 8],
           "x.attention.key_length": 128, "x.attention.value_length": 64}
-    assert memory.kv_bytes(md, 1000, "q8_0") == int(16 * 192 * 1000 * 34 / 32)
+    assert kv_bytes(md, 1000, "q8_0") == int(16 * 192 * 1000 * 34 / 32)
     # no attention heads (Mamba, RWKV): nothing grows with the context
-    assert memory.kv_bytes({"general.architecture": "mamba", "mamba.block_count": 8,
-                            "mamba.attention.head_count": 0}, 10 ** 6) == 0
+    assert kv_bytes({"general.architecture": "mamba", "mamba.block_count": 8,
+                     "mamba.attention.head_count": 0}, 10 ** 6) == 0
     # with flash attention the scores are never materialized, only an f16 mask
     need = memory.need([huge], [], {"ctx_len": 4096, "n_parallel": 1})
     fast = memory.need([huge], [], {"ctx_len": 4096, "n_parallel": 1, "flash_attn": True})

@@ -110,17 +110,6 @@ def tensor_bytes(path) -> tuple[dict, dict]:
     return md, sizes
 
 
-def kv_bytes(md: dict, cells: int, cache_type: str = "f16") -> int:
-    """The KV cache of `cells` tokens (ctx_len x slots) for the model of header `md`."""
-    return sum(kv_layers(md, cells, cache_type))
-
-
-def kv_layers(md: dict, cells: int, cache_type: str = "f16") -> list[int]:
-    """Each block's part of the KV cache of `cells` tokens (none for a model without
-    attention heads)."""
-    return [k + v for k, v in kv_tensors(md, cells, cache_type)]
-
-
 def kv_tensors(md: dict, cells: int, cache_type: str = "f16") -> list[tuple[int, int]]:
     """Each block's K and V cache tensors' bytes for `cells` tokens: llama.cpp makes one
     of each a layer, for all the slots' cells (none without attention heads)."""
