@@ -30,6 +30,7 @@ import pytest
 from emulators.pkgindex import PackageIndex
 from support import REPO
 from support.apps import call
+from support.variants import SOURCES, newest_sdist, unavailable
 
 from localrt import settings as settings_mod
 from localrt.app import create_app
@@ -37,14 +38,7 @@ from localrt.engines import cuda
 from localrt.engines.hardware import Hardware
 
 TOOLKIT = REPO / "tests" / ".cuda-build" / "toolkit"
-SOURCES = REPO / "tests" / ".rpc-build" / "sources"  # the llama-cpp-python sdist
 H100 = {"backend": "cuda", "type": "discrete", "computeCap": "9.0", "name": "NVIDIA H100"}
-
-
-def unavailable(why: str):
-    if os.environ.get("CI"):
-        raise RuntimeError(f"CI must run the CUDA toolkit test: {why}")
-    pytest.skip(why)
 
 
 def app_for(hardware: Hardware, home, index_url: str | None = None):
@@ -84,13 +78,13 @@ def test_without_an_nvidia_driver_a_cuda_variant_is_refused_naming_it(tmp_path):
 
 @pytest.mark.live
 def test_cuda_12_without_a_wheel_in_the_index_is_refused_naming_the_missing_nvcc(tmp_path):
-    sdists = sorted(SOURCES.glob("llama_cpp_python-*.tar.gz"))
-    if not sdists:
+    sdist = newest_sdist()
+    if sdist is None:
         unavailable(f"{SOURCES} has no llama-cpp-python sdist (python3 -m "
-                    f"localrt.bootstrap --test)")
+                    f"localrt.bootstrap --test)", "CUDA toolkit")
     index_dir = tmp_path / "index"
     index_dir.mkdir()
-    (index_dir / sdists[-1].name).symlink_to(sdists[-1])
+    (index_dir / sdist.name).symlink_to(sdist)
     with PackageIndex(index_dir) as index:
         app = app_for(Hardware("linux", "amd64", "", ("avx2",), cuda="12.4"),
                       tmp_path / "home", index.url)
@@ -132,10 +126,10 @@ def test_the_toolkit_installs_from_the_index_and_cmake_configures_with_it(tmp_pa
     if not list(TOOLKIT.glob("nvidia_cuda_nvcc-13*.whl")):
         unavailable(f"{TOOLKIT} has no CUDA 13 toolkit; run python3 -m localrt.bootstrap "
                     f"--test, or python -m pip download --only-binary=:all: -d {TOOLKIT} "
-                    f"{' '.join(cuda.TOOLKITS['13'])}")
-    sdists = sorted(SOURCES.glob("llama_cpp_python-*.tar.gz"))
-    if not sdists:
-        unavailable(f"{SOURCES} has no llama-cpp-python sdist")
+                    f"{' '.join(cuda.TOOLKITS['13'])}", "CUDA toolkit")
+    sdist = newest_sdist()
+    if sdist is None:
+        unavailable(f"{SOURCES} has no llama-cpp-python sdist", "CUDA toolkit")
     toolkit = cuda.Toolkit("13", [H100])
     assert toolkit.flags() == ("-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90")
 
@@ -155,7 +149,7 @@ def test_the_toolkit_installs_from_the_index_and_cmake_configures_with_it(tmp_pa
                           capture_output=True, text=True)
     assert stub.returncode != 0 or "SONAME               libcuda.so.1" in stub.stdout
 
-    with tarfile.open(sdists[-1]) as tar:
+    with tarfile.open(sdist) as tar:
         tar.extractall(tmp_path / "src", filter="data")
     source = next((tmp_path / "src").glob("llama_cpp_python-*")) / "vendor" / "llama.cpp"
     started = time.monotonic()

@@ -35,7 +35,7 @@ import pytest
 from emulators.ggufgen import write_gguf
 from prometheus_client.parser import text_string_to_metric_families  # a test dependency
 from support.servers import run_foreground_server, send, subprocess_env
-from support.variants import install_variant, labelled, scratch_caches
+from support.variants import install_variant, labelled, scratch_caches, unavailable
 
 from localrt.engines import gpus, memory
 from localrt.engines.catalog import VULKAN
@@ -47,22 +47,17 @@ PROMPT = "The quick brown fox"
 FIRST = 8  # tokens that must agree with the CPU build's (see the docstring)
 
 
-def unavailable(why: str):
-    if os.environ.get("CI"):
-        raise RuntimeError(f"CI must run the lavapipe offload tests: {why}")
-    pytest.skip(why)
-
-
 @pytest.fixture(scope="session")
 def lavapipe():
     """lavapipe as localrt.engines.gpus reads it, and GGML_VK_VISIBLE_DEVICES set to its
     index among the Vulkan devices (for the servers started here)."""
     if not (glob.glob("/usr/lib/*/libvulkan.so.1")
             and glob.glob("/usr/share/vulkan/icd.d/lvp_icd.*.json")):
-        unavailable("no Vulkan loader or lavapipe (libvulkan1, mesa-vulkan-drivers)")
+        unavailable("no Vulkan loader or lavapipe (libvulkan1, mesa-vulkan-drivers)",
+                    "lavapipe offload")
     found = [g for g in gpus.detect() if g["backend"] == "vulkan" and g["type"] == "cpu"]
     if not found:
-        unavailable("the Vulkan loader lists no CPU device")
+        unavailable("the Vulkan loader lists no CPU device", "lavapipe offload")
     before = os.environ.get("GGML_VK_VISIBLE_DEVICES")
     os.environ["GGML_VK_VISIBLE_DEVICES"] = found[0]["id"]
     yield found[0]

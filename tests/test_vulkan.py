@@ -14,6 +14,7 @@ from importlib import metadata
 import pytest
 from support import REPO
 from support.apps import call
+from support.variants import SOURCES, newest_sdist, variant
 
 from localrt import settings as settings_mod
 from localrt.app import create_app
@@ -23,7 +24,6 @@ from localrt.engines.hardware import (Gpus, Hardware, recommended, runnable,
                                       vulkan_environment)
 from localrt.engines.probe import gguf_variant
 
-SOURCES = REPO / "tests" / ".rpc-build" / "sources"
 AVX512 = frozenset({"avx", "avx2", "avx512f", "fma"})
 LAVAPIPE = {"id": "0", "name": "llvmpipe (LLVM 15.0.6, 256 bits)", "backend": "vulkan",
             "type": "cpu", "total": 2 << 30, "free": 2 << 30}
@@ -41,10 +41,6 @@ def machine(*gpus, cuda=None) -> Hardware:
     """This kind of CPU with these GPUs (as localrt.engines.gpus lists them)."""
     return Hardware("linux", "amd64", "test cpu", AVX512, cuda,
                     gpus=Gpus(detect=lambda: [dict(g) for g in gpus]))
-
-
-def variant(hw: Hardware, name: str) -> catalog.Variant:
-    return next(v for v in catalog.CATALOG["gguf-cpp"].variants(hw) if v.name == name)
 
 
 # --- the patch ----------------------------------------------------------------------
@@ -155,15 +151,15 @@ def test_an_install_without_glslc_is_refused_up_front_naming_the_package(setting
                                                                           monkeypatch, body):
     from emulators.pkgindex import PackageIndex
 
-    sdists = sorted(SOURCES.glob("llama_cpp_python-*.tar.gz"))
-    if not sdists:
+    sdist = newest_sdist()
+    if sdist is None:
         if os.environ.get("CI"):
             raise AssertionError(f"{SOURCES} has no sdist: python3 -m localrt.bootstrap "
                                  f"--test downloads it ({RPC_SDIST})")
         pytest.skip("no sdist in tests/.rpc-build/sources (python3 -m localrt.bootstrap --test)")
     index_dir = tmp_path / "index"
     index_dir.mkdir()
-    (index_dir / sdists[-1].name).symlink_to(sdists[-1])
+    (index_dir / sdist.name).symlink_to(sdist)
     # A PATH with the compilers and patch, but no glslc.
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
