@@ -9,10 +9,10 @@ cancellable), then `Build.run` runs
     python -m pip wheel --no-deps --no-cache-dir -v --index-url INDEX -w OUT SDIST
 
 with CMAKE_ARGS the variant's options (after any the server's environment has, and the
-include that leaves llama.cpp's unused common library out: localrt.bootstrap.
-lean_cmake_args) and CFLAGS/CXXFLAGS those of localrt's own build
-(localrt.bootstrap.build_env: on x86-64 no AMX, which GCC 12 miscompiles), at low priority (nice 10) so that models keep
-answering. pip takes the build requirements (scikit-build-core; cmake and ninja where
+include that leaves llama.cpp's unused common library out:
+localrt.bootstrap.lean_cmake_args) and CFLAGS/CXXFLAGS those of localrt's own build
+(localrt.bootstrap.build_env: on x86-64 no AMX, which GCC 12 miscompiles), at low
+priority (nice 10) so that models keep answering. pip takes the build requirements (scikit-build-core; cmake and ninja where
 the machine lacks them) from the same index, and the Config's proxy, never the
 environment's. The task's `build` field says how far it is: {"stage", "step",
 "steps", "line"}, from pip's and scikit-build-core's stages and ninja's [step/steps]

@@ -85,6 +85,12 @@ def scored(logits, token: int, top: int) -> TokenLogprob:
     return TokenLogprob(token, float(logits[token]) - lse, best)
 
 
+def certain(token: int, top: int) -> TokenLogprob:
+    """The TokenLogprob of a token localrt writes itself (the end of a thinking budget):
+    no model chose it, so its log-probability is 0 and it is its only alternative."""
+    return TokenLogprob(token, 0.0, ((token, 0.0),)[:top])
+
+
 @dataclass(frozen=True)
 class Entry:
     """A token as a reply writes it: its bytes (special tokens as their text), its

@@ -26,7 +26,7 @@ from typing import Iterator
 from localrt.engines.generation import (GeneratingModel, Generation, check_room, seed_of,
                                         sampling_value, token_loop)
 from localrt.errors import InvalidChatTemplate, InvalidField
-from localrt.engines.logprobs import Log, TokenLogprob, scored
+from localrt.engines.logprobs import Log, certain, scored
 
 ONNX_ENGINE = "onnx-runtime"
 
@@ -159,8 +159,7 @@ class OnnxModel(GeneratingModel):
                         generator.append_tokens(forced)
                         for written in forced:
                             if top is not None:
-                                scores.append(TokenLogprob(written, 0.0,
-                                                           ((written, 0.0),)[:top]))
+                                scores.append(certain(written, top))
                             made += 1
                             yield written
 

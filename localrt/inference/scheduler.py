@@ -496,7 +496,7 @@ class Scheduler:
         elif devices:  # an explicit ngl: never a tensor ggml would abort on
             memory.check_buffers(record["id"], needed, int(ngl), devices)
         if ram is not None and needed.total > ram:  # only then ask the GPUs
-            memory.check(record["id"], needed, ram, *self._device_memory(options))
+            memory.check(record["id"], needed, ram, *self._device_memory(devices))
         log.info("model %s needs about %d MiB (weights %d, KV cache %d, compute %d)",
                  record["id"], needed.total >> 20, needed.weights >> 20, needed.kv >> 20,
                  needed.compute >> 20)
@@ -513,12 +513,11 @@ class Scheduler:
             return []
         return memory.offload_devices(self._engines.hardware.gpus.list(), backend)
 
-    def _device_memory(self, options: dict) -> tuple[int, str]:
-        """(bytes free, names) on the GPUs the engine's build offloads to, with ngl not
-        0, that are not the CPU (lavapipe's memory is the RAM); (0, "") for a CPU build."""
-        if options.get("ngl") == 0:
-            return 0, ""
-        gpus = [g for g in self._offload_devices(options) if g["type"] != "cpu"]
+    @staticmethod
+    def _device_memory(devices: list[dict]) -> tuple[int, str]:
+        """(bytes free, names) on the offload `devices` (none with ngl 0 or a CPU build)
+        that are not the CPU (lavapipe's memory is the RAM)."""
+        gpus = [g for g in devices if g["type"] != "cpu"]
         return sum(g["free"] for g in gpus), ", ".join(g["name"] for g in gpus)
 
     @staticmethod

@@ -79,7 +79,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from localrt.engines.logprobs import TokenLogprob
+from localrt.engines.logprobs import certain
 from localrt.engines.llama.promptcache import PromptCache, common_prefix
 from localrt.engines.llama.media import image_item, whole_images
 
@@ -454,8 +454,7 @@ class Batcher:
             seq.next, seq.forced = token, list(forced)
             for written in forced:
                 if seq.top_logprobs is not None:  # localrt's own: certain
-                    seq.scores.append(TokenLogprob(written, 0.0,
-                                                   ((written, 0.0),)[:seq.top_logprobs]))
+                    seq.scores.append(certain(written, seq.top_logprobs))
                 seq.ready.append(written)
                 seq.generated += 1
                 if seq.generated >= seq.max_tokens:

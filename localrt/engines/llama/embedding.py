@@ -175,6 +175,7 @@ class EmbeddingMode(GeneratingModel):
         context = min(context, llm.n_ctx(), llm.n_batch)
         self._embedder = Embedder(llm._model, llm._ctx, llm._batch, context, context)
         self.context = context
+        self.placement = None  # where llama.cpp put its buffers, once `open` read its log
 
     @classmethod
     def open(cls, model_path: str, arguments: dict, context: int | None, pooling: int):
@@ -217,7 +218,7 @@ class EmbeddingMode(GeneratingModel):
         (localrt.engines.llama.offload); where it logged none, the weights (split by
         offloaded layers) and the context's state."""
         llama_cpp, llm = self._llama_cpp, self.llm
-        placement = getattr(self, "placement", None)
+        placement = self.placement
         if placement is not None and placement.buffers:
             return {"ram": placement.host(), "vram": sum(placement.devices().values()),
                     "kv": placement.kv()}

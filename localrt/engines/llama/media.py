@@ -267,16 +267,17 @@ class Projector:
                                    param="messages")
             for i in range(mtmd.mtmd_input_chunks_size(chunks)):
                 chunk = mtmd.mtmd_input_chunks_get(chunks, i)
-                if mtmd.mtmd_input_chunk_get_type(chunk) != mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO:
+                kind = mtmd.mtmd_input_chunk_get_type(chunk)
+                if kind != mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO:
                     in_clip = False
-                if mtmd.mtmd_input_chunk_get_type(chunk) == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
+                if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
                     n = ctypes.c_size_t()
                     tokens = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
                     prompt.items.extend(tokens[:n.value])
                     prompt.n_tokens += n.value
                     continue
-                if mtmd.mtmd_input_chunk_get_type(chunk) not in (
-                        mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE, mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO):
+                if kind not in (mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE,
+                                mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO):
                     raise InvalidField("Invalid field 'messages': only images, audio and "
                                        "text are read", param="messages")
                 digest = (mtmd.mtmd_input_chunk_get_id(chunk) or b"").decode()
@@ -286,7 +287,7 @@ class Projector:
                                     for k in range(mtmd.mtmd_input_chunk_get_n_pos(chunk)))
                 n = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
                 prompt.n_tokens += n
-                if mtmd.mtmd_input_chunk_get_type(chunk) == mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO:
+                if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO:
                     prompt.audio_tokens += n
                     if not in_clip:  # this chunk begins the next clip
                         where, counts = next(clips, (None, None))

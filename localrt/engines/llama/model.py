@@ -157,40 +157,36 @@ class LlamaModel(GeneratingModel):
         # says where it put them (localrt.engines.llama.offload).
         self._asked = "fit" if options.get("fit") or options.get("ngl") is None \
             else options["ngl"]
-        self._log = offload.capture(llama_cpp)
-        logged = self._log.__enter__()
-        try:
-            self._model = _internals.LlamaModel(path_model=model_path, verbose=False,
-                                                params=params)
-        except BaseException:
-            self._log.__exit__(None, None, None)
-            self._release_rpc()
-            raise
-        # The model's id as messages name it (the scheduler gives it as `model`).
-        self.name = options.get("model") or Path(model_path).name
-        self._mmproj = options.get("mmproj")  # the projector's key (localrt.models.roles)
-        projector = None
-        try:
-            self.slots = options.get("n_parallel") or 1  # the scheduler's default is 4
-            # Each sequence has ctx_len tokens of KV; llama.cpp may round the context up.
-            self.context = options.get("ctx_len") or self._model.n_ctx_train()
-            params = context_params(llama_cpp, options, self.slots * self.context,
-                                    self.slots)
-            # freed with the model (llama.cpp frees a model's adapters with it)
-            self.adapters = Adapters(llama_cpp, self._model.model, options.get("lora"))
-            if self._mmproj:
-                projector = Projector(llama_cpp, self._mmproj, self._model.model, options)
-            # The batch owns the projector from here: its close() frees it.
-            self._batch = LlamaBatch(llama_cpp, self._model.model, params, projector,
-                                     self.adapters if len(self.adapters) else None)
-        except BaseException:
-            if projector is not None:
-                projector.close()
-            self._model.close()
-            self._release_rpc()
-            raise
-        finally:
-            self._log.__exit__(None, None, None)
+        with offload.capture(llama_cpp) as logged:
+            try:
+                self._model = _internals.LlamaModel(path_model=model_path, verbose=False,
+                                                    params=params)
+            except BaseException:
+                self._release_rpc()
+                raise
+            # The model's id as messages name it (the scheduler gives it as `model`).
+            self.name = options.get("model") or Path(model_path).name
+            self._mmproj = options.get("mmproj")  # the projector's key (localrt.models.roles)
+            projector = None
+            try:
+                self.slots = options.get("n_parallel") or 1  # the scheduler's default is 4
+                # Each sequence has ctx_len tokens of KV; llama.cpp may round the context up.
+                self.context = options.get("ctx_len") or self._model.n_ctx_train()
+                params = context_params(llama_cpp, options, self.slots * self.context,
+                                        self.slots)
+                # freed with the model (llama.cpp frees a model's adapters with it)
+                self.adapters = Adapters(llama_cpp, self._model.model, options.get("lora"))
+                if self._mmproj:
+                    projector = Projector(llama_cpp, self._mmproj, self._model.model, options)
+                # The batch owns the projector from here: its close() frees it.
+                self._batch = LlamaBatch(llama_cpp, self._model.model, params, projector,
+                                         self.adapters if len(self.adapters) else None)
+            except BaseException:
+                if projector is not None:
+                    projector.close()
+                self._model.close()
+                self._release_rpc()
+                raise
         self.placement = offload.read(offload.text_of(logged))
         self._devices = {name: offload.describe(name)
                          for name in self.placement.devices()}
