@@ -553,14 +553,14 @@ async function readFile() {
   const m = selected();
   const name = m ? m.id : "this model";
   try {
-    const bytes = new Uint8Array(await file.arrayBuffer());
-    const format = audio.sniff(bytes.subarray(0, 12));
+    // The first 12 bytes tell the format: the file itself is read once, into its URL.
+    const format = audio.sniff(new Uint8Array(await file.slice(0, 12).arrayBuffer()));
     if (format) {
       if (!can(m, "audio")) {
         showError(`${file.name} is audio, and ${name} takes no audio: pick a model ` +
                   "whose capabilities include audio");
       } else {
-        attach(await dataUrlOf(audio.blob(bytes, format)));
+        attach(await dataUrlOf(audio.blob(file, format)));
       }
     } else if (file.type.startsWith("image/")) {
       if (!can(m, "vision")) showError(`${file.name} is an image, and ${name} takes no images`);

@@ -29,7 +29,8 @@ export function base64Of(url) {
   return url.slice(url.indexOf(",") + 1);
 }
 
-// A Blob of a clip's bytes, labelled with its format's media type.
+// A Blob of a clip's bytes (a Uint8Array, or a chosen File), labelled with its format's
+// media type.
 export function blob(bytes, format) {
   return new Blob([bytes], { type: MEDIA[format] });
 }
