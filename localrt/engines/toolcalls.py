@@ -238,13 +238,7 @@ def grammar(family: Family, forced: list, parallel: bool) -> str:
     calls = []
     for index, tool in forced:
         name = tool["function"]["name"]
-        budget.spend(_parameters(tool), f"tools[{index}].function.parameters")
-        try:
-            parameters = convert.resolve_refs(_parameters(tool), f"tools-{index}")
-        except Exception as exc:
-            raise InvalidField(f"Invalid field 'tools[{index}].function.parameters': "
-                               f"{reason(exc)}",
-                               param=f"tools[{index}].function.parameters") from None
+        parameters = _resolved(convert, budget, index, tool)
         calls.append({"type": "object", "required": ["name", family.args_key],
                       "properties": {"name": {"const": name}, family.args_key: parameters}})
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
@@ -274,14 +268,11 @@ def harmony_grammar(forced: list) -> str:
     convert, budget = converter(), Budget()
     in_channel, in_role = [], []
     for index, tool in forced:
-        budget.spend(_parameters(tool), f"tools[{index}].function.parameters")
+        parameters = _resolved(convert, budget, index, tool)
         try:
-            parameters = convert.resolve_refs(_parameters(tool), f"tools-{index}")
             args = convert.visit(parameters, f"args-{index}")
         except Exception as exc:
-            raise InvalidField(f"Invalid field 'tools[{index}].function.parameters': "
-                               f"{reason(exc)}",
-                               param=f"tools[{index}].function.parameters") from None
+            raise _bad_parameters(index, exc) from None
         name = _literal(tool["function"]["name"])
         in_channel.append(f'{name} (" <|constrain|>json" | " json")? "<|message|>" {args}')
         in_role.append(f'{name} "<|channel|>commentary" (" <|constrain|>json" | " json")? '
@@ -294,6 +285,22 @@ def harmony_grammar(forced: list) -> str:
             'in-channel | " to=functions." in-role)\n'
             f"in-channel ::= {' | '.join(f'({c})' for c in in_channel)}\n"
             f"in-role ::= {' | '.join(f'({c})' for c in in_role)}\n{rules}\n")
+
+
+def _resolved(convert, budget: "Budget", index: int, tool: dict) -> dict:
+    """Tool `index`'s parameters' JSON Schema with its $refs resolved, counted against
+    the grammar's `budget`; a 400 naming the field for one that cannot be resolved."""
+    budget.spend(_parameters(tool), f"tools[{index}].function.parameters")
+    try:
+        return convert.resolve_refs(_parameters(tool), f"tools-{index}")
+    except Exception as exc:
+        raise _bad_parameters(index, exc) from None
+
+
+def _bad_parameters(index: int, exc: Exception) -> InvalidField:
+    """The 400 for tool `index`'s parameters that no grammar can be made of."""
+    return InvalidField(f"Invalid field 'tools[{index}].function.parameters': {reason(exc)}",
+                        param=f"tools[{index}].function.parameters")
 
 
 def _literal(text: str) -> str:
