@@ -69,8 +69,6 @@ PROBE_TIMEOUT = 300  # seconds; a probe loads and decodes two tiny models
 QUANT_TYPES = {"Q8_0": 7, "Q4_0": 2}
 DECODE_TOKENS = 4
 OFFLOAD_TOKENS = 8  # greedy tokens compared between the CPU and a GPU device
-# ggml_backend_dev_type (ggml-backend.h) values of the devices a model's layers go to.
-GPU_DEVICE_TYPES = {1: "gpu", 2: "igpu"}
 
 # Sizes chosen so every weight row is a multiple of 256, the largest quantization block
 # (k-quants), so llama.cpp uses its real quantized kernels and no fallback types.
@@ -174,36 +172,26 @@ def write_model(path: Path, seed: int = 0) -> Path:
 # --- the child ---------------------------------------------------------------------
 
 
-def _ggml_devices(llama_cpp) -> tuple[list[str], list[dict]]:
+def _ggml_devices() -> tuple[list[str], list[dict]]:
     """ggml's backends, and the GPU devices they see, read from the build's libggml
-    (llama_cpp has no bindings for them); ([], []) where it cannot say."""
-    import ctypes
+    (localrt.engines.ggmllib); ([], []) where it cannot say."""
+    from localrt.engines.ggmllib import DEVICE_GPU, DEVICE_IGPU, libggml
 
+    kinds = {DEVICE_GPU: "gpu", DEVICE_IGPU: "igpu"}  # the devices layers go to
     try:
-        ggml = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml.so"))
-        for name in ("ggml_backend_reg_get", "ggml_backend_dev_get"):
-            getattr(ggml, name).restype = ctypes.c_void_p
-            getattr(ggml, name).argtypes = [ctypes.c_size_t]
-        for name in ("ggml_backend_reg_name", "ggml_backend_dev_name",
-                     "ggml_backend_dev_description"):
-            getattr(ggml, name).restype = ctypes.c_char_p
-            getattr(ggml, name).argtypes = [ctypes.c_void_p]
-        ggml.ggml_backend_reg_count.restype = ggml.ggml_backend_dev_count.restype = \
-            ctypes.c_size_t
-        ggml.ggml_backend_dev_type.restype = ctypes.c_int
-        ggml.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+        ggml = libggml()
         backends = [ggml.ggml_backend_reg_name(ggml.ggml_backend_reg_get(i)).decode()
                     for i in range(ggml.ggml_backend_reg_count())]
         devices = []
         for i in range(ggml.ggml_backend_dev_count()):
             dev = ggml.ggml_backend_dev_get(i)
-            kind = GPU_DEVICE_TYPES.get(ggml.ggml_backend_dev_type(dev))
+            kind = kinds.get(ggml.ggml_backend_dev_type(dev))
             if kind:
                 devices.append({"name": ggml.ggml_backend_dev_name(dev).decode(),
                                 "description": ggml.ggml_backend_dev_description(dev)
                                 .decode("utf-8", "replace"), "type": kind})
         return backends, devices
-    except (OSError, AttributeError, UnicodeDecodeError):
+    except (ImportError, OSError, AttributeError, UnicodeDecodeError):
         return [], []
 
 
@@ -229,7 +217,7 @@ def main(argv: list[str]) -> int:
         sys.path.insert(0, argv[0])
     import llama_cpp
 
-    backends, devices = _ggml_devices(llama_cpp)
+    backends, devices = _ggml_devices()
     _emit(stage="info", version=llama_cpp.__version__,
           system_info=llama_cpp.llama_print_system_info().decode("utf-8", "replace"),
           gpu_offload=bool(llama_cpp.llama_supports_gpu_offload()),

@@ -47,13 +47,12 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import localrt
+from localrt.engines.ggmllib import DEVICE_GPU, DEVICE_IGPU, libggml
 from localrt.errors import UpstreamError
 
 log = logging.getLogger(__name__)
 
 PREFLIGHT_TIMEOUT = 20.0  # seconds for the child to reach every server
-# ggml_backend_dev_type (ggml-backend.h): the local devices a layer may be offloaded to.
-_DEVICE_GPU, _DEVICE_IGPU = 1, 2
 
 
 class RpcServerError(UpstreamError):
@@ -205,7 +204,7 @@ def main(argv: list[str]) -> int:
     if not llama_cpp.llama_supports_rpc():
         print("this llama.cpp build has no RPC backend", file=sys.stderr)
         return 2
-    ggml = _ggml()
+    ggml = libggml()
     ggml.ggml_set_abort_callback(ctypes.cast(_print_abort, ctypes.c_void_p))
     for target in argv[1:]:
         reg = _add_server(ggml, target)  # aborts the child when the server fails
@@ -224,27 +223,6 @@ def main(argv: list[str]) -> int:
 
 
 # --- ggml, through ctypes -----------------------------------------------------------------
-
-
-def _ggml():
-    """llama_cpp's libggml (its own libraries beside it), with the signatures used here."""
-    from llama_cpp import _ggml
-
-    lib, p, s = _ggml.libggml, ctypes.c_void_p, ctypes.c_char_p
-    for name, restype, argtypes in (
-            ("ggml_backend_reg_by_name", p, [s]),
-            ("ggml_backend_reg_get_proc_address", p, [p, s]),
-            ("ggml_backend_reg_dev_count", ctypes.c_size_t, [p]),
-            ("ggml_backend_reg_dev_get", p, [p, ctypes.c_size_t]),
-            ("ggml_backend_dev_by_type", p, [ctypes.c_int]),
-            ("ggml_backend_dev_name", s, [p]),
-            ("ggml_backend_dev_description", s, [p]),
-            ("ggml_backend_dev_memory", None, [p, ctypes.POINTER(ctypes.c_size_t),
-                                               ctypes.POINTER(ctypes.c_size_t)]),
-            ("ggml_set_abort_callback", p, [p])):
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = restype, argtypes
-    return lib
 
 
 _ADD_SERVER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)
@@ -283,9 +261,9 @@ def local_gpu(llama_cpp) -> bool:
         return False
     if not llama_cpp.llama_supports_rpc():
         return True
-    ggml = _ggml()
-    return bool(ggml.ggml_backend_dev_by_type(_DEVICE_GPU)
-                or ggml.ggml_backend_dev_by_type(_DEVICE_IGPU))
+    ggml = libggml()
+    return bool(ggml.ggml_backend_dev_by_type(DEVICE_GPU)
+                or ggml.ggml_backend_dev_by_type(DEVICE_IGPU))
 
 
 class Client:
@@ -310,7 +288,7 @@ class Client:
             fresh = [t for t in targets if not self._holders.get(t)]
         if fresh:
             preflight(fresh, engine_dir)
-        ggml = _ggml()
+        ggml = libggml()
         ggml.ggml_set_abort_callback(ctypes.cast(_log_abort, ctypes.c_void_p))
         found = []
         for target in targets:

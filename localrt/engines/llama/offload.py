@@ -142,13 +142,9 @@ def text_of(lines: list[bytes]) -> str:
 def describe(name: str) -> str:
     """The device a buffer name stands for, as its backend describes it ("Vulkan0" ->
     "llvmpipe (LLVM 15.0.6, 256 bits)"); the name itself where ggml has no such device."""
-    from llama_cpp import _ggml
+    from localrt.engines.ggmllib import libggml
 
-    lib = _ggml.libggml
-    lib.ggml_backend_dev_by_name.restype = ctypes.c_void_p
-    lib.ggml_backend_dev_by_name.argtypes = [ctypes.c_char_p]
-    lib.ggml_backend_dev_description.restype = ctypes.c_char_p
-    lib.ggml_backend_dev_description.argtypes = [ctypes.c_void_p]
+    lib = libggml()
     dev = lib.ggml_backend_dev_by_name(name.encode())
     if not dev:
         return name
