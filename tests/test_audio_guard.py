@@ -27,8 +27,7 @@ import signal
 import openai
 import pytest
 from support.audio import (encode_in_child, flac, mp3_silence, mtmd_audio_chunks, wav,
-                           write_audio_pair, write_audio_projector, write_counting_projector,
-                           write_ultravox_pair)
+                           write_audio_pair, write_audio_projector, write_counting_projector)
 from support.servers import run_foreground_server, send
 from support.vision import MARKER, prompt_tokens, raw_mtmd_reply
 
@@ -53,13 +52,15 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def aborting(folder):
     """The pair llama.cpp aborted on: an Ultravox projector 32 wide, stacked by 8."""
-    return write_ultravox_pair(folder / "aborting", a_embd=32)
+    return write_audio_pair(folder / "aborting", name="tiny-ultravox",
+                            projector={"kind": "ultravox", "a_embd": 32})
 
 
 @pytest.fixture(scope="module")
 def ultravox(folder):
     """An Ultravox pair llama.cpp takes: 40 wide, stacked by 8 (187 tokens a chunk)."""
-    return write_ultravox_pair(folder / "ultravox", a_embd=40)
+    return write_audio_pair(folder / "ultravox", name="tiny-ultravox",
+                            projector={"kind": "ultravox", "a_embd": 40})
 
 
 def projectors(folder):

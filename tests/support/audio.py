@@ -13,10 +13,10 @@ chunks of 3000 / 2 / 2 = 750 tokens each. Qwen2-Audio has no stack factor, so th
 "expected output N tokens" abort of an Ultravox projector (issue 36, item 6) cannot
 happen with it.
 
-``write_audio_projector(kind="ultravox")`` (and "voxtral") writes the stacking types:
-32 wide and stacked by 8 (4 for Voxtral), as `write_ultravox_pair` does, each chunk is
-counted 187 tokens by llama.cpp and made 188 by its graph, which aborts the process;
-40 wide, 187 and 187, as the real models' 1280. `mtmd_audio_chunks` and
+``write_audio_projector(kind="ultravox")`` (and "voxtral"; `write_audio_pair` passes
+its `projector` options on) writes the stacking types: 32 wide and stacked by 8 (4 for
+Voxtral), each chunk is counted 187 tokens by llama.cpp and made 188 by its graph,
+which aborts the process; 40 wide, 187 and 187, as the real models' 1280. `mtmd_audio_chunks` and
 `encode_in_child` ask llama-cpp-python's own mtmd bindings what they make of a clip.
 """
 
@@ -37,7 +37,7 @@ import gguf
 from emulators.ggufgen import write_gguf, write_out
 
 __all__ = ["AUDIO_TOKENS_PER_CHUNK", "write_audio_pair", "write_audio_projector",
-           "write_audio_header", "write_ultravox_pair", "samples", "wav", "flac",
+           "write_audio_header", "samples", "wav", "flac",
            "mp3_silence", "audio_chunks", "mtmd_audio_chunks", "encode_in_child",
            "write_counting_projector"]
 
@@ -72,18 +72,20 @@ def audio_chunks(seconds: float) -> int:
 
 def write_audio_pair(folder: Path, *, seed: int = 0, n_embd: int = 64,
                      context_length: int = 2048, name: str = "tiny-audio",
-                     vision: bool = False, **text_options) -> tuple[Path, Path]:
+                     vision: bool = False, projector: dict | None = None,
+                     **text_options) -> tuple[Path, Path]:
     """Write a tiny text model and its audio projector into `folder`: (model, mmproj).
 
     The text model is ggufgen's llama (ChatML) with weights scaled up so that what a
     clip adds changes the greedy reply; its context holds a clip's 750 tokens.
+    `projector` goes to `write_audio_projector` (another kind, another encoder width).
     """
     folder = Path(folder)
     text_options.setdefault("weight_scale", 0.2)
     model = write_gguf(folder / f"{name}.gguf", name=name, seed=seed, n_embd=n_embd,
                        context_length=context_length, **text_options)
     mmproj = write_audio_projector(folder / f"mmproj-{name}.gguf", n_embd=n_embd,
-                                   seed=seed)
+                                   seed=seed, **(projector or {}))
     return model, mmproj
 
 
@@ -167,20 +169,6 @@ def write_audio_projector(path: Path, *, n_embd: int = 64, seed: int = 0,
         writer.add_tensor("mm.a.fc.bias", zeros(n_embd))
     write_out(writer, path)
     return path
-
-
-def write_ultravox_pair(folder: Path, *, a_embd: int = 32, stack_factor: int = 8,
-                        name: str = "tiny-ultravox", seed: int = 0,
-                        context_length: int = 2048) -> tuple[Path, Path]:
-    """Write a tiny text model and an Ultravox projector (frames stacked by
-    `stack_factor`, the encoder `a_embd` wide) into `folder`: (model, mmproj)."""
-    folder = Path(folder)
-    model = write_gguf(folder / f"{name}.gguf", name=name, seed=seed, n_embd=64,
-                       context_length=context_length, weight_scale=0.2)
-    mmproj = write_audio_projector(folder / f"mmproj-{name}.gguf", n_embd=64, seed=seed,
-                                   kind="ultravox", stack_factor=stack_factor,
-                                   a_embd=a_embd)
-    return model, mmproj
 
 
 # The tensors mtmd's loader asks of each type that has its own preprocessor, with no
