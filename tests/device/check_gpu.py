@@ -39,6 +39,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from emulators.ggufgen import EOS_ID, write_gguf  # noqa: E402
 from emulators.pkgindex import PackageIndex  # noqa: E402
+from support.servers import LoggedServer, subprocess_env  # noqa: E402
 
 from localrt.engines import cuda, gpus  # noqa: E402
 from localrt.engines.hardware import detect_hardware  # noqa: E402
@@ -85,41 +86,19 @@ def request(port: int, method: str, path: str, body=None, timeout: float = 60):
         conn.close()
 
 
-class Localrt:
-    """`localrt start --foreground --port 0` on its own home; stopped by `stop`."""
-
-    def __init__(self, home: Path, log: Path, rc: str = ""):
-        from localrt import server, settings
-
-        home.mkdir(parents=True, exist_ok=True)
-        (home / ".localrtrc").write_text(rc)
-        self.env = dict(os.environ, HOME=str(home),
-                        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.env.pop("LOCALRT_CONFIG", None)
-        self._log = open(log, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "localrt", "start",
-                                      "--foreground", "--port", "0"], env=self.env,
-                                     stdout=self._log, stderr=subprocess.STDOUT)
-        address = server.wait_started(settings.load(environ={"HOME": str(home)}), self.proc)
-        self.port = address.port
+class Localrt(LoggedServer):
+    """`localrt start --foreground --port 0` on `folder`/home, its log in
+    `folder`/server.log (tests/support/servers.py), with the API calls and the
+    `localrt ps` this check makes."""
 
     def api(self, method: str, path: str, body=None, timeout: float = 120):
         return request(self.port, method, path, body, timeout)
 
     def ps(self) -> str:
-        out = subprocess.run([sys.executable, "-m", "localrt", "ps"], env=self.env,
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run([sys.executable, "-m", "localrt", "ps"],
+                             env=subprocess_env(self.home), capture_output=True, text=True,
+                             timeout=60)
         return out.stdout + out.stderr
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
 
 
 def decode_rate(port: int, path: str, body: dict) -> float:
@@ -275,11 +254,10 @@ def main() -> int:
         server_build = subprocess.Popen(["true"]) if given else \
             build_llama_server(sdists[-1], work)
         # kept between runs: a rerun installs the wheel built before in seconds
-        gpu_home = Path(os.environ.get("CHECK_GPU_HOME", REPO / "tests" / ".cuda-build"
-                                       / "check-home"))
-        srv = Localrt(gpu_home, work / "localrt-gpu.log",
-                      rc=f"engineIndexUrl: {index.url}\n")
+        srv = Localrt(Path(os.environ.get("CHECK_GPU_HOME", REPO / "tests" / ".cuda-build"
+                                          / "check-home")))
         servers.append(srv)
+        srv.start({"engineIndexUrl": index.url})
         code, reply = srv.api("POST", "/v1/engines/gguf-cpp/install", {"variant": variant})
         if code != 200:
             raise RuntimeError(f"install: {code} {reply}")
@@ -310,19 +288,18 @@ def main() -> int:
             raise RuntimeError(f"the install ended {task['status']}: {task.get('error')}")
         summary["build_s"] = round(time.monotonic() - built_at)
         say(f"   installed in {summary['build_s']} s")
-        srv.stop()
-        servers.remove(srv)
-        srv = Localrt(gpu_home, work / "localrt-gpu-2.log", rc=f"engineIndexUrl: {index.url}\n")
-        servers.append(srv)
+        srv.stop()  # and again: the variant installed is the one it starts with
+        srv.start()
         engine = srv.api("GET", "/v1/engines/gguf-cpp")[1]
         say(f"   variants: {json.dumps(engine)[:300]}")
 
 
-        cpu_srv = Localrt(work / "cpu-home", work / "localrt-cpu.log")
+        cpu_srv = Localrt(work / "cpu")
         servers.append(cpu_srv)
+        cpu_srv.start()
         server_build.wait(timeout=left())
         binary = Path(given) if given else work / "llama-server" / "bin" / "llama-server"
-        libs = next(p for p in (gpu_home / "localrt" / "engines" / "gguf-cpp").rglob("lib")
+        libs = next(p for p in (srv.home / "localrt" / "engines" / "gguf-cpp").rglob("lib")
                     if p.parent.name == "llama_cpp")
         for name, model in (("tiny", tiny), ("1B", big)):
             step(f"5/7 {name}: localrt on {variant}, ngl unset (fit)")
@@ -375,7 +352,7 @@ def main() -> int:
         return 1
     finally:
         for s in servers:
-            s.stop()
+            s.close()
         stack.close()
         if os.environ.get("CHECK_GPU_KEEP") != "1":
             shutil.rmtree(work, ignore_errors=True)
