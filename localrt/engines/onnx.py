@@ -86,6 +86,14 @@ def _tokenizer_config(folder: Path) -> dict:
     return config if isinstance(config, dict) else {}
 
 
+def chat_template_of(config) -> str | None:
+    """tokenizer_config.json's chat_template (`config`, its parsed JSON), or None where it
+    has none: what an ONNX model chats with (and what the registry reads its
+    capabilities from)."""
+    template = config.get("chat_template") if isinstance(config, dict) else None
+    return template if isinstance(template, str) and template else None
+
+
 def _token_text(value) -> str:
     """A tokenizer_config token: a string, or an added token's {"content"}."""
     if isinstance(value, dict):
@@ -102,8 +110,7 @@ class OnnxModel(GeneratingModel):
         self._og, self._model, self._tokenizer, self._context = og, model, tokenizer, context
         self.name = name  # the model's id as messages name it
         config = config or {}
-        template = config.get("chat_template")
-        self.chat_template = template if isinstance(template, str) and template else None
+        self.chat_template = chat_template_of(config)
         self._specials = (_token_text(config.get("eos_token")),
                           _token_text(config.get("bos_token")))
         self._formatter = None  # the compiled template (or the TemplateRefused), at first use

@@ -34,6 +34,7 @@ from localrt.errors import (Conflict, HTTPError, InvalidField, InvalidModelFile,
                             ModelFileMissing, NotFound)
 from localrt.fsutil import MOVE_DATA, atomic_write, remove_stale_temps, storage_error
 from localrt.engines import ggufcheck, ggufinfo, reasoning
+from localrt.engines.onnx import chat_template_of
 from localrt.models import roles
 
 log = logging.getLogger(__name__)
@@ -524,16 +525,14 @@ def new_definition(model_id: str, owner: str, paths: list[Path], files: list[dic
 def _onnx_template(paths: list[Path]) -> str | None:
     """An ONNX folder's chat template (tokenizer_config.json's chat_template), or None
     when it has none, the file is larger than MAX_TOKENIZER_CONFIG or unreadable."""
-    for path in paths:
-        try:
-            if path.stat().st_size > MAX_TOKENIZER_CONFIG:
-                return None
-            config = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+    if not paths:
+        return None
+    try:
+        if paths[0].stat().st_size > MAX_TOKENIZER_CONFIG:
             return None
-        template = config.get("chat_template") if isinstance(config, dict) else None
-        return template if isinstance(template, str) and template else None
-    return None
+        return chat_template_of(json.loads(paths[0].read_text(encoding="utf-8")))
+    except (OSError, ValueError):
+        return None
 
 
 def _read_model_yml(paths: list[Path]) -> dict:
