@@ -305,7 +305,9 @@ class Build:
 
     def _patched(self, task: Task, sdist: Path, scratch: Path) -> Path:
         """Unpack `sdist` into `scratch` and apply the patches; the folder pip builds."""
-        task.build.update(stage="patch", line=f"unpacking {sdist.name}")
+        # Every line of the stage names the patches: it may last under a second.
+        applying = ", ".join(p.name for p in self.patches)
+        task.build.update(stage="patch", line=f"unpacking {sdist.name} to apply {applying}")
         self.progress(task)
         with tarfile.open(sdist) as tar:
             unpack_sdist(tar, scratch / "source")
